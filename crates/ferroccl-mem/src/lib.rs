@@ -1,0 +1,1 @@
+//! FerroCCL's memory boundary (in progress).

@@ -1,0 +1,1 @@
+//! Bootstrap: the authenticated TCP key-value store and launcher-environment detection.

@@ -1,0 +1,224 @@
+//! Every `FERROCCL_*` knob, in one place.
+//!
+//! Each knob is declared once in [`PARAMS`] (name, default, meaning) and read once, into a
+//! [`Params`] value, by [`Params::from_env`]. `docs/params.md` lists the same table; a test
+//! keeps the two in step. Launcher variables (rank, world size, store, token) are parsed by
+//! `bootstrap::env`, but are declared here too so that this module is the whole list.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// One declared knob.
+#[derive(Debug, Clone, Copy)]
+pub struct Param {
+    /// The environment variable.
+    pub name: &'static str,
+    /// Its default, as written in the docs ("" when there is none).
+    pub default: &'static str,
+    /// What it does.
+    pub doc: &'static str,
+}
+
+/// Every knob FerroCCL reads.
+pub const PARAMS: &[Param] = &[
+    Param { name: "FERROCCL_RANK", default: "", doc: "This process's rank in the job (set by ferroccl-run)." },
+    Param { name: "FERROCCL_WORLD_SIZE", default: "", doc: "Number of ranks in the job (set by ferroccl-run)." },
+    Param { name: "FERROCCL_LOCAL_RANK", default: "", doc: "Rank among the ranks on this host (set by ferroccl-run; informational)." },
+    Param { name: "FERROCCL_LOCAL_WORLD_SIZE", default: "", doc: "Number of ranks on this host (set by ferroccl-run; informational)." },
+    Param { name: "FERROCCL_STORE", default: "", doc: "host:port of the bootstrap store (set by ferroccl-run). Under torchrun, MASTER_ADDR:MASTER_PORT is used instead, served by rank 0." },
+    Param { name: "FERROCCL_TOKEN", default: "", doc: "The job's secret token; every store and mesh connection proves it knows it. ferroccl-run makes a fresh one per job." },
+    Param { name: "FERROCCL_LAUNCHER_PID", default: "", doc: "Pid of the launcher (set by ferroccl-run); ranks fail promptly if it dies." },
+    Param { name: "FERROCCL_TRANSPORT", default: "auto", doc: "auto, shm or tcp. auto: shm between ranks on the same host, tcp otherwise. shm: fail if a peer is on another host." },
+    Param { name: "FERROCCL_TIMEOUT", default: "300", doc: "Seconds any blocking call may wait (store, connect, send, recv, barrier) before it fails with a timeout error." },
+    Param { name: "FERROCCL_HOST_ID", default: "", doc: "Overrides this host's identity used to find ranks on the same host (as NCCL_HOSTID). Default: boot id + mount and pid namespaces." },
+    Param { name: "FERROCCL_SOCKET_ADDR", default: "", doc: "IP address the TCP transport listens on and advertises. Default: the local address of the connection to the store." },
+    Param { name: "FERROCCL_SHM_RING_BYTES", default: "1048576", doc: "Bytes of each per-peer shared-memory ring (eager data and control messages)." },
+    Param { name: "FERROCCL_SHM_INLINE_MAX", default: "16384", doc: "Largest one-sided write copied through the ring; larger ones are single-copied (process_vm_readv) when allowed." },
+    Param { name: "FERROCCL_SHM_CMA", default: "1", doc: "1: use cross-memory attach (process_vm_readv) for large shm writes when the kernel allows it; 0: always copy through the ring." },
+    Param { name: "FERROCCL_EAGER_MAX", default: "65536", doc: "Largest point-to-point message sent eagerly (one copy through the transport's slots); larger messages use rendezvous (zero copy into the receiver's buffer)." },
+    Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
+    Param { name: "FERROCCL_DEBUG", default: "0", doc: "1: print the transport chosen for each peer and setup times to stderr." },
+];
+
+/// Which transport to use between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// shm on the same host, tcp otherwise.
+    Auto,
+    /// shm only (an error if a peer is on another host).
+    Shm,
+    /// tcp for every peer.
+    Tcp,
+}
+
+impl TransportChoice {
+    /// Parses `auto`, `shm` or `tcp`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(TransportChoice::Auto),
+            "shm" => Some(TransportChoice::Shm),
+            "tcp" => Some(TransportChoice::Tcp),
+            _ => None,
+        }
+    }
+}
+
+/// The knobs that shape a communicator, read from the environment or set by hand.
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// `FERROCCL_TRANSPORT`.
+    pub transport: TransportChoice,
+    /// `FERROCCL_TIMEOUT`.
+    pub timeout: Duration,
+    /// `FERROCCL_HOST_ID`.
+    pub host_id: Option<String>,
+    /// `FERROCCL_SOCKET_ADDR`.
+    pub socket_addr: Option<std::net::IpAddr>,
+    /// `FERROCCL_SHM_RING_BYTES`.
+    pub shm_ring_bytes: usize,
+    /// `FERROCCL_SHM_INLINE_MAX`.
+    pub shm_inline_max: usize,
+    /// `FERROCCL_SHM_CMA`.
+    pub shm_cma: bool,
+    /// `FERROCCL_EAGER_MAX`.
+    pub eager_max: usize,
+    /// `FERROCCL_LAUNCHER_PID`.
+    pub launcher_pid: Option<i32>,
+    /// `FERROCCL_DEBUG`.
+    pub debug: bool,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            transport: TransportChoice::Auto,
+            timeout: Duration::from_secs(300),
+            host_id: None,
+            socket_addr: None,
+            shm_ring_bytes: 1 << 20,
+            shm_inline_max: 16 << 10,
+            shm_cma: true,
+            eager_max: 64 << 10,
+            launcher_pid: None,
+            debug: false,
+        }
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(var: &str, v: &str) -> Result<T> {
+    v.trim().parse().map_err(|_| Error::Env { var: var.into(), problem: format!("{v:?} is not a valid number") })
+}
+
+impl Params {
+    /// Reads every knob from the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads every knob through `get` (a test can pass a map instead of the environment).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut p = Params::default();
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get("FERROCCL_TRANSPORT") {
+            p.transport = TransportChoice::parse(&v).ok_or_else(|| Error::Env {
+                var: "FERROCCL_TRANSPORT".into(),
+                problem: format!("{v:?} is not one of auto, shm, tcp"),
+            })?;
+        }
+        if let Some(v) = get("FERROCCL_TIMEOUT") {
+            let secs: f64 = parse_num("FERROCCL_TIMEOUT", &v)?;
+            if !(secs > 0.0 && secs.is_finite() && secs < 1e9) {
+                return Err(Error::Env { var: "FERROCCL_TIMEOUT".into(), problem: format!("{v:?} must be a positive number of seconds") });
+            }
+            p.timeout = Duration::from_secs_f64(secs);
+        }
+        p.host_id = get("FERROCCL_HOST_ID");
+        if let Some(v) = get("FERROCCL_SOCKET_ADDR") {
+            p.socket_addr = Some(v.trim().parse().map_err(|_| Error::Env {
+                var: "FERROCCL_SOCKET_ADDR".into(),
+                problem: format!("{v:?} is not an IP address"),
+            })?);
+        }
+        if let Some(v) = get("FERROCCL_SHM_RING_BYTES") {
+            p.shm_ring_bytes = parse_num("FERROCCL_SHM_RING_BYTES", &v)?;
+            if !(4096..=(1 << 30)).contains(&p.shm_ring_bytes) || !p.shm_ring_bytes.is_power_of_two() {
+                return Err(Error::Env { var: "FERROCCL_SHM_RING_BYTES".into(), problem: format!("{v:?} must be a power of two between 4096 and 1 GiB") });
+            }
+        }
+        if let Some(v) = get("FERROCCL_SHM_INLINE_MAX") {
+            p.shm_inline_max = parse_num("FERROCCL_SHM_INLINE_MAX", &v)?;
+        }
+        if let Some(v) = get("FERROCCL_SHM_CMA") {
+            p.shm_cma = parse_bool("FERROCCL_SHM_CMA", &v)?;
+        }
+        if let Some(v) = get("FERROCCL_EAGER_MAX") {
+            p.eager_max = parse_num("FERROCCL_EAGER_MAX", &v)?;
+        }
+        if let Some(v) = get("FERROCCL_LAUNCHER_PID") {
+            p.launcher_pid = Some(parse_num("FERROCCL_LAUNCHER_PID", &v)?);
+        }
+        if let Some(v) = get("FERROCCL_DEBUG") {
+            p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
+        }
+        Ok(p)
+    }
+}
+
+fn parse_bool(var: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Env { var: var.into(), problem: format!("{v:?} is not 0 or 1") }),
+    }
+}
+
+/// The value of `FERROCCL_TIMEOUT` (or its default) for callers outside a communicator.
+pub fn timeout_from_env() -> Result<Duration> {
+    Params::from_env().map(|p| p.timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with(pairs: &[(&str, &str)]) -> Result<Params> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Params::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_match_the_declared_table() {
+        let p = with(&[]).unwrap();
+        let d = |n: &str| PARAMS.iter().find(|p| p.name == n).unwrap().default;
+        assert_eq!(p.timeout.as_secs().to_string(), d("FERROCCL_TIMEOUT"));
+        assert_eq!(p.shm_ring_bytes.to_string(), d("FERROCCL_SHM_RING_BYTES"));
+        assert_eq!(p.shm_inline_max.to_string(), d("FERROCCL_SHM_INLINE_MAX"));
+        assert_eq!(p.eager_max.to_string(), d("FERROCCL_EAGER_MAX"));
+        assert_eq!(p.transport, TransportChoice::Auto);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("FERROCCL_TRANSPORT", "carrier-pigeon"),
+            ("FERROCCL_TIMEOUT", "-1"),
+            ("FERROCCL_TIMEOUT", "soon"),
+            ("FERROCCL_SHM_RING_BYTES", "1000"),
+            ("FERROCCL_SOCKET_ADDR", "not-an-ip"),
+            ("FERROCCL_DEBUG", "maybe"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{e}");
+        }
+    }
+
+    #[test]
+    fn docs_list_every_param() {
+        let doc = include_str!("../../../docs/params.md");
+        for p in PARAMS {
+            assert!(doc.contains(&format!("`{}`", p.name)), "docs/params.md misses {}", p.name);
+        }
+    }
+}

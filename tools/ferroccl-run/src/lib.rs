@@ -1,0 +1,2 @@
+//! The ferroccl-run launcher (in progress).
+#![forbid(unsafe_code)]
