@@ -1,0 +1,796 @@
+//! The fabric: this process's endpoints to every other rank (the mesh), the event state the
+//! transports fill, the registration table, and the one wait loop every blocking call uses.
+//!
+//! Communicators (the world one and every `split` of it) share one fabric. Threading: any
+//! thread may call into a fabric; transports deliver into [`Shared`] under a mutex, and the
+//! waiting thread drains the shm rings itself (there is no progress thread yet).
+//!
+//! Waiting: a waiter polls (spin), then yields, then sleeps on its doorbell (a futex word
+//! that producers bump) for at most a few milliseconds at a time, checking every peer's
+//! health as it goes: a peer process that exits without saying goodbye, a TCP connection
+//! that drops, or the launcher dying fails every waiter promptly with the peer named.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use ferroccl_mem::futex::{futex_wait, futex_wake};
+use ferroccl_mem::process::{can_read_process, wait_any_exited, ProcessWatch};
+use ferroccl_mem::region::RegionHandle;
+
+use crate::bootstrap::auth;
+use crate::bootstrap::{StoreClient, StoreServer};
+use crate::error::{Error, Result};
+use crate::params::{Params, TransportChoice};
+use crate::proto::{self, Cts, ProtoMsg, StreamKey};
+use crate::transport::shm::{LocalShm, ShmEndpoint};
+use crate::transport::tcp::TcpEndpoint;
+use crate::transport::{Endpoint, RemoteBuf};
+use crate::wire::{Reader, Writer};
+
+/// An eager message waiting to be received.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    pub(crate) seq: u32,
+    pub(crate) data: Vec<u8>,
+}
+
+/// Everything transports report, waiting to be matched by a caller.
+#[derive(Debug, Default)]
+pub(crate) struct Events {
+    pub(crate) data: HashMap<StreamKey, VecDeque<Incoming>>,
+    pub(crate) cts: HashMap<StreamKey, VecDeque<Cts>>,
+    pub(crate) imms: HashSet<(usize, u32)>,
+    /// The first fatal error: (peer or usize::MAX, description). Poisons the fabric.
+    pub(crate) fatal: Option<(usize, String)>,
+    /// Peers that said goodbye.
+    pub(crate) closed: HashSet<usize>,
+}
+
+impl Events {
+    fn set_fatal(&mut self, peer: usize, what: String) {
+        if self.fatal.is_none() {
+            self.fatal = Some((peer, what));
+        }
+    }
+}
+
+enum Bell {
+    Shm(Arc<LocalShm>),
+    Heap(AtomicU32, AtomicU32),
+}
+
+impl std::fmt::Debug for Bell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Bell::Shm(_) => "Bell::Shm",
+            Bell::Heap(..) => "Bell::Heap",
+        })
+    }
+}
+
+impl Bell {
+    fn word(&self) -> &AtomicU32 {
+        match self {
+            Bell::Shm(s) => s.bell(),
+            Bell::Heap(w, _) => w,
+        }
+    }
+    fn sleeping(&self) -> &AtomicU32 {
+        match self {
+            Bell::Shm(s) => s.sleeping(),
+            Bell::Heap(_, s) => s,
+        }
+    }
+}
+
+/// The part of the fabric transports' background threads share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    rank: usize,
+    pub(crate) events: Mutex<Events>,
+    regions: RwLock<HashMap<u64, RegionHandle>>,
+    bell: Bell,
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wakes a waiter of this process (used by in-process producers: tcp reader threads).
+    pub(crate) fn notify(&self) {
+        self.bell.word().fetch_add(1, Ordering::SeqCst);
+        if self.bell.sleeping().load(Ordering::SeqCst) != 0 {
+            let _ = futex_wake(self.bell.word(), u32::MAX);
+        }
+    }
+
+    /// A two-sided message arrived from `peer`.
+    pub(crate) fn deliver_msg(&self, peer: usize, bytes: Vec<u8>) {
+        let decoded = proto::decode(bytes);
+        let mut ev = self.lock();
+        match decoded {
+            Ok(ProtoMsg::Eager { comm, chan, seq, data }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data })
+            }
+            Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
+            Ok(ProtoMsg::Err { what }) => ev.set_fatal(peer, format!("reported an error: {what}")),
+            Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
+        }
+    }
+
+    /// Lands `len` bytes of a one-sided write at `addr` in registration `key`, using `fill`
+    /// to produce them straight into the registered memory.
+    pub(crate) fn land_write(
+        &self,
+        peer: usize,
+        key: u64,
+        addr: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), String>,
+    ) -> Result<()> {
+        let region = self.regions.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+        let fail = |what: String| {
+            let e = Error::Transport { rank: self.rank, peer, transport: "fabric", what: what.clone() };
+            self.lock().set_fatal(peer, what);
+            e
+        };
+        let Some(region) = region else {
+            return Err(fail(format!("rank {peer} wrote into registration {key:#x}, which is not (or no longer) registered")));
+        };
+        let off = addr.checked_sub(region.addr()).map(|o| o as usize);
+        let Some(off) = off.filter(|&o| o.checked_add(len).is_some_and(|e| e <= region.len())) else {
+            return Err(fail(format!("rank {peer} wrote {len} bytes at {addr:#x}, outside registration {key:#x}")));
+        };
+        match region.with_slice_mut(off, len, fill) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(what)) => Err(fail(what)),
+            Err(e) => Err(fail(format!("write from rank {peer} into registration {key:#x}: {e}"))),
+        }
+    }
+
+    /// A write with immediate `imm` from `peer` has fully landed.
+    pub(crate) fn write_imm(&self, peer: usize, imm: u32) {
+        self.lock().imms.insert((peer, imm));
+    }
+
+    /// `peer` said goodbye.
+    pub(crate) fn peer_closed(&self, peer: usize) {
+        self.lock().closed.insert(peer);
+    }
+
+    /// `peer`'s connection broke.
+    pub(crate) fn peer_failed(&self, peer: usize, reason: String) {
+        let mut ev = self.lock();
+        if !ev.closed.contains(&peer) {
+            ev.set_fatal(peer, reason);
+        }
+        drop(ev);
+        self.notify();
+    }
+}
+
+/// What each rank publishes about itself, in one packed store value.
+#[derive(Debug, Clone)]
+struct Descriptor {
+    pid: u32,
+    host_id: String,
+    hostname: String,
+    shm_name: String,
+    tcp_addr: String,
+    probe_addr: u64,
+    ring_bytes: u64,
+    eager_max: u64,
+}
+
+impl Descriptor {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u32(self.pid)
+            .str(&self.host_id)
+            .str(&self.hostname)
+            .str(&self.shm_name)
+            .str(&self.tcp_addr)
+            .u64(self.probe_addr)
+            .u64(self.ring_bytes)
+            .u64(self.eager_max);
+        w.finish()
+    }
+    fn decode(b: &[u8]) -> crate::wire::DResult<Descriptor> {
+        let mut r = Reader::new(b);
+        let d = Descriptor {
+            pid: r.u32()?,
+            host_id: r.str()?.to_string(),
+            hostname: r.str()?.to_string(),
+            shm_name: r.str()?.to_string(),
+            tcp_addr: r.str()?.to_string(),
+            probe_addr: r.u64()?,
+            ring_bytes: r.u64()?,
+            eager_max: r.u64()?,
+        };
+        r.end()?;
+        Ok(d)
+    }
+}
+
+/// This host's identity: ranks with equal ids use shared memory. Same boot, same mount
+/// namespace (so the same /dev/shm) and same pid namespace (so pids mean the same process).
+pub(crate) fn host_identity(params: &Params) -> String {
+    if let Some(h) = &params.host_id {
+        return h.clone();
+    }
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let ns = |n: &str| std::fs::read_link(format!("/proc/self/ns/{n}")).map(|p| p.display().to_string()).unwrap_or_default();
+    format!("{}/{}/{}", boot.trim(), ns("mnt"), ns("pid"))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Everything needed to build a fabric.
+#[derive(Debug)]
+pub(crate) struct FabricConfig {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) token: String,
+    pub(crate) params: Params,
+    pub(crate) store: StoreClient,
+    pub(crate) server: Option<StoreServer>,
+    /// Prefix of this communicator's store keys (unique per init in the job).
+    pub(crate) key_prefix: String,
+}
+
+/// Per-peer facts for reporting.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerInfo {
+    pub(crate) hostname: String,
+}
+
+/// This process's mesh.
+#[derive(Debug)]
+pub(crate) struct Fabric {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) params: Params,
+    pub(crate) shared: Arc<Shared>,
+    endpoints: Vec<Option<Endpoint>>,
+    local_shm: Option<Arc<LocalShm>>,
+    /// (world rank, watch) for every shm peer, plus the launcher as usize::MAX.
+    watches: Vec<(usize, ProcessWatch)>,
+    pub(crate) peers: Vec<PeerInfo>,
+    store: Mutex<Option<StoreClient>>,
+    server: Mutex<Option<StoreServer>>,
+    key_prefix: String,
+    next_imm: AtomicU32,
+    health_at: Mutex<Instant>,
+    closed: AtomicBool,
+    /// Kept alive: peers probe cross-memory attach by reading it.
+    _probe: Box<[u8; 64]>,
+    pub(crate) setup_time: Duration,
+    wakeups: AtomicU64,
+}
+
+fn unique_suffix() -> String {
+    let mut b = [0u8; 6];
+    let _ = getrandom::fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Fabric {
+    /// Builds the mesh: publish our descriptor, fetch everyone's in one round trip, connect
+    /// shm and tcp endpoints, wait until every peer has confirmed.
+    pub(crate) fn connect(cfg: FabricConfig) -> Result<Fabric> {
+        let t0 = Instant::now();
+        let FabricConfig { rank, size, token, params, store, server, key_prefix } = cfg;
+        let deadline = t0 + params.timeout;
+        let host_id = host_identity(&params);
+        let probe = Box::new([0x5au8; 64]);
+
+        // This rank's inbox segment (unless shm is switched off or unavailable).
+        let local_shm = if params.transport != TransportChoice::Tcp && size > 1 {
+            let name = format!("/ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
+            match LocalShm::create(&name, rank, size, params.shm_ring_bytes) {
+                Ok(s) => Some(Arc::new(s)),
+                Err(e) if params.transport == TransportChoice::Shm => {
+                    return Err(Error::io(format!("rank {rank}: create shared-memory segment {name}"), e))
+                }
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        let bell = match &local_shm {
+            Some(s) => Bell::Shm(s.clone()),
+            None => Bell::Heap(AtomicU32::new(0), AtomicU32::new(0)),
+        };
+        let shared = Arc::new(Shared { rank, events: Mutex::new(Events::default()), regions: RwLock::new(HashMap::new()), bell });
+
+        // A listener for tcp peers.
+        let listener = if params.transport != TransportChoice::Shm && size > 1 {
+            let ip: IpAddr = params.socket_addr.unwrap_or_else(|| store.local_addr().ip());
+            let l = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
+            Some(l)
+        } else {
+            None
+        };
+        let me = Descriptor {
+            pid: std::process::id(),
+            host_id: host_id.clone(),
+            hostname: hostname(),
+            shm_name: local_shm.as_ref().map(|s| s.name().to_string()).unwrap_or_default(),
+            tcp_addr: listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
+            probe_addr: probe.as_ptr() as u64,
+            ring_bytes: params.shm_ring_bytes as u64,
+            eager_max: params.eager_max as u64,
+        };
+        store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
+        let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        let raw = store.multi_get(&keys, left)?;
+        let mut descs = Vec::with_capacity(size);
+        for (r, b) in raw.iter().enumerate() {
+            let d = Descriptor::decode(b).map_err(|e| Error::protocol(format!("rank {r}'s descriptor"), e.to_string()))?;
+            if d.eager_max != me.eager_max {
+                return Err(Error::invalid(format!(
+                    "FERROCCL_EAGER_MAX differs between ranks: {} on rank {rank}, {} on rank {r}",
+                    me.eager_max, d.eager_max
+                )));
+            }
+            descs.push(d);
+        }
+
+        // Pick a transport per peer; both sides decide from the same facts.
+        let mut kinds = vec![""; size];
+        for (p, d) in descs.iter().enumerate() {
+            if p == rank {
+                continue;
+            }
+            let same_host = d.host_id == host_id;
+            let shm_ok = same_host && local_shm.is_some() && !d.shm_name.is_empty();
+            kinds[p] = match params.transport {
+                TransportChoice::Tcp => "tcp",
+                TransportChoice::Shm if shm_ok => "shm",
+                TransportChoice::Shm => {
+                    return Err(Error::Transport {
+                        rank,
+                        peer: p,
+                        transport: "shm",
+                        what: if same_host {
+                            "FERROCCL_TRANSPORT=shm but it has no shared-memory segment".into()
+                        } else {
+                            format!("FERROCCL_TRANSPORT=shm but it is on another host ({}, this is {})", d.hostname, me.hostname)
+                        },
+                    })
+                }
+                TransportChoice::Auto if shm_ok => "shm",
+                TransportChoice::Auto => "tcp",
+            };
+            if kinds[p] == "shm" && d.ring_bytes != me.ring_bytes {
+                return Err(Error::invalid(format!(
+                    "FERROCCL_SHM_RING_BYTES differs between ranks: {} on rank {rank}, {} on rank {p}",
+                    me.ring_bytes, d.ring_bytes
+                )));
+            }
+            if kinds[p] == "tcp" && d.tcp_addr.is_empty() {
+                return Err(Error::Transport { rank, peer: p, transport: "tcp", what: "the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into() });
+            }
+        }
+
+        let mut endpoints: Vec<Option<Endpoint>> = (0..size).map(|_| None).collect();
+        let mut watches = Vec::new();
+        let mut hellos = Vec::new();
+        for p in 0..size {
+            if kinds[p] != "shm" {
+                continue;
+            }
+            let d = &descs[p];
+            let local = local_shm.clone().ok_or_else(|| Error::invalid("internal: shm peer without a local segment"))?;
+            let ep = ShmEndpoint::connect(rank, p, d.pid as i32, &d.shm_name, size, params.shm_ring_bytes, params.shm_inline_max, params.shm_cma, local)?;
+            let watch = ProcessWatch::new(d.pid as i32).map_err(|e| Error::io(format!("rank {rank}: watch rank {p} (pid {})", d.pid), e))?;
+            watches.push((p, watch));
+            let can_pull = params.shm_cma && can_read_process(d.pid as i32, d.probe_addr);
+            hellos.push((p, can_pull));
+            endpoints[p] = Some(Endpoint::Shm(ep));
+        }
+        if let Some(pid) = params.launcher_pid {
+            if let Ok(w) = ProcessWatch::new(pid) {
+                watches.push((usize::MAX, w));
+            }
+        }
+
+        // TCP: the lower rank connects, the higher accepts.
+        let tcp_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == "tcp").collect();
+        if !tcp_peers.is_empty() {
+            let listener = listener.as_ref().ok_or_else(|| Error::invalid("internal: tcp peer without a listener"))?;
+            let expect: Vec<usize> = tcp_peers.iter().copied().filter(|&p| p < rank).collect();
+            let streams = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
+                let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, &token, &key_prefix, deadline));
+                let mut out = Vec::new();
+                for &p in tcp_peers.iter().filter(|&&p| p > rank) {
+                    out.push((p, connect_peer(rank, p, &descs[p].tcp_addr, &token, &key_prefix, deadline)?));
+                }
+                let accepted = acceptor.join().map_err(|_| Error::invalid("internal: tcp acceptor panicked"))??;
+                out.extend(accepted);
+                Ok(out)
+            })?;
+            for (p, stream) in streams {
+                endpoints[p] = Some(Endpoint::Tcp(TcpEndpoint::start(rank, p, stream, shared.clone())?));
+            }
+        }
+        drop(listener);
+
+        let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone() }).collect();
+        let fabric = Fabric {
+            rank,
+            size,
+            params,
+            shared,
+            endpoints,
+            local_shm,
+            watches,
+            peers,
+            store: Mutex::new(Some(store)),
+            server: Mutex::new(server),
+            key_prefix,
+            next_imm: AtomicU32::new(1),
+            health_at: Mutex::new(Instant::now()),
+            closed: AtomicBool::new(false),
+            _probe: probe,
+            setup_time: Duration::ZERO,
+            wakeups: AtomicU64::new(0),
+        };
+
+        // Say hello to every shm peer, then wait for theirs: proof that each has mapped our
+        // segment, so its name can go.
+        for &(p, can_pull) in &hellos {
+            if let Some(Endpoint::Shm(ep)) = &fabric.endpoints[p] {
+                ep.post_hello(can_pull, deadline, &|| fabric.progress())?;
+            }
+        }
+        fabric.wait_until("connect (waiting for shm peers)", deadline, |_| {
+            let missing: Vec<usize> = hellos
+                .iter()
+                .filter(|(p, _)| matches!(&fabric.endpoints[*p], Some(Endpoint::Shm(ep)) if !ep.hello_received()))
+                .map(|(p, _)| *p)
+                .collect();
+            Ok(if missing.is_empty() { Some(()) } else { None })
+        })?;
+        if let Some(s) = &fabric.local_shm {
+            s.unlink();
+        }
+        // Tell rank 0 (which may be serving the store) that we no longer need the store.
+        if let Some(st) = fabric.store.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            st.add(&format!("{}/ready", fabric.key_prefix), 1)?;
+        }
+        let mut fabric = fabric;
+        fabric.setup_time = t0.elapsed();
+        Ok(fabric)
+    }
+
+    /// The endpoint to world rank `peer`.
+    pub(crate) fn endpoint(&self, peer: usize) -> Result<&Endpoint> {
+        self.endpoints
+            .get(peer)
+            .and_then(|e| e.as_ref())
+            .ok_or_else(|| Error::invalid(format!("rank {}: no endpoint to rank {peer} (out of range, or itself)", self.rank)))
+    }
+
+    /// `shm`, `tcp` or `self` for a world rank.
+    pub(crate) fn transport_name(&self, peer: usize) -> &'static str {
+        match self.endpoints.get(peer).and_then(|e| e.as_ref()) {
+            Some(e) => e.name(),
+            None => "self",
+        }
+    }
+
+    /// Registers a region for remote writes; returns its descriptor.
+    pub(crate) fn register(&self, h: &RegionHandle) -> RemoteBuf {
+        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(h.id(), h.clone());
+        RemoteBuf { addr: h.addr(), len: h.len() as u64, key: h.id() }
+    }
+
+    pub(crate) fn deregister(&self, key: u64) {
+        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    }
+
+    pub(crate) fn next_imm(&self) -> u32 {
+        self.next_imm.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn local_shm(&self) -> Option<&Arc<LocalShm>> {
+        self.local_shm.as_ref()
+    }
+
+    /// Drains the shm inbox and checks peers' health (rate-limited). An error here is fatal
+    /// for the fabric.
+    pub(crate) fn progress(&self) -> Result<()> {
+        if let Some(shm) = &self.local_shm {
+            let peers: Vec<(usize, &ShmEndpoint)> = self
+                .endpoints
+                .iter()
+                .enumerate()
+                .filter_map(|(p, e)| match e {
+                    Some(Endpoint::Shm(ep)) => Some((p, ep)),
+                    _ => None,
+                })
+                .collect();
+            if let Err(e) = shm.drain(&peers, &self.shared) {
+                let peer = match &e {
+                    Error::Transport { peer, .. } => *peer,
+                    _ => usize::MAX,
+                };
+                self.shared.lock().set_fatal(peer, e.to_string());
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn check_health(&self, force: bool) {
+        {
+            let mut at = self.health_at.lock().unwrap_or_else(|e| e.into_inner());
+            if !force && at.elapsed() < Duration::from_millis(2) {
+                return;
+            }
+            *at = Instant::now();
+        }
+        if self.watches.is_empty() {
+            return;
+        }
+        let refs: Vec<&ProcessWatch> = self.watches.iter().map(|(_, w)| w).collect();
+        let Ok(exited) = wait_any_exited(&refs, Duration::ZERO) else { return };
+        if exited.is_empty() {
+            return;
+        }
+        // Anything the peer sent before exiting (its goodbye included) counts first.
+        let _ = self.progress();
+        let mut ev = self.shared.lock();
+        for i in exited {
+            let (p, w) = &self.watches[i];
+            if *p == usize::MAX {
+                ev.set_fatal(usize::MAX, format!("the launcher (pid {}) exited", w.pid()));
+            } else if !ev.closed.contains(p) {
+                ev.set_fatal(*p, format!("exited (pid {}) without closing its communicator (killed or crashed?)", w.pid()));
+            }
+        }
+    }
+
+    /// The error for the fabric's fatal state, if any, as seen by an operation.
+    pub(crate) fn fatal_error(&self, op: &str) -> Option<Error> {
+        let ev = self.shared.lock();
+        ev.fatal.as_ref().map(|(peer, what)| {
+            if *peer == usize::MAX {
+                Error::Poisoned(format!("rank {}: {op}: {what}", self.rank))
+            } else {
+                Error::PeerFailed { rank: self.rank, peer: *peer, op: op.to_string(), reason: what.clone() }
+            }
+        })
+    }
+
+    /// Polls until `check` yields a value, a fatal error occurs, or `deadline` passes.
+    /// `check` runs with the event state locked; it must not block.
+    pub(crate) fn wait_until<T>(
+        &self,
+        op: &str,
+        deadline: Instant,
+        mut check: impl FnMut(&mut Events) -> Result<Option<T>>,
+    ) -> Result<T> {
+        let start = Instant::now();
+        let mut idle = 0u32;
+        loop {
+            if self.progress().is_err() {
+                return Err(self.fatal_error(op).unwrap_or_else(|| Error::Poisoned(op.into())));
+            }
+            {
+                let mut ev = self.shared.lock();
+                if let Some(v) = check(&mut ev)? {
+                    return Ok(v);
+                }
+            }
+            if let Some(e) = self.fatal_error(op) {
+                return Err(e);
+            }
+            self.check_health(false);
+            let now = Instant::now();
+            if now >= deadline {
+                let e = Error::Timeout { rank: self.rank, op: op.to_string(), after: now - start, waiting_for: vec![] };
+                // A timed-out operation leaves the peers' state unknown: poison.
+                self.shared.lock().set_fatal(usize::MAX, e.to_string());
+                return Err(e);
+            }
+            idle += 1;
+            if idle < 64 {
+                std::hint::spin_loop();
+            } else if idle < 96 {
+                std::thread::yield_now();
+            } else {
+                self.sleep_on_bell(deadline, &mut check)?;
+                idle = 32;
+            }
+        }
+    }
+
+    fn sleep_on_bell<T>(&self, deadline: Instant, _check: &mut impl FnMut(&mut Events) -> Result<Option<T>>) -> Result<()> {
+        let bell = &self.shared.bell;
+        let seen = bell.word().load(Ordering::SeqCst);
+        bell.sleeping().store(1, Ordering::SeqCst);
+        // Re-check after announcing: a producer that published before seeing the flag has
+        // bumped the bell, which makes the futex wait return at once.
+        let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
+        self.check_health(true);
+        if bell.word().load(Ordering::SeqCst) == seen && self.shared.lock().fatal.is_none() {
+            let _ = futex_wait(bell.word(), seen, Some(nap));
+            self.wakeups.fetch_add(1, Ordering::Relaxed);
+        }
+        bell.sleeping().store(0, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// How often a waiter slept on the doorbell.
+    pub(crate) fn wakeups(&self) -> u64 {
+        self.wakeups.load(Ordering::Relaxed)
+    }
+
+    /// Says goodbye to every peer and tears the mesh down. Idempotent.
+    pub(crate) fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(2).min(self.params.timeout);
+        // After a fatal error, tell every peer why we are leaving, so that they report the
+        // root cause (the rank that died) rather than our exit.
+        let fatal = self.shared.lock().fatal.clone();
+        for e in self.endpoints.iter().flatten() {
+            if let Some((peer, what)) = &fatal {
+                let why = if *peer == usize::MAX {
+                    format!("rank {} gave up: {what}", self.rank)
+                } else {
+                    format!("rank {} gave up because rank {peer} {what}", self.rank)
+                };
+                let _ = e.post_send(&proto::encode_err(0, proto::CHAN_INTERNAL, 0, &why), deadline, &|| Ok(()));
+            }
+            e.close(deadline, &|| self.progress());
+        }
+        if let Some(s) = &self.local_shm {
+            s.unlink();
+        }
+        // If this rank serves the store, keep it up until every rank has finished with it.
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let store = self.store.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let (Some(server), Some(store)) = (server, store) {
+            let want = self.size as i64;
+            let key = format!("{}/ready", self.key_prefix);
+            let end = Instant::now() + self.params.timeout.min(Duration::from_secs(30));
+            while Instant::now() < end {
+                match store.add(&key, 0) {
+                    Ok(n) if n >= want => break,
+                    Ok(_) => std::thread::sleep(Duration::from_millis(5)),
+                    Err(_) => break,
+                }
+            }
+            drop(store);
+            server.shutdown();
+        }
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Mesh hello sent by the connecting side after authentication.
+fn encode_hello(key_prefix: &str, rank: usize) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.str(key_prefix).u32(rank as u32);
+    w.finish()
+}
+
+fn write_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(b.len() as u32).to_le_bytes())?;
+    s.write_all(b)
+}
+
+fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut l = [0u8; 4];
+    s.read_exact(&mut l)?;
+    let n = u32::from_le_bytes(l) as usize;
+    if n > max {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {n} bytes exceeds {max}")));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn connect_peer(rank: usize, peer: usize, addr: &str, token: &str, key_prefix: &str, deadline: Instant) -> Result<TcpStream> {
+    let sa: SocketAddr = addr.parse().map_err(|_| Error::protocol(format!("rank {peer}"), format!("bad tcp address {addr:?}")))?;
+    let label = format!("rank {peer} ({addr})");
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(1))) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => return Err(Error::io(format!("rank {rank}: connect to {label}"), e)),
+        }
+    };
+    s.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+    auth::client_handshake(&mut s, token, "mesh", &label, deadline)?;
+    s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+        .map_err(|e| Error::io("set timeout", e))?;
+    write_frame(&mut s, &encode_hello(key_prefix, rank)).map_err(|e| Error::io(format!("rank {rank}: hello to {label}"), e))?;
+    s.set_read_timeout(None).and_then(|_| s.set_write_timeout(None)).map_err(|e| Error::io("clear timeouts", e))?;
+    Ok(s)
+}
+
+/// Accepts one authenticated connection from each rank in `expect`. Strangers (wrong token,
+/// garbage, unexpected ranks) are dropped and do not disturb the job.
+fn accept_peers(
+    listener: &TcpListener,
+    rank: usize,
+    expect: &[usize],
+    token: &str,
+    key_prefix: &str,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>> {
+    let mut got: HashMap<usize, TcpStream> = HashMap::new();
+    if expect.is_empty() {
+        return Ok(vec![]);
+    }
+    listener.set_nonblocking(true).map_err(|e| Error::io("listener nonblocking", e))?;
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, TcpStream)>();
+    {
+        while got.len() < expect.len() {
+            while let Ok((p, st)) = rx.try_recv() {
+                if expect.contains(&p) && !got.contains_key(&p) {
+                    got.insert(p, st);
+                }
+            }
+            if got.len() == expect.len() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = expect.iter().filter(|p| !got.contains_key(p)).map(|p| format!("rank {p}")).collect();
+                return Err(Error::Timeout { rank, op: "tcp mesh accept".into(), after: Duration::ZERO, waiting_for: missing });
+            }
+            match listener.accept() {
+                Ok((mut st, from)) => {
+                    let tx = tx.clone();
+                    let (token, key_prefix) = (token.to_string(), key_prefix.to_string());
+                    // Detached: a silent stranger must not hold up the job; it is dropped
+                    // within a few seconds by its own deadline.
+                    std::thread::spawn(move || {
+                        // A stranger gets at most a few seconds of our attention.
+                        let dl = deadline.min(Instant::now() + Duration::from_secs(5));
+                        let _ = st.set_nonblocking(false);
+                        let label = format!("{from}");
+                        if auth::server_handshake(&mut st, &token, "mesh", &label, dl).is_err() {
+                            return;
+                        }
+                        let _ = st.set_read_timeout(Some(dl.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
+                        let Ok(b) = read_frame(&mut st, 4096) else { return };
+                        let mut r = Reader::new(&b);
+                        let (Ok(prefix), Ok(p)) = (r.str(), r.u32()) else { return };
+                        if prefix != key_prefix {
+                            return;
+                        }
+                        let _ = st.set_read_timeout(None);
+                        let _ = st.set_nodelay(true);
+                        let _ = tx.send((p as usize, st));
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => return Err(Error::io(format!("rank {rank}: accept"), e)),
+            }
+        }
+    }
+    Ok(got.into_iter().collect())
+}

@@ -1,0 +1,112 @@
+//! The transport contract, shaped by RDMA verbs, and its implementations.
+//!
+//! An [`Endpoint`] connects this rank to one peer (the set of them is the "QP mesh"). It
+//! offers the three verbs-shaped operations every layer above is written against:
+//!
+//! * **two-sided send**: [`Endpoint::post_send`] delivers a small message (at most
+//!   [`Endpoint::max_send`] bytes) to the peer's receive queue, in order;
+//! * **one-sided write with immediate**: [`Endpoint::post_write`] copies bytes from a
+//!   registered local region into a region the peer registered and advertised as a
+//!   [`RemoteBuf`]; the peer sees a `WriteImm` completion carrying the 32-bit immediate;
+//! * **completions**: local completions (`WriteDone`) and remote events (messages,
+//!   immediates, peer failures) land in the [`crate::fabric`]'s event state, which the
+//!   waiting thread polls.
+//!
+//! A local completion means the local buffer may be reused; that the data has landed at the
+//! target is signalled only by the target's `WriteImm` (the weakest guarantee of the three
+//! implementations, and all the protocol layer relies on).
+//!
+//! Implementations: [`shm`] (same host: rings in shared memory for messages and small
+//! writes, single-copy `process_vm_readv` pulls for large ones) and [`tcp`] (one socket per
+//! peer, a reader thread landing writes straight into registered memory).
+
+pub(crate) mod shm;
+pub(crate) mod tcp;
+
+use std::time::Instant;
+
+use ferroccl_mem::region::RegionHandle;
+
+use crate::error::Result;
+
+/// What a peer needs to write into one of our registered regions: the verbs (addr, len,
+/// rkey) triple. `key` names the registration in the owning process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RemoteBuf {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) key: u64,
+}
+
+/// One peer's connection, whichever transport carries it.
+#[derive(Debug)]
+pub(crate) enum Endpoint {
+    Shm(shm::ShmEndpoint),
+    Tcp(tcp::TcpEndpoint),
+}
+
+impl Endpoint {
+    /// `shm` or `tcp`.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Endpoint::Shm(_) => "shm",
+            Endpoint::Tcp(_) => "tcp",
+        }
+    }
+
+    /// Largest message [`Endpoint::post_send`] takes.
+    pub(crate) fn max_send(&self) -> usize {
+        match self {
+            Endpoint::Shm(e) => e.max_send(),
+            Endpoint::Tcp(e) => e.max_send(),
+        }
+    }
+
+    /// Sends a two-sided message. `poll` is called while waiting for room, so that two
+    /// ranks sending to each other keep draining their own inboxes.
+    pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        match self {
+            Endpoint::Shm(e) => e.post_send(msg, deadline, poll),
+            Endpoint::Tcp(e) => e.post_send(msg, deadline),
+        }
+    }
+
+    /// Writes `len` bytes from `src[offset..]` into `dst` at the peer, with immediate `imm`.
+    /// Returns the work-request id whose `WriteDone` completion says `src` may be reused
+    /// (already completed for the synchronous cases).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_write(
+        &self,
+        src: &RegionHandle,
+        offset: usize,
+        len: usize,
+        dst: RemoteBuf,
+        dst_offset: u64,
+        imm: u32,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<WriteTicket> {
+        match self {
+            Endpoint::Shm(e) => e.post_write(src, offset, len, dst, dst_offset, imm, deadline, poll),
+            Endpoint::Tcp(e) => e.post_write(src, offset, len, dst, dst_offset, imm, deadline).map(|()| WriteTicket::Done),
+        }
+    }
+
+    /// Says goodbye: the peer will treat our exit as clean.
+    pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
+        match self {
+            Endpoint::Shm(e) => e.close(deadline, poll),
+            Endpoint::Tcp(e) => e.close(deadline),
+        }
+    }
+}
+
+/// How a posted write completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteTicket {
+    /// The source was copied during the post; it may be reused now.
+    Done,
+    /// The target pulls the data; the source must stay registered until the pull slot
+    /// (an index into this rank's shm pull table) reports completion.
+    Pending { slot: usize, gen: u64 },
+}

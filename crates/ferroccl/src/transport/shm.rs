@@ -1,0 +1,522 @@
+//! Shared-memory transport for ranks on the same host.
+//!
+//! Each rank creates one POSIX shared-memory segment, its *inbox*: a header (doorbell,
+//! sleep flag, pull-slot table) and one single-producer/single-consumer byte ring per
+//! sender. A peer maps the segment and produces records into its own ring there; the owner
+//! drains every ring when it polls. The segment's name is unlinked as soon as every peer has
+//! mapped it (each peer's HELLO record proves it), so nothing is left in /dev/shm even if the
+//! job is killed afterwards.
+//!
+//! Records are 64-byte headers followed by the payload padded to 64 bytes:
+//! * `MSG`: a two-sided message (payload inline);
+//! * `WRITE`: one chunk of a one-sided write, copied through the ring (small writes, or all
+//!   writes when cross-memory attach is not allowed); the chunk flagged `LAST` completes it;
+//! * `PULL`: a large one-sided write as a descriptor: the target copies the bytes straight
+//!   from the writer's memory into its registered region with `process_vm_readv` (one
+//!   copy), then checks the writer's pull slot still holds the same generation (the writer
+//!   revokes the slot before it lets go of the buffer, so a late pull is detected, never
+//!   delivered as data), and marks the slot done;
+//! * `HELLO` (first record from each peer; says whether that peer can pull from us), `BYE`
+//!   (clean shutdown), `PAD` (skip to the ring's start).
+//!
+//! Ordering: a producer copies the record, then publishes `tail` with Release; the consumer
+//! reads `tail` with Acquire, copies the record out, then publishes `head` with Release.
+//! Waking: producers bump the owner's doorbell word and `futex_wake` it when the owner has
+//! said it sleeps (see `fabric` for the sleeping side).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ferroccl_mem::futex::futex_wake;
+use ferroccl_mem::process::read_process_memory;
+use ferroccl_mem::region::RegionHandle;
+use ferroccl_mem::segment::ShmSegment;
+
+use crate::error::{Error, Result};
+use crate::fabric::Shared;
+use crate::transport::{RemoteBuf, WriteTicket};
+
+/// Bytes before the first ring: doorbell, sleep flag, pull slots.
+const HEADER_BYTES: usize = 4096;
+const BELL_OFF: usize = 0;
+const SLEEPING_OFF: usize = 64;
+const SLOTS_OFF: usize = 128;
+/// Outstanding single-copy pulls per rank.
+pub(crate) const PULL_SLOTS: usize = 128;
+const SLOT_BYTES: usize = 16;
+/// Ring control words (tail, head) each on their own cache line, then the data.
+const RING_CTRL: usize = 128;
+const REC: usize = 64;
+
+const K_MSG: u32 = 1;
+const K_WRITE: u32 = 2;
+const K_PULL: u32 = 3;
+const K_HELLO: u32 = 4;
+const K_BYE: u32 = 5;
+const K_PAD: u32 = 6;
+const F_LAST: u32 = 1;
+const F_CAN_PULL: u32 = 2;
+/// A pull slot's `done` word: the generation on success, with this bit on failure.
+const DONE_FAILED: u64 = 1 << 63;
+
+const _: () = assert!(SLOTS_OFF + PULL_SLOTS * SLOT_BYTES <= HEADER_BYTES);
+
+/// Total size of a rank's inbox segment.
+pub(crate) fn segment_len(world: usize, ring_bytes: usize) -> usize {
+    HEADER_BYTES + world * (RING_CTRL + ring_bytes)
+}
+
+fn ring_off(sender: usize, ring_bytes: usize) -> usize {
+    HEADER_BYTES + sender * (RING_CTRL + ring_bytes)
+}
+
+fn pad64(n: usize) -> usize {
+    n.div_ceil(REC) * REC
+}
+
+#[derive(Default, Clone, Copy, Debug)]
+struct Header {
+    kind: u32,
+    flags: u32,
+    len: u64,
+    imm: u32,
+    key: u64,
+    dst_addr: u64,
+    src_addr: u64,
+    slot: u32,
+    gen: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; REC] {
+        let mut b = [0u8; REC];
+        b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..20].copy_from_slice(&self.imm.to_le_bytes());
+        b[24..32].copy_from_slice(&self.key.to_le_bytes());
+        b[32..40].copy_from_slice(&self.dst_addr.to_le_bytes());
+        b[40..48].copy_from_slice(&self.src_addr.to_le_bytes());
+        b[48..52].copy_from_slice(&self.slot.to_le_bytes());
+        b[56..64].copy_from_slice(&self.gen.to_le_bytes());
+        b
+    }
+    fn decode(b: &[u8; REC]) -> Header {
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        Header {
+            kind: u32_at(0),
+            flags: u32_at(4),
+            len: u64_at(8),
+            imm: u32_at(16),
+            key: u64_at(24),
+            dst_addr: u64_at(32),
+            src_addr: u64_at(40),
+            slot: u32_at(48),
+            gen: u64_at(56),
+        }
+    }
+}
+
+/// This rank's own segment and what goes with it, shared by all shm endpoints.
+#[derive(Debug)]
+pub(crate) struct LocalShm {
+    pub(crate) seg: Arc<ShmSegment>,
+    rank: usize,
+    ring_bytes: usize,
+    /// Consumer positions, one per sender (only the polling thread touches them).
+    heads: Mutex<Vec<u64>>,
+    slots_used: Mutex<Vec<bool>>,
+    next_gen: AtomicU64,
+    unlinked: AtomicBool,
+}
+
+impl LocalShm {
+    pub(crate) fn create(name: &str, rank: usize, world: usize, ring_bytes: usize) -> std::io::Result<LocalShm> {
+        let seg = ShmSegment::create(name, segment_len(world, ring_bytes))?;
+        Ok(LocalShm {
+            seg: Arc::new(seg),
+            rank,
+            ring_bytes,
+            heads: Mutex::new(vec![0; world]),
+            slots_used: Mutex::new(vec![false; PULL_SLOTS]),
+            next_gen: AtomicU64::new(1),
+            unlinked: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// The doorbell word producers bump.
+    pub(crate) fn bell(&self) -> &std::sync::atomic::AtomicU32 {
+        self.seg.atomic_u32(BELL_OFF)
+    }
+
+    /// Set while the owner sleeps on the doorbell.
+    pub(crate) fn sleeping(&self) -> &std::sync::atomic::AtomicU32 {
+        self.seg.atomic_u32(SLEEPING_OFF)
+    }
+
+    /// Removes the segment's name (the mappings stay); done once every peer mapped it.
+    pub(crate) fn unlink(&self) {
+        if !self.unlinked.swap(true, Ordering::AcqRel) {
+            let _ = ShmSegment::unlink(self.seg.name());
+        }
+    }
+
+    fn slot_gen(&self, slot: usize) -> &AtomicU64 {
+        self.seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES)
+    }
+
+    fn slot_done(&self, slot: usize) -> &AtomicU64 {
+        self.seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
+    }
+
+    fn alloc_slot(&self) -> Option<(usize, u64)> {
+        let mut used = self.slots_used.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = used.iter().position(|u| !u)?;
+        used[slot] = true;
+        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
+        self.slot_done(slot).store(0, Ordering::Relaxed);
+        self.slot_gen(slot).store(gen, Ordering::Release);
+        Some((slot, gen))
+    }
+
+    /// `Some(Ok)` when the target finished pulling, `Some(Err)` if it refused, `None` while
+    /// pending.
+    pub(crate) fn pull_status(&self, slot: usize, gen: u64) -> Option<std::result::Result<(), ()>> {
+        let d = self.slot_done(slot).load(Ordering::Acquire);
+        if d == gen {
+            Some(Ok(()))
+        } else if d == gen | DONE_FAILED {
+            Some(Err(()))
+        } else {
+            None
+        }
+    }
+
+    /// Revokes a pull slot: after this, a target that has not finished its copy will see the
+    /// generation change and refuse the data. Must be called before the source is released.
+    pub(crate) fn release_slot(&self, slot: usize) {
+        self.slot_gen(slot).store(0, Ordering::Release);
+        let mut used = self.slots_used.lock().unwrap_or_else(|e| e.into_inner());
+        used[slot] = false;
+    }
+
+    /// Drains the ring of every sender in `peers` (world rank, endpoint), handing records to
+    /// `shared`. Returns whether anything was consumed.
+    pub(crate) fn drain(&self, peers: &[(usize, &ShmEndpoint)], shared: &Shared) -> Result<bool> {
+        let mut heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut any = false;
+        let r = self.ring_bytes as u64;
+        for &(peer, ep) in peers {
+            let base = ring_off(peer, self.ring_bytes);
+            let tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
+            let mut head = heads[peer];
+            while head < tail {
+                any = true;
+                let pos = (head % r) as usize;
+                let mut hb = [0u8; REC];
+                self.seg.read(base + RING_CTRL + pos, &mut hb);
+                let h = Header::decode(&hb);
+                let payload_off = base + RING_CTRL + pos + REC;
+                let step = match h.kind {
+                    K_PAD => h.len,
+                    K_MSG | K_WRITE => (REC + pad64(h.len as usize)) as u64,
+                    _ => REC as u64,
+                };
+                if step == 0 || step > r || (h.kind != K_PAD && pos + step as usize > self.ring_bytes) {
+                    return Err(Error::Transport {
+                        rank: self.rank,
+                        peer,
+                        transport: "shm",
+                        what: format!("corrupt ring record (kind {}, len {})", h.kind, h.len),
+                    });
+                }
+                match h.kind {
+                    K_PAD => {}
+                    K_MSG => {
+                        let mut data = vec![0u8; h.len as usize];
+                        self.seg.read(payload_off, &mut data);
+                        shared.deliver_msg(peer, data);
+                    }
+                    K_WRITE => {
+                        let seg = &self.seg;
+                        shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+                            seg.read(payload_off, s);
+                            Ok(())
+                        })?;
+                        if h.flags & F_LAST != 0 {
+                            shared.write_imm(peer, h.imm);
+                        }
+                    }
+                    K_PULL => self.serve_pull(peer, ep, &h, shared)?,
+                    K_HELLO => ep.peer_can_pull.store(if h.flags & F_CAN_PULL != 0 { 1 } else { 2 }, Ordering::Release),
+                    K_BYE => shared.peer_closed(peer),
+                    k => {
+                        return Err(Error::Transport {
+                            rank: self.rank,
+                            peer,
+                            transport: "shm",
+                            what: format!("unknown ring record kind {k}"),
+                        })
+                    }
+                }
+                head += step;
+                heads[peer] = head;
+                self.seg.atomic_u64(base + 64).store(head, Ordering::Release);
+            }
+        }
+        Ok(any)
+    }
+
+    fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, shared: &Shared) -> Result<()> {
+        let slot = h.slot as usize;
+        if slot >= PULL_SLOTS {
+            return Err(Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("pull slot {slot} out of range") });
+        }
+        let pid = ep.peer_pid;
+        let copied = shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+            read_process_memory(pid, h.src_addr, s).map_err(|e| format!("process_vm_readv from rank {peer} (pid {pid}): {e}"))
+        });
+        // The writer revokes the slot (generation 0) before it releases its buffer; if the
+        // generation is unchanged after our copy, the copy read live data.
+        let gen_now = ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES).load(Ordering::Acquire);
+        let ok = copied.is_ok() && gen_now == h.gen;
+        ep.peer_seg
+            .atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
+            .store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
+        ep.ring_peer_bell();
+        copied?;
+        if !ok {
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer,
+                transport: "shm",
+                what: "a write was revoked by its sender while it was being copied (sender gave up?)".into(),
+            });
+        }
+        shared.write_imm(peer, h.imm);
+        Ok(())
+    }
+}
+
+/// The producing side of this rank's connection to one same-host peer.
+#[derive(Debug)]
+pub(crate) struct ShmEndpoint {
+    rank: usize,
+    peer: usize,
+    pub(crate) peer_pid: i32,
+    /// The peer's inbox segment; we produce into ring `rank` there.
+    peer_seg: Arc<ShmSegment>,
+    local: Arc<LocalShm>,
+    ring_bytes: usize,
+    inline_max: usize,
+    cma: bool,
+    tail: Mutex<u64>,
+    /// 0 unknown (no HELLO yet), 1 the peer can pull from us, 2 it cannot.
+    pub(crate) peer_can_pull: AtomicU8,
+}
+
+impl ShmEndpoint {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        rank: usize,
+        peer: usize,
+        peer_pid: i32,
+        peer_seg_name: &str,
+        world: usize,
+        ring_bytes: usize,
+        inline_max: usize,
+        cma: bool,
+        local: Arc<LocalShm>,
+    ) -> Result<ShmEndpoint> {
+        let seg = ShmSegment::open(peer_seg_name, segment_len(world, ring_bytes)).map_err(|e| Error::Transport {
+            rank,
+            peer,
+            transport: "shm",
+            what: format!("cannot map its segment {peer_seg_name}: {e} (is /dev/shm shared between the ranks? FERROCCL_TRANSPORT=tcp avoids shm)"),
+        })?;
+        Ok(ShmEndpoint {
+            rank,
+            peer,
+            peer_pid,
+            peer_seg: Arc::new(seg),
+            local,
+            ring_bytes,
+            inline_max,
+            cma,
+            tail: Mutex::new(0),
+            peer_can_pull: AtomicU8::new(0),
+        })
+    }
+
+    pub(crate) fn max_send(&self) -> usize {
+        self.ring_bytes / 2 - REC
+    }
+
+    fn err(&self, what: impl Into<String>) -> Error {
+        Error::Transport { rank: self.rank, peer: self.peer, transport: "shm", what: what.into() }
+    }
+
+    fn ring_peer_bell(&self) {
+        self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);
+        if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
+            let _ = futex_wake(self.peer_seg.atomic_u32(BELL_OFF), u32::MAX);
+        }
+    }
+
+    /// Appends one record (header + `len` payload bytes written by `fill`) to our ring in
+    /// the peer's segment, waiting for room.
+    fn produce(
+        &self,
+        h: &Header,
+        len: usize,
+        fill: impl FnOnce(&ShmSegment, usize) -> Result<()>,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let need = (REC + pad64(len)) as u64;
+        let r = self.ring_bytes as u64;
+        debug_assert!(need <= r);
+        let base = ring_off(self.rank, self.ring_bytes);
+        let mut tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spins = 0u32;
+        loop {
+            let pos = *tail % r;
+            let contiguous = r - pos;
+            let want = if contiguous < need { contiguous } else { need };
+            let head = self.peer_seg.atomic_u64(base + 64).load(Ordering::Acquire);
+            if r - (*tail - head) >= want {
+                if contiguous < need {
+                    let pad = Header { kind: K_PAD, len: contiguous, ..Header::default() };
+                    self.peer_seg.write(base + RING_CTRL + pos as usize, &pad.encode());
+                    *tail += contiguous;
+                    self.peer_seg.atomic_u64(base).store(*tail, Ordering::Release);
+                    continue;
+                }
+                let off = base + RING_CTRL + pos as usize;
+                self.peer_seg.write(off, &h.encode());
+                fill(&self.peer_seg, off + REC)?;
+                *tail += need;
+                self.peer_seg.atomic_u64(base).store(*tail, Ordering::Release);
+                self.ring_peer_bell();
+                return Ok(());
+            }
+            // Ring full: keep draining our own inbox so a peer sending to us can go on.
+            poll()?;
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    op: format!("shm send to rank {} (ring full)", self.peer),
+                    after: std::time::Duration::ZERO,
+                    waiting_for: vec![format!("rank {} to drain its ring", self.peer)],
+                });
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        if msg.len() > self.max_send() {
+            return Err(self.err(format!("message of {} bytes exceeds the ring's limit of {}", msg.len(), self.max_send())));
+        }
+        let h = Header { kind: K_MSG, len: msg.len() as u64, ..Header::default() };
+        self.produce(&h, msg.len(), |seg, off| {
+            seg.write(off, msg);
+            Ok(())
+        }, deadline, poll)
+    }
+
+    /// Tells the peer whether it may pull from us (`we_can_be_pulled` is the peer's probe
+    /// result as seen from our side: can *we* pull from *it*; see `fabric`).
+    pub(crate) fn post_hello(&self, we_can_pull_from_peer: bool, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        let h = Header { kind: K_HELLO, flags: if we_can_pull_from_peer { F_CAN_PULL } else { 0 }, ..Header::default() };
+        self.produce(&h, 0, |_, _| Ok(()), deadline, poll)
+    }
+
+    pub(crate) fn hello_received(&self) -> bool {
+        self.peer_can_pull.load(Ordering::Acquire) != 0
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_write(
+        &self,
+        src: &RegionHandle,
+        offset: usize,
+        len: usize,
+        dst: RemoteBuf,
+        dst_offset: u64,
+        imm: u32,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<WriteTicket> {
+        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) {
+            return Err(self.err(format!("write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes", dst.len)));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
+            return Err(self.err(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));
+        }
+        let pull = self.cma && len > self.inline_max && self.peer_can_pull.load(Ordering::Acquire) == 1;
+        if pull {
+            if let Some((slot, gen)) = self.local.alloc_slot() {
+                let h = Header {
+                    kind: K_PULL,
+                    len: len as u64,
+                    imm,
+                    key: dst.key,
+                    dst_addr: dst.addr + dst_offset,
+                    src_addr: src.addr() + offset as u64,
+                    slot: slot as u32,
+                    gen,
+                    ..Header::default()
+                };
+                if let Err(e) = self.produce(&h, 0, |_, _| Ok(()), deadline, poll) {
+                    self.local.release_slot(slot);
+                    return Err(e);
+                }
+                return Ok(WriteTicket::Pending { slot, gen });
+            }
+            // Every pull slot busy: fall through and copy through the ring.
+        }
+        let chunk = (self.max_send() / 2).max(REC);
+        let mut pos = 0usize;
+        loop {
+            let n = chunk.min(len - pos);
+            let last = pos + n == len;
+            let h = Header {
+                kind: K_WRITE,
+                flags: if last { F_LAST } else { 0 },
+                len: n as u64,
+                imm,
+                key: dst.key,
+                dst_addr: dst.addr + dst_offset + pos as u64,
+                ..Header::default()
+            };
+            self.produce(&h, n, |seg, off| {
+                src.with_slice(offset + pos, n, |s| seg.write(off, s)).map_err(|e| self.err(format!("write source: {e}")))
+            }, deadline, poll)?;
+            pos += n;
+            if last {
+                return Ok(WriteTicket::Done);
+            }
+        }
+    }
+
+    pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
+        let h = Header { kind: K_BYE, ..Header::default() };
+        let _ = self.produce(&h, 0, |_, _| Ok(()), deadline, poll);
+    }
+}

@@ -1,0 +1,211 @@
+//! TCP transport: one authenticated socket per peer.
+//!
+//! Frames are a 40-byte header (kind, immediate, length, registration key, address)
+//! followed by the payload. The caller's thread writes frames (under a per-socket lock); a
+//! reader thread per socket lands them: messages go to the fabric's queues, one-sided writes
+//! are received straight from the socket into the registered destination (no intermediate
+//! copy), then their immediate is reported. EOF or an error without a goodbye marks the
+//! peer failed, which wakes and fails every waiter.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferroccl_mem::region::RegionHandle;
+
+use crate::error::{Error, Result};
+use crate::fabric::Shared;
+use crate::transport::RemoteBuf;
+
+const HDR: usize = 40;
+const K_MSG: u8 = 1;
+const K_WRITE: u8 = 2;
+const K_BYE: u8 = 3;
+/// Largest two-sided message on tcp.
+const MAX_MSG: usize = 4 << 20;
+
+fn header(kind: u8, imm: u32, len: u64, key: u64, addr: u64) -> [u8; HDR] {
+    let mut h = [0u8; HDR];
+    h[0] = kind;
+    h[4..8].copy_from_slice(&imm.to_le_bytes());
+    h[8..16].copy_from_slice(&len.to_le_bytes());
+    h[16..24].copy_from_slice(&key.to_le_bytes());
+    h[24..32].copy_from_slice(&addr.to_le_bytes());
+    h
+}
+
+/// This rank's socket to one peer.
+#[derive(Debug)]
+pub(crate) struct TcpEndpoint {
+    rank: usize,
+    peer: usize,
+    writer: Mutex<TcpStream>,
+    reader: Mutex<Option<JoinHandle<()>>>,
+    closing: Arc<AtomicBool>,
+    /// Set when a frame was cut short by a send timeout: the stream is unusable.
+    broken: AtomicBool,
+}
+
+impl TcpEndpoint {
+    pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, shared: Arc<Shared>) -> Result<TcpEndpoint> {
+        let rd = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
+        let closing = Arc::new(AtomicBool::new(false));
+        let c2 = closing.clone();
+        let reader = std::thread::Builder::new()
+            .name(format!("ferroccl-tcp-{peer}"))
+            .spawn(move || reader_loop(peer, rd, shared, c2))
+            .map_err(|e| Error::io("spawn tcp reader thread", e))?;
+        Ok(TcpEndpoint {
+            rank,
+            peer,
+            writer: Mutex::new(stream),
+            reader: Mutex::new(Some(reader)),
+            closing,
+            broken: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn max_send(&self) -> usize {
+        MAX_MSG
+    }
+
+    fn io_err(&self, what: &str, e: std::io::Error) -> Error {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            self.broken.store(true, Ordering::Release);
+            return Error::Timeout {
+                rank: self.rank,
+                op: format!("tcp {what} to rank {}", self.peer),
+                after: Duration::ZERO,
+                waiting_for: vec![format!("rank {} to read its socket", self.peer)],
+            };
+        }
+        Error::PeerFailed { rank: self.rank, peer: self.peer, op: format!("tcp {what}"), reason: format!("connection error: {e}") }
+    }
+
+    fn send_frame(&self, hdr: &[u8; HDR], body: impl FnOnce(&mut TcpStream) -> std::io::Result<()>, deadline: Instant, what: &str) -> Result<()> {
+        if self.broken.load(Ordering::Acquire) {
+            return Err(Error::Transport { rank: self.rank, peer: self.peer, transport: "tcp", what: "connection is unusable after an earlier send timeout".into() });
+        }
+        let mut s = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        s.set_write_timeout(Some(left)).map_err(|e| self.io_err(what, e))?;
+        s.write_all(hdr).and_then(|_| body(&mut s)).map_err(|e| self.io_err(what, e))
+    }
+
+    pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant) -> Result<()> {
+        if msg.len() > MAX_MSG {
+            return Err(Error::invalid(format!("tcp message of {} bytes exceeds {MAX_MSG}", msg.len())));
+        }
+        self.send_frame(&header(K_MSG, 0, msg.len() as u64, 0, 0), |s| s.write_all(msg), deadline, "send")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_write(
+        &self,
+        src: &RegionHandle,
+        offset: usize,
+        len: usize,
+        dst: RemoteBuf,
+        dst_offset: u64,
+        imm: u32,
+        deadline: Instant,
+    ) -> Result<()> {
+        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) {
+            return Err(Error::invalid(format!("write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes", dst.len)));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
+            return Err(Error::invalid(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));
+        }
+        let hdr = header(K_WRITE, imm, len as u64, dst.key, dst.addr + dst_offset);
+        self.send_frame(
+            &hdr,
+            |s| src.with_slice(offset, len, |b| s.write_all(b)).unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
+            deadline,
+            "write",
+        )
+    }
+
+    pub(crate) fn close(&self, deadline: Instant) {
+        self.closing.store(true, Ordering::Release);
+        let _ = self.send_frame(&header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
+        let s = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = s.shutdown(Shutdown::Both);
+        drop(s);
+        if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for TcpEndpoint {
+    fn drop(&mut self) {
+        self.close(Instant::now() + Duration::from_millis(200));
+    }
+}
+
+fn reader_loop(peer: usize, mut s: TcpStream, shared: Arc<Shared>, closing: Arc<AtomicBool>) {
+    let fail = |why: String| {
+        if !closing.load(Ordering::Acquire) {
+            shared.peer_failed(peer, why);
+        }
+    };
+    loop {
+        let mut h = [0u8; HDR];
+        if let Err(e) = s.read_exact(&mut h) {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                fail("closed its TCP connection without saying goodbye (process died?)".into());
+            } else {
+                fail(format!("TCP connection error: {e}"));
+            }
+            return;
+        }
+        let kind = h[0];
+        let imm = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&h[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let (len, key, addr) = (u64_at(8), u64_at(16), u64_at(24));
+        match kind {
+            K_MSG => {
+                if len as usize > MAX_MSG {
+                    fail(format!("sent a {len}-byte message, over the {MAX_MSG}-byte limit"));
+                    return;
+                }
+                let mut b = vec![0u8; len as usize];
+                if let Err(e) = s.read_exact(&mut b) {
+                    fail(format!("TCP connection broke mid-message: {e}"));
+                    return;
+                }
+                shared.deliver_msg(peer, b);
+                shared.notify();
+            }
+            K_WRITE => {
+                let r = shared.land_write(peer, key, addr, len as usize, |dst| {
+                    s.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
+                });
+                if r.is_err() {
+                    // The stream position is lost (or the write was refused): the
+                    // connection cannot continue. land_write recorded why.
+                    shared.notify();
+                    return;
+                }
+                shared.write_imm(peer, imm);
+                shared.notify();
+            }
+            K_BYE => {
+                shared.peer_closed(peer);
+                shared.notify();
+                return;
+            }
+            k => {
+                fail(format!("sent an unknown TCP frame kind {k}"));
+                return;
+            }
+        }
+    }
+}

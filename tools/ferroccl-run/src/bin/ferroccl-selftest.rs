@@ -1,0 +1,225 @@
+//! ferroccl-selftest: checks a job's mesh, run under ferroccl-run (or any supported launcher).
+//!
+//! ```text
+//! ferroccl-selftest exchange [--sizes 0,1,4097,4K,1M,64M] [--seed S]   every pair, both ways, checked byte for byte
+//! ferroccl-selftest barrier [--iters N]
+//! ferroccl-selftest split                                              split into two groups that work independently
+//! ferroccl-selftest kill --victim R --during barrier|transfer          rank R SIGKILLs itself mid-operation
+//! ferroccl-selftest stranger                                           strangers knock on the store and the mesh
+//! ```
+//! Exit status 0 when every check passed; on failure it prints `selftest: rank R error: ...`.
+#![forbid(unsafe_code)]
+
+#[path = "../testkit.rs"]
+mod testkit;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use ferroccl::comm::Communicator;
+use testkit::{first_mismatch, fill, flag, human, parse_size, partner, rounds};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = args.first().cloned() else {
+        eprintln!("usage: ferroccl-selftest exchange|barrier|split|kill|stranger [options]");
+        std::process::exit(2);
+    };
+    let rest = &args[1..];
+    let comm = match Communicator::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("selftest: init error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let rank = comm.rank();
+    let result = match cmd.as_str() {
+        "exchange" => exchange(&comm, rest),
+        "barrier" => barrier(&comm, rest),
+        "split" => split(&comm),
+        "kill" => kill(&comm, rest),
+        "stranger" => stranger(&comm, rest),
+        other => Err(format!("unknown subcommand {other:?}").into()),
+    };
+    match result.and_then(|()| comm.finalize().map_err(Into::into)) {
+        Ok(()) => println!("selftest: rank {rank} ok"),
+        Err(e) => {
+            eprintln!("selftest: rank {rank} error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Every pair exchanges buffers of every size, both ways, and checks them.
+fn exchange_sizes(comm: &Communicator, sizes: &[usize], seed: u64) -> R<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    for &size in sizes {
+        let mut out = vec![0u8; size];
+        let mut inb = vec![0u8; size];
+        for round in 0..rounds(n) {
+            let Some(p) = partner(n, round, me) else { continue };
+            fill(&mut out, seed, me, p);
+            inb.iter_mut().for_each(|b| *b = 0);
+            comm.sendrecv(&out, p, &mut inb, p)?;
+            if let Some(i) = first_mismatch(&inb, seed, p, me) {
+                return Err(format!("{} from rank {p}: byte {i} is wrong", human(size)).into());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn exchange(comm: &Communicator, args: &[String]) -> R<()> {
+    let sizes: Vec<usize> = flag(args, "--sizes")
+        .unwrap_or("0,1,4097,4K,1M,64M")
+        .split(',')
+        .map(|s| parse_size(s).ok_or_else(|| format!("bad size {s:?}")))
+        .collect::<Result<_, _>>()?;
+    let seed = flag(args, "--seed").and_then(|s| s.parse().ok()).unwrap_or(42);
+    let t = Instant::now();
+    exchange_sizes(comm, &sizes, seed)?;
+    // Also plain send/recv in a ring, the order-sensitive way.
+    let (n, me) = (comm.size(), comm.rank());
+    if n > 1 {
+        let mut a = vec![0u8; 100_003];
+        let mut b = vec![0u8; 100_003];
+        fill(&mut a, seed, me, (me + 1) % n);
+        if me % 2 == 0 {
+            comm.send(&a, (me + 1) % n)?;
+            comm.recv(&mut b, (me + n - 1) % n)?;
+        } else {
+            comm.recv(&mut b, (me + n - 1) % n)?;
+            comm.send(&a, (me + 1) % n)?;
+        }
+        if let Some(i) = first_mismatch(&b, seed, (me + n - 1) % n, me) {
+            return Err(format!("ring send/recv: byte {i} is wrong").into());
+        }
+    }
+    comm.barrier()?;
+    println!(
+        "selftest: rank {me} exchanged {} sizes with {} peers in {:.3}s ({})",
+        sizes.len(),
+        n - 1,
+        t.elapsed().as_secs_f64(),
+        (0..n).filter(|&p| p != me).map(|p| format!("{p}:{}", comm.transport_to(p).unwrap_or("?"))).collect::<Vec<_>>().join(" ")
+    );
+    Ok(())
+}
+
+fn barrier(comm: &Communicator, args: &[String]) -> R<()> {
+    let iters: usize = flag(args, "--iters").and_then(|s| s.parse().ok()).unwrap_or(100);
+    let t = Instant::now();
+    for _ in 0..iters {
+        comm.barrier()?;
+    }
+    println!("selftest: rank {} {iters} barriers, {:.1} us each", comm.rank(), t.elapsed().as_secs_f64() * 1e6 / iters as f64);
+    Ok(())
+}
+
+fn split(comm: &Communicator) -> R<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    // Two groups by parity, ordered backwards by key; the last rank of an odd world sits
+    // out when n >= 3 to test the "no color" case.
+    let out = n >= 3 && n % 2 == 1 && me == n - 1;
+    let color = if out { None } else { Some((me % 2) as u32) };
+    let sub = comm.split(color, -(me as i64))?;
+    let Some(sub) = sub else {
+        println!("selftest: rank {me} sat out of the split");
+        comm.barrier()?;
+        return Ok(());
+    };
+    let members: Vec<usize> = (0..n).filter(|&r| r % 2 == me % 2 && !(n >= 3 && n % 2 == 1 && r == n - 1)).collect();
+    if sub.size() != members.len() {
+        return Err(format!("sub-communicator has {} ranks, expected {}", sub.size(), members.len()).into());
+    }
+    // Keys are -rank, so the order is reversed.
+    let want_rank = members.iter().rev().position(|&r| r == me).ok_or("lost")?;
+    if sub.rank() != want_rank {
+        return Err(format!("sub rank {} expected {want_rank}", sub.rank()).into());
+    }
+    // The groups work independently: different amounts of traffic, different sizes.
+    let iters = if me % 2 == 0 { 20 } else { 5 };
+    for i in 0..iters {
+        exchange_sizes(&sub, &[0, 7, 70_000 + i], 1000 + i as u64 + (me % 2) as u64)?;
+        sub.barrier()?;
+    }
+    // A split of the split.
+    if let Some(solo) = sub.split(Some(sub.rank() as u32), 0)? {
+        if solo.size() != 1 || solo.rank() != 0 {
+            return Err("a split into singletons is wrong".into());
+        }
+        solo.barrier()?;
+    }
+    drop(sub);
+    comm.barrier()?;
+    println!("selftest: rank {me} split ok (group {}, {} members)", me % 2, members.len());
+    Ok(())
+}
+
+fn kill(comm: &Communicator, args: &[String]) -> R<()> {
+    let victim: usize = flag(args, "--victim").and_then(|s| s.parse().ok()).ok_or("--victim R required")?;
+    let during = flag(args, "--during").unwrap_or("barrier").to_string();
+    let (n, me) = (comm.size(), comm.rank());
+    comm.barrier()?;
+    if me == victim {
+        // Die at an arbitrary moment in the middle of the work below.
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+        });
+    }
+    let start = Instant::now();
+    let stop = start + Duration::from_secs(60);
+    let big = vec![7u8; 8 << 20];
+    let mut inb = vec![0u8; 8 << 20];
+    let res: R<()> = (|| {
+        while Instant::now() < stop {
+            match during.as_str() {
+                "transfer" => {
+                    for round in 0..rounds(n) {
+                        if let Some(p) = partner(n, round, me) {
+                            comm.sendrecv(&big, p, &mut inb, p)?;
+                        }
+                    }
+                }
+                _ => comm.barrier()?,
+            }
+        }
+        Ok(())
+    })();
+    match res {
+        Ok(()) => Err("the victim's death went unnoticed for 60 s".into()),
+        Err(e) => {
+            println!("selftest: rank {me} saw the failure after {:.3}s: {e}", start.elapsed().as_secs_f64());
+            Err(e)
+        }
+    }
+}
+
+fn stranger(comm: &Communicator, args: &[String]) -> R<()> {
+    let _ = args;
+    if comm.rank() == 0 {
+        let store = std::env::var("FERROCCL_STORE")?;
+        // Garbage bytes.
+        if let Ok(mut s) = std::net::TcpStream::connect(&store) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = s.write_all(b"GET / HTTP/1.0\r\n\r\n\xff\xff\xff\xff garbage");
+            let mut sink = [0u8; 256];
+            let _ = s.read(&mut sink);
+        }
+        // A wrong token.
+        match ferroccl::bootstrap::StoreClient::connect(&store, "not-the-token", 99, Duration::from_secs(5)) {
+            Ok(_) => return Err("the store accepted a wrong token".into()),
+            Err(e) => println!("selftest: stranger with a wrong token was refused: {e}"),
+        }
+        // No token at all: connect and hang up at once.
+        drop(std::net::TcpStream::connect(&store));
+    }
+    // The job is unaffected.
+    exchange_sizes(comm, &[0, 1, 4096, 1 << 20], 7)?;
+    comm.barrier()?;
+    Ok(())
+}
