@@ -109,8 +109,7 @@ impl Communicator {
                         .map_err(|e| Error::io(format!("resolve store address {a}"), e))?
                         .next()
                         .ok_or_else(|| Error::invalid(format!("store address {a} resolves to nothing")))?;
-                    let max = std::env::var("FERROCCL_STORE_MAX_VALUE").ok().and_then(|v| v.parse().ok()).unwrap_or(64 << 20);
-                    Some(StoreServer::start(sa, &cfg.token, max)?)
+                    Some(StoreServer::start(sa, &cfg.token, params.store_max_value)?)
                 } else {
                     None
                 };
@@ -222,6 +221,7 @@ impl Communicator {
 
     /// Tells `wpeer` that this operation failed on our side, then returns `err`.
     fn fail_both(&self, wpeer: usize, chan: u8, seq: u32, err: Error) -> Error {
+        self.fabric.shared.lock().set_fatal(usize::MAX, err.to_string());
         if let Ok(ep) = self.fabric.endpoint(wpeer) {
             let msg = proto::encode_err(self.id, chan, seq, &err.to_string());
             let _ = ep.post_send(&msg, Instant::now() + Duration::from_secs(1), &|| self.fabric.progress());

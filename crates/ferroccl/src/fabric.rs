@@ -51,7 +51,7 @@ pub(crate) struct Events {
 }
 
 impl Events {
-    fn set_fatal(&mut self, peer: usize, what: String) {
+    pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
         if self.fatal.is_none() {
             self.fatal = Some((peer, what));
         }
@@ -586,14 +586,15 @@ impl Fabric {
             if self.progress().is_err() {
                 return Err(self.fatal_error(op).unwrap_or_else(|| Error::Poisoned(op.into())));
             }
+            // A fatal error wins over whatever else arrived: the fabric is poisoned.
+            if let Some(e) = self.fatal_error(op) {
+                return Err(e);
+            }
             {
                 let mut ev = self.shared.lock();
                 if let Some(v) = check(&mut ev)? {
                     return Ok(v);
                 }
-            }
-            if let Some(e) = self.fatal_error(op) {
-                return Err(e);
             }
             self.check_health(false);
             let now = Instant::now();

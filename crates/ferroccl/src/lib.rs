@@ -1,4 +1,38 @@
 //! FerroCCL: collective communication for Rust.
+//!
+//! A job of N processes (ranks) builds a [`Communicator`] and moves data between ranks over
+//! shared memory (same host) or TCP. Ranks are normally started by `ferroccl-run` (or
+//! torchrun, Slurm, mpirun) and call [`Communicator::init`]; this example builds a one-rank
+//! job by hand, so it runs anywhere:
+//!
+//! ```
+//! use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! use ferroccl::{Communicator, InitConfig, Params};
+//!
+//! let token = new_token();
+//! let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! let comm = Communicator::init_with(cfg, Params::default())?;
+//! assert_eq!((comm.rank(), comm.size()), (0, 1));
+//! let mut out = [0u32; 3];
+//! comm.sendrecv(&[1u32, 2, 3], 0, &mut out, 0)?; // to and from itself
+//! assert_eq!(out, [1, 2, 3]);
+//! comm.barrier()?;
+//! comm.finalize()?;
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+//!
+//! # Threading
+//!
+//! A [`Communicator`] is `Send + Sync`; calls on one communicator are serialised. The
+//! communicators made by [`Communicator::split`] share the world's connections and may be
+//! used from different threads at the same time.
+//!
+//! # Errors
+//!
+//! Every call returns [`Result`]; nothing panics on bad input. Blocking calls give up after
+//! `FERROCCL_TIMEOUT`; a dead peer is reported within milliseconds as
+//! [`Error::PeerFailed`] naming it, and poisons the communicator.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

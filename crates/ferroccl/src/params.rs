@@ -26,7 +26,7 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_WORLD_SIZE", default: "", doc: "Number of ranks in the job (set by ferroccl-run)." },
     Param { name: "FERROCCL_LOCAL_RANK", default: "", doc: "Rank among the ranks on this host (set by ferroccl-run; informational)." },
     Param { name: "FERROCCL_LOCAL_WORLD_SIZE", default: "", doc: "Number of ranks on this host (set by ferroccl-run; informational)." },
-    Param { name: "FERROCCL_STORE", default: "", doc: "host:port of the bootstrap store (set by ferroccl-run). Under torchrun, MASTER_ADDR:MASTER_PORT is used instead, served by rank 0." },
+    Param { name: "FERROCCL_STORE", default: "", doc: "host:port of the bootstrap store (set by ferroccl-run). Under torchrun, Slurm or Open MPI it is served by rank 0 at this address, or else at MASTER_ADDR:(MASTER_PORT+1) (torchrun's own store holds MASTER_PORT)." },
     Param { name: "FERROCCL_TOKEN", default: "", doc: "The job's secret token; every store and mesh connection proves it knows it. ferroccl-run makes a fresh one per job." },
     Param { name: "FERROCCL_LAUNCHER_PID", default: "", doc: "Pid of the launcher (set by ferroccl-run); ranks fail promptly if it dies." },
     Param { name: "FERROCCL_TRANSPORT", default: "auto", doc: "auto, shm or tcp. auto: shm between ranks on the same host, tcp otherwise. shm: fail if a peer is on another host." },
@@ -87,6 +87,8 @@ pub struct Params {
     pub launcher_pid: Option<i32>,
     /// `FERROCCL_DEBUG`.
     pub debug: bool,
+    /// `FERROCCL_STORE_MAX_VALUE` (read by whoever serves the store).
+    pub store_max_value: usize,
 }
 
 impl Default for Params {
@@ -102,6 +104,7 @@ impl Default for Params {
             eager_max: 64 << 10,
             launcher_pid: None,
             debug: false,
+            store_max_value: 64 << 20,
         }
     }
 }
@@ -158,6 +161,12 @@ impl Params {
         if let Some(v) = get("FERROCCL_LAUNCHER_PID") {
             p.launcher_pid = Some(parse_num("FERROCCL_LAUNCHER_PID", &v)?);
         }
+        if let Some(v) = get("FERROCCL_STORE_MAX_VALUE") {
+            p.store_max_value = parse_num("FERROCCL_STORE_MAX_VALUE", &v)?;
+            if p.store_max_value == 0 {
+                return Err(Error::Env { var: "FERROCCL_STORE_MAX_VALUE".into(), problem: "must be a positive number of bytes".into() });
+            }
+        }
         if let Some(v) = get("FERROCCL_DEBUG") {
             p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
         }
@@ -196,6 +205,7 @@ mod tests {
         assert_eq!(p.shm_ring_bytes.to_string(), d("FERROCCL_SHM_RING_BYTES"));
         assert_eq!(p.shm_inline_max.to_string(), d("FERROCCL_SHM_INLINE_MAX"));
         assert_eq!(p.eager_max.to_string(), d("FERROCCL_EAGER_MAX"));
+        assert_eq!(p.store_max_value.to_string(), d("FERROCCL_STORE_MAX_VALUE"));
         assert_eq!(p.transport, TransportChoice::Auto);
     }
 

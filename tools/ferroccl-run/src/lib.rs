@@ -381,22 +381,12 @@ where
 
 /// A fresh job token: 32 random bytes from the OS as 64 lowercase hex digits.
 pub fn new_token() -> io::Result<String> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| io::Error::other(format!("getrandom: {e}")))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(ferroccl::bootstrap::new_token())
 }
 
 /// Reads `FERROCCL_STORE_MAX_VALUE` through `get` (unset or empty: the default).
 fn store_max_value(get: impl Fn(&str) -> Option<String>) -> Result<usize, String> {
-    match get("FERROCCL_STORE_MAX_VALUE").filter(|v| !v.trim().is_empty()) {
-        None => Ok(DEFAULT_STORE_MAX_VALUE),
-        Some(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!(
-                "FERROCCL_STORE_MAX_VALUE={v:?} is not a positive number of bytes"
-            )),
-        },
-    }
+    ferroccl::Params::from_lookup(get).map(|p| p.store_max_value).map_err(|e| e.to_string())
 }
 
 /// "SIGKILL (9)", or "signal 42" for one nix does not name.
@@ -911,6 +901,10 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
     let mut stopping: Option<Stopping> = None;
 
     loop {
+        // Exits seen in one poll happened within the same few milliseconds: among them a
+        // rank killed by a signal is the likelier root cause than one that exited with an
+        // error after noticing it, so it counts as the first failure.
+        let failed_before_this_poll = first_failure.is_some();
         for r in job.ranks.iter_mut().filter(|r| r.status.is_none()) {
             let st = match r.child.try_wait() {
                 Ok(Some(st)) => st,
@@ -924,7 +918,11 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
             // Once the runner is stopping the job, exits are its own doing.
             if stopping.is_none() && !st.success() {
                 eprintln!("ferroccl-run: rank {} {}", r.rank, Describe(st));
-                if first_failure.is_none() {
+                let replaces = match &first_failure {
+                    None => true,
+                    Some((_, first, _)) => !failed_before_this_poll && first.signal().is_none() && st.signal().is_some(),
+                };
+                if replaces {
                     first_failure = Some((r.rank, st, Instant::now()));
                 }
             } else if opts.verbose {
@@ -1145,13 +1143,12 @@ mod tests {
 
     #[test]
     fn store_max_value_from_env() {
+        let only = |v: &'static str| move |k: &str| (k == "FERROCCL_STORE_MAX_VALUE").then(|| v.to_string());
         assert_eq!(store_max_value(|_| None), Ok(DEFAULT_STORE_MAX_VALUE));
-        assert_eq!(
-            store_max_value(|_| Some(" ".into())),
-            Ok(DEFAULT_STORE_MAX_VALUE)
-        );
-        assert_eq!(store_max_value(|_| Some("1024".into())), Ok(1024));
-        assert!(store_max_value(|_| Some("lots".into())).is_err());
+        assert_eq!(store_max_value(only(" ")), Ok(DEFAULT_STORE_MAX_VALUE));
+        assert_eq!(store_max_value(only("1024")), Ok(1024));
+        assert!(store_max_value(only("lots")).unwrap_err().contains("FERROCCL_STORE_MAX_VALUE"));
+        assert!(store_max_value(only("0")).is_err());
     }
 
     #[test]

@@ -99,6 +99,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn every_pair_meets_once() {
         for n in 1..=17 {
             let mut met = vec![vec![0; n]; n];

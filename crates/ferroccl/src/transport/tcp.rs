@@ -158,7 +158,7 @@ fn reader_loop(peer: usize, mut s: TcpStream, shared: Arc<Shared>, closing: Arc<
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 fail("closed its TCP connection without saying goodbye (process died?)".into());
             } else {
-                fail(format!("TCP connection error: {e}"));
+                fail(format!("broke its TCP connection: {e}"));
             }
             return;
         }

@@ -6,7 +6,12 @@
 //! ferroccl-selftest split                                              split into two groups that work independently
 //! ferroccl-selftest kill --victim R --during barrier|transfer          rank R SIGKILLs itself mid-operation
 //! ferroccl-selftest stranger                                           strangers knock on the store and the mesh
+//! ferroccl-selftest all [--sizes ...]                                  exchange + barrier + split in one job
+//! ferroccl-selftest stall --rank R --secs S                            rank R arrives S seconds late to a barrier
+//! ferroccl-selftest mismatch --bytes N                                 rank 0 sends N bytes, rank 1 expects N+1
 //! ```
+//! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
+//! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
 //! Exit status 0 when every check passed; on failure it prints `selftest: rank R error: ...`.
 #![forbid(unsafe_code)]
 
@@ -28,7 +33,16 @@ fn main() {
         std::process::exit(2);
     };
     let rest = &args[1..];
-    let comm = match Communicator::init() {
+    let init = || -> ferroccl::Result<Communicator> {
+        let Some(k) = flag(rest, "--fake-hosts").and_then(|v| v.parse::<usize>().ok()) else {
+            return Communicator::init();
+        };
+        let launch = ferroccl::bootstrap::env::detect()?;
+        let mut params = ferroccl::Params::from_env()?;
+        params.host_id = Some(format!("fake-host-{}", launch.rank / k.max(1)));
+        Communicator::init_with(launch.into(), params)
+    };
+    let comm = match init() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("selftest: init error: {e}");
@@ -36,12 +50,16 @@ fn main() {
         }
     };
     let rank = comm.rank();
+    println!("selftest: rank {rank} pid {}", std::process::id());
     let result = match cmd.as_str() {
         "exchange" => exchange(&comm, rest),
         "barrier" => barrier(&comm, rest),
         "split" => split(&comm),
         "kill" => kill(&comm, rest),
         "stranger" => stranger(&comm, rest),
+        "all" => exchange(&comm, rest).and_then(|()| barrier(&comm, rest)).and_then(|()| split(&comm)),
+        "stall" => stall(&comm, rest),
+        "mismatch" => mismatch(&comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
@@ -221,5 +239,32 @@ fn stranger(comm: &Communicator, args: &[String]) -> R<()> {
     // The job is unaffected.
     exchange_sizes(comm, &[0, 1, 4096, 1 << 20], 7)?;
     comm.barrier()?;
+    Ok(())
+}
+
+fn stall(comm: &Communicator, args: &[String]) -> R<()> {
+    let late: usize = flag(args, "--rank").and_then(|s| s.parse().ok()).unwrap_or(1);
+    let secs: f64 = flag(args, "--secs").and_then(|s| s.parse().ok()).unwrap_or(5.0);
+    if comm.rank() == late {
+        std::thread::sleep(Duration::from_secs_f64(secs));
+    }
+    let t = Instant::now();
+    let r = comm.barrier();
+    if let Err(e) = &r {
+        println!("selftest: rank {} barrier failed after {:.3}s: {e}", comm.rank(), t.elapsed().as_secs_f64());
+    }
+    Ok(r?)
+}
+
+fn mismatch(comm: &Communicator, args: &[String]) -> R<()> {
+    let n: usize = flag(args, "--bytes").and_then(|s| s.parse().ok()).unwrap_or(16);
+    match comm.rank() {
+        0 => comm.send(&vec![1u8; n], 1)?,
+        1 => {
+            let mut b = vec![0u8; n + 1];
+            comm.recv(&mut b, 0)?;
+        }
+        _ => {}
+    }
     Ok(())
 }

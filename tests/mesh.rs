@@ -1,0 +1,238 @@
+//! Multi-process tests of the mesh: real processes started by `ferroccl-run`, real shared
+//! memory, real sockets. Each test launches the `ferroccl-selftest` program and checks its
+//! output and the launcher's exit status. Every job runs under the launcher's own
+//! `--timeout`, so a hang fails the test instead of stalling the suite, and the launcher
+//! kills every rank it started.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const RUN: &str = env!("CARGO_BIN_EXE_ferroccl-run");
+const SELFTEST: &str = env!("CARGO_BIN_EXE_ferroccl-selftest");
+
+struct Job {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    wall: Duration,
+}
+
+impl Job {
+    fn all(&self) -> String {
+        format!("--- stdout\n{}--- stderr\n{}", self.stdout, self.stderr)
+    }
+}
+
+fn job(n: usize, transport: &str, args: &[&str], env: &[(&str, &str)]) -> Job {
+    let t = Instant::now();
+    let mut c = Command::new(RUN);
+    c.args(["-n", &n.to_string(), "--transport", transport, "--timeout", "240", "--grace", "10", "--", SELFTEST]);
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let Output { status, stdout, stderr } = c.output().expect("run ferroccl-run");
+    Job {
+        code: status.code(),
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+        wall: t.elapsed(),
+    }
+}
+
+fn assert_all_ok(j: &Job, n: usize) {
+    assert_eq!(j.code, Some(0), "job failed\n{}", j.all());
+    for r in 0..n {
+        assert!(j.stdout.contains(&format!("[{r}] selftest: rank {r} ok")), "rank {r} did not finish\n{}", j.all());
+    }
+}
+
+/// Every pair exchanges 0 B, 1 B, 4097 B, 4 KiB, 1 MiB and 64 MiB both ways (checked byte
+/// for byte), then barriers, then splits into two groups that work independently.
+fn full(n: usize, transport: &str) {
+    let j = job(n, transport, &["all", "--sizes", "0,1,4097,4K,1M,64M", "--iters", "50"], &[]);
+    assert_all_ok(&j, n);
+    for r in 0..n {
+        let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} exchanged"))).unwrap_or_else(|| panic!("{}", j.all()));
+        // Every peer used the transport asked for.
+        let peers: Vec<&str> = line.rsplit('(').next().unwrap().trim_end_matches(')').split_whitespace().collect();
+        assert_eq!(peers.len(), n - 1, "{line}");
+        assert!(peers.iter().all(|p| p.ends_with(&format!(":{transport}"))), "{line}");
+    }
+    if n >= 2 {
+        assert!(j.stdout.contains("split ok"), "{}", j.all());
+    }
+}
+
+#[test]
+fn mesh_shm_1() {
+    full(1, "shm");
+}
+#[test]
+fn mesh_shm_2() {
+    full(2, "shm");
+}
+#[test]
+fn mesh_shm_3() {
+    full(3, "shm");
+}
+#[test]
+fn mesh_shm_4() {
+    full(4, "shm");
+}
+#[test]
+fn mesh_shm_8() {
+    full(8, "shm");
+}
+#[test]
+fn mesh_tcp_1() {
+    full(1, "tcp");
+}
+#[test]
+fn mesh_tcp_2() {
+    full(2, "tcp");
+}
+#[test]
+fn mesh_tcp_3() {
+    full(3, "tcp");
+}
+#[test]
+fn mesh_tcp_4() {
+    full(4, "tcp");
+}
+#[test]
+fn mesh_tcp_8() {
+    full(8, "tcp");
+}
+
+/// Without cross-memory attach, large shm writes go through the rings in chunks.
+#[test]
+fn mesh_shm_without_cma() {
+    let j = job(3, "shm", &["exchange", "--sizes", "0,1,20000,1M,9M"], &[("FERROCCL_SHM_CMA", "0"), ("FERROCCL_SHM_RING_BYTES", "65536")]);
+    assert_all_ok(&j, 3);
+}
+
+/// Ranks on different (pretend) hosts talk tcp, ranks on the same host shm: the choice
+/// follows host identity, not a default.
+#[test]
+fn auto_picks_shm_within_a_host_and_tcp_across() {
+    let j = job(4, "auto", &["exchange", "--sizes", "0,1,1M", "--fake-hosts", "2"], &[]);
+    assert_all_ok(&j, 4);
+    for r in 0..4usize {
+        let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} exchanged"))).unwrap();
+        for p in (0..4usize).filter(|&p| p != r) {
+            let want = if p / 2 == r / 2 { "shm" } else { "tcp" };
+            assert!(line.contains(&format!("{p}:{want}")), "rank {r} to {p} should be {want}: {line}");
+        }
+    }
+}
+
+#[test]
+fn forcing_shm_across_hosts_is_an_error() {
+    let j = job(2, "shm", &["exchange", "--sizes", "1", "--fake-hosts", "1"], &[]);
+    assert_ne!(j.code, Some(0));
+    assert!(j.stderr.contains("on another host"), "{}", j.all());
+}
+
+/// SIGKILL one rank in the middle of the work: every other rank must fail promptly with an
+/// error that names the dead rank, and the launcher must exit non-zero.
+fn killed(transport: &str, during: &str) {
+    let n = 4;
+    let victim = 2;
+    let j = job(n, transport, &["kill", "--victim", &victim.to_string(), "--during", during], &[]);
+    // The launcher reports the root cause: the killed rank's status, 128 + SIGKILL.
+    assert_eq!(j.code, Some(137), "{}", j.all());
+    assert!(j.stderr.contains(&format!("rank {victim} was killed by signal SIGKILL")), "{}", j.all());
+    for r in (0..n).filter(|&r| r != victim) {
+        let line = j
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} saw the failure after")))
+            .unwrap_or_else(|| panic!("rank {r} did not report the failure\n{}", j.all()));
+        assert!(line.contains(&format!("rank {victim}")), "rank {r}'s error does not name rank {victim}: {line}");
+        let secs: f64 = line.split("after ").nth(1).unwrap().split('s').next().unwrap().parse().unwrap();
+        // The victim dies 0.3 s in; the others must notice within a few seconds.
+        assert!(secs < 5.0, "rank {r} took {secs} s to notice: {line}");
+    }
+    assert!(j.wall < Duration::from_secs(30), "took {:?}", j.wall);
+}
+
+#[test]
+fn kill_during_barrier_shm() {
+    killed("shm", "barrier");
+}
+#[test]
+fn kill_during_transfer_shm() {
+    killed("shm", "transfer");
+}
+#[test]
+fn kill_during_barrier_tcp() {
+    killed("tcp", "barrier");
+}
+#[test]
+fn kill_during_transfer_tcp() {
+    killed("tcp", "transfer");
+}
+
+/// Garbage and a wrong token at the store are refused; the job carries on.
+#[test]
+fn strangers_are_refused_and_the_job_is_unaffected() {
+    for t in ["shm", "tcp"] {
+        let j = job(3, t, &["stranger"], &[]);
+        assert_all_ok(&j, 3);
+        assert!(j.stdout.contains("wrong token was refused") && j.stdout.contains("wrong job token"), "{}", j.all());
+    }
+}
+
+/// A rank that is late beyond FERROCCL_TIMEOUT makes the others fail with a timeout that
+/// says what they were doing, instead of hanging.
+#[test]
+fn every_wait_has_a_deadline() {
+    for t in ["shm", "tcp"] {
+        let j = job(3, t, &["stall", "--rank", "1", "--secs", "6"], &[("FERROCCL_TIMEOUT", "1")]);
+        assert_ne!(j.code, Some(0), "{}", j.all());
+        let line = j.stdout.lines().find(|l| l.contains("rank 0 barrier failed after")).unwrap_or_else(|| panic!("{}", j.all()));
+        assert!(line.contains("timed out") || line.contains("gave up"), "{line}");
+        let secs: f64 = line.split("after ").nth(1).unwrap().split('s').next().unwrap().parse().unwrap();
+        assert!(secs < 4.0, "{line}");
+    }
+}
+
+/// A send and a receive of different lengths fail on both sides with a clear error, for
+/// eager and rendezvous sizes.
+#[test]
+fn length_mismatch_fails_on_both_sides() {
+    for (t, bytes) in [("shm", "16"), ("shm", "1000000"), ("tcp", "16"), ("tcp", "1000000")] {
+        let j = job(2, t, &["mismatch", "--bytes", bytes], &[]);
+        assert_ne!(j.code, Some(0), "{}", j.all());
+        for r in 0..2 {
+            let line = j.stderr.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} error"))).unwrap_or_else(|| panic!("{}", j.all()));
+            assert!(line.contains("does not match") || line.contains("reported an error"), "{t} {bytes}: {line}");
+        }
+    }
+}
+
+/// Nothing is left behind in /dev/shm by a finished job, a failed job included.
+#[test]
+fn no_shared_memory_segment_is_left_behind() {
+    let j = job(4, "shm", &["exchange", "--sizes", "1,1M"], &[]);
+    assert_all_ok(&j, 4);
+    let k = job(3, "shm", &["kill", "--victim", "1", "--during", "transfer"], &[]);
+    assert_ne!(k.code, Some(0));
+    let mut pids: Vec<String> = Vec::new();
+    for out in [&j.stdout, &k.stdout] {
+        for l in out.lines() {
+            if let (true, Some(p)) = (l.contains("selftest: rank"), l.split(" pid ").nth(1)) {
+                pids.push(p.trim().to_string());
+            }
+        }
+    }
+    assert_eq!(pids.len(), 7, "{}{}", j.all(), k.all());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ferroccl-") && pids.iter().any(|p| !p.is_empty() && n.starts_with(&format!("ferroccl-{p}-"))))
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+}
