@@ -236,3 +236,46 @@ fn no_shared_memory_segment_is_left_behind() {
         .collect();
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
+
+/// Under torchrun's variables (no ferroccl-run), rank 0 serves the store at
+/// MASTER_ADDR:(MASTER_PORT+1) and the ranks still build the full mesh.
+#[test]
+fn torchrun_environment_with_rank0_serving_the_store() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let n = 3;
+    let mut children: Vec<std::process::Child> = (0..n)
+        .map(|r| {
+            Command::new(SELFTEST)
+                .args(["exchange", "--sizes", "1,100000"])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", (port - 1).to_string())
+                .env("TORCHELASTIC_RUN_ID", format!("test-{port}"))
+                .env("FERROCCL_TIMEOUT", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline && children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut outs = Vec::new();
+    for mut c in children {
+        let _ = c.kill(); // no-op if it exited; a hang must not leave processes behind
+        let o = c.wait_with_output().unwrap();
+        outs.push((o.status, String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)));
+    }
+    for (r, (status, out)) in outs.iter().enumerate() {
+        assert!(status.success(), "rank {r}: {status}\n{out}");
+        assert!(out.contains(&format!("selftest: rank {r} ok")), "rank {r}\n{out}");
+    }
+}

@@ -11,7 +11,7 @@ use ferroccl_mem::region::{with_region, with_region_ro};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::error::{Error, Result};
-use crate::fabric::{Fabric, FabricConfig};
+use crate::fabric::{Events, Fabric, FabricConfig};
 use crate::params::Params;
 use crate::proto::{self, Cts, CHAN_INTERNAL, CHAN_USER, EAGER_HEADER};
 use crate::transport::WriteTicket;
@@ -62,13 +62,15 @@ pub struct Communicator {
     op_lock: Mutex<()>,
 }
 
-/// Counts inits per (store, rank) so that several communicators in one job get distinct
-/// store keys (every rank inits them in the same order).
-fn init_generation(store: &str, rank: usize) -> u64 {
-    static GEN: Mutex<Option<HashMap<(String, usize), u64>>> = Mutex::new(None);
+/// Counts inits per (store, job token, world size, rank) so that several communicators in
+/// one job get distinct store keys (every rank of a world inits them in the same order),
+/// also when one store serves several jobs of different sizes in turn.
+fn init_generation(store: &str, token: &str, world: usize, rank: usize) -> u64 {
+    type Gens = HashMap<(String, String, usize, usize), u64>;
+    static GEN: Mutex<Option<Gens>> = Mutex::new(None);
     let mut g = GEN.lock().unwrap_or_else(|e| e.into_inner());
     let m = g.get_or_insert_with(HashMap::new);
-    let n = m.entry((store.to_string(), rank)).or_insert(0);
+    let n = m.entry((store.to_string(), token.to_string(), world, rank)).or_insert(0);
     let v = *n;
     *n += 1;
     v
@@ -99,6 +101,7 @@ impl Communicator {
         if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
             return Err(Error::invalid(format!("rank {} is not in a world of {} ranks", cfg.rank, cfg.world_size)));
         }
+        params.validate()?;
         let timeout = params.timeout;
         let (addr, server) = match &cfg.store {
             StoreRole::Connect(a) => (a.clone(), None),
@@ -117,7 +120,7 @@ impl Communicator {
             }
         };
         let store = StoreClient::connect(&addr, &cfg.token, cfg.rank, timeout)?;
-        let gen = init_generation(&addr, cfg.rank);
+        let gen = init_generation(&addr, &cfg.token, cfg.world_size, cfg.rank);
         let fabric = Fabric::connect(FabricConfig {
             rank: cfg.rank,
             size: cfg.world_size,
@@ -125,7 +128,7 @@ impl Communicator {
             params,
             store,
             server: server as Option<StoreServer>,
-            key_prefix: format!("ferroccl/{gen}"),
+            key_prefix: format!("ferroccl/{}/{gen}", cfg.world_size),
         })?;
         if fabric.params.debug {
             for p in 0..fabric.size {
@@ -219,31 +222,33 @@ impl Communicator {
         }
     }
 
-    /// Tells `wpeer` that this operation failed on our side, then returns `err`.
-    fn fail_both(&self, wpeer: usize, chan: u8, seq: u32, err: Error) -> Error {
-        self.fabric.shared.lock().set_fatal(usize::MAX, err.to_string());
-        if let Ok(ep) = self.fabric.endpoint(wpeer) {
-            let msg = proto::encode_err(self.id, chan, seq, &err.to_string());
-            let _ = ep.post_send(&msg, Instant::now() + Duration::from_secs(1), &|| self.fabric.progress());
-        }
-        err
-    }
-
-    fn send_bytes(&self, chan: u8, peer: usize, data: &[u8], op: &str) -> Result<()> {
+    /// Everything that can be checked before a byte goes on the wire; errors here leave the
+    /// communicator usable.
+    fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
         let wpeer = self.peer_world(peer, op)?;
+        self.fabric.endpoint(wpeer)?;
         if let Some(e) = self.fabric.fatal_error(op) {
             return Err(e);
         }
+        Ok(wpeer)
+    }
+
+    /// Sends to a member already checked by [`Communicator::check_peer`]. Any error is
+    /// fatal (the caller poisons).
+    fn send_bytes(&self, chan: u8, peer: usize, data: &[u8], op: &str) -> Result<()> {
+        let wpeer = self.check_peer(peer, op)?;
         let ep = self.fabric.endpoint(wpeer)?;
         let seq = self.next_seq(true, chan, peer);
         let deadline = self.deadline();
-        let poll = || self.fabric.progress();
+        let pump = || self.fabric.pump(op);
         if self.is_eager(wpeer, data.len())? {
-            return ep.post_send(&proto::encode_eager(self.id, chan, seq, data), deadline, &poll);
+            return ep.post_send(&proto::encode_eager(self.id, chan, seq, data), deadline, &pump);
         }
-        // Rendezvous: wait for the receiver's clear-to-send, then write into its buffer.
+        // Rendezvous: announce (so an eager receiver can tell the lengths differ), wait for
+        // the receiver's clear-to-send, then write into its buffer.
+        ep.post_send(&proto::encode_rts(self.id, chan, seq, data.len() as u64), deadline, &pump)?;
         let key = (self.id, chan, wpeer);
-        let cts: Cts = self.fabric.wait_until(op, deadline, |ev| {
+        let cts: Cts = self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
             let q = ev.cts.entry(key).or_default();
             match q.front() {
                 Some(c) if c.seq == seq => Ok(q.pop_front()),
@@ -253,19 +258,18 @@ impl Communicator {
             }
         })?;
         if cts.len != data.len() as u64 {
-            let e = Error::Mismatch {
+            return Err(Error::Mismatch {
                 rank: self.rank,
                 peer,
                 op: op.to_string(),
                 what: format!("this rank sends {} bytes, rank {peer} receives {}", data.len(), cts.len),
-            };
-            return Err(self.fail_both(wpeer, chan, seq, e));
+            });
         }
         with_region_ro(data, |src| -> Result<()> {
-            let ticket = ep.post_write(src, 0, data.len(), cts.buf, 0, cts.imm, deadline, &poll)?;
+            let ticket = ep.post_write(src, 0, data.len(), cts.buf, 0, cts.imm, deadline, &pump)?;
             if let WriteTicket::Pending { slot, gen } = ticket {
                 let shm = self.fabric.local_shm().ok_or_else(|| Error::invalid("internal: pull without shm"))?.clone();
-                let r = self.fabric.wait_until(op, deadline, |_| match shm.pull_status(slot, gen) {
+                let r = self.fabric.wait_until(op, deadline, &[wpeer], |_: &mut Events| match shm.pull_status(slot, gen) {
                     Some(Ok(())) => Ok(Some(())),
                     Some(Err(())) => Err(Error::Transport {
                         rank: self.rank,
@@ -283,24 +287,17 @@ impl Communicator {
         })
     }
 
-    fn recv_bytes(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str) -> Result<()> {
-        self.recv_bytes_then(chan, peer, buf, op, || Ok(()))
-    }
-
-    /// Receives, running `between` once the receive is ready (its clear-to-send posted) and
-    /// before waiting for the data: `sendrecv` sends there, so no pattern of sendrecvs can
-    /// deadlock.
+    /// Receives from a member already checked, running `between` once the receive is ready
+    /// (its clear-to-send posted) and before waiting for the data: `sendrecv` sends there,
+    /// so no pattern of sendrecvs can deadlock. Any error is fatal (the caller poisons).
     fn recv_bytes_then(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str, between: impl FnOnce() -> Result<()>) -> Result<()> {
-        let wpeer = self.peer_world(peer, op)?;
-        if let Some(e) = self.fabric.fatal_error(op) {
-            return Err(e);
-        }
+        let wpeer = self.check_peer(peer, op)?;
         let ep = self.fabric.endpoint(wpeer)?;
         let seq = self.next_seq(false, chan, peer);
         let deadline = self.deadline();
         let key = (self.id, chan, wpeer);
         let len = buf.len();
-        let mismatch = |got: usize| Error::Mismatch {
+        let mismatch = |got: u64| Error::Mismatch {
             rank: self.rank,
             peer,
             op: op.to_string(),
@@ -308,7 +305,7 @@ impl Communicator {
         };
         if self.is_eager(wpeer, len)? {
             between()?;
-            let msg = self.fabric.wait_until(op, deadline, |ev| {
+            let msg = self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
                 let q = ev.data.entry(key).or_default();
                 match q.front() {
                     Some(m) if m.seq == seq => Ok(q.pop_front()),
@@ -317,27 +314,46 @@ impl Communicator {
                     None => Ok(None),
                 }
             })?;
+            if let Some(sent) = msg.rts {
+                return Err(mismatch(sent));
+            }
             if msg.data.len() != len {
-                return Err(self.fail_both(wpeer, chan, seq, mismatch(msg.data.len())));
+                return Err(mismatch(msg.data.len() as u64));
             }
             buf.copy_from_slice(&msg.data);
             return Ok(());
         }
-        let poll = || self.fabric.progress();
+        let pump = || self.fabric.pump(op);
         with_region(buf, |dst| -> Result<()> {
             let remote = self.fabric.register(dst);
             let imm = self.fabric.next_imm();
             let r = (|| {
                 let cts = Cts { seq, len: len as u64, buf: remote, imm };
-                ep.post_send(&proto::encode_cts(self.id, chan, &cts), deadline, &poll)?;
+                ep.post_send(&proto::encode_cts(self.id, chan, &cts), deadline, &pump)?;
                 between()?;
-                self.fabric.wait_until(op, deadline, |ev| {
-                    if ev.imms.remove(&(wpeer, imm)) {
-                        return Ok(Some(()));
+                let mut announced = false;
+                self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
+                    // The sender's ready-to-send (or, if it thinks the message is small,
+                    // the data itself) comes first on the stream.
+                    if !announced {
+                        let q = ev.data.entry(key).or_default();
+                        match q.front() {
+                            Some(m) if m.seq == seq => match m.rts {
+                                Some(sent) if sent == len as u64 => {
+                                    q.pop_front();
+                                    announced = true;
+                                }
+                                Some(sent) => return Err(mismatch(sent)),
+                                None => return Err(mismatch(m.data.len() as u64)),
+                            },
+                            Some(m) => {
+                                return Err(Error::protocol(format!("rank {peer}"), format!("{op}: message #{} arrived, expected #{seq}", m.seq)))
+                            }
+                            None => {}
+                        }
                     }
-                    // The sender thinks this message is small: it came eagerly instead.
-                    if let Some(m) = ev.data.get(&key).and_then(|q| q.front()).filter(|m| m.seq == seq) {
-                        return Err(mismatch(m.data.len()));
+                    if announced && ev.imms.remove(&(wpeer, imm)) {
+                        return Ok(Some(()));
                     }
                     if ev.closed.contains(&wpeer) {
                         return Err(self.closed_error(peer, op));
@@ -346,31 +362,39 @@ impl Communicator {
                 })
             })();
             self.fabric.deregister(remote.key);
-            r.map_err(|e| match e {
-                e @ Error::Mismatch { .. } => self.fail_both(wpeer, chan, seq, e),
-                e => e,
-            })
+            r
         })
+    }
+
+    fn recv_bytes(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str) -> Result<()> {
+        self.recv_bytes_then(chan, peer, buf, op, || Ok(()))
+    }
+
+    /// Runs one whole operation: an error after its checks is fatal for the fabric.
+    fn run<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
+        f().map_err(|e| self.fabric.poison(e))
     }
 
     /// Sends `data` to member `peer`, which must call [`Communicator::recv`] with a buffer of
     /// the same length. Returns once `data` may be reused.
     pub fn send<T: Element>(&self, data: &[T], peer: usize) -> Result<()> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.send_bytes(CHAN_USER, peer, as_bytes(data), &format!("send to rank {peer}"))
+        let op = format!("send to rank {peer}");
+        self.check_peer(peer, &op)?;
+        self.run(|| self.send_bytes(CHAN_USER, peer, as_bytes(data), &op))
     }
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.recv_bytes(CHAN_USER, peer, as_bytes_mut(buf), &format!("recv from rank {peer}"))
+        let op = format!("recv from rank {peer}");
+        self.check_peer(peer, &op)?;
+        self.run(|| self.recv_bytes(CHAN_USER, peer, as_bytes_mut(buf), &op))
     }
 
     /// Sends `data` to member `to` and receives `buf` from member `from` in one call, which
     /// cannot deadlock whatever pattern the members form (rings, pairs, shifts). `to` and
-    /// `from` may be this rank itself (then `data` is copied into `buf`).
+    /// `from` may both be this rank itself (then `data` is copied into `buf`).
     pub fn sendrecv<T: Element>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
         let op = format!("sendrecv (to rank {to}, from rank {from})");
         let (d, b) = (as_bytes(data), as_bytes_mut(buf));
         match (to == self.rank, from == self.rank) {
@@ -380,25 +404,29 @@ impl Communicator {
             }
             (true, true) => Err(Error::invalid(format!("{op}: sends {} bytes to itself but receives {}", d.len(), b.len()))),
             (true, false) | (false, true) => Err(Error::invalid(format!("{op}: only one side is this rank itself"))),
-            (false, false) => self.recv_bytes_then(CHAN_USER, from, b, &op, || self.send_bytes(CHAN_USER, to, d, &op)),
+            (false, false) => {
+                self.check_peer(to, &op)?;
+                self.check_peer(from, &op)?;
+                self.run(|| self.recv_bytes_then(CHAN_USER, from, b, &op, || self.send_bytes(CHAN_USER, to, d, &op)))
+            }
         }
     }
 
     /// Waits until every member has entered the barrier (dissemination: ⌈log2 n⌉ rounds of
     /// empty messages).
     pub fn barrier(&self) -> Result<()> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.barrier_locked()
+        self.run(|| self.barrier_inner())
     }
 
-    fn barrier_locked(&self) -> Result<()> {
+    fn barrier_inner(&self) -> Result<()> {
         let n = self.size();
         let mut k = 1;
         while k < n {
             let to = (self.rank + k) % n;
             let from = (self.rank + n - k) % n;
-            self.send_bytes(CHAN_INTERNAL, to, &[], "barrier")?;
-            self.recv_bytes(CHAN_INTERNAL, from, &mut [], "barrier")?;
+            let op = format!("barrier (round {}: rank {to} / rank {from})", k.trailing_zeros());
+            self.send_bytes(CHAN_INTERNAL, to, &[], &op)?;
+            self.recv_bytes(CHAN_INTERNAL, from, &mut [], &op)?;
             k *= 2;
         }
         Ok(())
@@ -409,7 +437,10 @@ impl Communicator {
     /// color leaves this rank out (it gets `Ok(None)`). Every member must call it.
     /// The new communicators share this one's connections.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.run(|| self.split_inner(color, key))
+    }
+
+    fn split_inner(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let n = self.size();
         let mine = {
             let mut b = Vec::with_capacity(13);
@@ -464,10 +495,7 @@ impl Communicator {
     /// Ends this rank's part: a barrier (so no member is still talking to it), then goodbye
     /// to every peer. Dropping a communicator without `finalize` skips the barrier.
     pub fn finalize(self) -> Result<()> {
-        let r = {
-            let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.barrier_locked()
-        };
+        let r = self.run(|| self.barrier_inner());
         if self.id == 0 {
             self.fabric.close();
         }

@@ -36,6 +36,8 @@ use crate::wire::{Reader, Writer};
 pub(crate) struct Incoming {
     pub(crate) seq: u32,
     pub(crate) data: Vec<u8>,
+    /// `Some(len)` for a rendezvous sender's ready-to-send (no data).
+    pub(crate) rts: Option<u64>,
 }
 
 /// Everything transports report, waiting to be matched by a caller.
@@ -105,7 +107,7 @@ impl Shared {
     pub(crate) fn notify(&self) {
         self.bell.word().fetch_add(1, Ordering::SeqCst);
         if self.bell.sleeping().load(Ordering::SeqCst) != 0 {
-            let _ = futex_wake(self.bell.word(), u32::MAX);
+            let _ = futex_wake(self.bell.word(), i32::MAX as u32);
         }
     }
 
@@ -115,9 +117,12 @@ impl Shared {
         let mut ev = self.lock();
         match decoded {
             Ok(ProtoMsg::Eager { comm, chan, seq, data }) => {
-                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data })
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data, rts: None })
             }
             Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
+            Ok(ProtoMsg::Rts { comm, chan, seq, len }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data: Vec::new(), rts: Some(len) })
+            }
             Ok(ProtoMsg::Err { what }) => ev.set_fatal(peer, format!("reported an error: {what}")),
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
         }
@@ -140,16 +145,16 @@ impl Shared {
             e
         };
         let Some(region) = region else {
-            return Err(fail(format!("rank {peer} wrote into registration {key:#x}, which is not (or no longer) registered")));
+            return Err(fail(format!("wrote into registration {key:#x}, which is not (or no longer) registered")));
         };
-        let off = addr.checked_sub(region.addr()).map(|o| o as usize);
+        let off = addr.checked_sub(region.addr()).and_then(|o| usize::try_from(o).ok());
         let Some(off) = off.filter(|&o| o.checked_add(len).is_some_and(|e| e <= region.len())) else {
-            return Err(fail(format!("rank {peer} wrote {len} bytes at {addr:#x}, outside registration {key:#x}")));
+            return Err(fail(format!("wrote {len} bytes at {addr:#x}, outside registration {key:#x}")));
         };
         match region.with_slice_mut(off, len, fill) {
             Ok(Ok(())) => Ok(()),
             Ok(Err(what)) => Err(fail(what)),
-            Err(e) => Err(fail(format!("write from rank {peer} into registration {key:#x}: {e}"))),
+            Err(e) => Err(fail(format!("its write into registration {key:#x} failed: {e}"))),
         }
     }
 
@@ -269,6 +274,7 @@ pub(crate) struct Fabric {
     next_imm: AtomicU32,
     health_at: Mutex<Instant>,
     closed: AtomicBool,
+    told_peers: AtomicBool,
     /// Kept alive: peers probe cross-memory attach by reading it.
     _probe: Box<[u8; 64]>,
     pub(crate) setup_time: Duration,
@@ -440,6 +446,7 @@ impl Fabric {
             next_imm: AtomicU32::new(1),
             health_at: Mutex::new(Instant::now()),
             closed: AtomicBool::new(false),
+            told_peers: AtomicBool::new(false),
             _probe: probe,
             setup_time: Duration::ZERO,
             wakeups: AtomicU64::new(0),
@@ -449,10 +456,11 @@ impl Fabric {
         // segment, so its name can go.
         for &(p, can_pull) in &hellos {
             if let Some(Endpoint::Shm(ep)) = &fabric.endpoints[p] {
-                ep.post_hello(can_pull, deadline, &|| fabric.progress())?;
+                ep.post_hello(can_pull, deadline, &|| fabric.pump("connect"))?;
             }
         }
-        fabric.wait_until("connect (waiting for shm peers)", deadline, |_| {
+        let shm_peers: Vec<usize> = hellos.iter().map(|(p, _)| *p).collect();
+        fabric.wait_until("connect (waiting for shm peers)", deadline, &shm_peers, |_| {
             let missing: Vec<usize> = hellos
                 .iter()
                 .filter(|(p, _)| matches!(&fabric.endpoints[*p], Some(Endpoint::Shm(ep)) if !ep.hello_received()))
@@ -506,7 +514,7 @@ impl Fabric {
         self.local_shm.as_ref()
     }
 
-    /// Drains the shm inbox and checks peers' health (rate-limited). An error here is fatal
+    /// Drains the shm inbox, handing records to the event state. An error here is fatal
     /// for the fabric.
     pub(crate) fn progress(&self) -> Result<()> {
         if let Some(shm) = &self.local_shm {
@@ -519,16 +527,32 @@ impl Fabric {
                     _ => None,
                 })
                 .collect();
-            if let Err(e) = shm.drain(&peers, &self.shared) {
-                let peer = match &e {
-                    Error::Transport { peer, .. } => *peer,
-                    _ => usize::MAX,
-                };
-                self.shared.lock().set_fatal(peer, e.to_string());
-                return Err(e);
+            match shm.drain(&peers, &self.shared) {
+                // Something arrived: another thread of this process may be waiting for it.
+                Ok(true) => self.shared.notify(),
+                Ok(false) => {}
+                Err(e) => {
+                    let peer = match &e {
+                        Error::Transport { peer, .. } => *peer,
+                        _ => usize::MAX,
+                    };
+                    self.shared.lock().set_fatal(peer, e.to_string());
+                    return Err(e);
+                }
             }
         }
         Ok(())
+    }
+
+    /// What a sender runs while it waits for room: drain our inbox, watch the peers, and
+    /// stop at once if the fabric has failed.
+    pub(crate) fn pump(&self, op: &str) -> Result<()> {
+        let _ = self.progress();
+        self.check_health(false);
+        match self.fatal_error(op) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn check_health(&self, force: bool) {
@@ -572,37 +596,90 @@ impl Fabric {
         })
     }
 
+    /// Makes `err` fatal for the fabric (unless an earlier error already is), tells every
+    /// peer the root cause, and shuts the tcp sockets down so that no reader thread can keep
+    /// a registered buffer busy. Returns `err` for the caller to report.
+    pub(crate) fn poison(&self, err: Error) -> Error {
+        if matches!(err, Error::InvalidArgument(_)) {
+            // Found before anything went on the wire: nothing to clean up.
+            return err;
+        }
+        let peer = match &err {
+            Error::PeerFailed { peer, .. } => *peer,
+            _ => usize::MAX,
+        };
+        self.shared.lock().set_fatal(peer, err.to_string());
+        self.tell_peers_and_cut();
+        err
+    }
+
+    /// Once: sends every peer an `ERR` with the fatal cause (without waiting: a full ring
+    /// or a busy socket is skipped), then shuts the tcp sockets down.
+    fn tell_peers_and_cut(&self) {
+        let Some((peer, what)) = self.shared.lock().fatal.clone() else { return };
+        if self.told_peers.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let why = if peer == usize::MAX {
+            format!("rank {} gave up: {what}", self.rank)
+        } else {
+            format!("rank {} gave up because rank {peer} {what}", self.rank)
+        };
+        let msg = proto::encode_err(0, proto::CHAN_INTERNAL, 0, &why);
+        let deadline = Instant::now() + Duration::from_millis(200);
+        for e in self.endpoints.iter().flatten() {
+            let _ = e.try_post_send_now(&msg, deadline);
+        }
+        for e in self.endpoints.iter().flatten() {
+            e.cut();
+        }
+    }
+
     /// Polls until `check` yields a value, a fatal error occurs, or `deadline` passes.
-    /// `check` runs with the event state locked; it must not block.
+    /// `check` runs with the event state locked; it must not block. Every error returned
+    /// here is fatal for the fabric (see [`Fabric::poison`]).
     pub(crate) fn wait_until<T>(
         &self,
         op: &str,
         deadline: Instant,
+        waiting_for: &[usize],
         mut check: impl FnMut(&mut Events) -> Result<Option<T>>,
     ) -> Result<T> {
         let start = Instant::now();
         let mut idle = 0u32;
         loop {
+            // Read the doorbell before looking: whatever is published after this read
+            // bumps the bell past `seen`, which makes the futex sleep below return at once.
+            let seen = self.shared.bell.word().load(Ordering::SeqCst);
             if self.progress().is_err() {
-                return Err(self.fatal_error(op).unwrap_or_else(|| Error::Poisoned(op.into())));
+                let e = self.fatal_error(op).unwrap_or_else(|| Error::Poisoned(op.into()));
+                return Err(self.poison(e));
             }
             // A fatal error wins over whatever else arrived: the fabric is poisoned.
             if let Some(e) = self.fatal_error(op) {
-                return Err(e);
+                return Err(self.poison(e));
             }
             {
                 let mut ev = self.shared.lock();
-                if let Some(v) = check(&mut ev)? {
-                    return Ok(v);
+                match check(&mut ev) {
+                    Ok(Some(v)) => return Ok(v),
+                    Ok(None) => {}
+                    Err(e) => {
+                        drop(ev);
+                        return Err(self.poison(e));
+                    }
                 }
             }
             self.check_health(false);
             let now = Instant::now();
             if now >= deadline {
-                let e = Error::Timeout { rank: self.rank, op: op.to_string(), after: now - start, waiting_for: vec![] };
-                // A timed-out operation leaves the peers' state unknown: poison.
-                self.shared.lock().set_fatal(usize::MAX, e.to_string());
-                return Err(e);
+                let e = Error::Timeout {
+                    rank: self.rank,
+                    op: op.to_string(),
+                    after: now - start,
+                    waiting_for: waiting_for.iter().map(|p| format!("rank {p}")).collect(),
+                };
+                return Err(self.poison(e));
             }
             idle += 1;
             if idle < 64 {
@@ -610,26 +687,22 @@ impl Fabric {
             } else if idle < 96 {
                 std::thread::yield_now();
             } else {
-                self.sleep_on_bell(deadline, &mut check)?;
+                self.sleep_on_bell(seen, deadline);
                 idle = 32;
             }
         }
     }
 
-    fn sleep_on_bell<T>(&self, deadline: Instant, _check: &mut impl FnMut(&mut Events) -> Result<Option<T>>) -> Result<()> {
+    /// Sleeps until the doorbell moves past `seen` (or 5 ms, to look at peers' health).
+    fn sleep_on_bell(&self, seen: u32, deadline: Instant) {
         let bell = &self.shared.bell;
-        let seen = bell.word().load(Ordering::SeqCst);
-        bell.sleeping().store(1, Ordering::SeqCst);
-        // Re-check after announcing: a producer that published before seeing the flag has
-        // bumped the bell, which makes the futex wait return at once.
+        bell.sleeping().fetch_add(1, Ordering::SeqCst);
         let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
-        self.check_health(true);
-        if bell.word().load(Ordering::SeqCst) == seen && self.shared.lock().fatal.is_none() {
+        if !nap.is_zero() {
             let _ = futex_wait(bell.word(), seen, Some(nap));
             self.wakeups.fetch_add(1, Ordering::Relaxed);
         }
-        bell.sleeping().store(0, Ordering::SeqCst);
-        Ok(())
+        bell.sleeping().fetch_sub(1, Ordering::SeqCst);
     }
 
     /// How often a waiter slept on the doorbell.
@@ -645,17 +718,9 @@ impl Fabric {
         let deadline = Instant::now() + Duration::from_secs(2).min(self.params.timeout);
         // After a fatal error, tell every peer why we are leaving, so that they report the
         // root cause (the rank that died) rather than our exit.
-        let fatal = self.shared.lock().fatal.clone();
+        self.tell_peers_and_cut();
         for e in self.endpoints.iter().flatten() {
-            if let Some((peer, what)) = &fatal {
-                let why = if *peer == usize::MAX {
-                    format!("rank {} gave up: {what}", self.rank)
-                } else {
-                    format!("rank {} gave up because rank {peer} {what}", self.rank)
-                };
-                let _ = e.post_send(&proto::encode_err(0, proto::CHAN_INTERNAL, 0, &why), deadline, &|| Ok(()));
-            }
-            e.close(deadline, &|| self.progress());
+            e.close(deadline, &|| self.pump("close"));
         }
         if let Some(s) = &self.local_shm {
             s.unlink();

@@ -131,7 +131,7 @@ impl Params {
         }
         if let Some(v) = get("FERROCCL_TIMEOUT") {
             let secs: f64 = parse_num("FERROCCL_TIMEOUT", &v)?;
-            if !(secs > 0.0 && secs.is_finite() && secs < 1e9) {
+            if !(secs > 0.0 && secs.is_finite() && secs <= 365.0 * 24.0 * 3600.0) {
                 return Err(Error::Env { var: "FERROCCL_TIMEOUT".into(), problem: format!("{v:?} must be a positive number of seconds") });
             }
             p.timeout = Duration::from_secs_f64(secs);
@@ -171,6 +171,23 @@ impl Params {
             p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
         }
         Ok(p)
+    }
+}
+
+impl Params {
+    /// Checks values set by hand (from_env already checks what it reads).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(format!("Params: {what}")));
+        if !(4096..=(1 << 30)).contains(&self.shm_ring_bytes) || !self.shm_ring_bytes.is_power_of_two() {
+            return bad(format!("shm_ring_bytes {} must be a power of two between 4096 and 1 GiB", self.shm_ring_bytes));
+        }
+        if self.timeout.is_zero() || self.timeout > Duration::from_secs(365 * 24 * 3600) {
+            return bad(format!("timeout {:?} must be positive and at most a year", self.timeout));
+        }
+        if self.store_max_value == 0 {
+            return bad("store_max_value must be positive".into());
+        }
+        Ok(())
     }
 }
 

@@ -6,7 +6,8 @@
 //!
 //! * **Eager** (`len <= FERROCCL_EAGER_MAX`): the sender posts one message holding the data;
 //!   the receiver copies it out of its queue. One trip.
-//! * **Rendezvous** (larger): the receiver registers its buffer and sends a clear-to-send
+//! * **Rendezvous** (larger): the sender announces the message with a ready-to-send (`RTS`:
+//!   its sequence number and length), the receiver registers its buffer and sends a clear-to-send
 //!   (`CTS`: its length, the remote descriptor and an immediate); the sender checks the
 //!   lengths match, writes straight into the receiver's buffer with one-sided
 //!   write-with-immediate (zero copy on tcp's receive side, a single `process_vm_readv` on
@@ -28,6 +29,7 @@ pub(crate) const CHAN_INTERNAL: u8 = 1;
 const K_EAGER: u8 = 1;
 const K_CTS: u8 = 2;
 const K_ERR: u8 = 3;
+const K_RTS: u8 = 4;
 
 /// Where a message belongs: (communicator id, channel, peer world rank).
 pub(crate) type StreamKey = (u32, u8, usize);
@@ -47,6 +49,8 @@ pub(crate) enum ProtoMsg {
     Eager { comm: u32, chan: u8, seq: u32, data: Vec<u8> },
     Cts { comm: u32, chan: u8, cts: Cts },
     Err { what: String },
+    /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
+    Rts { comm: u32, chan: u8, seq: u32, len: u64 },
 }
 
 /// Bytes of the eager header (data follows it).
@@ -67,6 +71,13 @@ pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> Vec<u8> {
     let mut w = Writer::new();
     head(&mut w, comm, chan, K_CTS, cts.seq);
     w.u64(cts.len).u64(cts.buf.addr).u64(cts.buf.len).u64(cts.buf.key).u32(cts.imm);
+    w.finish()
+}
+
+pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, len: u64) -> Vec<u8> {
+    let mut w = Writer::new();
+    head(&mut w, comm, chan, K_RTS, seq);
+    w.u64(len);
     w.finish()
 }
 
@@ -96,6 +107,11 @@ pub(crate) fn decode(mut msg: Vec<u8>) -> DResult<ProtoMsg> {
             r.end()?;
             Ok(ProtoMsg::Cts { comm, chan, cts: Cts { seq, len, buf, imm } })
         }
+        K_RTS => {
+            let len = r.u64()?;
+            r.end()?;
+            Ok(ProtoMsg::Rts { comm, chan, seq, len })
+        }
         K_ERR => {
             let what = r.str()?.to_string();
             let _ = (comm, chan, seq);
@@ -124,6 +140,10 @@ mod tests {
         }
         match decode(encode_err(1, 0, 2, "bad")).unwrap() {
             ProtoMsg::Err { what, .. } => assert_eq!(what, "bad"),
+            m => panic!("{m:?}"),
+        }
+        match decode(encode_rts(2, 1, 5, 1 << 40)).unwrap() {
+            ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, len } => assert_eq!(len, 1 << 40),
             m => panic!("{m:?}"),
         }
         assert!(decode(vec![1, 2, 3]).is_err());

@@ -92,6 +92,23 @@ impl Endpoint {
         }
     }
 
+    /// Sends a message only if that needs no waiting (a full ring or a socket busy with
+    /// another frame is skipped); used to tell peers why this rank gives up.
+    pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
+        match self {
+            Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::invalid("ring full"))),
+            Endpoint::Tcp(e) => e.try_post_send_now(msg, deadline),
+        }
+    }
+
+    /// Breaks the connection off after a fatal error, so that nothing stays blocked on it.
+    pub(crate) fn cut(&self) {
+        match self {
+            Endpoint::Shm(_) => {}
+            Endpoint::Tcp(e) => e.cut(),
+        }
+    }
+
     /// Says goodbye: the peer will treat our exit as clean.
     pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
         match self {

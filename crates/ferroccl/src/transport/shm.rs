@@ -24,7 +24,7 @@
 //! Waking: producers bump the owner's doorbell word and `futex_wake` it when the owner has
 //! said it sleeps (see `fabric` for the sleeping side).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -205,7 +205,10 @@ impl LocalShm {
     /// Revokes a pull slot: after this, a target that has not finished its copy will see the
     /// generation change and refuse the data. Must be called before the source is released.
     pub(crate) fn release_slot(&self, slot: usize) {
-        self.slot_gen(slot).store(0, Ordering::Release);
+        // SeqCst + fence: the revocation must be visible before the caller's later writes to
+        // the buffer (the target checks it after its copy, as a seqlock reader does).
+        self.slot_gen(slot).swap(0, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         let mut used = self.slots_used.lock().unwrap_or_else(|e| e.into_inner());
         used[slot] = false;
     }
@@ -220,25 +223,28 @@ impl LocalShm {
             let base = ring_off(peer, self.ring_bytes);
             let tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
+            let corrupt = |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
+            if tail < head || tail - head > r {
+                return Err(corrupt(format!("tail {tail} is not within one ring of head {head}")));
+            }
             while head < tail {
                 any = true;
+                // Everything below comes from another process: check before using it.
                 let pos = (head % r) as usize;
+                let avail = tail - head;
                 let mut hb = [0u8; REC];
                 self.seg.read(base + RING_CTRL + pos, &mut hb);
                 let h = Header::decode(&hb);
                 let payload_off = base + RING_CTRL + pos + REC;
                 let step = match h.kind {
-                    K_PAD => h.len,
-                    K_MSG | K_WRITE => (REC + pad64(h.len as usize)) as u64,
+                    K_PAD if h.len == r - pos as u64 => h.len,
+                    K_PAD => return Err(corrupt(format!("padding of {} bytes at {pos} does not reach the end", h.len))),
+                    K_MSG | K_WRITE if h.len <= r / 2 => (REC + pad64(h.len as usize)) as u64,
+                    K_MSG | K_WRITE => return Err(corrupt(format!("record of {} bytes", h.len))),
                     _ => REC as u64,
                 };
-                if step == 0 || step > r || (h.kind != K_PAD && pos + step as usize > self.ring_bytes) {
-                    return Err(Error::Transport {
-                        rank: self.rank,
-                        peer,
-                        transport: "shm",
-                        what: format!("corrupt ring record (kind {}, len {})", h.kind, h.len),
-                    });
+                if step > avail || (h.kind != K_PAD && pos + step as usize > self.ring_bytes) {
+                    return Err(corrupt(format!("record (kind {}, len {}) overruns the ring", h.kind, h.len)));
                 }
                 match h.kind {
                     K_PAD => {}
@@ -287,24 +293,36 @@ impl LocalShm {
             read_process_memory(pid, h.src_addr, s).map_err(|e| format!("process_vm_readv from rank {peer} (pid {pid}): {e}"))
         });
         // The writer revokes the slot (generation 0) before it releases its buffer; if the
-        // generation is unchanged after our copy, the copy read live data.
-        let gen_now = ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES).load(Ordering::Acquire);
+        // generation is unchanged after our copy, the copy read live data (a seqlock read:
+        // the fence keeps the copy before the check).
+        fence(Ordering::SeqCst);
+        let gen_now = ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES).load(Ordering::SeqCst);
         let ok = copied.is_ok() && gen_now == h.gen;
-        ep.peer_seg
-            .atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
-            .store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
-        ep.ring_peer_bell();
+        // A revoked slot may already belong to a newer transfer: leave its word alone.
+        if gen_now == h.gen {
+            ep.peer_seg
+                .atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
+                .store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
+            ep.ring_peer_bell();
+        }
         copied?;
         if !ok {
             return Err(Error::Transport {
                 rank: self.rank,
                 peer,
                 transport: "shm",
-                what: "a write was revoked by its sender while it was being copied (sender gave up?)".into(),
+                what: "its single-copy write was revoked while this rank copied it (the sender gave up on it)".into(),
             });
         }
         shared.write_imm(peer, h.imm);
         Ok(())
+    }
+}
+
+impl Drop for LocalShm {
+    fn drop(&mut self) {
+        // Also on a failed setup: the name must not outlive us.
+        self.unlink();
     }
 }
 
@@ -389,11 +407,15 @@ impl ShmEndpoint {
         let base = ring_off(self.rank, self.ring_bytes);
         let mut tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
         let mut spins = 0u32;
+        let start = Instant::now();
         loop {
             let pos = *tail % r;
             let contiguous = r - pos;
             let want = if contiguous < need { contiguous } else { need };
             let head = self.peer_seg.atomic_u64(base + 64).load(Ordering::Acquire);
+            if head > *tail || *tail - head > r {
+                return Err(self.err(format!("corrupt ring: head {head} is not within one ring of tail {}", *tail)));
+            }
             if r - (*tail - head) >= want {
                 if contiguous < need {
                     let pad = Header { kind: K_PAD, len: contiguous, ..Header::default() };
@@ -410,21 +432,24 @@ impl ShmEndpoint {
                 self.ring_peer_bell();
                 return Ok(());
             }
-            // Ring full: keep draining our own inbox so a peer sending to us can go on.
+            // Ring full: keep draining our own inbox so a peer sending to us can go on, and
+            // watch the peers (a dead consumer never drains).
             poll()?;
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
                     rank: self.rank,
-                    op: format!("shm send to rank {} (ring full)", self.peer),
-                    after: std::time::Duration::ZERO,
-                    waiting_for: vec![format!("rank {} to drain its ring", self.peer)],
+                    op: format!("shm send to rank {} (its ring stayed full)", self.peer),
+                    after: start.elapsed(),
+                    waiting_for: vec![format!("rank {}", self.peer)],
                 });
             }
             spins += 1;
-            if spins > 64 {
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
                 std::thread::yield_now();
             } else {
-                std::hint::spin_loop();
+                std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }
     }
@@ -463,7 +488,7 @@ impl ShmEndpoint {
         deadline: Instant,
         poll: &dyn Fn() -> Result<()>,
     ) -> Result<WriteTicket> {
-        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) {
+        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) || dst.addr.checked_add(dst.len).is_none() {
             return Err(self.err(format!("write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes", dst.len)));
         }
         if offset.checked_add(len).is_none_or(|e| e > src.len()) {

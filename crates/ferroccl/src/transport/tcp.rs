@@ -43,6 +43,8 @@ pub(crate) struct TcpEndpoint {
     rank: usize,
     peer: usize,
     writer: Mutex<TcpStream>,
+    /// A handle to shut the socket down without waiting for the writer's lock.
+    ctl: TcpStream,
     reader: Mutex<Option<JoinHandle<()>>>,
     closing: Arc<AtomicBool>,
     /// Set when a frame was cut short by a send timeout: the stream is unusable.
@@ -52,6 +54,7 @@ pub(crate) struct TcpEndpoint {
 impl TcpEndpoint {
     pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, shared: Arc<Shared>) -> Result<TcpEndpoint> {
         let rd = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
+        let ctl = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
         let closing = Arc::new(AtomicBool::new(false));
         let c2 = closing.clone();
         let reader = std::thread::Builder::new()
@@ -62,6 +65,7 @@ impl TcpEndpoint {
             rank,
             peer,
             writer: Mutex::new(stream),
+            ctl,
             reader: Mutex::new(Some(reader)),
             closing,
             broken: AtomicBool::new(false),
@@ -72,34 +76,84 @@ impl TcpEndpoint {
         MAX_MSG
     }
 
-    fn io_err(&self, what: &str, e: std::io::Error) -> Error {
+    fn io_err(&self, what: &str, e: std::io::Error, start: Instant) -> Error {
         if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-            self.broken.store(true, Ordering::Release);
             return Error::Timeout {
                 rank: self.rank,
                 op: format!("tcp {what} to rank {}", self.peer),
-                after: Duration::ZERO,
-                waiting_for: vec![format!("rank {} to read its socket", self.peer)],
+                after: start.elapsed(),
+                waiting_for: vec![format!("rank {} (to read its socket)", self.peer)],
             };
         }
-        Error::PeerFailed { rank: self.rank, peer: self.peer, op: format!("tcp {what}"), reason: format!("connection error: {e}") }
+        Error::PeerFailed { rank: self.rank, peer: self.peer, op: format!("tcp {what}"), reason: format!("broke the connection: {e}") }
     }
 
-    fn send_frame(&self, hdr: &[u8; HDR], body: impl FnOnce(&mut TcpStream) -> std::io::Result<()>, deadline: Instant, what: &str) -> Result<()> {
+    /// Writes one frame under the socket's lock. The deadline holds for the whole frame
+    /// (the body is written in pieces, each with the time that is left). A frame cut short
+    /// leaves the stream unusable: the socket is shut down so the peer sees it at once.
+    fn send_frame_locked(
+        &self,
+        s: &mut TcpStream,
+        hdr: &[u8; HDR],
+        body: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<()> {
         if self.broken.load(Ordering::Acquire) {
-            return Err(Error::Transport { rank: self.rank, peer: self.peer, transport: "tcp", what: "connection is unusable after an earlier send timeout".into() });
+            return Err(Error::Transport { rank: self.rank, peer: self.peer, transport: "tcp", what: "connection is unusable after an earlier failed send".into() });
         }
+        let start = Instant::now();
+        let mut put = |mut b: &[u8]| -> std::io::Result<()> {
+            while !b.is_empty() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
+                }
+                s.set_write_timeout(Some(left))?;
+                let n = b.len().min(1 << 20);
+                s.write_all(&b[..n])?;
+                b = &b[n..];
+            }
+            Ok(())
+        };
+        let r = put(hdr).and_then(|()| body(&mut put));
+        r.map_err(|e| {
+            self.broken.store(true, Ordering::Release);
+            let _ = self.ctl.shutdown(Shutdown::Both);
+            self.io_err(what, e, start)
+        })
+    }
+
+    fn send_frame(
+        &self,
+        hdr: &[u8; HDR],
+        body: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<()> {
         let mut s = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        s.set_write_timeout(Some(left)).map_err(|e| self.io_err(what, e))?;
-        s.write_all(hdr).and_then(|_| body(&mut s)).map_err(|e| self.io_err(what, e))
+        self.send_frame_locked(&mut s, hdr, body, deadline, what)
+    }
+
+    /// Sends only if no other frame is being written right now.
+    pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
+        let Ok(mut s) = self.writer.try_lock() else {
+            return Err(Error::invalid("socket busy"));
+        };
+        self.send_frame_locked(&mut s, &header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
+    }
+
+    /// Shuts the socket down (after a fatal error); the reader thread ends.
+    pub(crate) fn cut(&self) {
+        self.closing.store(true, Ordering::Release);
+        let _ = self.ctl.shutdown(Shutdown::Both);
     }
 
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant) -> Result<()> {
         if msg.len() > MAX_MSG {
             return Err(Error::invalid(format!("tcp message of {} bytes exceeds {MAX_MSG}", msg.len())));
         }
-        self.send_frame(&header(K_MSG, 0, msg.len() as u64, 0, 0), |s| s.write_all(msg), deadline, "send")
+        self.send_frame(&header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -119,10 +173,11 @@ impl TcpEndpoint {
         if offset.checked_add(len).is_none_or(|e| e > src.len()) {
             return Err(Error::invalid(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));
         }
-        let hdr = header(K_WRITE, imm, len as u64, dst.key, dst.addr + dst_offset);
+        let addr = dst.addr.checked_add(dst_offset).ok_or_else(|| Error::invalid("remote address overflows"))?;
+        let hdr = header(K_WRITE, imm, len as u64, dst.key, addr);
         self.send_frame(
             &hdr,
-            |s| src.with_slice(offset, len, |b| s.write_all(b)).unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
+            |put| src.with_slice(offset, len, |b| put(b)).unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
             deadline,
             "write",
         )
@@ -130,10 +185,10 @@ impl TcpEndpoint {
 
     pub(crate) fn close(&self, deadline: Instant) {
         self.closing.store(true, Ordering::Release);
-        let _ = self.send_frame(&header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
-        let s = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = s.shutdown(Shutdown::Both);
-        drop(s);
+        if let Ok(mut s) = self.writer.try_lock() {
+            let _ = self.send_frame_locked(&mut s, &header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
+        }
+        let _ = self.ctl.shutdown(Shutdown::Both);
         if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }

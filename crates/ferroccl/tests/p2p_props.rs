@@ -1,0 +1,860 @@
+//! Property tests of the communicator's point-to-point layer, with ranks as threads of this
+//! test process (breadth: many shapes, sizes, knobs and transports per second; the
+//! multi-process depth lives in the workspace's `tests/mesh.rs`).
+//!
+//! Every proptest case starts a fresh bootstrap store and a fresh job of 2..=6 thread-ranks,
+//! each with its own shm segment and TCP listener. Payloads are derived from (case seed,
+//! message tag), so every receiver checks exactly what it got, byte for byte.
+//!
+//! What is covered:
+//! 1. `random_schedules_deliver_exactly`: random lists of send/recv pairs, walked in the same
+//!    order by every rank, over shm, tcp or a mix (auto with per-rank host ids), with random
+//!    element types (u8, f32, bf16), sizes biased to the protocol edges (0, 1, eager_max,
+//!    eager_max+1, the ring's message limit, chunk size, inline_max, ring size) and random
+//!    knobs (ring size, inline max, cross-memory attach, eager max).
+//! 2. `sendrecv_permutations_deliver`: rounds of `sendrecv` where each rank sends to
+//!    `perm[r]` and receives from `perm^-1[r]` (fixed points send to themselves), with
+//!    per-pair sizes that straddle the eager/rendezvous threshold within one round.
+//! 3. `tiny_ring_without_cma_moves_large_messages`: FERROCCL_SHM_CMA off, a 4 or 8 KiB
+//!    ring, messages of 100..400 KB between every ordered pair and in a sendrecv shift:
+//!    hundreds of chunks per message, ring wrap-around and PAD records.
+//! 4. `split_matches_model_and_subgroups_work`: random colors (some None) and keys with
+//!    ties, checked against a model (order by (key, parent rank)), then concurrent traffic
+//!    inside every sub-communicator interleaved with world traffic, and a nested split.
+//! 5. Error paths (plain tests): self / out-of-range peers, mismatched lengths in every
+//!    eager/rendezvous combination, poisoning after an error.
+//! 6. Dropping a communicator without finalize while a peer is blocked in recv from it.
+//!
+//! 7. Regression tests for bugs these tests found (now fixed): a rendezvous-sized send
+//!    against an eager-sized receive, `sendrecv` with a bad `to`, and sequential jobs of
+//!    different sizes on one store.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use ferroccl::bootstrap::env::StoreRole;
+use ferroccl::bootstrap::{new_token, StoreServer};
+use ferroccl::{Communicator, Element, Error, InitConfig, Params, TransportChoice};
+use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16};
+use proptest::prelude::*;
+use proptest::sample::select;
+use proptest::test_runner::Config as ProptestConfig;
+
+// ---------------------------------------------------------------------------------------
+// Harness
+// ---------------------------------------------------------------------------------------
+
+/// Deadline of every blocking call in the property tests: long enough for a loaded 2-core
+/// machine, short enough that a hang fails the test in reasonable time.
+const PROP_TIMEOUT: Duration = Duration::from_secs(20);
+
+type RankResult<R> = std::result::Result<R, String>;
+
+/// Runs one job of `n` thread-ranks: a fresh store, `init_with(params(rank))` on every
+/// thread concurrently, then `body(comm)`. Returns each rank's result (init errors and
+/// panics included, as `Err`).
+fn run_world<R: Send>(
+    n: usize,
+    params: impl Fn(usize) -> Params + Sync,
+    body: impl Fn(Communicator) -> RankResult<R> + Sync,
+) -> Vec<RankResult<R>> {
+    let token = new_token();
+    let server = StoreServer::start(fresh_store_bind(), &token, 64 << 20).expect("start store");
+    run_world_at(&server, &token, n, params, body)
+}
+
+/// A store address no earlier job of this process used: a new loopback IP per job (the whole
+/// of 127.0.0.0/8 is local), port 0. Reusing an address (the OS reuses freed ports) trips
+/// over the per-(store address, rank) init counter in `comm.rs` when the earlier job had a
+/// different world size: see `sequential_jobs_on_one_store_address_with_different_sizes`.
+fn fresh_store_bind() -> std::net::SocketAddr {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let c = NEXT.fetch_add(1, Ordering::Relaxed);
+    let ip = std::net::Ipv4Addr::new(127, 1 + (c / (254 * 256) % 254) as u8, (c / 254 % 256) as u8, (c % 254 + 1) as u8);
+    std::net::SocketAddr::new(ip.into(), 0)
+}
+
+/// [`run_world`] on a given store.
+fn run_world_at<R: Send>(
+    server: &StoreServer,
+    token: &str,
+    n: usize,
+    params: impl Fn(usize) -> Params + Sync,
+    body: impl Fn(Communicator) -> RankResult<R> + Sync,
+) -> Vec<RankResult<R>> {
+    let addr = server.addr().to_string();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (token, addr, params, body) = (token.to_string(), addr.clone(), &params, &body);
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(s, move || {
+                        let cfg = InitConfig { rank, world_size: n, store: StoreRole::Connect(addr), token };
+                        let comm = Communicator::init_with(cfg, params(rank)).map_err(|e| format!("rank {rank}: init: {e}"))?;
+                        body(comm)
+                    })
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| h.join().unwrap_or_else(|p| Err(format!("rank {r} panicked: {}", panic_text(&p)))))
+            .collect::<Vec<_>>()
+    })
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+}
+
+/// All ranks succeeded, or a description of every failure.
+fn all_ok<R>(results: Vec<RankResult<R>>) -> std::result::Result<Vec<R>, String> {
+    let errs: Vec<String> = results.iter().filter_map(|r| r.as_ref().err().cloned()).collect();
+    if errs.is_empty() {
+        Ok(results.into_iter().map(|r| r.ok().unwrap()).collect())
+    } else {
+        Err(errs.join("\n"))
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The payload of message `tag` in the case with `seed`: `n` elements of pseudo-random bits.
+fn payload<T: Element>(seed: u64, tag: u64, n: usize) -> Vec<T> {
+    let mut v = vec![T::zeroed(); n];
+    let mut s = mix(seed ^ mix(tag));
+    for chunk in as_bytes_mut(&mut v).chunks_mut(8) {
+        s = mix(s);
+        chunk.copy_from_slice(&s.to_le_bytes()[..chunk.len()]);
+    }
+    v
+}
+
+/// A receive buffer pre-filled with a pattern the payload is unlikely to have everywhere.
+fn recv_buf<T: Element>(n: usize) -> Vec<T> {
+    let mut v = vec![T::zeroed(); n];
+    as_bytes_mut(&mut v).fill(0xa5);
+    v
+}
+
+/// Describes the first differing byte, if any.
+fn diff(got: &[u8], want: &[u8]) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("length {} != {}", got.len(), want.len()));
+    }
+    got.iter().zip(want).position(|(a, b)| a != b).map(|i| {
+        let wrong = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        format!("{wrong} of {} bytes differ, first at byte {i} (got {:#04x}, want {:#04x})", got.len(), got[i], want[i])
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ty {
+    U8,
+    F32,
+    Bf16,
+}
+
+impl Ty {
+    fn size(self) -> usize {
+        match self {
+            Ty::U8 => 1,
+            Ty::F32 => 4,
+            Ty::Bf16 => 2,
+        }
+    }
+}
+
+fn ty() -> impl Strategy<Value = Ty> {
+    prop_oneof![Just(Ty::U8), Just(Ty::F32), Just(Ty::Bf16)]
+}
+
+/// How the ranks of a case are connected.
+#[derive(Clone, Debug)]
+enum Wiring {
+    Shm,
+    Tcp,
+    /// `auto`, with rank r on host `hosts[r]`: shm inside a host, tcp across.
+    Mixed(Vec<u8>),
+}
+
+#[derive(Clone, Debug)]
+struct Knobs {
+    wiring: Wiring,
+    ring: usize,
+    inline_max: usize,
+    cma: bool,
+    eager_max: usize,
+}
+
+impl Knobs {
+    fn params(&self, rank: usize) -> Params {
+        let (transport, host_id) = match &self.wiring {
+            Wiring::Shm => (TransportChoice::Shm, None),
+            Wiring::Tcp => (TransportChoice::Tcp, None),
+            Wiring::Mixed(hosts) => (TransportChoice::Auto, Some(format!("p2p-props-host-{}", hosts[rank]))),
+        };
+        Params {
+            transport,
+            host_id,
+            timeout: PROP_TIMEOUT,
+            shm_ring_bytes: self.ring,
+            shm_inline_max: self.inline_max,
+            shm_cma: self.cma,
+            eager_max: self.eager_max,
+            ..Params::default()
+        }
+    }
+
+    /// The transport two ranks must end up with.
+    fn transport_between(&self, a: usize, b: usize) -> &'static str {
+        match &self.wiring {
+            Wiring::Shm => "shm",
+            Wiring::Tcp => "tcp",
+            Wiring::Mixed(h) if h[a] == h[b] => "shm",
+            Wiring::Mixed(_) => "tcp",
+        }
+    }
+
+    /// The shm message limit (ring / 2 - one record header), as documented in the shm
+    /// transport: messages up to it (minus the 12-byte eager header) can go eagerly.
+    fn shm_max_send(&self) -> usize {
+        self.ring / 2 - 64
+    }
+
+    /// Byte sizes at the protocol edges for these knobs.
+    fn edges(&self) -> Vec<usize> {
+        let ms = self.shm_max_send();
+        let e = self.eager_max;
+        let mut v = vec![
+            0,
+            1,
+            2,
+            3,
+            e.saturating_sub(1),
+            e,
+            e + 1,
+            e + 4,
+            ms - 12,
+            ms - 11,
+            ms / 2,
+            ms / 2 + 1,
+            self.inline_max,
+            self.inline_max + 1,
+            self.ring - 64,
+            self.ring,
+            self.ring + 1,
+            3 * self.ring + 7,
+        ];
+        v.retain(|&b| b < 200_000);
+        v
+    }
+}
+
+fn wiring(n: usize) -> impl Strategy<Value = Wiring> {
+    prop_oneof![Just(Wiring::Shm), Just(Wiring::Tcp), proptest::collection::vec(0u8..2, n).prop_map(Wiring::Mixed),]
+}
+
+fn knobs(n: usize) -> impl Strategy<Value = Knobs> {
+    (
+        wiring(n),
+        select(vec![4096usize, 8192, 65536, 1 << 20]),
+        select(vec![0usize, 64, 1000, 4096, 16384]),
+        any::<bool>(),
+        select(vec![0usize, 1, 100, 1024, 4096, 65536]),
+    )
+        .prop_map(|(wiring, ring, inline_max, cma, eager_max)| Knobs { wiring, ring, inline_max, cma, eager_max })
+}
+
+/// A byte length biased to the protocol edges of `k`.
+fn len_bytes(k: &Knobs) -> impl Strategy<Value = usize> {
+    prop_oneof![
+        4 => select(k.edges()),
+        2 => 0usize..200_000,
+        1 => 0usize..64,
+    ]
+}
+
+/// Element count for about `bytes` bytes of `ty`: rounded up, so an edge `e + 1` stays above
+/// `e` for wide types (all edges above 3 are multiples of 4 or one past).
+fn elems(ty: Ty, bytes: usize) -> usize {
+    bytes.div_ceil(ty.size())
+}
+
+fn send_typed<T: Element>(comm: &Communicator, to: usize, seed: u64, tag: u64, n: usize) -> RankResult<()> {
+    let data = payload::<T>(seed, tag, n);
+    comm.send(&data, to).map_err(|e| format!("rank {}: msg #{tag}: send {n} x {:?} to {to}: {e}", comm.rank(), T::DTYPE))
+}
+
+fn recv_typed<T: Element>(comm: &Communicator, from: usize, seed: u64, tag: u64, n: usize) -> RankResult<()> {
+    let mut buf = recv_buf::<T>(n);
+    comm.recv(&mut buf, from).map_err(|e| format!("rank {}: msg #{tag}: recv {n} x {:?} from {from}: {e}", comm.rank(), T::DTYPE))?;
+    let want = payload::<T>(seed, tag, n);
+    match diff(as_bytes(&buf), as_bytes(&want)) {
+        Some(d) => Err(format!("rank {}: msg #{tag} ({n} x {:?} from {from}): {d}", comm.rank(), T::DTYPE)),
+        None => Ok(()),
+    }
+}
+
+fn send_any(comm: &Communicator, ty: Ty, to: usize, seed: u64, tag: u64, n: usize) -> RankResult<()> {
+    match ty {
+        Ty::U8 => send_typed::<u8>(comm, to, seed, tag, n),
+        Ty::F32 => send_typed::<f32>(comm, to, seed, tag, n),
+        Ty::Bf16 => send_typed::<bf16>(comm, to, seed, tag, n),
+    }
+}
+
+fn recv_any(comm: &Communicator, ty: Ty, from: usize, seed: u64, tag: u64, n: usize) -> RankResult<()> {
+    match ty {
+        Ty::U8 => recv_typed::<u8>(comm, from, seed, tag, n),
+        Ty::F32 => recv_typed::<f32>(comm, from, seed, tag, n),
+        Ty::Bf16 => recv_typed::<bf16>(comm, from, seed, tag, n),
+    }
+}
+
+fn finalize(comm: Communicator) -> RankResult<()> {
+    let r = comm.rank();
+    comm.finalize().map_err(|e| format!("rank {r}: finalize: {e}"))
+}
+
+fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig { cases, failure_persistence: None, max_shrink_iters: 32, ..ProptestConfig::default() }
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Random message schedules
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+struct Msg {
+    from: usize,
+    to: usize,
+    ty: Ty,
+    bytes: usize,
+}
+
+fn schedule_case() -> impl Strategy<Value = (usize, Knobs, Vec<Msg>, u64)> {
+    (2usize..=5).prop_flat_map(|n| {
+        knobs(n).prop_flat_map(move |k| {
+            let msg = (0..n, 1..n, ty(), len_bytes(&k)).prop_map(move |(from, d, ty, bytes)| Msg { from, to: (from + d) % n, ty, bytes });
+            (Just(n), Just(k), proptest::collection::vec(msg, 0..=12), any::<u64>())
+        })
+    })
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn random_schedules_deliver_exactly((n, k, msgs, seed) in schedule_case()) {
+        let res = run_world(n, |r| k.params(r), |comm| {
+            let me = comm.rank();
+            for p in (0..n).filter(|&p| p != me) {
+                let want = k.transport_between(me, p);
+                if comm.transport_to(p) != Some(want) {
+                    return Err(format!("rank {me}: transport to {p} is {:?}, expected {want}", comm.transport_to(p)));
+                }
+            }
+            for (i, m) in msgs.iter().enumerate() {
+                let cnt = elems(m.ty, m.bytes);
+                if m.from == me {
+                    send_any(&comm, m.ty, m.to, seed, i as u64, cnt)?;
+                } else if m.to == me {
+                    recv_any(&comm, m.ty, m.from, seed, i as u64, cnt)?;
+                }
+            }
+            finalize(comm)
+        });
+        if let Err(e) = all_ok(res) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. sendrecv in permutation patterns
+// ---------------------------------------------------------------------------------------
+
+fn perm_case() -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty, u64)> {
+    (2usize..=5).prop_flat_map(|n| {
+        let perm = Just((0..n).collect::<Vec<usize>>()).prop_shuffle();
+        (Just(n), knobs(n), proptest::collection::vec(perm, 1..=4), ty(), any::<u64>())
+    })
+}
+
+/// Bytes that rank `src` sends in round `round`: drawn per pair from the seed, so that one
+/// round mixes eager and rendezvous messages around the knobs' edges.
+fn pair_bytes(k: &Knobs, seed: u64, round: usize, src: usize) -> usize {
+    let edges = k.edges();
+    let h = mix(seed ^ mix(((round as u64) << 32) | src as u64));
+    match h % 4 {
+        0 | 1 => edges[(h >> 8) as usize % edges.len()],
+        2 => (h >> 8) as usize % 150_000,
+        _ => (h >> 8) as usize % 64,
+    }
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn sendrecv_permutations_deliver((n, k, rounds, ty, seed) in perm_case()) {
+        let res = run_world(n, |r| k.params(r), |comm| {
+            let me = comm.rank();
+            for (round, perm) in rounds.iter().enumerate() {
+                let to = perm[me];
+                let from = perm.iter().position(|&p| p == me).unwrap();
+                let out_n = elems(ty, pair_bytes(&k, seed, round, me));
+                let in_n = elems(ty, pair_bytes(&k, seed, round, from));
+                let tag_out = ((round as u64) << 8) | me as u64;
+                let tag_in = ((round as u64) << 8) | from as u64;
+                let ctx = |e: Error| format!("rank {me}: round {round}: sendrecv {out_n} to {to}, {in_n} from {from}: {e}");
+                let check = |got: &[u8], want: &[u8]| match diff(got, want) {
+                    Some(d) => Err(format!("rank {me}: round {round}: from {from}: {d}")),
+                    None => Ok(()),
+                };
+                match ty {
+                    Ty::U8 => {
+                        let (data, mut buf) = (payload::<u8>(seed, tag_out, out_n), recv_buf::<u8>(in_n));
+                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                        check(as_bytes(&buf), as_bytes(&payload::<u8>(seed, tag_in, in_n)))?;
+                    }
+                    Ty::F32 => {
+                        let (data, mut buf) = (payload::<f32>(seed, tag_out, out_n), recv_buf::<f32>(in_n));
+                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                        check(as_bytes(&buf), as_bytes(&payload::<f32>(seed, tag_in, in_n)))?;
+                    }
+                    Ty::Bf16 => {
+                        let (data, mut buf) = (payload::<bf16>(seed, tag_out, out_n), recv_buf::<bf16>(in_n));
+                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                        check(as_bytes(&buf), as_bytes(&payload::<bf16>(seed, tag_in, in_n)))?;
+                    }
+                }
+            }
+            finalize(comm)
+        });
+        if let Err(e) = all_ok(res) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Tiny ring, no cross-memory attach, large messages
+// ---------------------------------------------------------------------------------------
+
+proptest! {
+    #![proptest_config(config(48))]
+
+    #[test]
+    fn tiny_ring_without_cma_moves_large_messages(
+        n in 2usize..=3,
+        ring in select(vec![4096usize, 8192]),
+        inline_max in select(vec![0usize, 4096, 1 << 20]),
+        eager_max in select(vec![0usize, 1024, 65536]),
+        sizes in proptest::collection::vec(100_000usize..400_000, 1..=3),
+        seed in any::<u64>(),
+    ) {
+        let k = Knobs { wiring: Wiring::Shm, ring, inline_max, cma: false, eager_max };
+        let res = run_world(n, |r| k.params(r), |comm| {
+            let me = comm.rank();
+            let size = comm.size();
+            // Every ordered pair, one message each way per size (the schedule is walked in
+            // the same order everywhere).
+            let mut tag = 0u64;
+            for &bytes in &sizes {
+                for from in 0..size {
+                    for to in (0..size).filter(|&t| t != from) {
+                        let cnt = elems(Ty::F32, bytes);
+                        if from == me {
+                            send_any(&comm, Ty::F32, to, seed, tag, cnt)?;
+                        } else if to == me {
+                            recv_any(&comm, Ty::F32, from, seed, tag, cnt)?;
+                        }
+                        tag += 1;
+                    }
+                }
+                // And a ring shift with sendrecv: all ranks write through rings at once.
+                let to = (me + 1) % size;
+                let from = (me + size - 1) % size;
+                let data = payload::<u8>(seed, 1000 + me as u64, bytes);
+                let mut buf = recv_buf::<u8>(bytes);
+                comm.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: shift {bytes}: {e}"))?;
+                if let Some(d) = diff(&buf, &payload::<u8>(seed, 1000 + from as u64, bytes)) {
+                    return Err(format!("rank {me}: shift of {bytes} bytes from {from}: {d}"));
+                }
+            }
+            finalize(comm)
+        });
+        if let Err(e) = all_ok(res) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. split
+// ---------------------------------------------------------------------------------------
+
+/// The model of `split`: for each rank, `None` if it passed no color, else the world ranks of
+/// its group ordered by (key, world rank).
+fn split_model(colors: &[Option<u32>], keys: &[i64]) -> Vec<Option<Vec<usize>>> {
+    (0..colors.len())
+        .map(|r| {
+            let c = colors[r]?;
+            let mut g: Vec<usize> = (0..colors.len()).filter(|&p| colors[p] == Some(c)).collect();
+            g.sort_by_key(|&p| (keys[p], p));
+            Some(g)
+        })
+        .collect()
+}
+
+fn split_case() -> impl Strategy<Value = (usize, Wiring, Vec<Option<u32>>, Vec<i64>, u64)> {
+    (2usize..=6).prop_flat_map(|n| {
+        let color = prop_oneof![1 => Just(None), 4 => (0u32..3).prop_map(Some), 1 => any::<u32>().prop_map(Some)];
+        (
+            Just(n),
+            wiring(n),
+            proptest::collection::vec(color, n),
+            proptest::collection::vec(prop_oneof![-2i64..3, any::<i64>()], n),
+            any::<u64>(),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(config(160))]
+
+    #[test]
+    fn split_matches_model_and_subgroups_work((n, wiring, colors, keys, seed) in split_case()) {
+        let model = split_model(&colors, &keys);
+        let k = Knobs { wiring, ring: 8192, inline_max: 1000, cma: true, eager_max: 1024 };
+        let res = run_world(n, |r| k.params(r), |comm| {
+            let me = comm.rank();
+            let sub = comm.split(colors[me], keys[me]).map_err(|e| format!("rank {me}: split: {e}"))?;
+            let Some(group) = &model[me] else {
+                if sub.is_some() {
+                    return Err(format!("rank {me}: color None but split returned a communicator"));
+                }
+                // Still take part in world traffic after the split.
+                return world_ring(&comm, seed).and_then(|()| finalize(comm));
+            };
+            let Some(sub) = sub else {
+                return Err(format!("rank {me}: color {:?} but split returned None", colors[me]));
+            };
+            let m = group.len();
+            let pos = group.iter().position(|&p| p == me).unwrap();
+            if sub.size() != m || sub.rank() != pos {
+                return Err(format!("rank {me}: sub-communicator is rank {} of {}, model says {pos} of {m} ({group:?})", sub.rank(), sub.size()));
+            }
+            let members: Vec<Option<usize>> = (0..m + 1).map(|i| sub.world_rank(i)).collect();
+            let want: Vec<Option<usize>> = group.iter().map(|&p| Some(p)).chain([None]).collect();
+            if members != want {
+                return Err(format!("rank {me}: sub-communicator members {members:?}, model {want:?}"));
+            }
+            // Traffic inside the group: a ring shift (eager and rendezvous sizes), then
+            // point-to-point from the group's rank 0 to every other member, then a barrier;
+            // world traffic in between, so sub and world streams interleave.
+            let color = u64::from(colors[me].unwrap());
+            for (i, bytes) in [7usize, 5000].into_iter().enumerate() {
+                let to = (pos + 1) % m;
+                let from = (pos + m - 1) % m;
+                let tag = |p: usize| (color << 40) | ((i as u64) << 32) | group[p] as u64;
+                let data = payload::<u8>(seed, tag(pos), bytes);
+                let mut buf = recv_buf::<u8>(bytes);
+                sub.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: sub shift: {e}"))?;
+                if let Some(d) = diff(&buf, &payload::<u8>(seed, tag(from), bytes)) {
+                    return Err(format!("rank {me}: sub shift of {bytes} from sub rank {from}: {d}"));
+                }
+                if i == 0 {
+                    world_ring(&comm, seed)?;
+                }
+            }
+            for p in 1..m {
+                let tag = (color << 40) | (1 << 36) | p as u64;
+                if pos == 0 {
+                    send_any(&sub, Ty::Bf16, p, seed, tag, 3000)?;
+                } else if pos == p {
+                    recv_any(&sub, Ty::Bf16, 0, seed, tag, 3000)?;
+                }
+            }
+            sub.barrier().map_err(|e| format!("rank {me}: sub barrier: {e}"))?;
+            // Split the sub-communicator again (parity of the sub rank, reversed order): the
+            // grandchild maps its ranks through the child's members to world ranks.
+            let parity = pos % 2;
+            let grand = sub
+                .split(Some(parity as u32), -(pos as i64))
+                .map_err(|e| format!("rank {me}: nested split: {e}"))?
+                .ok_or_else(|| format!("rank {me}: nested split returned None"))?;
+            let want: Vec<usize> = (0..m).rev().filter(|p| p % 2 == parity).map(|p| group[p]).collect();
+            let got: Vec<usize> = (0..grand.size()).filter_map(|i| grand.world_rank(i)).collect();
+            if got != want || grand.world_rank(grand.rank()) != Some(me) {
+                return Err(format!("rank {me}: nested split members {got:?} (rank {}), model {want:?}", grand.rank()));
+            }
+            world_ring(&grand, seed ^ 0x5151)?;
+            grand.finalize().map_err(|e| format!("rank {me}: nested finalize: {e}"))?;
+            sub.finalize().map_err(|e| format!("rank {me}: sub finalize: {e}"))?;
+            finalize(comm)
+        });
+        if let Err(e) = all_ok(res) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+/// One ring shift on the world communicator.
+fn world_ring(comm: &Communicator, seed: u64) -> RankResult<()> {
+    let (me, n) = (comm.rank(), comm.size());
+    let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+    let tag = |p: usize| (0xffu64 << 48) | p as u64;
+    let data = payload::<f32>(seed, tag(me), 1500);
+    let mut buf = recv_buf::<f32>(1500);
+    comm.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: world shift: {e}"))?;
+    match diff(as_bytes(&buf), as_bytes(&payload::<f32>(seed, tag(from), 1500))) {
+        Some(d) => Err(format!("rank {me}: world shift from {from}: {d}")),
+        None => Ok(()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Error paths
+// ---------------------------------------------------------------------------------------
+
+fn small_params(t: TransportChoice) -> Params {
+    Params { transport: t, timeout: Duration::from_secs(5), eager_max: 1024, ..Params::default() }
+}
+
+const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];
+
+#[test]
+fn bad_peers_are_invalid_arguments_and_do_not_poison() {
+    for t in BOTH {
+        let res = run_world(
+            3,
+            |_| small_params(t),
+            |comm| {
+                let me = comm.rank();
+                let mut buf = [0u8; 4];
+                let expect_invalid = |what: &str, r: ferroccl::Result<()>, needle: &str| -> RankResult<()> {
+                    match r {
+                        Err(Error::InvalidArgument(m)) if m.contains(needle) => Ok(()),
+                        other => Err(format!("rank {me} ({t:?}): {what}: expected InvalidArgument mentioning {needle:?}, got {other:?}")),
+                    }
+                };
+                expect_invalid("send to self", comm.send(&[1u8, 2], me), "itself")?;
+                expect_invalid("recv from self", comm.recv(&mut buf, me), "itself")?;
+                expect_invalid("send to 3", comm.send(&[1u8], 3), "peer 3")?;
+                expect_invalid("recv from 99", comm.recv(&mut buf, 99), "peer 99")?;
+                expect_invalid("send to usize::MAX", comm.send(&[1u8], usize::MAX), "out of range")?;
+                expect_invalid("sendrecv half self", comm.sendrecv(&[1u8; 4], me, &mut buf, (me + 1) % 3), "itself")?;
+                // (`sendrecv` to an invalid rank *from a valid one* is tested separately below: it
+                // is the one bad-argument case that touches a live stream.)
+                expect_invalid("sendrecv from 7", comm.sendrecv(&[1u8; 4], (me + 1) % 3, &mut buf, 7), "7")?;
+                expect_invalid("sendrecv self, lengths differ", comm.sendrecv(&[1u8; 3], me, &mut buf, me), "")?;
+                // Self sendrecv with equal lengths is a copy.
+                comm.sendrecv(&[9u8, 8, 7, 6], me, &mut buf, me).map_err(|e| format!("rank {me}: self sendrecv: {e}"))?;
+                if buf != [9, 8, 7, 6] {
+                    return Err(format!("rank {me}: self sendrecv copied {buf:?}"));
+                }
+                // None of that poisoned the communicator.
+                world_ring(&comm, 1)?;
+                finalize(comm)
+            },
+        );
+        all_ok(res).unwrap();
+    }
+}
+
+/// `sendrecv(data, bad_to, buf, good_from)` must fail with InvalidArgument and leave the
+/// stream from `good_from` as it was: a later ordinary send/recv between the two ranks works.
+fn sendrecv_bad_to_keeps_stream(t: TransportChoice, len: usize) -> std::result::Result<(), String> {
+    let res = run_world(
+        2,
+        |_| small_params(t),
+        |comm| {
+            let me = comm.rank();
+            if me == 0 {
+                let mut buf = vec![0u8; len];
+                match comm.sendrecv(&vec![1u8; len], 7, &mut buf, 1) {
+                    Err(Error::InvalidArgument(m)) if m.contains('7') => {}
+                    other => return Err(format!("rank 0 ({t:?}): sendrecv to 7: expected InvalidArgument, got {other:?}")),
+                }
+                recv_any(&comm, Ty::U8, 1, 5, 0, len)?;
+            } else {
+                send_any(&comm, Ty::U8, 0, 5, 0, len)?;
+            }
+            finalize(comm)
+        },
+    );
+    all_ok(res).map(|_| ()).map_err(|e| format!("{t:?}, {len} bytes: {e}"))
+}
+
+#[test]
+fn sendrecv_with_bad_to_leaves_the_recv_stream_intact() {
+    let errs: Vec<String> =
+        [(TransportChoice::Shm, 100), (TransportChoice::Shm, 100_000), (TransportChoice::Tcp, 100), (TransportChoice::Tcp, 100_000)]
+            .into_iter()
+            .filter_map(|(t, len)| sendrecv_bad_to_keeps_stream(t, len).err())
+            .collect();
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}
+
+/// Two jobs in sequence, one process, the same store and token, first 2 ranks then 3. The
+/// third rank's thread never joined the first job; the store keys must still agree (they
+/// once did not: init counted per (store address, rank) only, and timed out).
+#[test]
+fn sequential_jobs_on_one_store_address_with_different_sizes() {
+    let token = new_token();
+    let server = StoreServer::start(fresh_store_bind(), &token, 64 << 20).expect("start store");
+    let params = |_| small_params(TransportChoice::Tcp);
+    for n in [2, 3] {
+        let t0 = Instant::now();
+        let res = run_world_at(&server, &token, n, params, |comm| {
+            world_ring(&comm, 3)?;
+            finalize(comm)
+        });
+        if let Err(e) = all_ok(res) {
+            panic!("job of {n} ranks on the same store failed after {:?}:\n{e}", t0.elapsed());
+        }
+    }
+}
+
+/// Outcome of one side of a mismatch test: the error of the mismatched call, or of the
+/// call after it (an eager send completes locally before the receiver sees it), how long
+/// until that error, and the error of one more call afterwards (poisoning).
+#[derive(Debug)]
+struct Side {
+    first: Option<String>,
+    err: String,
+    is_mismatch: bool,
+    after: Duration,
+    later: Option<String>,
+}
+
+fn mismatch_case(t: TransportChoice, send_len: usize, recv_len: usize) -> Vec<Side> {
+    let res = run_world(
+        2,
+        |_| small_params(t),
+        |comm| {
+            let me = comm.rank();
+            comm.barrier().map_err(|e| format!("rank {me}: barrier before: {e}"))?;
+            let t0 = Instant::now();
+            let first = if me == 0 { comm.send(&vec![1u8; send_len], 1) } else { comm.recv(&mut vec![0u8; recv_len], 0) };
+            let (first_txt, err) = match first {
+                Err(e) => (Some(e.to_string()), e),
+                Ok(()) => match comm.barrier() {
+                    Err(e) => (None, e),
+                    Ok(()) => return Err(format!("rank {me} ({t:?}, send {send_len}, recv {recv_len}): mismatch unnoticed")),
+                },
+            };
+            let after = t0.elapsed();
+            let is_mismatch = matches!(err, Error::Mismatch { .. });
+            let later = comm.send(&[1u8], 1 - me).err().map(|e| e.to_string());
+            drop(comm);
+            Ok(Side { first: first_txt, err: err.to_string(), is_mismatch, after, later })
+        },
+    );
+    all_ok(res).unwrap()
+}
+
+fn check_mismatch(t: TransportChoice, send_len: usize, recv_len: usize) {
+    let sides = mismatch_case(t, send_len, recv_len);
+    let ctx = format!("{t:?}, send {send_len}, recv {recv_len}: {sides:#?}");
+    // At least one side detects the mismatch itself and says so.
+    assert!(sides.iter().any(|s| s.is_mismatch), "nobody reported Error::Mismatch: {ctx}");
+    for (r, s) in sides.iter().enumerate() {
+        // Both sides fail promptly (timeout is 5 s), and the error explains the mismatch.
+        assert!(s.after < Duration::from_secs(3), "rank {r} failed only after {:?}: {ctx}", s.after);
+        assert!(s.err.contains("does not match"), "rank {r}'s error does not mention the mismatch: {ctx}");
+        // The side that reports the mismatch fails in the mismatched call itself.
+        if s.is_mismatch {
+            assert!(s.first.is_some(), "{ctx}");
+        }
+        // The communicator stays poisoned.
+        let later = s.later.as_deref().unwrap_or_else(|| panic!("rank {r}: a call after the error succeeded: {ctx}"));
+        assert!(later.contains("does not match"), "rank {r}: later error forgets the cause: {ctx}");
+    }
+    // The receiver, which holds the buffer, must fail in the mismatched call.
+    assert!(sides[1].first.is_some(), "the receiver's recv succeeded: {ctx}");
+}
+
+#[test]
+fn mismatch_eager_vs_eager() {
+    for t in BOTH {
+        check_mismatch(t, 100, 200);
+        check_mismatch(t, 200, 100);
+    }
+}
+
+#[test]
+fn mismatch_rendezvous_vs_rendezvous() {
+    for t in BOTH {
+        check_mismatch(t, 100_000, 200_000);
+        check_mismatch(t, 200_000, 100_000);
+    }
+}
+
+#[test]
+fn mismatch_eager_send_rendezvous_recv() {
+    for t in BOTH {
+        check_mismatch(t, 100, 200_000);
+    }
+}
+
+#[test]
+fn mismatch_rendezvous_send_eager_recv() {
+    for t in BOTH {
+        check_mismatch(t, 200_000, 100);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. Drop without finalize
+// ---------------------------------------------------------------------------------------
+
+fn drop_while_peer_waits(t: TransportChoice, recv_len: usize) {
+    let mut p = small_params(t);
+    p.timeout = Duration::from_secs(20);
+    let res = run_world(
+        2,
+        |_| p.clone(),
+        |comm| {
+            let me = comm.rank();
+            comm.barrier().map_err(|e| format!("rank {me}: barrier: {e}"))?;
+            if me == 0 {
+                std::thread::sleep(Duration::from_millis(300));
+                drop(comm);
+                return Ok(None);
+            }
+            let t0 = Instant::now();
+            let r = comm.recv(&mut vec![0u8; recv_len], 0);
+            let after = t0.elapsed();
+            let later = comm.barrier();
+            Ok(Some((r, after, later)))
+        },
+    );
+    let mut res = all_ok(res).unwrap();
+    let (r, after, later) = res.pop().flatten().unwrap();
+    let ctx = format!("{t:?}, recv of {recv_len}: {r:?} after {after:?}; later: {later:?}");
+    match &r {
+        Err(Error::PeerFailed { peer: 0, .. }) => {}
+        _ => panic!("expected PeerFailed naming rank 0: {ctx}"),
+    }
+    assert!(after < Duration::from_secs(5), "not prompt: {ctx}");
+    assert!(later.is_err(), "{ctx}");
+}
+
+#[test]
+fn dropped_peer_fails_a_blocked_recv_promptly() {
+    for t in BOTH {
+        drop_while_peer_waits(t, 100); // eager: waiting for data
+        drop_while_peer_waits(t, 100_000); // rendezvous: clear-to-send posted, waiting for the write
+    }
+}
