@@ -24,9 +24,13 @@ impl Job {
 }
 
 fn job(n: usize, transport: &str, args: &[&str], env: &[(&str, &str)]) -> Job {
+    job_with_grace(n, transport, args, env, "10")
+}
+
+fn job_with_grace(n: usize, transport: &str, args: &[&str], env: &[(&str, &str)], grace: &str) -> Job {
     let t = Instant::now();
     let mut c = Command::new(RUN);
-    c.args(["-n", &n.to_string(), "--transport", transport, "--timeout", "240", "--grace", "10", "--", SELFTEST]);
+    c.args(["-n", &n.to_string(), "--transport", transport, "--timeout", "240", "--grace", grace, "--", SELFTEST]);
     c.args(args);
     for (k, v) in env {
         c.env(k, v);
@@ -53,7 +57,11 @@ fn full(n: usize, transport: &str) {
     let j = job(n, transport, &["all", "--sizes", "0,1,4097,4K,1M,64M", "--iters", "50"], &[]);
     assert_all_ok(&j, n);
     for r in 0..n {
-        let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} exchanged"))).unwrap_or_else(|| panic!("{}", j.all()));
+        let line = j
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} exchanged")))
+            .unwrap_or_else(|| panic!("{}", j.all()));
         // Every peer used the transport asked for.
         let peers: Vec<&str> = line.rsplit('(').next().unwrap().trim_end_matches(')').split_whitespace().collect();
         assert_eq!(peers.len(), n - 1, "{line}");
@@ -206,7 +214,11 @@ fn length_mismatch_fails_on_both_sides() {
         let j = job(2, t, &["mismatch", "--bytes", bytes], &[]);
         assert_ne!(j.code, Some(0), "{}", j.all());
         for r in 0..2 {
-            let line = j.stderr.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} error"))).unwrap_or_else(|| panic!("{}", j.all()));
+            let line = j
+                .stderr
+                .lines()
+                .find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} error")))
+                .unwrap_or_else(|| panic!("{}", j.all()));
             assert!(line.contains("does not match") || line.contains("reported an error"), "{t} {bytes}: {line}");
         }
     }
@@ -278,4 +290,37 @@ fn torchrun_environment_with_rank0_serving_the_store() {
         assert!(status.success(), "rank {r}: {status}\n{out}");
         assert!(out.contains(&format!("selftest: rank {r} ok")), "rank {r}\n{out}");
     }
+}
+
+/// A sender stopped (SIGSTOP) in the middle of a large transfer: the receiver gives up at
+/// its deadline and returns, on tcp with a frame half received (the reader thread must not
+/// keep the receive buffer busy), and the launcher still cleans the stopped rank up.
+#[test]
+fn a_stopped_sender_times_out_the_receiver() {
+    for t in ["tcp", "shm"] {
+        // Grace 0.5 s: the stopped rank never exits by itself; the launcher kills it.
+        let j = job_with_grace(2, t, &["stop"], &[("FERROCCL_TIMEOUT", "2")], "0.5");
+        assert_ne!(j.code, Some(0), "{t}: {}", j.all());
+        // On shm the receiver copies from the stopped process's memory and may finish; then
+        // its finalize barrier times out instead. Either way rank 0 must fail in time.
+        let line = j
+            .stdout
+            .lines()
+            .chain(j.stderr.lines())
+            .find(|l| l.contains("[0] selftest: rank 0 error"))
+            .unwrap_or_else(|| panic!("{t}: {}", j.all()));
+        assert!(line.contains("timed out"), "{t}: {line}");
+        assert!(j.wall < Duration::from_secs(30), "{t}: took {:?}", j.wall);
+    }
+}
+
+/// A receiver that dies while the sender waits for room in its full ring: the sender fails
+/// promptly naming it, not at the deadline.
+#[test]
+fn a_dead_receiver_fails_a_sender_stuck_on_a_full_ring() {
+    let j = job(2, "shm", &["flood"], &[]);
+    let line = j.stdout.lines().find(|l| l.contains("rank 0 send failed after")).unwrap_or_else(|| panic!("{}", j.all()));
+    assert!(line.contains("rank 1"), "{line}");
+    let secs: f64 = line.split("after ").nth(1).unwrap().split('s').next().unwrap().parse().unwrap();
+    assert!(secs < 5.0, "{line}");
 }

@@ -42,18 +42,8 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in tag order.
-    pub const ALL: [DType; 10] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::Bf16,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-    ];
+    pub const ALL: [DType; 10] =
+        [DType::F32, DType::F64, DType::F16, DType::Bf16, DType::I8, DType::U8, DType::I32, DType::U32, DType::I64, DType::U64];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {

@@ -48,10 +48,7 @@ pub enum WaitOutcome {
 
 /// Converts a relative timeout, saturating at the largest `timespec`.
 pub(crate) fn to_timespec(d: Duration) -> rustix::time::Timespec {
-    rustix::time::Timespec::try_from(d).unwrap_or(rustix::time::Timespec {
-        tv_sec: i64::MAX,
-        tv_nsec: 999_999_999,
-    })
+    rustix::time::Timespec::try_from(d).unwrap_or(rustix::time::Timespec { tv_sec: i64::MAX, tv_nsec: 999_999_999 })
 }
 
 /// Sleeps while `*word == expected`, until woken, or until `timeout` (a
@@ -62,19 +59,12 @@ pub(crate) fn to_timespec(d: Duration) -> rustix::time::Timespec {
 /// [`WaitOutcome::TimedOut`] when the timeout passed (`ETIMEDOUT`). Wakes can
 /// be spurious, so callers loop on their own condition and deadline. Other
 /// kernel errors (e.g. `EFAULT`, `EINVAL`, `ENOSYS`) are returned as `Err`.
-pub fn futex_wait(
-    word: &AtomicU32,
-    expected: u32,
-    timeout: Option<Duration>,
-) -> io::Result<WaitOutcome> {
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) -> io::Result<WaitOutcome> {
     let ts = timeout.map(to_timespec);
     match futex::wait(word, futex::Flags::empty(), expected, ts.as_ref()) {
         Ok(()) | Err(Errno::AGAIN) | Err(Errno::INTR) => Ok(WaitOutcome::Woken),
         Err(Errno::TIMEDOUT) => Ok(WaitOutcome::TimedOut),
-        Err(e) => Err(io::Error::new(
-            io::Error::from(e).kind(),
-            format!("futex_wait(expected {expected}): {e}"),
-        )),
+        Err(e) => Err(io::Error::new(io::Error::from(e).kind(), format!("futex_wait(expected {expected}): {e}"))),
     }
 }
 
@@ -86,9 +76,8 @@ pub fn futex_wait(
 pub fn futex_wake(word: &AtomicU32, n: u32) -> io::Result<u32> {
     // The kernel takes the count as a signed int.
     let n = n.min(i32::MAX as u32);
-    let woken = futex::wake(word, futex::Flags::empty(), n).map_err(|e| {
-        io::Error::new(io::Error::from(e).kind(), format!("futex_wake(n {n}): {e}"))
-    })?;
+    let woken = futex::wake(word, futex::Flags::empty(), n)
+        .map_err(|e| io::Error::new(io::Error::from(e).kind(), format!("futex_wake(n {n}): {e}")))?;
     Ok(u32::try_from(woken).unwrap_or(u32::MAX))
 }
 
@@ -150,10 +139,7 @@ mod tests {
         let r = futex_wait(&word, 7, Some(Duration::from_millis(50))).unwrap();
         let took = start.elapsed();
         assert_eq!(r, WaitOutcome::TimedOut);
-        assert!(
-            took >= Duration::from_millis(45),
-            "returned early: {took:?}"
-        );
+        assert!(took >= Duration::from_millis(45), "returned early: {took:?}");
         assert!(took < Duration::from_secs(2), "returned late: {took:?}");
     }
 

@@ -64,12 +64,7 @@ impl ProcessWatch {
         let p = (pid > 0)
             .then(|| Pid::from_raw(pid))
             .flatten()
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("process {pid}: invalid pid"),
-                )
-            })?;
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("process {pid}: invalid pid")))?;
         let fd = pidfd_open(p, PidfdFlags::empty()).map_err(|e| pid_err(pid, "pidfd_open", e))?;
         Ok(ProcessWatch { pid, fd })
     }
@@ -106,30 +101,19 @@ impl ProcessWatch {
 pub fn wait_any_exited(watches: &[&ProcessWatch], timeout: Duration) -> io::Result<Vec<usize>> {
     let deadline = Instant::now().checked_add(timeout);
     loop {
-        let mut fds: Vec<PollFd<'_>> = watches
-            .iter()
-            .map(|w| PollFd::new(&w.fd, PollFlags::IN))
-            .collect();
+        let mut fds: Vec<PollFd<'_>> = watches.iter().map(|w| PollFd::new(&w.fd, PollFlags::IN)).collect();
         let left = match deadline {
             Some(d) => d.saturating_duration_since(Instant::now()),
             None => timeout,
         };
         match poll(&mut fds, Some(&to_timespec(left))) {
             Ok(_) => {
-                return Ok(fds
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, f)| !f.revents().is_empty())
-                    .map(|(i, _)| i)
-                    .collect());
+                return Ok(fds.iter().enumerate().filter(|(_, f)| !f.revents().is_empty()).map(|(i, _)| i).collect());
             }
             Err(Errno::INTR) => continue,
             Err(e) => {
                 let e = io::Error::from(e);
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!("poll on {} process watches: {e}", watches.len()),
-                ));
+                return Err(io::Error::new(e.kind(), format!("poll on {} process watches: {e}", watches.len())));
             }
         }
     }
@@ -147,19 +131,11 @@ pub fn wait_any_exited(watches: &[&ProcessWatch], timeout: Duration) -> io::Resu
 pub fn read_process_memory(pid: i32, remote_addr: u64, dst: &mut [u8]) -> io::Result<()> {
     let len = dst.len();
     let ctx = |what: &str, e: io::Error| {
-        io::Error::new(
-            kind_of(&e),
-            format!(
-                "process_vm_readv from process {pid} at {remote_addr:#x} (+{len} bytes): {what}{e}"
-            ),
-        )
+        io::Error::new(kind_of(&e), format!("process_vm_readv from process {pid} at {remote_addr:#x} (+{len} bytes): {what}{e}"))
     };
     let p = nix::unistd::Pid::from_raw(pid);
     if pid <= 0 {
-        return Err(ctx(
-            "",
-            io::Error::new(io::ErrorKind::InvalidInput, "invalid pid"),
-        ));
+        return Err(ctx("", io::Error::new(io::ErrorKind::InvalidInput, "invalid pid")));
     }
     let mut done = 0usize;
     while done < len {
@@ -167,10 +143,7 @@ pub fn read_process_memory(pid: i32, remote_addr: u64, dst: &mut [u8]) -> io::Re
             .ok()
             .and_then(|a| a.checked_add(done))
             .ok_or_else(|| ctx("", io::Error::from(io::ErrorKind::InvalidInput)))?;
-        let remote = [RemoteIoVec {
-            base: addr,
-            len: len - done,
-        }];
+        let remote = [RemoteIoVec { base: addr, len: len - done }];
         let mut local = [IoSliceMut::new(&mut dst[done..])];
         match process_vm_readv(p, &mut local, &remote) {
             Ok(0) => {
@@ -182,11 +155,7 @@ pub fn read_process_memory(pid: i32, remote_addr: u64, dst: &mut [u8]) -> io::Re
             Ok(n) => done += n,
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => {
-                let what = if done > 0 {
-                    format!("after {done} bytes: ")
-                } else {
-                    String::new()
-                };
+                let what = if done > 0 { format!("after {done} bytes: ") } else { String::new() };
                 return Err(ctx(&what, io::Error::from(e)));
             }
         }
@@ -209,11 +178,7 @@ mod tests {
     use std::process::{Command, Stdio};
 
     fn sleeper() -> std::process::Child {
-        Command::new("sleep")
-            .arg("30")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn sleep")
+        Command::new("sleep").arg("30").stdin(Stdio::null()).spawn().expect("spawn sleep")
     }
 
     #[test]
@@ -223,16 +188,11 @@ mod tests {
         let w = ProcessWatch::new(pid).unwrap();
         assert_eq!(w.pid(), pid);
         assert!(!w.has_exited());
-        assert!(wait_any_exited(&[&w], Duration::from_millis(20))
-            .unwrap()
-            .is_empty());
+        assert!(wait_any_exited(&[&w], Duration::from_millis(20)).unwrap().is_empty());
         child.kill().unwrap();
         // Readable as soon as it is a zombie, before it is reaped...
         let start = Instant::now();
-        assert_eq!(
-            wait_any_exited(&[&w], Duration::from_secs(5)).unwrap(),
-            vec![0]
-        );
+        assert_eq!(wait_any_exited(&[&w], Duration::from_secs(5)).unwrap(), vec![0]);
         assert!(start.elapsed() < Duration::from_secs(4));
         assert!(w.has_exited());
         // ... and after.
@@ -250,18 +210,12 @@ mod tests {
         let wc = ProcessWatch::new(c.id() as i32).unwrap();
         b.kill().unwrap();
         b.wait().unwrap();
-        assert_eq!(
-            wait_any_exited(&[&wa, &wb, &wc], Duration::from_secs(5)).unwrap(),
-            vec![1]
-        );
+        assert_eq!(wait_any_exited(&[&wa, &wb, &wc], Duration::from_secs(5)).unwrap(), vec![1]);
         for ch in [&mut a, &mut c] {
             ch.kill().unwrap();
             ch.wait().unwrap();
         }
-        assert_eq!(
-            wait_any_exited(&[&wa, &wb, &wc], Duration::from_secs(5)).unwrap(),
-            vec![0, 1, 2]
-        );
+        assert_eq!(wait_any_exited(&[&wa, &wb, &wc], Duration::from_secs(5)).unwrap(), vec![0, 1, 2]);
     }
 
     #[test]
@@ -269,14 +223,9 @@ mod tests {
         let mut a = sleeper();
         let wa = ProcessWatch::new(a.id() as i32).unwrap();
         let start = Instant::now();
-        assert!(wait_any_exited(&[&wa], Duration::from_millis(50))
-            .unwrap()
-            .is_empty());
+        assert!(wait_any_exited(&[&wa], Duration::from_millis(50)).unwrap().is_empty());
         let took = start.elapsed();
-        assert!(
-            took >= Duration::from_millis(45) && took < Duration::from_secs(2),
-            "{took:?}"
-        );
+        assert!(took >= Duration::from_millis(45) && took < Duration::from_secs(2), "{took:?}");
         a.kill().unwrap();
         a.wait().unwrap();
     }
@@ -292,14 +241,8 @@ mod tests {
             assert_eq!(e.kind(), io::ErrorKind::NotFound);
             assert!(e.to_string().contains(&pid.to_string()));
         }
-        assert_eq!(
-            ProcessWatch::new(0).unwrap_err().kind(),
-            io::ErrorKind::InvalidInput
-        );
-        assert_eq!(
-            ProcessWatch::new(-5).unwrap_err().kind(),
-            io::ErrorKind::InvalidInput
-        );
+        assert_eq!(ProcessWatch::new(0).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(ProcessWatch::new(-5).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]
@@ -321,10 +264,7 @@ mod tests {
         let e = read_process_memory(me, 16, &mut dst).unwrap_err();
         assert_eq!(e.raw_os_error(), None, "wrapped with context");
         let msg = e.to_string();
-        assert!(
-            msg.contains(&me.to_string()) && msg.contains("0x10"),
-            "{msg}"
-        );
+        assert!(msg.contains(&me.to_string()) && msg.contains("0x10"), "{msg}");
         assert!(!can_read_process(me, 16));
     }
 
@@ -335,16 +275,9 @@ mod tests {
         let page = 64 * 1024;
         // SAFETY: a fresh private anonymous mapping (null hint, no MAP_FIXED)
         // replaces nothing; it is only accessed through the raw pointer below.
-        let base = unsafe {
-            mmap_anonymous(
-                std::ptr::null_mut(),
-                2 * page,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .unwrap()
-        .cast::<u8>();
+        let base = unsafe { mmap_anonymous(std::ptr::null_mut(), 2 * page, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE) }
+            .unwrap()
+            .cast::<u8>();
         // SAFETY: the first page is ours, mapped read-write and not aliased.
         unsafe { std::ptr::write_bytes(base, 0xab, page) };
         // SAFETY: makes the second page of our own mapping inaccessible; no
@@ -356,10 +289,7 @@ mod tests {
         let mut dst = vec![0u8; 200];
         let addr = base as u64 + (page - tail) as u64;
         let e = read_process_memory(me, addr, &mut dst).unwrap_err();
-        assert!(
-            e.to_string().contains(&format!("after {tail} bytes")),
-            "{e}"
-        );
+        assert!(e.to_string().contains(&format!("after {tail} bytes")), "{e}");
         // What could be read was read.
         assert!(dst[..tail].iter().all(|&b| b == 0xab));
         // Exactly up to the hole works.
@@ -375,19 +305,10 @@ mod tests {
         use std::os::unix::fs::FileExt;
         // `cat` echoing a line back proves it has finished exec'ing (right
         // after `spawn` returns, the new image may not be mapped yet).
-        let mut child = Command::new("cat")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn cat");
+        let mut child = Command::new("cat").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn cat");
         child.stdin.as_mut().unwrap().write_all(b"x\n").unwrap();
         let mut echo = [0u8; 2];
-        child
-            .stdout
-            .as_mut()
-            .unwrap()
-            .read_exact(&mut echo)
-            .unwrap();
+        child.stdout.as_mut().unwrap().read_exact(&mut echo).unwrap();
         let pid = child.id() as i32;
         // `cat` advertises no buffer, so find a mapped address through
         // /proc: its first mapping is the start of its ELF image.

@@ -105,15 +105,13 @@ impl fmt::Display for RegionError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RegionError::Gone => f.write_str("memory region is no longer registered"),
-            RegionError::OutOfBounds { offset, len, region_len } => write!(
-                f,
-                "range at offset {offset} of {len} bytes is outside the {region_len}-byte memory region"
-            ),
+            RegionError::OutOfBounds { offset, len, region_len } => {
+                write!(f, "range at offset {offset} of {len} bytes is outside the {region_len}-byte memory region")
+            }
             RegionError::ReadOnly => f.write_str("memory region is registered read-only"),
-            RegionError::Reentrant { offset, len } => write!(
-                f,
-                "this thread already accesses bytes overlapping offset {offset} (+{len}) of the memory region"
-            ),
+            RegionError::Reentrant { offset, len } => {
+                write!(f, "this thread already accesses bytes overlapping offset {offset} (+{len}) of the memory region")
+            }
         }
     }
 }
@@ -227,11 +225,7 @@ impl Drop for EndRegistration<'_> {
         st.valid = false;
         self.0.changed.notify_all();
         while !st.active.is_empty() {
-            st = self
-                .0
-                .changed
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
+            st = self.0.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
     }
 }
@@ -245,11 +239,7 @@ impl RegionHandle {
                 len,
                 writable,
                 owned,
-                state: Mutex::new(State {
-                    valid: true,
-                    active: Vec::new(),
-                    next_ticket: 0,
-                }),
+                state: Mutex::new(State { valid: true, active: Vec::new(), next_ticket: 0 }),
                 changed: Condvar::new(),
             }),
         }
@@ -298,12 +288,7 @@ impl RegionHandle {
 
     /// Checks and registers an access to `[offset, offset + len)`; `Ok(None)`
     /// for a valid zero-length access (which touches no memory).
-    fn acquire(
-        &self,
-        offset: usize,
-        len: usize,
-        mutable: bool,
-    ) -> Result<Option<AccessGuard<'_>>, RegionError> {
+    fn acquire(&self, offset: usize, len: usize, mutable: bool) -> Result<Option<AccessGuard<'_>>, RegionError> {
         let inner = &*self.inner;
         let mut st = lock(&inner.state);
         if !st.valid {
@@ -311,13 +296,7 @@ impl RegionHandle {
         }
         let end = match offset.checked_add(len) {
             Some(end) if end <= inner.len => end,
-            _ => {
-                return Err(RegionError::OutOfBounds {
-                    offset,
-                    len,
-                    region_len: inner.len,
-                })
-            }
+            _ => return Err(RegionError::OutOfBounds { offset, len, region_len: inner.len }),
         };
         if mutable && !inner.writable {
             return Err(RegionError::ReadOnly);
@@ -327,18 +306,12 @@ impl RegionHandle {
         }
         let me = std::thread::current().id();
         loop {
-            let conflict = st
-                .active
-                .iter()
-                .find(|a| a.start < end && offset < a.end && (a.mutable || mutable));
+            let conflict = st.active.iter().find(|a| a.start < end && offset < a.end && (a.mutable || mutable));
             match conflict {
                 None => break,
                 Some(a) if a.thread == me => return Err(RegionError::Reentrant { offset, len }),
                 Some(_) => {
-                    st = inner
-                        .changed
-                        .wait(st)
-                        .unwrap_or_else(PoisonError::into_inner);
+                    st = inner.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
                     if !st.valid {
                         return Err(RegionError::Gone);
                     }
@@ -347,13 +320,7 @@ impl RegionHandle {
         }
         let ticket = st.next_ticket;
         st.next_ticket += 1;
-        st.active.push(Active {
-            start: offset,
-            end,
-            mutable,
-            thread: me,
-            ticket,
-        });
+        st.active.push(Active { start: offset, end, mutable, thread: me, ticket });
         Ok(Some(AccessGuard { inner, ticket }))
     }
 
@@ -366,12 +333,7 @@ impl RegionHandle {
     /// [`RegionError::ReadOnly`] on a read-only registration, and
     /// [`RegionError::Reentrant`] if this thread already accesses overlapping
     /// bytes. The registration cannot end while `f` runs.
-    pub fn with_slice_mut<R>(
-        &self,
-        offset: usize,
-        len: usize,
-        f: impl FnOnce(&mut [u8]) -> R,
-    ) -> Result<R, RegionError> {
+    pub fn with_slice_mut<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, RegionError> {
         let Some(_guard) = self.acquire(offset, len, true)? else {
             return Ok(f(&mut []));
         };
@@ -386,8 +348,7 @@ impl RegionHandle {
         // (`EndRegistration` waits for all active ranges). `f` is generic over
         // the slice lifetime, so the slice cannot outlive this call, and
         // `_guard` is dropped after `f` returns or unwinds.
-        let slice =
-            unsafe { std::slice::from_raw_parts_mut(self.inner.base.as_ptr().add(offset), len) };
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.inner.base.as_ptr().add(offset), len) };
         Ok(f(slice))
     }
 
@@ -396,12 +357,7 @@ impl RegionHandle {
     /// Waits while another thread mutably accesses overlapping bytes; errors
     /// as for [`with_slice_mut`](Self::with_slice_mut), except that read-only
     /// registrations are fine.
-    pub fn with_slice<R>(
-        &self,
-        offset: usize,
-        len: usize,
-        f: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R, RegionError> {
+    pub fn with_slice<R>(&self, offset: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> Result<R, RegionError> {
         let Some(_guard) = self.acquire(offset, len, false)? else {
             return Ok(f(&[]));
         };
@@ -410,8 +366,7 @@ impl RegionHandle {
         // no mutable access overlapping it exists or can start until `_guard`
         // drops, and the registration cannot end before then. The slice
         // cannot escape `f`.
-        let slice =
-            unsafe { std::slice::from_raw_parts(self.inner.base.as_ptr().add(offset), len) };
+        let slice = unsafe { std::slice::from_raw_parts(self.inner.base.as_ptr().add(offset), len) };
         Ok(f(slice))
     }
 
@@ -509,8 +464,7 @@ mod tests {
                                     h.write_at(off, &[t as u8 + round; 256]).unwrap();
                                 }
                             } else {
-                                h.with_slice_mut(t * CHUNK, CHUNK, |s| s.fill(t as u8 + round))
-                                    .unwrap();
+                                h.with_slice_mut(t * CHUNK, CHUNK, |s| s.fill(t as u8 + round)).unwrap();
                             }
                         }
                         h.write_at(t * CHUNK, &vec![t as u8 + 100; CHUNK]).unwrap();
@@ -619,14 +573,8 @@ mod tests {
             writer
         });
         let waited = returned_from_f.unwrap().elapsed();
-        assert!(
-            waited >= Duration::from_millis(40),
-            "did not wait: {waited:?}"
-        );
-        assert!(
-            buf.iter().all(|&b| b == 9),
-            "the in-flight write finished before return"
-        );
+        assert!(waited >= Duration::from_millis(40), "did not wait: {waited:?}");
+        assert!(buf.iter().all(|&b| b == 9), "the in-flight write finished before return");
         assert_eq!(writer.join().unwrap(), Ok(()));
     }
 
@@ -682,11 +630,7 @@ mod tests {
     #[test]
     fn out_of_bounds_errors() {
         let h = RegionHandle::owned(10);
-        let oob = |offset, len| RegionError::OutOfBounds {
-            offset,
-            len,
-            region_len: 10,
-        };
+        let oob = |offset, len| RegionError::OutOfBounds { offset, len, region_len: 10 };
         assert_eq!(h.write_at(8, &[0; 3]), Err(oob(8, 3)));
         assert_eq!(h.read_at(11, &mut []), Err(oob(11, 0)));
         assert_eq!(h.with_slice(usize::MAX, 2, |_| ()), Err(oob(usize::MAX, 2)));
@@ -706,17 +650,13 @@ mod tests {
             h.write_at(0, &[]).unwrap();
             h.read_at(0, &mut []).unwrap();
             assert_eq!(h.with_slice_mut(0, 0, |s| s.len()), Ok(0));
-            assert!(matches!(
-                h.write_at(0, &[1]),
-                Err(RegionError::OutOfBounds { .. })
-            ));
+            assert!(matches!(h.write_at(0, &[1]), Err(RegionError::OutOfBounds { .. })));
         });
         let owned = RegionHandle::owned(0);
         assert_eq!(owned.with_slice(0, 0, |s| s.len()), Ok(0));
         // A zero-length access inside a held range does not conflict.
         let h = RegionHandle::owned(4);
-        h.with_slice_mut(0, 4, |_| h.with_slice_mut(2, 0, |_| ()).unwrap())
-            .unwrap();
+        h.with_slice_mut(0, 4, |_| h.with_slice_mut(2, 0, |_| ()).unwrap()).unwrap();
     }
 
     #[test]
@@ -730,10 +670,7 @@ mod tests {
             h.read_at(0, &mut got).unwrap();
             assert_eq!(got, [1, 2, 3, 4]);
             // Shared views may overlap, also on one thread.
-            h.with_slice(0, 4, |a| {
-                h.with_slice(1, 2, |b| assert_eq!(b, &a[1..3])).unwrap()
-            })
-            .unwrap();
+            h.with_slice(0, 4, |a| h.with_slice(1, 2, |b| assert_eq!(b, &a[1..3])).unwrap()).unwrap();
         });
         assert_eq!(buf, [1, 2, 3, 4]);
     }
@@ -741,15 +678,12 @@ mod tests {
     #[test]
     fn reentrant_conflicting_access_errors_instead_of_deadlocking() {
         let h = RegionHandle::owned(16);
-        let r = h
-            .with_slice_mut(0, 8, |_| h.read_at(4, &mut [0; 8]))
-            .unwrap();
+        let r = h.with_slice_mut(0, 8, |_| h.read_at(4, &mut [0; 8])).unwrap();
         assert_eq!(r, Err(RegionError::Reentrant { offset: 4, len: 8 }));
         let r = h.with_slice(0, 8, |_| h.write_at(7, &[0])).unwrap();
         assert_eq!(r, Err(RegionError::Reentrant { offset: 7, len: 1 }));
         // Disjoint nested access is fine.
-        h.with_slice_mut(0, 8, |_| h.write_at(8, &[1; 8]).unwrap())
-            .unwrap();
+        h.with_slice_mut(0, 8, |_| h.write_at(8, &[1; 8]).unwrap()).unwrap();
     }
 
     #[test]
@@ -768,8 +702,7 @@ mod tests {
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0usize..80, proptest::collection::vec(any::<u8>(), 0..24))
-                .prop_map(|(o, b)| Op::Write(o, b)),
+            (0usize..80, proptest::collection::vec(any::<u8>(), 0..24)).prop_map(|(o, b)| Op::Write(o, b)),
             (0usize..80, 0usize..24).prop_map(|(o, l)| Op::Read(o, l)),
         ]
     }
@@ -784,14 +717,7 @@ mod tests {
                         assert_eq!(r, Ok(()));
                         shadow[*o..o + b.len()].copy_from_slice(b);
                     } else {
-                        assert_eq!(
-                            r,
-                            Err(RegionError::OutOfBounds {
-                                offset: *o,
-                                len: b.len(),
-                                region_len: n
-                            })
-                        );
+                        assert_eq!(r, Err(RegionError::OutOfBounds { offset: *o, len: b.len(), region_len: n }));
                     }
                 }
                 Op::Read(o, l) => {

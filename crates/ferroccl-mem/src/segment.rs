@@ -68,11 +68,7 @@ unsafe impl Sync for ShmSegment {}
 
 impl fmt::Debug for ShmSegment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmSegment")
-            .field("name", &self.name)
-            .field("len", &self.len)
-            .field("addr", &self.base)
-            .finish()
+        f.debug_struct("ShmSegment").field("name", &self.name).field("len", &self.len).field("addr", &self.base).finish()
     }
 }
 
@@ -88,19 +84,11 @@ fn seg_os_err(name: &str, op: &str, e: rustix::io::Errno) -> io::Error {
 /// Checks the portable POSIX shm name form: a leading `/`, no other `/`,
 /// 2..=255 bytes, no NUL.
 fn check_name(name: &str) -> io::Result<()> {
-    let ok = name.len() >= 2
-        && name.len() <= 255
-        && name.starts_with('/')
-        && !name[1..].contains('/')
-        && !name.contains('\0');
+    let ok = name.len() >= 2 && name.len() <= 255 && name.starts_with('/') && !name[1..].contains('/') && !name.contains('\0');
     if ok {
         Ok(())
     } else {
-        Err(seg_err(
-            name,
-            io::ErrorKind::InvalidInput,
-            "invalid name (must be \"/\" followed by 1 to 254 bytes without '/' or NUL)",
-        ))
+        Err(seg_err(name, io::ErrorKind::InvalidInput, "invalid name (must be \"/\" followed by 1 to 254 bytes without '/' or NUL)"))
     }
 }
 
@@ -119,23 +107,13 @@ impl ShmSegment {
     pub fn create(name: &str, len: usize) -> io::Result<ShmSegment> {
         check_name(name)?;
         if len == 0 {
-            return Err(seg_err(
-                name,
-                io::ErrorKind::InvalidInput,
-                "length must be non-zero",
-            ));
+            return Err(seg_err(name, io::ErrorKind::InvalidInput, "length must be non-zero"));
         }
-        let fd = shm::open(
-            name,
-            shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|e| seg_os_err(name, "shm_open(O_CREAT|O_EXCL)", e))?;
+        let fd = shm::open(name, shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR, Mode::from_raw_mode(0o600))
+            .map_err(|e| seg_os_err(name, "shm_open(O_CREAT|O_EXCL)", e))?;
         let sized = u64::try_from(len)
             .map_err(|_| seg_err(name, io::ErrorKind::InvalidInput, "length too large"))
-            .and_then(|l| {
-                rustix::fs::ftruncate(&fd, l).map_err(|e| seg_os_err(name, "ftruncate", e))
-            })
+            .and_then(|l| rustix::fs::ftruncate(&fd, l).map_err(|e| seg_os_err(name, "ftruncate", e)))
             .and_then(|()| Self::map(name, &fd, len));
         match sized {
             Ok(seg) => Ok(seg),
@@ -155,16 +133,11 @@ impl ShmSegment {
     /// [`io::ErrorKind::NotFound`]. Every error message names the segment.
     pub fn open(name: &str, expected_len: usize) -> io::Result<ShmSegment> {
         check_name(name)?;
-        let fd = shm::open(name, shm::OFlags::RDWR, Mode::empty())
-            .map_err(|e| seg_os_err(name, "shm_open", e))?;
+        let fd = shm::open(name, shm::OFlags::RDWR, Mode::empty()).map_err(|e| seg_os_err(name, "shm_open", e))?;
         let st = rustix::fs::fstat(&fd).map_err(|e| seg_os_err(name, "fstat", e))?;
         let actual = u64::try_from(st.st_size).unwrap_or(0);
         if usize::try_from(actual).ok() != Some(expected_len) || expected_len == 0 {
-            return Err(seg_err(
-                name,
-                io::ErrorKind::InvalidData,
-                format_args!("size is {actual} bytes, expected {expected_len}"),
-            ));
+            return Err(seg_err(name, io::ErrorKind::InvalidData, format_args!("size is {actual} bytes, expected {expected_len}")));
         }
         Self::map(name, &fd, expected_len)
     }
@@ -177,25 +150,11 @@ impl ShmSegment {
         // atomics and raw copies (see the module docs), never through Rust
         // references to the bytes, so the fact that other processes mutate it
         // cannot break a reference invariant.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }
-        .map_err(|e| seg_os_err(name, "mmap", e))?;
-        let base = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| seg_err(name, io::ErrorKind::Other, "mmap returned null"))?;
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, fd, 0) }
+            .map_err(|e| seg_os_err(name, "mmap", e))?;
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| seg_err(name, io::ErrorKind::Other, "mmap returned null"))?;
         // The fd can be closed now: the mapping keeps the object alive.
-        Ok(ShmSegment {
-            name: name.to_owned(),
-            base,
-            len,
-        })
+        Ok(ShmSegment { name: name.to_owned(), base, len })
     }
 
     /// Removes the name `name`. Existing mappings (in this and other
@@ -308,11 +267,7 @@ impl ShmSegment {
         // overlap the mapping because no Rust reference into the mapping ever
         // exists. Any byte value is a valid `u8`.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.base.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
+            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(offset), dst.as_mut_ptr(), dst.len());
         }
     }
 }
@@ -325,11 +280,7 @@ impl Drop for ShmSegment {
         // reference into the mapping exists, so nothing can touch it after
         // this call.
         let r = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
-        debug_assert!(
-            r.is_ok(),
-            "munmap of shm segment {} failed: {r:?}",
-            self.name
-        );
+        debug_assert!(r.is_ok(), "munmap of shm segment {} failed: {r:?}", self.name);
     }
 }
 
@@ -417,10 +368,7 @@ mod tests {
         b.read(100, &mut got);
         assert_eq!(got, [7, 8, 9]);
         // Unlinking twice reports NotFound.
-        assert_eq!(
-            ShmSegment::unlink(&name.0).unwrap_err().kind(),
-            io::ErrorKind::NotFound
-        );
+        assert_eq!(ShmSegment::unlink(&name.0).unwrap_err().kind(), io::ErrorKind::NotFound);
     }
 
     #[test]
@@ -432,10 +380,7 @@ mod tests {
         let name = Name::new("zero");
         let e = ShmSegment::create(&name.0, 0).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
-        assert_eq!(
-            ShmSegment::open(&name.0, 16).unwrap_err().kind(),
-            io::ErrorKind::NotFound
-        );
+        assert_eq!(ShmSegment::open(&name.0, 16).unwrap_err().kind(), io::ErrorKind::NotFound);
     }
 
     #[test]

@@ -347,7 +347,10 @@ impl Communicator {
                                 None => return Err(mismatch(m.data.len() as u64)),
                             },
                             Some(m) => {
-                                return Err(Error::protocol(format!("rank {peer}"), format!("{op}: message #{} arrived, expected #{seq}", m.seq)))
+                                return Err(Error::protocol(
+                                    format!("rank {peer}"),
+                                    format!("{op}: message #{} arrived, expected #{seq}", m.seq),
+                                ))
                             }
                             None => {}
                         }

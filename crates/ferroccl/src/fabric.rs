@@ -383,7 +383,12 @@ impl Fabric {
                 )));
             }
             if kinds[p] == "tcp" && d.tcp_addr.is_empty() {
-                return Err(Error::Transport { rank, peer: p, transport: "tcp", what: "the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into() });
+                return Err(Error::Transport {
+                    rank,
+                    peer: p,
+                    transport: "tcp",
+                    what: "the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into(),
+                });
             }
         }
 
@@ -396,8 +401,19 @@ impl Fabric {
             }
             let d = &descs[p];
             let local = local_shm.clone().ok_or_else(|| Error::invalid("internal: shm peer without a local segment"))?;
-            let ep = ShmEndpoint::connect(rank, p, d.pid as i32, &d.shm_name, size, params.shm_ring_bytes, params.shm_inline_max, params.shm_cma, local)?;
-            let watch = ProcessWatch::new(d.pid as i32).map_err(|e| Error::io(format!("rank {rank}: watch rank {p} (pid {})", d.pid), e))?;
+            let ep = ShmEndpoint::connect(
+                rank,
+                p,
+                d.pid as i32,
+                &d.shm_name,
+                size,
+                params.shm_ring_bytes,
+                params.shm_inline_max,
+                params.shm_cma,
+                local,
+            )?;
+            let watch =
+                ProcessWatch::new(d.pid as i32).map_err(|e| Error::io(format!("rank {rank}: watch rank {p} (pid {})", d.pid), e))?;
             watches.push((p, watch));
             let can_pull = params.shm_cma && can_read_process(d.pid as i32, d.probe_addr);
             hellos.push((p, can_pull));

@@ -124,10 +124,8 @@ impl Params {
         let mut p = Params::default();
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         if let Some(v) = get("FERROCCL_TRANSPORT") {
-            p.transport = TransportChoice::parse(&v).ok_or_else(|| Error::Env {
-                var: "FERROCCL_TRANSPORT".into(),
-                problem: format!("{v:?} is not one of auto, shm, tcp"),
-            })?;
+            p.transport = TransportChoice::parse(&v)
+                .ok_or_else(|| Error::Env { var: "FERROCCL_TRANSPORT".into(), problem: format!("{v:?} is not one of auto, shm, tcp") })?;
         }
         if let Some(v) = get("FERROCCL_TIMEOUT") {
             let secs: f64 = parse_num("FERROCCL_TIMEOUT", &v)?;
@@ -138,15 +136,19 @@ impl Params {
         }
         p.host_id = get("FERROCCL_HOST_ID");
         if let Some(v) = get("FERROCCL_SOCKET_ADDR") {
-            p.socket_addr = Some(v.trim().parse().map_err(|_| Error::Env {
-                var: "FERROCCL_SOCKET_ADDR".into(),
-                problem: format!("{v:?} is not an IP address"),
-            })?);
+            p.socket_addr = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::Env { var: "FERROCCL_SOCKET_ADDR".into(), problem: format!("{v:?} is not an IP address") })?,
+            );
         }
         if let Some(v) = get("FERROCCL_SHM_RING_BYTES") {
             p.shm_ring_bytes = parse_num("FERROCCL_SHM_RING_BYTES", &v)?;
             if !(4096..=(1 << 30)).contains(&p.shm_ring_bytes) || !p.shm_ring_bytes.is_power_of_two() {
-                return Err(Error::Env { var: "FERROCCL_SHM_RING_BYTES".into(), problem: format!("{v:?} must be a power of two between 4096 and 1 GiB") });
+                return Err(Error::Env {
+                    var: "FERROCCL_SHM_RING_BYTES".into(),
+                    problem: format!("{v:?} must be a power of two between 4096 and 1 GiB"),
+                });
             }
         }
         if let Some(v) = get("FERROCCL_SHM_INLINE_MAX") {

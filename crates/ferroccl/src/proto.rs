@@ -46,11 +46,27 @@ pub(crate) struct Cts {
 /// A decoded protocol message.
 #[derive(Debug)]
 pub(crate) enum ProtoMsg {
-    Eager { comm: u32, chan: u8, seq: u32, data: Vec<u8> },
-    Cts { comm: u32, chan: u8, cts: Cts },
-    Err { what: String },
+    Eager {
+        comm: u32,
+        chan: u8,
+        seq: u32,
+        data: Vec<u8>,
+    },
+    Cts {
+        comm: u32,
+        chan: u8,
+        cts: Cts,
+    },
+    Err {
+        what: String,
+    },
     /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
-    Rts { comm: u32, chan: u8, seq: u32, len: u64 },
+    Rts {
+        comm: u32,
+        chan: u8,
+        seq: u32,
+        len: u64,
+    },
 }
 
 /// Bytes of the eager header (data follows it).

@@ -48,9 +48,7 @@ fn finalize_leaves_no_thread_socket_or_mapping() {
     // Other tests of this binary may run at the same time: allow them a moment to finish,
     // then compare.
     let settle = std::time::Instant::now() + Duration::from_secs(10);
-    while std::time::Instant::now() < settle
-        && (count("/proc/self/task") > threads || count("/proc/self/fd") > fds || shm_maps() > maps)
-    {
+    while std::time::Instant::now() < settle && (count("/proc/self/task") > threads || count("/proc/self/fd") > fds || shm_maps() > maps) {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(count("/proc/self/task"), threads, "threads left behind");

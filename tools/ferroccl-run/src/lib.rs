@@ -117,7 +117,8 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 /// The one-line usage printed with every command-line error.
-pub const USAGE: &str = "usage: ferroccl-run -n N [--transport auto|shm|tcp] [--timeout S] [--grace S] [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]";
+pub const USAGE: &str =
+    "usage: ferroccl-run -n N [--transport auto|shm|tcp] [--timeout S] [--grace S] [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]";
 
 /// The most ranks one job may have.
 pub const MAX_RANKS: usize = 1024;
@@ -272,13 +273,8 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
                 return Ok(v.to_string());
             }
             *i += 1;
-            let v = args
-                .get(*i)
-                .ok_or_else(|| ArgError::MissingValue(flag.to_string()))?;
-            v.as_ref()
-                .to_str()
-                .map(str::to_string)
-                .ok_or_else(|| ArgError::NotUtf8(flag.to_string()))
+            let v = args.get(*i).ok_or_else(|| ArgError::MissingValue(flag.to_string()))?;
+            v.as_ref().to_str().map(str::to_string).ok_or_else(|| ArgError::NotUtf8(flag.to_string()))
         };
         match flag {
             "-h" | "--help" if inline.is_none() => return Ok(Invocation::Help),
@@ -301,13 +297,11 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
             }
             "--timeout" => {
                 let v = value(&mut i)?;
-                let d = parse_seconds(&v)
-                    .filter(|d| !d.is_zero())
-                    .ok_or(ArgError::BadSeconds {
-                        flag: "--timeout",
-                        value: v,
-                        expected: "must be a positive number of seconds",
-                    })?;
+                let d = parse_seconds(&v).filter(|d| !d.is_zero()).ok_or(ArgError::BadSeconds {
+                    flag: "--timeout",
+                    value: v,
+                    expected: "must be a positive number of seconds",
+                })?;
                 timeout = Some(d);
             }
             "--grace" => {
@@ -325,22 +319,10 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
 
     let nranks = nranks.ok_or(ArgError::MissingRanks)?;
     let (program, args) = match program {
-        Some([program, args @ ..]) => (
-            program.as_ref().to_os_string(),
-            args.iter().map(|a| a.as_ref().to_os_string()).collect(),
-        ),
+        Some([program, args @ ..]) => (program.as_ref().to_os_string(), args.iter().map(|a| a.as_ref().to_os_string()).collect()),
         _ => return Err(ArgError::MissingProgram),
     };
-    Ok(Invocation::Run(Options {
-        nranks,
-        transport,
-        timeout,
-        grace,
-        prefix,
-        verbose,
-        program,
-        args,
-    }))
+    Ok(Invocation::Run(Options { nranks, transport, timeout, grace, prefix, verbose, program, args }))
 }
 
 /// Parses a non-negative, finite number of seconds ("5", "0.25", "1e3").
@@ -418,18 +400,12 @@ impl fmt::Display for Describe {
 
 /// The runner's exit status for a failed rank: its code, or 128 + the signal.
 fn status_code(st: ExitStatus) -> i32 {
-    st.code()
-        .or_else(|| st.signal().map(|s| 128 + s))
-        .unwrap_or(1)
+    st.code().or_else(|| st.signal().map(|s| 128 + s)).unwrap_or(1)
 }
 
 /// "0, 2, 3".
 fn rank_list(ranks: &[usize]) -> String {
-    ranks
-        .iter()
-        .map(usize::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
+    ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
 }
 
 /// Seconds as a short decimal: 5, 0.5, 1.25.
@@ -442,36 +418,22 @@ fn secs(d: Duration) -> String {
 /// Finds `program` the way `execvp` would: a name with a slash is a path, anything else
 /// is looked up in `PATH`. Errors are `NotFound` or `PermissionDenied`.
 fn resolve_program(program: &OsStr) -> io::Result<PathBuf> {
-    let is_exec = |p: &Path| {
-        p.metadata()
-            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
+    let is_exec = |p: &Path| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
     if program.as_bytes().contains(&b'/') {
         let p = PathBuf::from(program);
         return match is_exec(&p) {
             Ok(true) => Ok(p),
-            Ok(false) => Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "not an executable file",
-            )),
+            Ok(false) => Err(io::Error::new(io::ErrorKind::PermissionDenied, "not an executable file")),
             Err(e) => Err(e),
         };
     }
     if program.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            "empty program name",
-        ));
+        return Err(io::Error::new(io::ErrorKind::NotFound, "empty program name"));
     }
-    let path =
-        std::env::var_os("PATH").unwrap_or_else(|| OsString::from("/usr/local/bin:/usr/bin:/bin"));
+    let path = std::env::var_os("PATH").unwrap_or_else(|| OsString::from("/usr/local/bin:/usr/bin:/bin"));
     let mut denied = false;
     for dir in std::env::split_paths(&path) {
-        let dir = if dir.as_os_str().is_empty() {
-            PathBuf::from(".")
-        } else {
-            dir
-        };
+        let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
         let candidate = dir.join(program);
         match is_exec(&candidate) {
             Ok(true) => return Ok(candidate),
@@ -480,10 +442,7 @@ fn resolve_program(program: &OsStr) -> io::Result<PathBuf> {
         }
     }
     if denied {
-        Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "found in PATH but not executable",
-        ))
+        Err(io::Error::new(io::ErrorKind::PermissionDenied, "found in PATH but not executable"))
     } else {
         Err(io::Error::new(io::ErrorKind::NotFound, "not found in PATH"))
     }
@@ -613,11 +572,7 @@ struct Stopping {
 
 impl Job {
     fn running(&self) -> Vec<usize> {
-        self.ranks
-            .iter()
-            .filter(|r| r.status.is_none())
-            .map(|r| r.rank)
-            .collect()
+        self.ranks.iter().filter(|r| r.status.is_none()).map(|r| r.rank).collect()
     }
 
     fn signal_running(&self, sig: Signal) {
@@ -632,12 +587,7 @@ impl Job {
         let kill_at = Instant::now() + after;
         match stopping {
             Some(s) => s.kill_at = s.kill_at.min(kill_at),
-            None => {
-                *stopping = Some(Stopping {
-                    kill_at,
-                    kill_sent: false,
-                })
-            }
+            None => *stopping = Some(Stopping { kill_at, kill_sent: false }),
         }
     }
 
@@ -660,10 +610,7 @@ impl Job {
             let pg = Pid::from_raw(r.pid);
             if killpg(pg, None).is_ok() {
                 if self.verbose {
-                    eprintln!(
-                        "ferroccl-run: killing processes left behind in rank {}'s process group",
-                        r.rank
-                    );
+                    eprintln!("ferroccl-run: killing processes left behind in rank {}'s process group", r.rank);
                 }
                 let _ = killpg(pg, Signal::SIGKILL);
             }
@@ -700,10 +647,7 @@ fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>) -> Command {
     let mut cmd = match shim {
         Some(exe) => {
             let mut c = Command::new(exe);
-            c.arg(EXEC_SHIM_ARG)
-                .arg(std::process::id().to_string())
-                .arg(path)
-                .arg(&opts.program);
+            c.arg(EXEC_SHIM_ARG).arg(std::process::id().to_string()).arg(path).arg(&opts.program);
             c
         }
         None => {
@@ -712,11 +656,7 @@ fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>) -> Command {
             c
         }
     };
-    cmd.args(&opts.args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+    cmd.args(&opts.args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     cmd
 }
 
@@ -744,15 +684,8 @@ fn run(opts: &Options) -> i32 {
     let path = match resolve_program(&opts.program) {
         Ok(p) => p,
         Err(e) => {
-            let code = if e.kind() == io::ErrorKind::PermissionDenied {
-                126
-            } else {
-                127
-            };
-            eprintln!(
-                "ferroccl-run: cannot run {}: {e}",
-                opts.program.to_string_lossy()
-            );
+            let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
+            eprintln!("ferroccl-run: cannot run {}: {e}", opts.program.to_string_lossy());
             return code;
         }
     };
@@ -770,11 +703,7 @@ fn run(opts: &Options) -> i32 {
             return 1;
         }
     };
-    let store = match StoreServer::start(
-        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-        &token,
-        max_value,
-    ) {
+    let store = match StoreServer::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), &token, max_value) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("ferroccl-run: cannot start the bootstrap store: {e}");
@@ -787,11 +716,7 @@ fn run(opts: &Options) -> i32 {
         eprintln!("ferroccl-run: store at {store_addr}, {} ranks", opts.nranks);
     }
 
-    let mut job = Job {
-        ranks: Vec::with_capacity(opts.nranks),
-        pumps: Vec::new(),
-        verbose: opts.verbose,
-    };
+    let mut job = Job { ranks: Vec::with_capacity(opts.nranks), pumps: Vec::new(), verbose: opts.verbose };
     let code = match spawn_all(opts, &path, &token, store_addr, &mut job) {
         Ok(()) => monitor(opts, &mut job, &mut signals, started),
         Err(code) => code,
@@ -801,10 +726,7 @@ fn run(opts: &Options) -> i32 {
     store.shutdown();
     signals.handle().close();
     if opts.verbose {
-        eprintln!(
-            "ferroccl-run: wall time {} s, exit status {code}",
-            secs(started.elapsed())
-        );
+        eprintln!("ferroccl-run: wall time {} s, exit status {code}", secs(started.elapsed()));
     }
     let _ = io::stdout().flush();
     code
@@ -812,13 +734,7 @@ fn run(opts: &Options) -> i32 {
 
 /// Spawns every rank and its two output pumps. On failure returns the exit status; the
 /// ranks already started are left in `job` for the caller to kill.
-fn spawn_all(
-    opts: &Options,
-    path: &Path,
-    token: &str,
-    store: SocketAddr,
-    job: &mut Job,
-) -> Result<(), i32> {
+fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketAddr, job: &mut Job) -> Result<(), i32> {
     let shim = shim_exe();
     let launcher_pid = std::process::id().to_string();
     let n = opts.nranks.to_string();
@@ -837,10 +753,7 @@ fn spawn_all(
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!(
-                    "ferroccl-run: cannot start rank {rank} ({}): {e}",
-                    opts.program.to_string_lossy()
-                );
+                eprintln!("ferroccl-run: cannot start rank {rank} ({}): {e}", opts.program.to_string_lossy());
                 return Err(match e.kind() {
                     io::ErrorKind::NotFound => 127,
                     io::ErrorKind::PermissionDenied => 126,
@@ -850,12 +763,7 @@ fn spawn_all(
         };
         let pid = child.id() as i32;
         let streams = (child.stdout.take(), child.stderr.take());
-        job.ranks.push(Rank {
-            rank,
-            pid,
-            child,
-            status: None,
-        });
+        job.ranks.push(Rank { rank, pid, child, status: None });
         if opts.verbose {
             eprintln!("ferroccl-run: rank {rank} pid {pid}");
         }
@@ -864,15 +772,9 @@ fn spawn_all(
             return Err(1);
         };
         let prefix = opts.prefix;
-        for (to_stderr, src) in [
-            (false, Box::new(out) as Box<dyn Read + Send>),
-            (true, Box::new(err)),
-        ] {
+        for (to_stderr, src) in [(false, Box::new(out) as Box<dyn Read + Send>), (true, Box::new(err))] {
             let spawned = thread::Builder::new()
-                .name(format!(
-                    "rank{rank}-{}",
-                    if to_stderr { "err" } else { "out" }
-                ))
+                .name(format!("rank{rank}-{}", if to_stderr { "err" } else { "out" }))
                 .stack_size(128 << 10)
                 .spawn(move || pump(src, rank, to_stderr, prefix));
             match spawned {
@@ -889,11 +791,7 @@ fn spawn_all(
 
 /// Watches the ranks until all have exited; handles failure, timeout and signals.
 fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instant) -> i32 {
-    let poll = if opts.nranks <= 64 {
-        Duration::from_millis(10)
-    } else {
-        Duration::from_millis(20)
-    };
+    let poll = if opts.nranks <= 64 { Duration::from_millis(10) } else { Duration::from_millis(20) };
     let deadline = opts.timeout.map(|t| started + t);
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
     let mut got_signal: Option<i32> = None;
@@ -926,12 +824,7 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
                     first_failure = Some((r.rank, st, Instant::now()));
                 }
             } else if opts.verbose {
-                eprintln!(
-                    "ferroccl-run: rank {} (pid {}) {}",
-                    r.rank,
-                    r.pid,
-                    Describe(st)
-                );
+                eprintln!("ferroccl-run: rank {} (pid {}) {}", r.rank, r.pid, Describe(st));
             }
         }
         let running = job.running();
@@ -942,18 +835,10 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
         for sig in signals.pending() {
             if got_signal.is_none() {
                 got_signal = Some(sig);
-                eprintln!(
-                    "ferroccl-run: got {}; sending SIGTERM to ranks {}",
-                    signal_name(sig),
-                    rank_list(&running)
-                );
+                eprintln!("ferroccl-run: got {}; sending SIGTERM to ranks {}", signal_name(sig), rank_list(&running));
                 job.begin_stop(&mut stopping, SIGNAL_TERM_TO_KILL);
             } else {
-                eprintln!(
-                    "ferroccl-run: got {} again; sending SIGKILL to ranks {}",
-                    signal_name(sig),
-                    rank_list(&running)
-                );
+                eprintln!("ferroccl-run: got {} again; sending SIGKILL to ranks {}", signal_name(sig), rank_list(&running));
                 job.signal_running(Signal::SIGKILL);
                 if let Some(s) = &mut stopping {
                     s.kill_sent = true;
@@ -1020,21 +905,7 @@ mod tests {
 
     #[test]
     fn full_command_line() {
-        let o = opts(&[
-            "-n",
-            "4",
-            "--transport",
-            "TCP",
-            "--timeout",
-            "2.5",
-            "--grace=0.5",
-            "--no-prefix",
-            "-v",
-            "--",
-            "prog",
-            "-n",
-            "x",
-        ]);
+        let o = opts(&["-n", "4", "--transport", "TCP", "--timeout", "2.5", "--grace=0.5", "--no-prefix", "-v", "--", "prog", "-n", "x"]);
         assert_eq!(o.nranks, 4);
         assert_eq!(o.transport.as_deref(), Some("tcp"));
         assert_eq!(o.timeout, Some(Duration::from_millis(2500)));
@@ -1056,10 +927,7 @@ mod tests {
         assert_eq!(o.args, vec![OsString::from("--grace"), OsString::from("1")]);
         assert_eq!(opts(&["--nproc=3", "--", "p"]).nranks, 3);
         assert_eq!(opts(&["--nproc", "1024", "p"]).nranks, 1024);
-        assert_eq!(
-            opts(&["-n", "1", "--grace", "0", "p"]).grace,
-            Duration::ZERO
-        );
+        assert_eq!(opts(&["-n", "1", "--grace", "0", "p"]).grace, Duration::ZERO);
     }
 
     #[test]
@@ -1071,60 +939,21 @@ mod tests {
     #[test]
     fn errors() {
         assert_eq!(parse(&["--", "prog"]), Err(ArgError::MissingRanks));
-        assert_eq!(
-            parse(&["-n", "0", "prog"]),
-            Err(ArgError::BadRanks("0".into()))
-        );
-        assert_eq!(
-            parse(&["-n", "1025", "prog"]),
-            Err(ArgError::BadRanks("1025".into()))
-        );
-        assert_eq!(
-            parse(&["-n", "four", "prog"]),
-            Err(ArgError::BadRanks("four".into()))
-        );
-        assert_eq!(
-            parse(&["-n", "-3", "prog"]),
-            Err(ArgError::BadRanks("-3".into()))
-        );
+        assert_eq!(parse(&["-n", "0", "prog"]), Err(ArgError::BadRanks("0".into())));
+        assert_eq!(parse(&["-n", "1025", "prog"]), Err(ArgError::BadRanks("1025".into())));
+        assert_eq!(parse(&["-n", "four", "prog"]), Err(ArgError::BadRanks("four".into())));
+        assert_eq!(parse(&["-n", "-3", "prog"]), Err(ArgError::BadRanks("-3".into())));
         assert_eq!(parse(&["-n"]), Err(ArgError::MissingValue("-n".into())));
         assert_eq!(parse(&["-n", "2", "--"]), Err(ArgError::MissingProgram));
         assert_eq!(parse(&["-n", "2"]), Err(ArgError::MissingProgram));
-        assert_eq!(
-            parse(&["-n", "2", "--bogus", "p"]),
-            Err(ArgError::UnknownOption("--bogus".into()))
-        );
-        assert_eq!(
-            parse(&["-n", "2", "--verbose=1", "p"]),
-            Err(ArgError::UnknownOption("--verbose=1".into()))
-        );
-        assert_eq!(
-            parse(&["-n", "2", "--transport", "ib", "p"]),
-            Err(ArgError::BadTransport("ib".into()))
-        );
+        assert_eq!(parse(&["-n", "2", "--bogus", "p"]), Err(ArgError::UnknownOption("--bogus".into())));
+        assert_eq!(parse(&["-n", "2", "--verbose=1", "p"]), Err(ArgError::UnknownOption("--verbose=1".into())));
+        assert_eq!(parse(&["-n", "2", "--transport", "ib", "p"]), Err(ArgError::BadTransport("ib".into())));
         for bad in ["x", "-1", "nan", "inf", "0"] {
-            assert!(
-                matches!(
-                    parse(&["-n", "2", "--timeout", bad, "p"]),
-                    Err(ArgError::BadSeconds {
-                        flag: "--timeout",
-                        ..
-                    })
-                ),
-                "{bad}"
-            );
+            assert!(matches!(parse(&["-n", "2", "--timeout", bad, "p"]), Err(ArgError::BadSeconds { flag: "--timeout", .. })), "{bad}");
         }
-        assert!(matches!(
-            parse(&["-n", "2", "--grace", "-1", "p"]),
-            Err(ArgError::BadSeconds {
-                flag: "--grace",
-                ..
-            })
-        ));
-        assert_eq!(
-            parse(&["-n", "2", "--grace"]),
-            Err(ArgError::MissingValue("--grace".into()))
-        );
+        assert!(matches!(parse(&["-n", "2", "--grace", "-1", "p"]), Err(ArgError::BadSeconds { flag: "--grace", .. })));
+        assert_eq!(parse(&["-n", "2", "--grace"]), Err(ArgError::MissingValue("--grace".into())));
         // The message names the problem.
         let msg = parse(&["-n", "0", "p"]).unwrap_err().to_string();
         assert!(msg.contains("-n") && msg.contains("1 to 1024"), "{msg}");
@@ -1135,9 +964,7 @@ mod tests {
         let a = new_token().unwrap();
         let b = new_token().unwrap();
         assert_eq!(a.len(), 64);
-        assert!(a
-            .bytes()
-            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
         assert_ne!(a, b);
     }
 
@@ -1158,14 +985,8 @@ mod tests {
         assert_eq!(secs(Duration::from_millis(1250)), "1.25");
         assert_eq!(rank_list(&[1, 3]), "1, 3");
         assert_eq!(signal_name(9), "SIGKILL (9)");
-        assert_eq!(
-            Describe(ExitStatus::from_raw(3 << 8)).to_string(),
-            "exited with status 3"
-        );
-        assert_eq!(
-            Describe(ExitStatus::from_raw(9)).to_string(),
-            "was killed by signal SIGKILL (9)"
-        );
+        assert_eq!(Describe(ExitStatus::from_raw(3 << 8)).to_string(), "exited with status 3");
+        assert_eq!(Describe(ExitStatus::from_raw(9)).to_string(), "was killed by signal SIGKILL (9)");
         assert_eq!(status_code(ExitStatus::from_raw(9)), 137);
         assert_eq!(status_code(ExitStatus::from_raw(3 << 8)), 3);
     }

@@ -15,11 +15,7 @@ const RUNNER: &str = env!("CARGO_BIN_EXE_ferroccl-run");
 /// Runs the launcher to completion; returns its output and how long it took.
 fn launch(args: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
-    let out = Command::new(RUNNER)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawn ferroccl-run");
+    let out = Command::new(RUNNER).args(args).stdin(Stdio::null()).output().expect("spawn ferroccl-run");
     (out, start.elapsed())
 }
 
@@ -31,11 +27,7 @@ fn text(bytes: &[u8]) -> String {
 fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name.
-        Ok(stat) => {
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next())
-                != Some('Z')
-        }
+        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) != Some('Z'),
         Err(_) => false,
     }
 }
@@ -44,11 +36,7 @@ fn alive(pid: i32) -> bool {
 fn assert_all_gone(pids: &[i32]) {
     let deadline = Instant::now() + Duration::from_secs(3);
     while pids.iter().any(|&p| alive(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "processes left behind: {:?}",
-            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
-        );
+        assert!(Instant::now() < deadline, "processes left behind: {:?}", pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>());
         thread::sleep(Duration::from_millis(20));
     }
 }
@@ -58,11 +46,7 @@ fn printed_pids(stdout: &str) -> Vec<i32> {
     stdout
         .lines()
         .filter_map(|l| l.split_once("pid ").map(|(_, p)| p.trim()))
-        .flat_map(|p| {
-            p.split_whitespace()
-                .map(|x| x.parse::<i32>().expect("pid"))
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|p| p.split_whitespace().map(|x| x.parse::<i32>().expect("pid")).collect::<Vec<_>>())
         .collect()
 }
 
@@ -72,11 +56,7 @@ fn env_lines(stdout: &str) -> Vec<(usize, String, String, String)> {
         .lines()
         .map(|l| {
             let (tag, rest) = l.split_once("] ").expect("prefixed line");
-            let r: usize = tag
-                .strip_prefix('[')
-                .expect("prefix")
-                .parse()
-                .expect("rank");
+            let r: usize = tag.strip_prefix('[').expect("prefix").parse().expect("rank");
             let f: Vec<&str> = rest.split_whitespace().collect();
             assert_eq!(f.len(), 6, "line {l:?}");
             assert_eq!(f[0], r.to_string(), "prefix and FERROCCL_RANK agree");
@@ -89,8 +69,7 @@ fn env_lines(stdout: &str) -> Vec<(usize, String, String, String)> {
     rows
 }
 
-const ENV_SCRIPT: &str =
-    "echo $FERROCCL_RANK $FERROCCL_WORLD_SIZE $FERROCCL_STORE $FERROCCL_TOKEN \
+const ENV_SCRIPT: &str = "echo $FERROCCL_RANK $FERROCCL_WORLD_SIZE $FERROCCL_STORE $FERROCCL_TOKEN \
                           $FERROCCL_LOCAL_RANK $FERROCCL_LOCAL_WORLD_SIZE";
 
 #[test]
@@ -100,28 +79,15 @@ fn environment_and_fresh_tokens() {
         let (out, _) = launch(&["-n", "4", "--", "/bin/sh", "-c", ENV_SCRIPT]);
         assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
         let rows = env_lines(&text(&out.stdout));
-        assert_eq!(
-            rows.iter().map(|r| r.0).collect::<Vec<_>>(),
-            vec![0, 1, 2, 3]
-        );
+        assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
         let (_, world, store, token) = &rows[0];
         assert_eq!(world, "4");
         assert!(store.starts_with("127.0.0.1:"), "store {store}");
-        assert!(
-            store[10..].parse::<u16>().is_ok_and(|p| p != 0),
-            "store {store}"
-        );
+        assert!(store[10..].parse::<u16>().is_ok_and(|p| p != 0), "store {store}");
         assert_eq!(token.len(), 64, "token {token}");
-        assert!(
-            token.bytes().all(|b| b.is_ascii_hexdigit()),
-            "token {token}"
-        );
+        assert!(token.bytes().all(|b| b.is_ascii_hexdigit()), "token {token}");
         for row in &rows {
-            assert_eq!(
-                (&row.1, &row.2, &row.3),
-                (world, store, token),
-                "all ranks share the store and token"
-            );
+            assert_eq!((&row.1, &row.2, &row.3), (world, store, token), "all ranks share the store and token");
         }
         tokens.push(token.clone());
     }
@@ -131,16 +97,7 @@ fn environment_and_fresh_tokens() {
 #[test]
 fn launcher_pid_and_transport() {
     let child = Command::new(RUNNER)
-        .args([
-            "-n",
-            "2",
-            "--transport",
-            "tcp",
-            "--",
-            "/bin/sh",
-            "-c",
-            "echo $FERROCCL_LAUNCHER_PID $FERROCCL_TRANSPORT",
-        ])
+        .args(["-n", "2", "--transport", "tcp", "--", "/bin/sh", "-c", "echo $FERROCCL_LAUNCHER_PID $FERROCCL_TRANSPORT"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -149,30 +106,17 @@ fn launcher_pid_and_transport() {
     assert_eq!(out.status.code(), Some(0));
     let stdout = text(&out.stdout);
     for r in 0..2 {
-        assert!(
-            stdout.contains(&format!("[{r}] {runner_pid} tcp\n")),
-            "{stdout}"
-        );
+        assert!(stdout.contains(&format!("[{r}] {runner_pid} tcp\n")), "{stdout}");
     }
 }
 
 #[test]
 fn sixteen_ranks_succeed() {
-    let (out, _) = launch(&[
-        "-n",
-        "16",
-        "--",
-        "/bin/sh",
-        "-c",
-        "echo hello from $FERROCCL_RANK",
-    ]);
+    let (out, _) = launch(&["-n", "16", "--", "/bin/sh", "-c", "echo hello from $FERROCCL_RANK"]);
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     let stdout = text(&out.stdout);
     for r in 0..16 {
-        assert!(
-            stdout.contains(&format!("[{r}] hello from {r}\n")),
-            "rank {r} missing: {stdout}"
-        );
+        assert!(stdout.contains(&format!("[{r}] hello from {r}\n")), "rank {r} missing: {stdout}");
     }
     assert_eq!(stdout.lines().count(), 16);
 }
@@ -186,16 +130,8 @@ fn failing_rank_takes_the_job_down() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "stderr: {stderr}");
     assert!(took < Duration::from_secs(10), "took {took:?}");
-    assert!(
-        stderr.contains("ferroccl-run: rank 2 exited with status 3"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains(
-            "ferroccl-run: killed ranks 0, 1, 3 (still running 0.5 s after rank 2 failed)"
-        ),
-        "{stderr}"
-    );
+    assert!(stderr.contains("ferroccl-run: rank 2 exited with status 3"), "{stderr}");
+    assert!(stderr.contains("ferroccl-run: killed ranks 0, 1, 3 (still running 0.5 s after rank 2 failed)"), "{stderr}");
     let pids = printed_pids(&text(&out.stdout));
     assert!(!pids.is_empty(), "no rank printed its pids");
     assert_all_gone(&pids);
@@ -207,10 +143,7 @@ fn rank_killed_by_signal() {
     let (out, _) = launch(&["-n", "3", "--grace", "2", "--", "/bin/sh", "-c", script]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(137), "stderr: {stderr}");
-    assert!(
-        stderr.contains("ferroccl-run: rank 1 was killed by signal SIGKILL (9)"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("ferroccl-run: rank 1 was killed by signal SIGKILL (9)"), "{stderr}");
 }
 
 #[test]
@@ -222,17 +155,11 @@ fn peers_exiting_on_their_own_within_grace() {
     let (out, took) = launch(&["-n", "3", "--", "/bin/sh", "-c", script]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "stderr: {stderr}");
-    assert!(
-        took < Duration::from_secs(4),
-        "waited for the whole grace: {took:?}"
-    );
+    assert!(took < Duration::from_secs(4), "waited for the whole grace: {took:?}");
     assert!(stderr.contains("[0] boom\n"), "{stderr}");
     assert!(stderr.contains("[1] rank 1 saw the failure\n"), "{stderr}");
     assert!(stderr.contains("[2] rank 2 saw the failure\n"), "{stderr}");
-    assert!(
-        stderr.contains("ferroccl-run: rank 0 exited with status 5"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("ferroccl-run: rank 0 exited with status 5"), "{stderr}");
     assert!(!stderr.contains("killed ranks"), "{stderr}");
 }
 
@@ -252,28 +179,15 @@ fn timeout_kills_running_ranks() {
     let (out, took) = launch(&["-n", "3", "--timeout", "1", "--", "/bin/sh", "-c", script]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(124), "stderr: {stderr}");
-    assert!(
-        took >= Duration::from_millis(900) && took < Duration::from_secs(8),
-        "took {took:?}"
-    );
-    assert!(
-        stderr.contains("ferroccl-run: timeout after 1 s; ranks still running: 0, 2"),
-        "{stderr}"
-    );
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(8), "took {took:?}");
+    assert!(stderr.contains("ferroccl-run: timeout after 1 s; ranks still running: 0, 2"), "{stderr}");
     assert_all_gone(&printed_pids(&text(&out.stdout)));
 }
 
 #[test]
 fn sigterm_to_runner_stops_everything() {
     let mut child = Command::new(RUNNER)
-        .args([
-            "-n",
-            "3",
-            "--",
-            "/bin/sh",
-            "-c",
-            "sleep 30 & echo pid $$ $!; wait",
-        ])
+        .args(["-n", "3", "--", "/bin/sh", "-c", "sleep 30 & echo pid $$ $!; wait"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -289,11 +203,7 @@ fn sigterm_to_runner_stops_everything() {
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(143));
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     assert_all_gone(&pids);
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
@@ -307,33 +217,18 @@ fn bad_arguments_exit_2() {
         (&["-n", "0", "--", "true"], "-n \"0\""),
         (&["-n", "2000", "--", "true"], "1 to 1024"),
         (&["-n", "x", "--", "true"], "-n \"x\""),
-        (
-            &["-n", "2", "--timeout", "soon", "--", "true"],
-            "--timeout \"soon\"",
-        ),
-        (
-            &["-n", "2", "--grace", "-1", "--", "true"],
-            "--grace \"-1\"",
-        ),
-        (
-            &["-n", "2", "--frobnicate", "--", "true"],
-            "unknown option \"--frobnicate\"",
-        ),
+        (&["-n", "2", "--timeout", "soon", "--", "true"], "--timeout \"soon\""),
+        (&["-n", "2", "--grace", "-1", "--", "true"], "--grace \"-1\""),
+        (&["-n", "2", "--frobnicate", "--", "true"], "unknown option \"--frobnicate\""),
         (&["-n", "2", "--"], "no program"),
-        (
-            &["-n", "2", "--transport", "carrier-pigeon", "--", "true"],
-            "--transport \"carrier-pigeon\"",
-        ),
+        (&["-n", "2", "--transport", "carrier-pigeon", "--", "true"], "--transport \"carrier-pigeon\""),
     ];
     for (args, needle) in cases {
         let (out, _) = launch(args);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains("usage: ferroccl-run -n N"),
-            "{args:?}: {stderr}"
-        );
+        assert!(stderr.contains("usage: ferroccl-run -n N"), "{args:?}: {stderr}");
         assert!(out.stdout.is_empty());
     }
 }
@@ -347,10 +242,7 @@ fn help_and_missing_program() {
     let (out, _) = launch(&["-n", "2", "--", "ferroccl-surely-not-a-program"]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(127), "{stderr}");
-    assert!(
-        stderr.contains("cannot run ferroccl-surely-not-a-program"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("cannot run ferroccl-surely-not-a-program"), "{stderr}");
 }
 
 #[test]
@@ -361,45 +253,20 @@ fn output_lines_are_prefixed_and_complete() {
     let stdout = text(&out.stdout);
     let stderr = text(&out.stderr);
     // Ranks interleave; each rank's own lines stay in order.
-    let of_rank = |all: &str, r: usize| -> String {
-        all.lines()
-            .filter(|l| l.starts_with(&format!("[{r}] ")))
-            .map(|l| format!("{l}\n"))
-            .collect()
-    };
+    let of_rank =
+        |all: &str, r: usize| -> String { all.lines().filter(|l| l.starts_with(&format!("[{r}] "))).map(|l| format!("{l}\n")).collect() };
     for r in 0..2 {
-        assert_eq!(
-            of_rank(&stdout, r),
-            format!("[{r}] one\n[{r}] \u{FFFD}bad\n[{r}] last without newline\n"),
-            "{stdout:?}"
-        );
-        assert_eq!(
-            of_rank(&stderr, r),
-            format!("[{r}] oops\n[{r}] err tail\n"),
-            "{stderr:?}"
-        );
+        assert_eq!(of_rank(&stdout, r), format!("[{r}] one\n[{r}] \u{FFFD}bad\n[{r}] last without newline\n"), "{stdout:?}");
+        assert_eq!(of_rank(&stderr, r), format!("[{r}] oops\n[{r}] err tail\n"), "{stderr:?}");
     }
     assert!(stdout.ends_with('\n') && stderr.ends_with('\n'));
     // Lines are never mixed: every line starts with a prefix.
-    assert!(
-        stdout
-            .lines()
-            .all(|l| l.starts_with("[0] ") || l.starts_with("[1] ")),
-        "{stdout:?}"
-    );
+    assert!(stdout.lines().all(|l| l.starts_with("[0] ") || l.starts_with("[1] ")), "{stdout:?}");
 }
 
 #[test]
 fn no_prefix_passes_output_through() {
-    let (out, _) = launch(&[
-        "-n",
-        "1",
-        "--no-prefix",
-        "--",
-        "/bin/sh",
-        "-c",
-        "printf 'plain\\ntail'",
-    ]);
+    let (out, _) = launch(&["-n", "1", "--no-prefix", "--", "/bin/sh", "-c", "printf 'plain\\ntail'"]);
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(out.stdout, b"plain\ntail");
 }
@@ -414,10 +281,7 @@ fn interleaved_output_keeps_lines_whole() {
     for line in stdout.lines() {
         let (tag, rest) = line.split_once(' ').unwrap();
         let r = tag.trim_start_matches('[').trim_end_matches(']');
-        assert!(
-            rest.starts_with(&format!("rank-{r}-line-")) && rest.ends_with("xxxx"),
-            "{line:?}"
-        );
+        assert!(rest.starts_with(&format!("rank-{r}-line-")) && rest.ends_with("xxxx"), "{line:?}");
     }
 }
 
@@ -425,33 +289,20 @@ fn interleaved_output_keeps_lines_whole() {
 fn ranks_can_reach_the_store_with_the_token() {
     use ferroccl::bootstrap::StoreClient;
     let mut child = Command::new(RUNNER)
-        .args([
-            "-n",
-            "1",
-            "--",
-            "/bin/sh",
-            "-c",
-            "echo $FERROCCL_STORE $FERROCCL_TOKEN; exec sleep 30",
-        ])
+        .args(["-n", "1", "--", "/bin/sh", "-c", "echo $FERROCCL_STORE $FERROCCL_TOKEN; exec sleep 30"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let fields: Vec<&str> = line.trim().trim_start_matches("[0] ").split(' ').collect();
     let (store, token) = (fields[0], fields[1]);
     let timeout = Duration::from_secs(5);
-    let client =
-        StoreClient::connect(store, token, 0, timeout).expect("connect with the job token");
+    let client = StoreClient::connect(store, token, 0, timeout).expect("connect with the job token");
     client.set("launcher-test", b"hello").unwrap();
     assert_eq!(client.get("launcher-test", timeout).unwrap(), b"hello");
-    assert!(
-        StoreClient::connect(store, &"0".repeat(64), 0, timeout).is_err(),
-        "a wrong token must be refused"
-    );
+    assert!(StoreClient::connect(store, &"0".repeat(64), 0, timeout).is_err(), "a wrong token must be refused");
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(143));
 }

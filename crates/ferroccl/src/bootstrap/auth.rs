@@ -59,8 +59,7 @@ const NO_SERVER_PROOF: &str = "the server did not prove it knows the job token \
 /// recover from (it could not make nonces either).
 pub fn new_token() -> String {
     let mut b = [0u8; 32];
-    getrandom::fill(&mut b)
-        .expect("the OS random number generator failed while making a job token");
+    getrandom::fill(&mut b).expect("the OS random number generator failed while making a job token");
     hex(&b)
 }
 
@@ -76,26 +75,15 @@ pub(crate) fn hex(b: &[u8]) -> String {
 
 fn nonce(peer: &str) -> Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n).map_err(|e| Error::Auth {
-        peer: peer.to_owned(),
-        reason: format!("cannot draw a random nonce from the OS: {e}"),
-    })?;
+    getrandom::fill(&mut n)
+        .map_err(|e| Error::Auth { peer: peer.to_owned(), reason: format!("cannot draw a random nonce from the OS: {e}") })?;
     Ok(n)
 }
 
 /// The keyed MAC over one side's view of the exchange.
-fn proof(
-    token: &str,
-    context: &str,
-    role: &str,
-    first: &[u8],
-    second: &[u8],
-    peer: &str,
-) -> Result<HmacSha256> {
-    let mut m = <HmacSha256 as Mac>::new_from_slice(token.as_bytes()).map_err(|e| Error::Auth {
-        peer: peer.to_owned(),
-        reason: format!("cannot key the MAC: {e}"),
-    })?;
+fn proof(token: &str, context: &str, role: &str, first: &[u8], second: &[u8], peer: &str) -> Result<HmacSha256> {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(token.as_bytes())
+        .map_err(|e| Error::Auth { peer: peer.to_owned(), reason: format!("cannot key the MAC: {e}") })?;
     m.update(MAC_LABEL);
     for field in [context.as_bytes(), role.as_bytes()] {
         m.update(&(field.len() as u32).to_le_bytes());
@@ -114,28 +102,17 @@ fn arm(s: &TcpStream, deadline: Instant, peer: &str, what: &str) -> Result<()> {
     }
     // A zero timeout is an error for set_*_timeout; `left` is non-zero here.
     let left = left.max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))
-        .map_err(|e| Error::io(format!("set read timeout on connection with {peer}"), e))?;
-    s.set_write_timeout(Some(left))
-        .map_err(|e| Error::io(format!("set write timeout on connection with {peer}"), e))?;
+    s.set_read_timeout(Some(left)).map_err(|e| Error::io(format!("set read timeout on connection with {peer}"), e))?;
+    s.set_write_timeout(Some(left)).map_err(|e| Error::io(format!("set write timeout on connection with {peer}"), e))?;
     Ok(())
 }
 
 fn timed_out(peer: &str, what: &str) -> Error {
-    Error::Auth {
-        peer: peer.to_owned(),
-        reason: format!("handshake deadline passed while {what}"),
-    }
+    Error::Auth { peer: peer.to_owned(), reason: format!("handshake deadline passed while {what}") }
 }
 
 /// Reads exactly `buf.len()` bytes before `deadline`.
-fn read_full(
-    s: &mut TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-    peer: &str,
-    what: &str,
-) -> Result<()> {
+fn read_full(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, peer: &str, what: &str) -> Result<()> {
     let mut got = 0;
     while got < buf.len() {
         arm(s, deadline, peer, what)?;
@@ -143,51 +120,28 @@ fn read_full(
             Ok(0) => {
                 return Err(Error::protocol(
                     peer,
-                    format!(
-                        "connection closed during the authentication handshake while {what} (got {got} of {} bytes)",
-                        buf.len()
-                    ),
+                    format!("connection closed during the authentication handshake while {what} (got {got} of {} bytes)", buf.len()),
                 ))
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(timed_out(peer, what))
-            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return Err(timed_out(peer, what)),
             Err(e) => return Err(Error::io(format!("authentication handshake with {peer}: {what}"), e)),
         }
     }
     Ok(())
 }
 
-fn write_full(
-    s: &mut TcpStream,
-    buf: &[u8],
-    deadline: Instant,
-    peer: &str,
-    what: &str,
-) -> Result<()> {
+fn write_full(s: &mut TcpStream, buf: &[u8], deadline: Instant, peer: &str, what: &str) -> Result<()> {
     let mut sent = 0;
     while sent < buf.len() {
         arm(s, deadline, peer, what)?;
         match s.write(&buf[sent..]) {
-            Ok(0) => {
-                return Err(Error::protocol(
-                    peer,
-                    format!("connection closed while {what}"),
-                ))
-            }
+            Ok(0) => return Err(Error::protocol(peer, format!("connection closed while {what}"))),
             Ok(n) => sent += n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(timed_out(peer, what))
-            }
-            Err(e) => {
-                return Err(Error::io(
-                    format!("authentication handshake with {peer}: {what}"),
-                    e,
-                ))
-            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return Err(timed_out(peer, what)),
+            Err(e) => return Err(Error::io(format!("authentication handshake with {peer}: {what}"), e)),
         }
     }
     Ok(())
@@ -195,53 +149,24 @@ fn write_full(
 
 /// Clears the handshake's socket timeouts so that the caller starts from a clean socket.
 fn disarm(s: &TcpStream, peer: &str) -> Result<()> {
-    s.set_read_timeout(None)
-        .map_err(|e| Error::io(format!("clear read timeout on connection with {peer}"), e))?;
-    s.set_write_timeout(None)
-        .map_err(|e| Error::io(format!("clear write timeout on connection with {peer}"), e))
+    s.set_read_timeout(None).map_err(|e| Error::io(format!("clear read timeout on connection with {peer}"), e))?;
+    s.set_write_timeout(None).map_err(|e| Error::io(format!("clear write timeout on connection with {peer}"), e))
 }
 
 fn printable(b: &[u8]) -> String {
-    String::from_utf8_lossy(b)
-        .chars()
-        .map(|c| if c.is_control() { '?' } else { c })
-        .collect()
+    String::from_utf8_lossy(b).chars().map(|c| if c.is_control() { '?' } else { c }).collect()
 }
 
 /// The connecting side: checks the server's hello, proves it knows `token`, and checks the
 /// server's proof in return. `peer` names the server in errors.
-pub(crate) fn client_handshake(
-    s: &mut TcpStream,
-    token: &str,
-    context: &'static str,
-    peer: &str,
-    deadline: Instant,
-) -> Result<()> {
+pub(crate) fn client_handshake(s: &mut TcpStream, token: &str, context: &'static str, peer: &str, deadline: Instant) -> Result<()> {
     let mut head = [0u8; 6];
-    read_full(
-        s,
-        &mut head,
-        deadline,
-        peer,
-        "waiting for the server's hello",
-    )?;
+    read_full(s, &mut head, deadline, peer, "waiting for the server's hello")?;
     if &head[..4] != MAGIC {
-        return Err(Error::protocol(
-            peer,
-            format!(
-                "not a FerroCCL endpoint: expected magic \"FCCL\", got {:02x?}",
-                &head[..4]
-            ),
-        ));
+        return Err(Error::protocol(peer, format!("not a FerroCCL endpoint: expected magic \"FCCL\", got {:02x?}", &head[..4])));
     }
     if head[4] != VERSION {
-        return Err(Error::protocol(
-            peer,
-            format!(
-                "handshake version {} is not supported (this side speaks version {VERSION})",
-                head[4]
-            ),
-        ));
+        return Err(Error::protocol(peer, format!("handshake version {} is not supported (this side speaks version {VERSION})", head[4])));
     }
     let mut rest = vec![0u8; usize::from(head[5]) + NONCE_LEN];
     read_full(s, &mut rest, deadline, peer, "reading the server's hello")?;
@@ -249,17 +174,12 @@ pub(crate) fn client_handshake(
     if their_ctx != context.as_bytes() {
         return Err(Error::protocol(
             peer,
-            format!(
-                "peer offers a \"{}\" connection but this side wants \"{context}\"",
-                printable(their_ctx)
-            ),
+            format!("peer offers a \"{}\" connection but this side wants \"{context}\"", printable(their_ctx)),
         ));
     }
 
     let nonce_c = nonce(peer)?;
-    let mac_c = proof(token, context, "client", nonce_s, &nonce_c, peer)?
-        .finalize()
-        .into_bytes();
+    let mac_c = proof(token, context, "client", nonce_s, &nonce_c, peer)?.finalize().into_bytes();
     let mut msg = Vec::with_capacity(5 + NONCE_LEN + MAC_LEN);
     msg.extend_from_slice(MAGIC);
     msg.push(VERSION);
@@ -268,23 +188,14 @@ pub(crate) fn client_handshake(
     write_full(s, &msg, deadline, peer, "sending our proof")?;
 
     let mut status = [0u8; 1];
-    read_full(
-        s,
-        &mut status,
-        deadline,
-        peer,
-        "waiting for the server's verdict",
-    )?;
+    read_full(s, &mut status, deadline, peer, "waiting for the server's verdict")?;
     match status[0] {
         STATUS_OK => {
             let mut mac_s = [0u8; MAC_LEN];
             read_full(s, &mut mac_s, deadline, peer, "reading the server's proof")?;
             let expected = proof(token, context, "server", &nonce_c, nonce_s, peer)?;
             if expected.verify_slice(&mac_s).is_err() {
-                return Err(Error::Auth {
-                    peer: peer.to_owned(),
-                    reason: NO_SERVER_PROOF.into(),
-                });
+                return Err(Error::Auth { peer: peer.to_owned(), reason: NO_SERVER_PROOF.into() });
             }
             disarm(s, peer)
         }
@@ -293,87 +204,44 @@ pub(crate) fn client_handshake(
             read_full(s, &mut len, deadline, peer, "reading the server's refusal")?;
             let mut why = vec![0u8; usize::from(len[0])];
             read_full(s, &mut why, deadline, peer, "reading the server's refusal")?;
-            Err(Error::Auth {
-                peer: peer.to_owned(),
-                reason: format!("the server refused us: {}", printable(&why)),
-            })
+            Err(Error::Auth { peer: peer.to_owned(), reason: format!("the server refused us: {}", printable(&why)) })
         }
-        other => Err(Error::protocol(
-            peer,
-            format!("unknown handshake status byte {other:#04x}"),
-        )),
+        other => Err(Error::protocol(peer, format!("unknown handshake status byte {other:#04x}"))),
     }
 }
 
 /// The accepting side: sends a challenge, checks the client's proof (refusing it with a
 /// reason the client will see) and proves in return that it knows `token`. `peer` names the
 /// client in errors.
-pub(crate) fn server_handshake(
-    s: &mut TcpStream,
-    token: &str,
-    context: &'static str,
-    peer: &str,
-    deadline: Instant,
-) -> Result<()> {
-    let ctx_len = u8::try_from(context.len()).map_err(|_| {
-        Error::invalid(format!(
-            "handshake context {context:?} is longer than 255 bytes"
-        ))
-    })?;
+pub(crate) fn server_handshake(s: &mut TcpStream, token: &str, context: &'static str, peer: &str, deadline: Instant) -> Result<()> {
+    let ctx_len =
+        u8::try_from(context.len()).map_err(|_| Error::invalid(format!("handshake context {context:?} is longer than 255 bytes")))?;
     let nonce_s = nonce(peer)?;
     let mut hello = Writer::new();
-    hello
-        .raw(MAGIC)
-        .u8(VERSION)
-        .u8(ctx_len)
-        .raw(context.as_bytes())
-        .raw(&nonce_s);
+    hello.raw(MAGIC).u8(VERSION).u8(ctx_len).raw(context.as_bytes()).raw(&nonce_s);
     write_full(s, &hello.finish(), deadline, peer, "sending our hello")?;
 
     let mut msg = [0u8; 5 + NONCE_LEN + MAC_LEN];
-    read_full(
-        s,
-        &mut msg,
-        deadline,
-        peer,
-        "waiting for the client's proof",
-    )?;
+    read_full(s, &mut msg, deadline, peer, "waiting for the client's proof")?;
     let mut r = Reader::new(&msg);
-    let parsed =
-        (|| Ok::<_, DecodeError>((r.raw(4)?, r.u8()?, r.raw(NONCE_LEN)?, r.raw(MAC_LEN)?)))();
-    let (magic, version, nonce_c, mac_c) =
-        parsed.map_err(|e| Error::protocol(peer, format!("bad handshake message: {e}")))?;
+    let parsed = (|| Ok::<_, DecodeError>((r.raw(4)?, r.u8()?, r.raw(NONCE_LEN)?, r.raw(MAC_LEN)?)))();
+    let (magic, version, nonce_c, mac_c) = parsed.map_err(|e| Error::protocol(peer, format!("bad handshake message: {e}")))?;
     if magic != MAGIC {
-        return Err(Error::protocol(
-            peer,
-            format!("not a FerroCCL client: expected magic \"FCCL\", got {magic:02x?}"),
-        ));
+        return Err(Error::protocol(peer, format!("not a FerroCCL client: expected magic \"FCCL\", got {magic:02x?}")));
     }
     if version != VERSION {
-        let why = format!(
-            "handshake version {version} is not supported (this side speaks version {VERSION})"
-        );
+        let why = format!("handshake version {version} is not supported (this side speaks version {VERSION})");
         refuse(s, &why, deadline, peer);
         return Err(Error::protocol(peer, why));
     }
-    if proof(token, context, "client", &nonce_s, nonce_c, peer)?
-        .verify_slice(mac_c)
-        .is_err()
-    {
-        refuse(
-            s,
-            &format!("{WRONG_TOKEN} (the client's FERROCCL_TOKEN differs from this job's)"),
-            deadline,
-            peer,
-        );
+    if proof(token, context, "client", &nonce_s, nonce_c, peer)?.verify_slice(mac_c).is_err() {
+        refuse(s, &format!("{WRONG_TOKEN} (the client's FERROCCL_TOKEN differs from this job's)"), deadline, peer);
         return Err(Error::Auth {
             peer: peer.to_owned(),
             reason: format!("{WRONG_TOKEN}: the client's proof does not match this job's token"),
         });
     }
-    let mac_s = proof(token, context, "server", nonce_c, &nonce_s, peer)?
-        .finalize()
-        .into_bytes();
+    let mac_s = proof(token, context, "server", nonce_c, &nonce_s, peer)?.finalize().into_bytes();
     let mut ok = Vec::with_capacity(1 + MAC_LEN);
     ok.push(STATUS_OK);
     ok.extend_from_slice(&mac_s);
@@ -409,12 +277,7 @@ mod tests {
         Instant::now() + Duration::from_secs(5)
     }
 
-    fn run(
-        client_token: &str,
-        server_token: &str,
-        cctx: &'static str,
-        sctx: &'static str,
-    ) -> (Result<()>, Result<()>) {
+    fn run(client_token: &str, server_token: &str, cctx: &'static str, sctx: &'static str) -> (Result<()>, Result<()>) {
         let (mut c, mut s) = pair();
         let st = server_token.to_owned();
         let h = thread::spawn(move || server_handshake(&mut s, &st, sctx, "client", soon()));
@@ -435,19 +298,14 @@ mod tests {
     fn new_token_is_64_hex_digits_and_fresh() {
         let a = new_token();
         assert_eq!(a.len(), 64);
-        assert!(a
-            .bytes()
-            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
         assert_ne!(a, new_token());
     }
 
     fn assert_wrong_token(r: Result<()>, side: &str) {
         match r {
             Err(Error::Auth { reason, peer }) => {
-                assert!(
-                    reason.contains(WRONG_TOKEN),
-                    "{side}: reason {reason:?} does not say the token is wrong"
-                );
+                assert!(reason.contains(WRONG_TOKEN), "{side}: reason {reason:?} does not say the token is wrong");
                 assert!(!peer.is_empty());
             }
             other => panic!("{side}: expected Error::Auth, got {other:?}"),
@@ -466,10 +324,7 @@ mod tests {
         let t = new_token();
         let (c, s) = run(&t, &t, "mesh", "store");
         match c {
-            Err(Error::Protocol { what, .. }) => assert!(
-                what.contains("\"store\"") && what.contains("\"mesh\""),
-                "{what}"
-            ),
+            Err(Error::Protocol { what, .. }) => assert!(what.contains("\"store\"") && what.contains("\"mesh\""), "{what}"),
             other => panic!("expected Protocol, got {other:?}"),
         }
         assert!(s.is_err());
@@ -497,10 +352,7 @@ mod tests {
         match r {
             Err(Error::Auth { reason, peer }) => {
                 assert_eq!(peer, "fake");
-                assert!(
-                    reason.contains("did not prove it knows the job token"),
-                    "{reason}"
-                );
+                assert!(reason.contains("did not prove it knows the job token"), "{reason}");
             }
             other => panic!("expected Error::Auth, got {other:?}"),
         }
@@ -513,45 +365,27 @@ mod tests {
         c.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         drop(c);
         let r = server_handshake(&mut s, "t", "store", "junk", soon());
-        assert!(
-            matches!(r, Err(Error::Protocol { ref peer, .. }) if peer == "junk"),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::Protocol { ref peer, .. }) if peer == "junk"), "{r:?}");
 
         // Server side: 69 bytes of junk with the wrong magic.
         let (mut c, mut s) = pair();
         c.write_all(&[0x5a; 5 + NONCE_LEN + MAC_LEN]).unwrap();
         let r = server_handshake(&mut s, "t", "store", "junk", soon());
-        assert!(
-            matches!(r, Err(Error::Protocol { ref what, .. }) if what.contains("magic")),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::Protocol { ref what, .. }) if what.contains("magic")), "{r:?}");
 
         // Client side: the server sends something else entirely.
         let (mut c, mut s) = pair();
         s.write_all(b"SSH-2.0-OpenSSH\r\n").unwrap();
         let r = client_handshake(&mut c, "t", "store", "ssh", soon());
-        assert!(
-            matches!(r, Err(Error::Protocol { ref what, .. }) if what.contains("magic")),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::Protocol { ref what, .. }) if what.contains("magic")), "{r:?}");
     }
 
     #[test]
     fn silent_peer_hits_the_deadline() {
         let (mut c, _s) = pair();
         let t0 = Instant::now();
-        let r = client_handshake(
-            &mut c,
-            "t",
-            "store",
-            "silent",
-            Instant::now() + Duration::from_millis(150),
-        );
+        let r = client_handshake(&mut c, "t", "store", "silent", Instant::now() + Duration::from_millis(150));
         assert!(t0.elapsed() < Duration::from_secs(3));
-        assert!(
-            matches!(r, Err(Error::Auth { ref reason, .. }) if reason.contains("deadline")),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::Auth { ref reason, .. }) if reason.contains("deadline")), "{r:?}");
     }
 }

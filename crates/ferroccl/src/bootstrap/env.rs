@@ -142,40 +142,24 @@ fn vars(l: Launcher) -> Vars {
             local_rank: Some("FERROCCL_LOCAL_RANK"),
             local_size: Some("FERROCCL_LOCAL_WORLD_SIZE"),
         },
-        Launcher::Torchrun => Vars {
-            rank: "RANK",
-            size: "WORLD_SIZE",
-            local_rank: Some("LOCAL_RANK"),
-            local_size: Some("LOCAL_WORLD_SIZE"),
-        },
+        Launcher::Torchrun => {
+            Vars { rank: "RANK", size: "WORLD_SIZE", local_rank: Some("LOCAL_RANK"), local_size: Some("LOCAL_WORLD_SIZE") }
+        }
         Launcher::OpenMpi => Vars {
             rank: "OMPI_COMM_WORLD_RANK",
             size: "OMPI_COMM_WORLD_SIZE",
             local_rank: Some("OMPI_COMM_WORLD_LOCAL_RANK"),
             local_size: Some("OMPI_COMM_WORLD_LOCAL_SIZE"),
         },
-        Launcher::Slurm => Vars {
-            rank: "SLURM_PROCID",
-            size: "SLURM_NTASKS",
-            local_rank: Some("SLURM_LOCALID"),
-            local_size: None,
-        },
+        Launcher::Slurm => Vars { rank: "SLURM_PROCID", size: "SLURM_NTASKS", local_rank: Some("SLURM_LOCALID"), local_size: None },
     }
 }
 
 /// Detection order: the first launcher whose rank variable is set wins.
-const ORDER: [Launcher; 4] = [
-    Launcher::FerroCCL,
-    Launcher::Torchrun,
-    Launcher::OpenMpi,
-    Launcher::Slurm,
-];
+const ORDER: [Launcher; 4] = [Launcher::FerroCCL, Launcher::Torchrun, Launcher::OpenMpi, Launcher::Slurm];
 
 fn env_err(var: &str, problem: impl Into<String>) -> Error {
-    Error::Env {
-        var: var.to_owned(),
-        problem: problem.into(),
-    }
+    Error::Env { var: var.to_owned(), problem: problem.into() }
 }
 
 /// Reads the launcher's variables from the process environment. See the module
@@ -188,11 +172,7 @@ pub fn detect() -> Result<LaunchEnv> {
 pub fn detect_from(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
     // Empty (or blank) values count as unset, as for every other FERROCCL_* knob; the
     // token is the exception (set-but-empty is an error, below).
-    let var = |k: &str| {
-        get(k)
-            .map(|v| v.trim().to_owned())
-            .filter(|v| !v.is_empty())
-    };
+    let var = |k: &str| get(k).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
 
     let Some(launcher) = ORDER.into_iter().find(|&l| var(vars(l).rank).is_some()) else {
         return Err(env_err(
@@ -205,15 +185,9 @@ pub fn detect_from(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
     };
     let v = vars(launcher);
     let why = format!("{} is set ({launcher})", v.rank);
-    let required =
-        |name: &str| var(name).ok_or_else(|| env_err(name, format!("{why} but {name} is missing")));
+    let required = |name: &str| var(name).ok_or_else(|| env_err(name, format!("{why} but {name} is missing")));
     let number = |name: &str, value: &str| -> Result<usize> {
-        value.parse::<usize>().map_err(|_| {
-            env_err(
-                name,
-                format!("{value:?} is not a non-negative integer ({launcher} launch)"),
-            )
-        })
+        value.parse::<usize>().map_err(|_| env_err(name, format!("{value:?} is not a non-negative integer ({launcher} launch)")))
     };
     let optional = |name: Option<&str>| -> Result<Option<usize>> {
         match name.and_then(|n| var(n).map(|val| (n, val))) {
@@ -225,33 +199,19 @@ pub fn detect_from(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
     let rank = number(v.rank, &required(v.rank)?)?;
     let world_size = number(v.size, &required(v.size)?)?;
     if world_size == 0 {
-        return Err(env_err(
-            v.size,
-            format!(
-                "{}=0: a job needs at least 1 rank ({launcher} launch)",
-                v.size
-            ),
-        ));
+        return Err(env_err(v.size, format!("{}=0: a job needs at least 1 rank ({launcher} launch)", v.size)));
     }
     if rank >= world_size {
         return Err(env_err(
             v.rank,
-            format!(
-                "{}={rank} is not less than {}={world_size} (ranks are numbered from 0; {launcher} launch)",
-                v.rank, v.size
-            ),
+            format!("{}={rank} is not less than {}={world_size} (ranks are numbered from 0; {launcher} launch)", v.rank, v.size),
         ));
     }
     let local_rank = optional(v.local_rank)?;
     let local_world_size = optional(v.local_size)?;
-    if let (Some(lr), Some(lws), Some(lrn), Some(lsn)) =
-        (local_rank, local_world_size, v.local_rank, v.local_size)
-    {
+    if let (Some(lr), Some(lws), Some(lrn), Some(lsn)) = (local_rank, local_world_size, v.local_rank, v.local_size) {
         if lws == 0 || lr >= lws {
-            return Err(env_err(
-                lrn,
-                format!("{lrn}={lr} is not less than {lsn}={lws} ({launcher} launch)"),
-            ));
+            return Err(env_err(lrn, format!("{lrn}={lr} is not less than {lsn}={lws} ({launcher} launch)")));
         }
     }
 
@@ -292,61 +252,31 @@ pub fn detect_from(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
 
     let (token, token_is_derived) = match get("FERROCCL_TOKEN") {
         Some(t) if t.trim().is_empty() => {
-            return Err(env_err(
-                "FERROCCL_TOKEN",
-                "is set but empty; it must be the job's token (the same on every rank)",
-            ))
+            return Err(env_err("FERROCCL_TOKEN", "is set but empty; it must be the job's token (the same on every rank)"))
         }
         Some(t) => (t, false),
-        None => (
-            derive_token(launcher, &var, &store, world_size, &why)?,
-            true,
-        ),
+        None => (derive_token(launcher, &var, &store, world_size, &why)?, true),
     };
 
-    Ok(LaunchEnv {
-        launcher,
-        rank,
-        world_size,
-        local_rank,
-        local_world_size,
-        store,
-        token,
-        token_is_derived,
-    })
+    Ok(LaunchEnv { launcher, rank, world_size, local_rank, local_world_size, store, token, token_is_derived })
 }
 
 /// `MASTER_ADDR` and `MASTER_PORT`, both required once either is needed.
 fn master(var: &impl Fn(&str) -> Option<String>, why: &str) -> Result<(String, u16)> {
-    let host = var("MASTER_ADDR").ok_or_else(|| {
-        env_err(
-            "MASTER_ADDR",
-            format!("{why} but MASTER_ADDR is missing (or set FERROCCL_STORE=host:port)"),
-        )
-    })?;
-    let port = var("MASTER_PORT").ok_or_else(|| {
-        env_err(
-            "MASTER_PORT",
-            format!("{why} but MASTER_PORT is missing (or set FERROCCL_STORE=host:port)"),
-        )
-    })?;
+    let host = var("MASTER_ADDR")
+        .ok_or_else(|| env_err("MASTER_ADDR", format!("{why} but MASTER_ADDR is missing (or set FERROCCL_STORE=host:port)")))?;
+    let port = var("MASTER_PORT")
+        .ok_or_else(|| env_err("MASTER_PORT", format!("{why} but MASTER_PORT is missing (or set FERROCCL_STORE=host:port)")))?;
     let port = port_number("MASTER_PORT", &port)?;
     // A bare IPv6 address needs brackets in host:port.
-    let host = if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host
-    };
+    let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host };
     Ok((host, port))
 }
 
 fn port_number(name: &str, p: &str) -> Result<u16> {
     match p.parse::<u32>() {
         Ok(n @ 1..=65535) => Ok(n as u16),
-        _ => Err(env_err(
-            name,
-            format!("port {p:?} is not a number in 1..=65535"),
-        )),
+        _ => Err(env_err(name, format!("port {p:?} is not a number in 1..=65535"))),
     }
 }
 
@@ -356,16 +286,10 @@ fn host_port(name: &str, v: &str) -> Result<String> {
         return Err(env_err(name, format!("{v:?} is not host:port")));
     };
     if host.is_empty() {
-        return Err(env_err(
-            name,
-            format!("{v:?} has no host (expected host:port)"),
-        ));
+        return Err(env_err(name, format!("{v:?} has no host (expected host:port)")));
     }
     if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
-        return Err(env_err(
-            name,
-            format!("{v:?}: an IPv6 host must be in brackets, as [::1]:29500"),
-        ));
+        return Err(env_err(name, format!("{v:?}: an IPv6 host must be in brackets, as [::1]:29500")));
     }
     port_number(name, port)?;
     Ok(v.to_owned())
@@ -380,21 +304,13 @@ fn derive_token(
     why: &str,
 ) -> Result<String> {
     let ids: Vec<String> = match launcher {
-        Launcher::FerroCCL => {
-            return Err(env_err(
-                "FERROCCL_TOKEN",
-                format!("{why} but FERROCCL_TOKEN is missing; ferroccl-run sets it"),
-            ))
-        }
+        Launcher::FerroCCL => return Err(env_err("FERROCCL_TOKEN", format!("{why} but FERROCCL_TOKEN is missing; ferroccl-run sets it"))),
         Launcher::Torchrun => var("TORCHELASTIC_RUN_ID").into_iter().collect(),
         Launcher::Slurm => match var("SLURM_JOB_ID") {
             Some(job) => vec![job, var("SLURM_STEP_ID").unwrap_or_default()],
             None => Vec::new(),
         },
-        Launcher::OpenMpi => var("OMPI_MCA_ess_base_jobid")
-            .or_else(|| var("PMIX_NAMESPACE"))
-            .into_iter()
-            .collect(),
+        Launcher::OpenMpi => var("OMPI_MCA_ess_base_jobid").or_else(|| var("PMIX_NAMESPACE")).into_iter().collect(),
     };
     if ids.is_empty() {
         let from = match launcher {
@@ -432,10 +348,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn detect_with(pairs: &[(&str, &str)]) -> Result<LaunchEnv> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         detect_from(|k| m.get(k).cloned())
     }
 
@@ -444,9 +357,7 @@ mod tests {
     fn env_error(pairs: &[(&str, &str)], var: &str, says: &[&str]) {
         match detect_with(pairs) {
             Err(e @ Error::Env { .. }) => {
-                let Error::Env { var: v, .. } = &e else {
-                    unreachable!()
-                };
+                let Error::Env { var: v, .. } = &e else { unreachable!() };
                 assert_eq!(v, var, "{e}");
                 let text = e.to_string();
                 for s in says {
@@ -457,12 +368,8 @@ mod tests {
         }
     }
 
-    const FCCL: &[(&str, &str)] = &[
-        ("FERROCCL_RANK", "2"),
-        ("FERROCCL_WORLD_SIZE", "4"),
-        ("FERROCCL_STORE", "10.0.0.1:2345"),
-        ("FERROCCL_TOKEN", "sekrit"),
-    ];
+    const FCCL: &[(&str, &str)] =
+        &[("FERROCCL_RANK", "2"), ("FERROCCL_WORLD_SIZE", "4"), ("FERROCCL_STORE", "10.0.0.1:2345"), ("FERROCCL_TOKEN", "sekrit")];
 
     const TORCH: &[(&str, &str)] = &[
         ("RANK", "1"),
@@ -474,13 +381,8 @@ mod tests {
         ("TORCHELASTIC_RUN_ID", "abc"),
     ];
 
-    const SLURM: &[(&str, &str)] = &[
-        ("SLURM_PROCID", "3"),
-        ("SLURM_NTASKS", "4"),
-        ("SLURM_LOCALID", "1"),
-        ("SLURM_JOB_ID", "777"),
-        ("SLURM_STEP_ID", "0"),
-    ];
+    const SLURM: &[(&str, &str)] =
+        &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_ID", "777"), ("SLURM_STEP_ID", "0")];
 
     const OMPI: &[(&str, &str)] = &[
         ("OMPI_COMM_WORLD_RANK", "0"),
@@ -490,15 +392,8 @@ mod tests {
         ("PMIX_NAMESPACE", "prterun-host-1234@1"),
     ];
 
-    fn with(
-        base: &[(&'static str, &'static str)],
-        over: &[(&'static str, &'static str)],
-    ) -> Vec<(&'static str, &'static str)> {
-        let mut v: Vec<_> = base
-            .iter()
-            .filter(|(k, _)| !over.iter().any(|(o, _)| o == k))
-            .copied()
-            .collect();
+    fn with(base: &[(&'static str, &'static str)], over: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = base.iter().filter(|(k, _)| !over.iter().any(|(o, _)| o == k)).copied().collect();
         v.extend(over.iter().filter(|(_, val)| *val != "<unset>").copied());
         v
     }
@@ -507,21 +402,11 @@ mod tests {
     fn ferroccl_variables() {
         let e = detect_with(FCCL).unwrap();
         assert_eq!(e.launcher, Launcher::FerroCCL);
-        assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.local_world_size),
-            (2, 4, None, None)
-        );
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (2, 4, None, None));
         assert_eq!(e.store, StoreRole::Connect("10.0.0.1:2345".into()));
         assert_eq!(e.token, "sekrit");
         assert!(!e.token_is_derived);
-        let e = detect_with(&with(
-            FCCL,
-            &[
-                ("FERROCCL_LOCAL_RANK", "0"),
-                ("FERROCCL_LOCAL_WORLD_SIZE", "2"),
-            ],
-        ))
-        .unwrap();
+        let e = detect_with(&with(FCCL, &[("FERROCCL_LOCAL_RANK", "0"), ("FERROCCL_LOCAL_WORLD_SIZE", "2")])).unwrap();
         assert_eq!((e.local_rank, e.local_world_size), (Some(0), Some(2)));
     }
 
@@ -536,11 +421,7 @@ mod tests {
         assert_eq!(e.launcher, Launcher::OpenMpi);
         assert_eq!(e.rank, 0);
         // An empty rank variable counts as unset.
-        let e = detect_with(&with(
-            &rest,
-            &[("FERROCCL_STORE", "h:1"), ("OMPI_COMM_WORLD_RANK", " ")],
-        ))
-        .unwrap();
+        let e = detect_with(&with(&rest, &[("FERROCCL_STORE", "h:1"), ("OMPI_COMM_WORLD_RANK", " ")])).unwrap();
         assert_eq!(e.launcher, Launcher::Slurm);
     }
 
@@ -551,110 +432,38 @@ mod tests {
             "FERROCCL_WORLD_SIZE",
             &["FERROCCL_RANK is set (ferroccl-run) but FERROCCL_WORLD_SIZE is missing"],
         );
+        env_error(&with(FCCL, &[("FERROCCL_STORE", "<unset>")]), "FERROCCL_STORE", &["FERROCCL_STORE is missing"]);
+        env_error(&with(FCCL, &[("FERROCCL_TOKEN", "<unset>")]), "FERROCCL_TOKEN", &["FERROCCL_TOKEN is missing"]);
+        env_error(&with(FCCL, &[("FERROCCL_TOKEN", "")]), "FERROCCL_TOKEN", &["empty"]);
+        env_error(&with(FCCL, &[("FERROCCL_RANK", "two")]), "FERROCCL_RANK", &["\"two\"", "ferroccl-run"]);
+        env_error(&with(FCCL, &[("FERROCCL_RANK", "-1")]), "FERROCCL_RANK", &["\"-1\""]);
+        env_error(&with(FCCL, &[("FERROCCL_WORLD_SIZE", "4x")]), "FERROCCL_WORLD_SIZE", &["\"4x\""]);
+        env_error(&with(FCCL, &[("FERROCCL_WORLD_SIZE", "0"), ("FERROCCL_RANK", "0")]), "FERROCCL_WORLD_SIZE", &["at least 1"]);
+        env_error(&with(FCCL, &[("FERROCCL_RANK", "4")]), "FERROCCL_RANK", &["FERROCCL_RANK=4", "FERROCCL_WORLD_SIZE=4"]);
+        env_error(&with(FCCL, &[("FERROCCL_LOCAL_RANK", "x")]), "FERROCCL_LOCAL_RANK", &["\"x\""]);
+        env_error(&with(FCCL, &[("FERROCCL_LOCAL_WORLD_SIZE", "x")]), "FERROCCL_LOCAL_WORLD_SIZE", &["\"x\""]);
         env_error(
-            &with(FCCL, &[("FERROCCL_STORE", "<unset>")]),
-            "FERROCCL_STORE",
-            &["FERROCCL_STORE is missing"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_TOKEN", "<unset>")]),
-            "FERROCCL_TOKEN",
-            &["FERROCCL_TOKEN is missing"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_TOKEN", "")]),
-            "FERROCCL_TOKEN",
-            &["empty"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_RANK", "two")]),
-            "FERROCCL_RANK",
-            &["\"two\"", "ferroccl-run"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_RANK", "-1")]),
-            "FERROCCL_RANK",
-            &["\"-1\""],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_WORLD_SIZE", "4x")]),
-            "FERROCCL_WORLD_SIZE",
-            &["\"4x\""],
-        );
-        env_error(
-            &with(
-                FCCL,
-                &[("FERROCCL_WORLD_SIZE", "0"), ("FERROCCL_RANK", "0")],
-            ),
-            "FERROCCL_WORLD_SIZE",
-            &["at least 1"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_RANK", "4")]),
-            "FERROCCL_RANK",
-            &["FERROCCL_RANK=4", "FERROCCL_WORLD_SIZE=4"],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_LOCAL_RANK", "x")]),
-            "FERROCCL_LOCAL_RANK",
-            &["\"x\""],
-        );
-        env_error(
-            &with(FCCL, &[("FERROCCL_LOCAL_WORLD_SIZE", "x")]),
-            "FERROCCL_LOCAL_WORLD_SIZE",
-            &["\"x\""],
-        );
-        env_error(
-            &with(
-                FCCL,
-                &[
-                    ("FERROCCL_LOCAL_RANK", "2"),
-                    ("FERROCCL_LOCAL_WORLD_SIZE", "2"),
-                ],
-            ),
+            &with(FCCL, &[("FERROCCL_LOCAL_RANK", "2"), ("FERROCCL_LOCAL_WORLD_SIZE", "2")]),
             "FERROCCL_LOCAL_RANK",
             &["FERROCCL_LOCAL_WORLD_SIZE=2"],
         );
         for bad in ["nohost", ":80", "h:0", "h:65536", "h:port", "::1:80"] {
-            env_error(
-                &with(FCCL, &[("FERROCCL_STORE", bad)]),
-                "FERROCCL_STORE",
-                &[],
-            );
+            env_error(&with(FCCL, &[("FERROCCL_STORE", bad)]), "FERROCCL_STORE", &[]);
         }
-        assert_eq!(
-            detect_with(&with(FCCL, &[("FERROCCL_STORE", "[::1]:80")]))
-                .unwrap()
-                .store
-                .addr(),
-            "[::1]:80"
-        );
+        assert_eq!(detect_with(&with(FCCL, &[("FERROCCL_STORE", "[::1]:80")])).unwrap().store.addr(), "[::1]:80");
     }
 
     #[test]
     fn torchrun_serves_on_master_port_plus_one() {
         let e = detect_with(TORCH).unwrap();
         assert_eq!(e.launcher, Launcher::Torchrun);
-        assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.local_world_size),
-            (1, 8, Some(1), Some(4))
-        );
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (1, 8, Some(1), Some(4)));
         assert_eq!(e.store, StoreRole::ServeOnRank0("node0:29501".into()));
         assert!(e.token_is_derived);
         assert_eq!(e.token.len(), 64);
         // Every rank of the job derives the same token; another job derives another.
-        assert_eq!(
-            detect_with(&with(TORCH, &[("RANK", "5"), ("LOCAL_RANK", "0")]))
-                .unwrap()
-                .token,
-            e.token
-        );
-        assert_ne!(
-            detect_with(&with(TORCH, &[("TORCHELASTIC_RUN_ID", "abd")]))
-                .unwrap()
-                .token,
-            e.token
-        );
+        assert_eq!(detect_with(&with(TORCH, &[("RANK", "5"), ("LOCAL_RANK", "0")])).unwrap().token, e.token);
+        assert_ne!(detect_with(&with(TORCH, &[("TORCHELASTIC_RUN_ID", "abd")])).unwrap().token, e.token);
         // FERROCCL_TOKEN wins over derivation.
         let t = detect_with(&with(TORCH, &[("FERROCCL_TOKEN", "given")])).unwrap();
         assert_eq!((t.token.as_str(), t.token_is_derived), ("given", false));
@@ -668,61 +477,17 @@ mod tests {
 
     #[test]
     fn torchrun_errors() {
-        env_error(
-            &with(TORCH, &[("WORLD_SIZE", "<unset>")]),
-            "WORLD_SIZE",
-            &["RANK is set (torchrun) but WORLD_SIZE is missing"],
-        );
-        env_error(
-            &with(TORCH, &[("MASTER_ADDR", "<unset>")]),
-            "MASTER_ADDR",
-            &["torchrun", "MASTER_ADDR is missing"],
-        );
-        env_error(
-            &with(TORCH, &[("MASTER_PORT", "<unset>")]),
-            "MASTER_PORT",
-            &["torchrun", "MASTER_PORT is missing"],
-        );
-        env_error(
-            &with(TORCH, &[("MASTER_PORT", "99999")]),
-            "MASTER_PORT",
-            &["1..=65535"],
-        );
-        env_error(
-            &with(TORCH, &[("MASTER_PORT", "65535")]),
-            "MASTER_PORT",
-            &["MASTER_PORT+1"],
-        );
-        env_error(
-            &with(TORCH, &[("RANK", "8")]),
-            "RANK",
-            &["RANK=8", "WORLD_SIZE=8"],
-        );
-        env_error(
-            &with(TORCH, &[("LOCAL_RANK", "x")]),
-            "LOCAL_RANK",
-            &["torchrun"],
-        );
-        env_error(
-            &with(TORCH, &[("LOCAL_WORLD_SIZE", "1")]),
-            "LOCAL_RANK",
-            &["LOCAL_RANK=1", "LOCAL_WORLD_SIZE=1"],
-        );
-        env_error(
-            &with(TORCH, &[("TORCHELASTIC_RUN_ID", "<unset>")]),
-            "FERROCCL_TOKEN",
-            &["TORCHELASTIC_RUN_ID"],
-        );
-        env_error(
-            &with(TORCH, &[("FERROCCL_TOKEN", "  ")]),
-            "FERROCCL_TOKEN",
-            &["empty"],
-        );
-        env_error(
-            &with(TORCH, &[("FERROCCL_STORE", "bad")]),
-            "FERROCCL_STORE",
-            &["host:port"],
-        );
+        env_error(&with(TORCH, &[("WORLD_SIZE", "<unset>")]), "WORLD_SIZE", &["RANK is set (torchrun) but WORLD_SIZE is missing"]);
+        env_error(&with(TORCH, &[("MASTER_ADDR", "<unset>")]), "MASTER_ADDR", &["torchrun", "MASTER_ADDR is missing"]);
+        env_error(&with(TORCH, &[("MASTER_PORT", "<unset>")]), "MASTER_PORT", &["torchrun", "MASTER_PORT is missing"]);
+        env_error(&with(TORCH, &[("MASTER_PORT", "99999")]), "MASTER_PORT", &["1..=65535"]);
+        env_error(&with(TORCH, &[("MASTER_PORT", "65535")]), "MASTER_PORT", &["MASTER_PORT+1"]);
+        env_error(&with(TORCH, &[("RANK", "8")]), "RANK", &["RANK=8", "WORLD_SIZE=8"]);
+        env_error(&with(TORCH, &[("LOCAL_RANK", "x")]), "LOCAL_RANK", &["torchrun"]);
+        env_error(&with(TORCH, &[("LOCAL_WORLD_SIZE", "1")]), "LOCAL_RANK", &["LOCAL_RANK=1", "LOCAL_WORLD_SIZE=1"]);
+        env_error(&with(TORCH, &[("TORCHELASTIC_RUN_ID", "<unset>")]), "FERROCCL_TOKEN", &["TORCHELASTIC_RUN_ID"]);
+        env_error(&with(TORCH, &[("FERROCCL_TOKEN", "  ")]), "FERROCCL_TOKEN", &["empty"]);
+        env_error(&with(TORCH, &[("FERROCCL_STORE", "bad")]), "FERROCCL_STORE", &["host:port"]);
     }
 
     #[test]
@@ -730,10 +495,7 @@ mod tests {
         let base = with(SLURM, &[("MASTER_ADDR", "n1"), ("MASTER_PORT", "4000")]);
         let e = detect_with(&base).unwrap();
         assert_eq!(e.launcher, Launcher::Slurm);
-        assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.local_world_size),
-            (3, 4, Some(1), None)
-        );
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (3, 4, Some(1), None));
         // No +1 outside torchrun.
         assert_eq!(e.store, StoreRole::ServeOnRank0("n1:4000".into()));
         assert!(e.token_is_derived);
@@ -744,48 +506,17 @@ mod tests {
         let e = detect_with(&with(SLURM, &[("FERROCCL_STORE", "n2:5000")])).unwrap();
         assert_eq!(e.store, StoreRole::ServeOnRank0("n2:5000".into()));
 
-        env_error(
-            SLURM,
-            "FERROCCL_STORE",
-            &[
-                "SLURM_PROCID is set (Slurm)",
-                "set FERROCCL_STORE=host:port",
-                "MASTER_ADDR and MASTER_PORT",
-            ],
-        );
-        env_error(
-            &with(SLURM, &[("MASTER_ADDR", "n1")]),
-            "MASTER_PORT",
-            &["MASTER_PORT is missing"],
-        );
+        env_error(SLURM, "FERROCCL_STORE", &["SLURM_PROCID is set (Slurm)", "set FERROCCL_STORE=host:port", "MASTER_ADDR and MASTER_PORT"]);
+        env_error(&with(SLURM, &[("MASTER_ADDR", "n1")]), "MASTER_PORT", &["MASTER_PORT is missing"]);
         env_error(
             &with(&base, &[("SLURM_NTASKS", "<unset>")]),
             "SLURM_NTASKS",
             &["SLURM_PROCID is set (Slurm) but SLURM_NTASKS is missing"],
         );
-        env_error(
-            &with(&base, &[("SLURM_PROCID", "4")]),
-            "SLURM_PROCID",
-            &["SLURM_PROCID=4", "SLURM_NTASKS=4"],
-        );
-        env_error(
-            &with(&base, &[("SLURM_LOCALID", "a")]),
-            "SLURM_LOCALID",
-            &["Slurm"],
-        );
-        env_error(
-            &with(&base, &[("SLURM_JOB_ID", "<unset>")]),
-            "FERROCCL_TOKEN",
-            &["SLURM_JOB_ID"],
-        );
-        assert!(
-            !detect_with(&with(
-                &base,
-                &[("SLURM_JOB_ID", "<unset>"), ("FERROCCL_TOKEN", "t")]
-            ))
-            .unwrap()
-            .token_is_derived
-        );
+        env_error(&with(&base, &[("SLURM_PROCID", "4")]), "SLURM_PROCID", &["SLURM_PROCID=4", "SLURM_NTASKS=4"]);
+        env_error(&with(&base, &[("SLURM_LOCALID", "a")]), "SLURM_LOCALID", &["Slurm"]);
+        env_error(&with(&base, &[("SLURM_JOB_ID", "<unset>")]), "FERROCCL_TOKEN", &["SLURM_JOB_ID"]);
+        assert!(!detect_with(&with(&base, &[("SLURM_JOB_ID", "<unset>"), ("FERROCCL_TOKEN", "t")])).unwrap().token_is_derived);
     }
 
     #[test]
@@ -793,53 +524,20 @@ mod tests {
         let base = with(OMPI, &[("FERROCCL_STORE", "h:9")]);
         let e = detect_with(&base).unwrap();
         assert_eq!(e.launcher, Launcher::OpenMpi);
-        assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.local_world_size),
-            (0, 2, Some(0), Some(2))
-        );
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (0, 2, Some(0), Some(2)));
         assert_eq!(e.store, StoreRole::ServeOnRank0("h:9".into()));
         assert!(e.token_is_derived);
-        let jobid = detect_with(&with(
-            &base,
-            &[
-                ("PMIX_NAMESPACE", "<unset>"),
-                ("OMPI_MCA_ess_base_jobid", "42"),
-            ],
-        ))
-        .unwrap();
+        let jobid = detect_with(&with(&base, &[("PMIX_NAMESPACE", "<unset>"), ("OMPI_MCA_ess_base_jobid", "42")])).unwrap();
         assert!(jobid.token_is_derived);
         assert_ne!(jobid.token, e.token);
         let m = detect_with(&with(OMPI, &[("MASTER_ADDR", "m"), ("MASTER_PORT", "7")])).unwrap();
         assert_eq!(m.store, StoreRole::ServeOnRank0("m:7".into()));
 
-        env_error(
-            OMPI,
-            "FERROCCL_STORE",
-            &[
-                "OMPI_COMM_WORLD_RANK is set (Open MPI)",
-                "FERROCCL_STORE=host:port",
-            ],
-        );
-        env_error(
-            &with(&base, &[("OMPI_COMM_WORLD_SIZE", "<unset>")]),
-            "OMPI_COMM_WORLD_SIZE",
-            &["Open MPI", "missing"],
-        );
-        env_error(
-            &with(&base, &[("OMPI_COMM_WORLD_SIZE", "zero")]),
-            "OMPI_COMM_WORLD_SIZE",
-            &["\"zero\""],
-        );
-        env_error(
-            &with(&base, &[("OMPI_COMM_WORLD_LOCAL_SIZE", "?")]),
-            "OMPI_COMM_WORLD_LOCAL_SIZE",
-            &["\"?\""],
-        );
-        env_error(
-            &with(&base, &[("PMIX_NAMESPACE", "<unset>")]),
-            "FERROCCL_TOKEN",
-            &["PMIX_NAMESPACE"],
-        );
+        env_error(OMPI, "FERROCCL_STORE", &["OMPI_COMM_WORLD_RANK is set (Open MPI)", "FERROCCL_STORE=host:port"]);
+        env_error(&with(&base, &[("OMPI_COMM_WORLD_SIZE", "<unset>")]), "OMPI_COMM_WORLD_SIZE", &["Open MPI", "missing"]);
+        env_error(&with(&base, &[("OMPI_COMM_WORLD_SIZE", "zero")]), "OMPI_COMM_WORLD_SIZE", &["\"zero\""]);
+        env_error(&with(&base, &[("OMPI_COMM_WORLD_LOCAL_SIZE", "?")]), "OMPI_COMM_WORLD_LOCAL_SIZE", &["\"?\""]);
+        env_error(&with(&base, &[("PMIX_NAMESPACE", "<unset>")]), "FERROCCL_TOKEN", &["PMIX_NAMESPACE"]);
     }
 
     #[test]
@@ -847,13 +545,7 @@ mod tests {
         env_error(
             &[("PATH", "/bin"), ("WORLD_SIZE", "2")],
             "FERROCCL_RANK",
-            &[
-                "no launcher detected",
-                "FERROCCL_RANK",
-                "RANK (torchrun)",
-                "OMPI_COMM_WORLD_RANK",
-                "SLURM_PROCID",
-            ],
+            &["no launcher detected", "FERROCCL_RANK", "RANK (torchrun)", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"],
         );
     }
 }

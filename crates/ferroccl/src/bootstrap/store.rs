@@ -181,12 +181,7 @@ impl StoreServer {
         Self::start_with(bind, token, max_value, MAX_CONNECTIONS)
     }
 
-    pub(crate) fn start_with(
-        bind: SocketAddr,
-        token: &str,
-        max_value: usize,
-        max_conns: usize,
-    ) -> Result<StoreServer> {
+    pub(crate) fn start_with(bind: SocketAddr, token: &str, max_value: usize, max_conns: usize) -> Result<StoreServer> {
         if token.is_empty() {
             return Err(Error::invalid("the store's job token is empty"));
         }
@@ -196,22 +191,14 @@ impl StoreServer {
                 "store max_value {max_value} is over the wire limit of {limit} bytes (FERROCCL_STORE_MAX_VALUE)"
             )));
         }
-        let listener = TcpListener::bind(bind)
-            .map_err(|e| Error::io(format!("bind the store to {bind}"), e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::io("read the store's bound address", e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io(format!("make the store listener {addr} non-blocking"), e))?;
+        let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind the store to {bind}"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("read the store's bound address", e))?;
+        listener.set_nonblocking(true).map_err(|e| Error::io(format!("make the store listener {addr} non-blocking"), e))?;
         let shared = Arc::new(Shared {
             token: token.to_owned(),
             max_value,
             max_conns: max_conns.max(1),
-            data: Mutex::new(Data {
-                map: HashMap::new(),
-                shutdown: false,
-            }),
+            data: Mutex::new(Data { map: HashMap::new(), shutdown: false }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
@@ -222,11 +209,7 @@ impl StoreServer {
             .name("ferroccl-store-accept".into())
             .spawn(move || accept_loop(listener, sh))
             .map_err(|e| Error::io("spawn the store's accept thread", e))?;
-        Ok(StoreServer {
-            addr,
-            shared,
-            acceptor: Some(acceptor),
-        })
+        Ok(StoreServer { addr, shared, acceptor: Some(acceptor) })
     }
 
     /// The address the server listens on, with the real port when bound to port 0 (and the
@@ -312,13 +295,11 @@ fn admit(shared: &Arc<Shared>, s: TcpStream, peer: SocketAddr, id: u64) {
     }
     let Ok(handle) = s.try_clone() else { return };
     let sh = Arc::clone(shared);
-    let spawned = thread::Builder::new()
-        .name("ferroccl-store-conn".into())
-        .spawn(move || {
-            serve(&sh, s, &format!("store client {peer}"));
-            // Drops our own JoinHandle (the thread is ending anyway).
-            lock(&sh.conns).remove(&id);
-        });
+    let spawned = thread::Builder::new().name("ferroccl-store-conn".into()).spawn(move || {
+        serve(&sh, s, &format!("store client {peer}"));
+        // Drops our own JoinHandle (the thread is ending anyway).
+        lock(&sh.conns).remove(&id);
+    });
     if let Ok(h) = spawned {
         conns.insert(id, (handle, h));
     }
@@ -332,13 +313,7 @@ enum After {
 
 fn serve(shared: &Shared, mut s: TcpStream, peer: &str) {
     let _ = s.set_nodelay(true);
-    match auth::server_handshake(
-        &mut s,
-        &shared.token,
-        "store",
-        peer,
-        Instant::now() + AUTH_TIMEOUT,
-    ) {
+    match auth::server_handshake(&mut s, &shared.token, "store", peer, Instant::now() + AUTH_TIMEOUT) {
         Ok(()) => {}
         Err(Error::Auth { .. }) => return bump(&shared.stats.refused_auth),
         Err(Error::Protocol { .. }) => return bump(&shared.stats.bad_frames),
@@ -377,10 +352,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) {
 
 /// Reads one request body. `Ok(None)`: the client closed cleanly (or shutdown closed the
 /// socket) between frames. `Err(reply)`: a bad frame, with the error reply to send if any.
-fn read_request(
-    shared: &Shared,
-    s: &mut TcpStream,
-) -> std::result::Result<Option<Vec<u8>>, Option<Vec<u8>>> {
+fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Option<Vec<u8>>, Option<Vec<u8>>> {
     if s.set_read_timeout(None).is_err() {
         return Ok(None);
     }
@@ -430,8 +402,7 @@ fn err_reply(reason: &str) -> Vec<u8> {
 }
 
 fn send_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
-    let len = u32::try_from(body.len())
-        .map_err(|_| std::io::Error::new(ErrorKind::InvalidData, "frame over 4 GiB"))?;
+    let len = u32::try_from(body.len()).map_err(|_| std::io::Error::new(ErrorKind::InvalidData, "frame over 4 GiB"))?;
     let mut f = Vec::with_capacity(4 + body.len());
     f.extend_from_slice(&len.to_le_bytes());
     f.extend_from_slice(body);
@@ -553,19 +524,11 @@ fn wait_for(shared: &Shared, s: &TcpStream, keys: &[&str], timeout: Duration) ->
             return Waited::Shutdown;
         }
         if keys.iter().all(|k| data.map.contains_key(*k)) {
-            return Waited::Ready(
-                keys.iter()
-                    .map(|k| data.map.get(*k).cloned().unwrap_or_default())
-                    .collect(),
-            );
+            return Waited::Ready(keys.iter().map(|k| data.map.get(*k).cloned().unwrap_or_default()).collect());
         }
         let now = Instant::now();
         if now >= deadline {
-            let missing = keys
-                .iter()
-                .filter(|k| !data.map.contains_key(**k))
-                .map(|k| (*k).to_owned())
-                .collect();
+            let missing = keys.iter().filter(|k| !data.map.contains_key(**k)).map(|k| (*k).to_owned()).collect();
             return Waited::TimedOut(missing);
         }
         if now.duration_since(last_check) >= LIVENESS_EVERY {
@@ -578,11 +541,7 @@ fn wait_for(shared: &Shared, s: &TcpStream, keys: &[&str], timeout: Duration) ->
             continue;
         }
         let slice = (deadline - now).min(LIVENESS_EVERY);
-        data = shared
-            .changed
-            .wait_timeout(data, slice)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        data = shared.changed.wait_timeout(data, slice).unwrap_or_else(|p| p.into_inner()).0;
     }
 }
 
@@ -627,17 +586,13 @@ fn handle(shared: &Shared, s: &TcpStream, body: &[u8]) -> (Vec<u8>, After) {
                 Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
                     Ok(b) => i64::from_le_bytes(b),
                     Err(_) => {
-                        let why =
-                            format!("key {k:?} holds {} bytes, not an 8-byte counter", v.len());
+                        let why = format!("key {k:?} holds {} bytes, not an 8-byte counter", v.len());
                         return (err_reply(&why), After::Continue);
                     }
                 },
             };
             let Some(new) = old.checked_add(delta) else {
-                return (
-                    err_reply(&format!("counter {k:?} would overflow ({old} + {delta})")),
-                    After::Continue,
-                );
+                return (err_reply(&format!("counter {k:?} would overflow ({old} + {delta})")), After::Continue);
             };
             data.map.insert(k.to_owned(), new.to_le_bytes().to_vec());
             drop(data);
@@ -656,25 +611,14 @@ fn handle(shared: &Shared, s: &TcpStream, body: &[u8]) -> (Vec<u8>, After) {
     (w.finish(), After::Continue)
 }
 
-fn waited(
-    shared: &Shared,
-    s: &TcpStream,
-    ks: &[&str],
-    t: Duration,
-    multi: bool,
-) -> (Vec<u8>, After) {
+fn waited(shared: &Shared, s: &TcpStream, ks: &[&str], t: Duration, multi: bool) -> (Vec<u8>, After) {
     let values = match wait_for(shared, s, ks, t) {
         Waited::Ready(v) => v,
         other => return not_ready(other),
     };
     let total: usize = 1 + 4 + values.iter().map(|v| 4 + v.len()).sum::<usize>();
     if total > u32::MAX as usize {
-        return (
-            err_reply(&format!(
-                "reply of {total} bytes does not fit in one frame; ask for fewer keys at a time"
-            )),
-            After::Continue,
-        );
+        return (err_reply(&format!("reply of {total} bytes does not fit in one frame; ask for fewer keys at a time")), After::Continue);
     }
     let mut w = Writer::new();
     w.u8(ST_OK);
@@ -737,22 +681,17 @@ impl StoreClient {
         let deadline = start + timeout;
         let mut pause = Duration::from_millis(10);
         let mut stream = loop {
-            let attempt = addr
-                .to_socket_addrs()
-                .map_err(|e| format!("cannot resolve: {e}"))
-                .and_then(|addrs| {
-                    let mut last = format!("{addr:?} resolves to no address");
-                    for a in addrs {
-                        let left = deadline
-                            .saturating_duration_since(Instant::now())
-                            .max(Duration::from_millis(10));
-                        match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(2))) {
-                            Ok(s) => return Ok(s),
-                            Err(e) => last = e.to_string(),
-                        }
+            let attempt = addr.to_socket_addrs().map_err(|e| format!("cannot resolve: {e}")).and_then(|addrs| {
+                let mut last = format!("{addr:?} resolves to no address");
+                for a in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+                    match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(2))) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = e.to_string(),
                     }
-                    Err(last)
-                });
+                }
+                Err(last)
+            });
             match attempt {
                 Ok(s) => break s,
                 Err(last) => {
@@ -774,21 +713,14 @@ impl StoreClient {
         let _ = stream.set_nodelay(true);
         let hs_deadline = deadline.max(Instant::now() + Duration::from_secs(5));
         auth::client_handshake(&mut stream, token, "store", &peer, hs_deadline)?;
-        let local = stream
-            .local_addr()
-            .map_err(|e| Error::io(format!("local address of {peer}"), e))?;
+        let local = stream.local_addr().map_err(|e| Error::io(format!("local address of {peer}"), e))?;
         let op_timeout = timeout.max(Duration::from_secs(5));
-        let mut conn = Conn {
-            stream,
-            broken: None,
-        };
+        let mut conn = Conn { stream, broken: None };
         let info = read_reply(&mut conn.stream, &peer, rank, "connect", op_timeout)?;
         let mut r = Reader::new(&info);
         let max_value = (|| -> std::result::Result<u64, DecodeError> {
             if r.u8()? != ST_OK {
-                return Err(DecodeError(
-                    "the store's info frame does not start with OK".into(),
-                ));
+                return Err(DecodeError("the store's info frame does not start with OK".into()));
             }
             let m = r.u64()?;
             r.end()?;
@@ -818,10 +750,7 @@ impl StoreClient {
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         self.check_key("set", key)?;
         if value.len() > self.max_value {
-            return Err(Error::StoreRefused {
-                op: "set",
-                reason: value_too_big(value.len(), self.max_value),
-            });
+            return Err(Error::StoreRefused { op: "set", reason: value_too_big(value.len(), self.max_value) });
         }
         let mut w = Writer::new();
         w.u8(op::SET).str(key).bytes(value);
@@ -924,21 +853,12 @@ impl StoreClient {
 
     fn check_key(&self, op: &'static str, key: &str) -> Result<()> {
         if key.len() > MAX_KEY {
-            return Err(Error::StoreRefused {
-                op,
-                reason: key_too_long(key.len()),
-            });
+            return Err(Error::StoreRefused { op, reason: key_too_long(key.len()) });
         }
         Ok(())
     }
 
-    fn keys_request(
-        &self,
-        op: &'static str,
-        code: u8,
-        keys: &[String],
-        timeout: Duration,
-    ) -> Result<Vec<u8>> {
+    fn keys_request(&self, op: &'static str, code: u8, keys: &[String], timeout: Duration) -> Result<Vec<u8>> {
         for k in keys {
             self.check_key(op, k)?;
         }
@@ -947,10 +867,7 @@ impl StoreClient {
         if size > max {
             return Err(Error::StoreRefused {
                 op,
-                reason: format!(
-                    "request of {size} bytes ({} keys) exceeds the store's frame limit of {max}",
-                    keys.len()
-                ),
+                reason: format!("request of {size} bytes ({} keys) exceeds the store's frame limit of {max}", keys.len()),
             });
         }
         let mut w = Writer::new();
@@ -967,9 +884,7 @@ impl StoreClient {
 
     fn bad_reply(&self, op: &str, e: DecodeError) -> Error {
         let err = Error::protocol(self.peer(), format!("bad reply to {op}: {e}"));
-        lock(&self.conn)
-            .broken
-            .get_or_insert_with(|| err.to_string());
+        lock(&self.conn).broken.get_or_insert_with(|| err.to_string());
         err
     }
 
@@ -978,18 +893,12 @@ impl StoreClient {
         let peer = self.peer();
         let mut conn = lock(&self.conn);
         if let Some(first) = &conn.broken {
-            return Err(Error::protocol(
-                &peer,
-                format!("connection unusable after an earlier error: {first}"),
-            ));
+            return Err(Error::protocol(&peer, format!("connection unusable after an earlier error: {first}")));
         }
         let limit = wait.map_or(self.op_timeout, |w| w.saturating_add(CLIENT_MARGIN));
         let res = (|| {
-            conn.stream
-                .set_write_timeout(Some(self.op_timeout))
-                .map_err(|e| Error::io(format!("set write timeout for {peer}"), e))?;
-            send_frame(&mut conn.stream, req)
-                .map_err(|e| io_err(e, self.rank, op, &peer, self.op_timeout))?;
+            conn.stream.set_write_timeout(Some(self.op_timeout)).map_err(|e| Error::io(format!("set write timeout for {peer}"), e))?;
+            send_frame(&mut conn.stream, req).map_err(|e| io_err(e, self.rank, op, &peer, self.op_timeout))?;
             read_reply(&mut conn.stream, &peer, self.rank, op, limit)
         })();
         let body = match res {
@@ -1006,10 +915,7 @@ impl StoreClient {
             ST_OK => Ok(body[1..].to_vec()),
             ST_ERR => {
                 let reason = r.str().map_err(|e| self.bad_reply(op, e))?;
-                Err(Error::StoreRefused {
-                    op,
-                    reason: reason.to_owned(),
-                })
+                Err(Error::StoreRefused { op, reason: reason.to_owned() })
             }
             ST_TIMEOUT => {
                 let decoded = (|| {
@@ -1022,12 +928,7 @@ impl StoreClient {
                     Ok(missing)
                 })();
                 let missing = decoded.map_err(|e| self.bad_reply(op, e))?;
-                Err(Error::Timeout {
-                    rank: self.rank,
-                    op: "store wait".into(),
-                    after: wait.unwrap_or_default(),
-                    waiting_for: missing,
-                })
+                Err(Error::Timeout { rank: self.rank, op: "store wait".into(), after: wait.unwrap_or_default(), waiting_for: missing })
             }
             other => Err(self.bad_reply(op, DecodeError(format!("unknown reply status {other}")))),
         }
@@ -1040,52 +941,27 @@ fn millis(d: Duration) -> u64 {
 
 fn io_err(e: std::io::Error, rank: usize, op: &str, peer: &str, after: Duration) -> Error {
     if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
-        Error::Timeout {
-            rank,
-            op: format!("store {op}: no answer"),
-            after,
-            waiting_for: vec![peer.to_owned()],
-        }
+        Error::Timeout { rank, op: format!("store {op}: no answer"), after, waiting_for: vec![peer.to_owned()] }
     } else if e.kind() == ErrorKind::UnexpectedEof {
-        Error::io(
-            format!("rank {rank}: store {op}: {peer} closed the connection"),
-            e,
-        )
+        Error::io(format!("rank {rank}: store {op}: {peer} closed the connection"), e)
     } else {
         Error::io(format!("rank {rank}: store {op} with {peer}"), e)
     }
 }
 
 /// Reads one reply frame (its body), allowing `limit` of silence per read.
-fn read_reply(
-    s: &mut TcpStream,
-    peer: &str,
-    rank: usize,
-    op: &str,
-    limit: Duration,
-) -> Result<Vec<u8>> {
-    s.set_read_timeout(Some(limit.max(Duration::from_millis(1))))
-        .map_err(|e| Error::io(format!("set read timeout for {peer}"), e))?;
+fn read_reply(s: &mut TcpStream, peer: &str, rank: usize, op: &str, limit: Duration) -> Result<Vec<u8>> {
+    s.set_read_timeout(Some(limit.max(Duration::from_millis(1)))).map_err(|e| Error::io(format!("set read timeout for {peer}"), e))?;
     let mut len = [0u8; 4];
-    s.read_exact(&mut len)
-        .map_err(|e| io_err(e, rank, op, peer, limit))?;
+    s.read_exact(&mut len).map_err(|e| io_err(e, rank, op, peer, limit))?;
     let len = u32::from_le_bytes(len) as u64;
     if len == 0 {
         return Err(Error::protocol(peer, format!("empty reply frame to {op}")));
     }
     let mut body = Vec::new();
-    let n = s
-        .take(len)
-        .read_to_end(&mut body)
-        .map_err(|e| io_err(e, rank, op, peer, limit))?;
+    let n = s.take(len).read_to_end(&mut body).map_err(|e| io_err(e, rank, op, peer, limit))?;
     if n as u64 != len {
-        return Err(io_err(
-            ErrorKind::UnexpectedEof.into(),
-            rank,
-            op,
-            peer,
-            limit,
-        ));
+        return Err(io_err(ErrorKind::UnexpectedEof.into(), rank, op, peer, limit));
     }
     Ok(body)
 }
@@ -1135,10 +1011,7 @@ mod tests {
         let mut b = [0u8; 64];
         match c.read(&mut b) {
             Ok(0) | Err(_) => {}
-            Ok(n) => panic!(
-                "expected a closed connection, read {n} bytes: {:?}",
-                &b[..n]
-            ),
+            Ok(n) => panic!("expected a closed connection, read {n} bytes: {:?}", &b[..n]),
         }
     }
 
@@ -1154,10 +1027,7 @@ mod tests {
         assert_eq!(c.get("b", T).unwrap(), b"");
         assert_eq!(c.try_get("a").unwrap(), Some(b"alpha2".to_vec()));
         assert_eq!(c.try_get("zz").unwrap(), None);
-        assert_eq!(
-            c.multi_get(&keys(&["b", "a"]), T).unwrap(),
-            vec![b"".to_vec(), b"alpha2".to_vec()]
-        );
+        assert_eq!(c.multi_get(&keys(&["b", "a"]), T).unwrap(), vec![b"".to_vec(), b"alpha2".to_vec()]);
         assert_eq!(c.multi_get(&[], T).unwrap(), Vec::<Vec<u8>>::new());
         c.wait(&keys(&["a", "b"]), T).unwrap();
         assert_eq!(c.add("n", 5).unwrap(), 5);
@@ -1169,15 +1039,9 @@ mod tests {
         assert_eq!(c.num_keys().unwrap(), 2);
         // Adding to a non-counter is refused, and the connection stays usable.
         let e = c.add("b", 1).unwrap_err();
-        assert!(
-            matches!(e, Error::StoreRefused { op: "add", ref reason } if reason.contains("not an 8-byte counter")),
-            "{e}"
-        );
+        assert!(matches!(e, Error::StoreRefused { op: "add", ref reason } if reason.contains("not an 8-byte counter")), "{e}");
         c.set(&"k".repeat(MAX_KEY), b"long key ok").unwrap();
-        assert!(matches!(
-            c.set(&"k".repeat(MAX_KEY + 1), b"x"),
-            Err(Error::StoreRefused { op: "set", .. })
-        ));
+        assert!(matches!(c.set(&"k".repeat(MAX_KEY + 1), b"x"), Err(Error::StoreRefused { op: "set", .. })));
         assert_eq!(c.get(&"k".repeat(MAX_KEY), T).unwrap(), b"long key ok");
         assert!(c.local_addr().ip().is_loopback());
         let big = vec![0x5a; 1 << 20];
@@ -1199,10 +1063,7 @@ mod tests {
             });
             assert_eq!(c.get("late", T).unwrap(), b"here");
             assert!(t0.elapsed() >= Duration::from_millis(100));
-            assert_eq!(
-                c.multi_get(&keys(&["late2", "late"]), T).unwrap(),
-                vec![b"too".to_vec(), b"here".to_vec()]
-            );
+            assert_eq!(c.multi_get(&keys(&["late2", "late"]), T).unwrap(), vec![b"too".to_vec(), b"here".to_vec()]);
         });
     }
 
@@ -1212,19 +1073,10 @@ mod tests {
         let c = StoreClient::connect(&s.addr().to_string(), TOKEN, 3, T).unwrap();
         c.set("a", b"1").unwrap();
         let t0 = Instant::now();
-        let e = c
-            .wait(&keys(&["a", "b", "c"]), Duration::from_millis(200))
-            .unwrap_err();
-        assert!(
-            t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(3)
-        );
+        let e = c.wait(&keys(&["a", "b", "c"]), Duration::from_millis(200)).unwrap_err();
+        assert!(t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(3));
         match e {
-            Error::Timeout {
-                rank,
-                op,
-                after,
-                waiting_for,
-            } => {
+            Error::Timeout { rank, op, after, waiting_for } => {
                 assert_eq!(rank, 3);
                 assert_eq!(op, "store wait");
                 assert_eq!(after, Duration::from_millis(200));
@@ -1233,10 +1085,7 @@ mod tests {
             other => panic!("expected Timeout, got {other:?}"),
         }
         let e = c.get("nope", Duration::from_millis(50)).unwrap_err();
-        assert!(
-            matches!(e, Error::Timeout { ref waiting_for, .. } if waiting_for == &keys(&["nope"])),
-            "{e}"
-        );
+        assert!(matches!(e, Error::Timeout { ref waiting_for, .. } if waiting_for == &keys(&["nope"])), "{e}");
         // Still usable.
         assert_eq!(c.get("a", T).unwrap(), b"1");
     }
@@ -1299,11 +1148,7 @@ mod tests {
     fn wait_stat(s: &StoreServer, f: impl Fn(&StoreStats) -> u64, at_least: u64) {
         let deadline = Instant::now() + T;
         while f(&s.stats()) < at_least {
-            assert!(
-                Instant::now() < deadline,
-                "stat stayed below {at_least}: {:?}",
-                s.stats()
-            );
+            assert!(Instant::now() < deadline, "stat stayed below {at_least}: {:?}", s.stats());
             thread::sleep(Duration::from_millis(5));
         }
     }
@@ -1326,11 +1171,7 @@ mod tests {
             let mut sink = Vec::new();
             c.set_read_timeout(Some(T)).unwrap();
             let _ = c.read_to_end(&mut sink);
-            assert!(
-                sink.len() <= 6 + 5 + 32 + 2 + 255,
-                "got {} bytes",
-                sink.len()
-            );
+            assert!(sink.len() <= 6 + 5 + 32 + 2 + 255, "got {} bytes", sink.len());
         }
         assert_server_healthy(&s);
         let st = s.stats();
@@ -1389,12 +1230,7 @@ mod tests {
         match &e {
             Error::StoreRefused { op, reason } => {
                 assert_eq!(*op, "set");
-                assert!(
-                    reason.contains("2000")
-                        && reason.contains("1024")
-                        && reason.contains("FERROCCL_STORE_MAX_VALUE"),
-                    "{reason}"
-                );
+                assert!(reason.contains("2000") && reason.contains("1024") && reason.contains("FERROCCL_STORE_MAX_VALUE"), "{reason}");
             }
             other => panic!("expected StoreRefused, got {other:?}"),
         }
@@ -1407,8 +1243,7 @@ mod tests {
         w.u8(op::SET).str("w").bytes(&[0u8; 1500]);
         let r = raw_request(&mut raw, &w.finish());
         assert_eq!(r[0], ST_ERR);
-        assert!(String::from_utf8_lossy(&r)
-            .contains("value of 1500 bytes exceeds the store's limit of 1024"));
+        assert!(String::from_utf8_lossy(&r).contains("value of 1500 bytes exceeds the store's limit of 1024"));
         let mut w = Writer::new();
         w.u8(op::SET).str(&"k".repeat(MAX_KEY + 1)).bytes(b"x");
         let r = raw_request(&mut raw, &w.finish());
@@ -1431,11 +1266,7 @@ mod tests {
             let r = h.join().unwrap();
             assert!(r.is_err(), "{r:?}");
         });
-        assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "took {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "took {:?}", t0.elapsed());
         // The connection is now broken for good.
         assert!(c.num_keys().is_err());
     }
@@ -1452,21 +1283,14 @@ mod tests {
         drop(c);
         let deadline = Instant::now() + Duration::from_secs(4);
         while s.open_connections() > 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the waiting thread outlived its client"
-            );
+            assert!(Instant::now() < deadline, "the waiting thread outlived its client");
             thread::sleep(Duration::from_millis(20));
         }
     }
 
     #[test]
     fn connect_retries_until_the_server_listens() {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let addr = format!("127.0.0.1:{port}");
         thread::scope(|sc| {
             let h = sc.spawn(|| StoreClient::connect(&addr, TOKEN, 0, T));
@@ -1481,10 +1305,7 @@ mod tests {
         let t0 = Instant::now();
         let e = StoreClient::connect(&addr, TOKEN, 7, Duration::from_millis(200)).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(3));
-        assert!(
-            matches!(e, Error::Timeout { rank: 7, ref waiting_for, .. } if waiting_for[0].contains(&addr)),
-            "{e}"
-        );
+        assert!(matches!(e, Error::Timeout { rank: 7, ref waiting_for, .. } if waiting_for[0].contains(&addr)), "{e}");
     }
 
     #[test]

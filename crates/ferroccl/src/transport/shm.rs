@@ -223,7 +223,8 @@ impl LocalShm {
             let base = ring_off(peer, self.ring_bytes);
             let tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
-            let corrupt = |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
+            let corrupt =
+                |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
             if tail < head || tail - head > r {
                 return Err(corrupt(format!("tail {tail} is not within one ring of head {head}")));
             }
@@ -360,7 +361,9 @@ impl ShmEndpoint {
             rank,
             peer,
             transport: "shm",
-            what: format!("cannot map its segment {peer_seg_name}: {e} (is /dev/shm shared between the ranks? FERROCCL_TRANSPORT=tcp avoids shm)"),
+            what: format!(
+                "cannot map its segment {peer_seg_name}: {e} (is /dev/shm shared between the ranks? FERROCCL_TRANSPORT=tcp avoids shm)"
+            ),
         })?;
         Ok(ShmEndpoint {
             rank,
@@ -459,10 +462,16 @@ impl ShmEndpoint {
             return Err(self.err(format!("message of {} bytes exceeds the ring's limit of {}", msg.len(), self.max_send())));
         }
         let h = Header { kind: K_MSG, len: msg.len() as u64, ..Header::default() };
-        self.produce(&h, msg.len(), |seg, off| {
-            seg.write(off, msg);
-            Ok(())
-        }, deadline, poll)
+        self.produce(
+            &h,
+            msg.len(),
+            |seg, off| {
+                seg.write(off, msg);
+                Ok(())
+            },
+            deadline,
+            poll,
+        )
     }
 
     /// Tells the peer whether it may pull from us (`we_can_be_pulled` is the peer's probe
@@ -530,9 +539,13 @@ impl ShmEndpoint {
                 dst_addr: dst.addr + dst_offset + pos as u64,
                 ..Header::default()
             };
-            self.produce(&h, n, |seg, off| {
-                src.with_slice(offset + pos, n, |s| seg.write(off, s)).map_err(|e| self.err(format!("write source: {e}")))
-            }, deadline, poll)?;
+            self.produce(
+                &h,
+                n,
+                |seg, off| src.with_slice(offset + pos, n, |s| seg.write(off, s)).map_err(|e| self.err(format!("write source: {e}"))),
+                deadline,
+                poll,
+            )?;
             pos += n;
             if last {
                 return Ok(WriteTicket::Done);

@@ -100,7 +100,12 @@ impl TcpEndpoint {
         what: &str,
     ) -> Result<()> {
         if self.broken.load(Ordering::Acquire) {
-            return Err(Error::Transport { rank: self.rank, peer: self.peer, transport: "tcp", what: "connection is unusable after an earlier failed send".into() });
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: self.peer,
+                transport: "tcp",
+                what: "connection is unusable after an earlier failed send".into(),
+            });
         }
         let start = Instant::now();
         let mut put = |mut b: &[u8]| -> std::io::Result<()> {
@@ -168,7 +173,10 @@ impl TcpEndpoint {
         deadline: Instant,
     ) -> Result<()> {
         if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) {
-            return Err(Error::invalid(format!("write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes", dst.len)));
+            return Err(Error::invalid(format!(
+                "write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes",
+                dst.len
+            )));
         }
         if offset.checked_add(len).is_none_or(|e| e > src.len()) {
             return Err(Error::invalid(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));

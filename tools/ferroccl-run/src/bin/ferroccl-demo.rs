@@ -14,7 +14,7 @@ mod testkit;
 use std::time::Instant;
 
 use ferroccl::comm::Communicator;
-use testkit::{first_mismatch, fill, flag, human, parse_size, partner, rounds};
+use testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -92,7 +92,13 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
     let (n, me) = (comm.size(), comm.rank());
     let mut rows: Vec<Row> = Vec::new();
     for (si, &size) in sizes.iter().enumerate() {
-        let iters = iters_arg.unwrap_or(if size <= 4096 { 2000 } else if size <= (1 << 20) { 50 } else { 4 });
+        let iters = iters_arg.unwrap_or(if size <= 4096 {
+            2000
+        } else if size <= (1 << 20) {
+            50
+        } else {
+            4
+        });
         for round in 0..rounds(n) {
             if let Some(p) = partner(n, round, me) {
                 let t = pingpong(comm, p, size, iters, 100 + si as u64)?;
@@ -103,7 +109,8 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
         }
     }
     // Gather everyone's rows on rank 0.
-    let encode = |rows: &[Row]| -> Vec<f64> { rows.iter().flat_map(|&(a, b, s, t, c)| [a as f64, b as f64, s as f64, t, c as f64]).collect() };
+    let encode =
+        |rows: &[Row]| -> Vec<f64> { rows.iter().flat_map(|&(a, b, s, t, c)| [a as f64, b as f64, s as f64, t, c as f64]).collect() };
     let mine = encode(&rows);
     if me != 0 {
         comm.send(&[mine.len() as u64], 0)?;

@@ -9,6 +9,8 @@
 //! ferroccl-selftest all [--sizes ...]                                  exchange + barrier + split in one job
 //! ferroccl-selftest stall --rank R --secs S                            rank R arrives S seconds late to a barrier
 //! ferroccl-selftest mismatch --bytes N                                 rank 0 sends N bytes, rank 1 expects N+1
+//! ferroccl-selftest stop                                               rank 1 SIGSTOPs itself in the middle of a 512 MiB send to rank 0
+//! ferroccl-selftest flood                                              rank 0 floods rank 1 with messages; rank 1 never reads, then dies
 //! ```
 //! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
 //! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
@@ -22,7 +24,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use ferroccl::comm::Communicator;
-use testkit::{first_mismatch, fill, flag, human, parse_size, partner, rounds};
+use testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -60,6 +62,8 @@ fn main() {
         "all" => exchange(&comm, rest).and_then(|()| barrier(&comm, rest)).and_then(|()| split(&comm)),
         "stall" => stall(&comm, rest),
         "mismatch" => mismatch(&comm, rest),
+        "stop" => stop(&comm),
+        "flood" => flood(&comm),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
@@ -267,4 +271,54 @@ fn mismatch(comm: &Communicator, args: &[String]) -> R<()> {
         _ => {}
     }
     Ok(())
+}
+
+fn stop(comm: &Communicator) -> R<()> {
+    let n = 512 << 20;
+    match comm.rank() {
+        1 => {
+            let data = vec![3u8; n];
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGSTOP);
+            });
+            comm.send(&data, 0)?;
+        }
+        0 => {
+            let mut buf = vec![0u8; n];
+            let t = Instant::now();
+            let r = comm.recv(&mut buf, 1);
+            if let Err(e) = &r {
+                println!("selftest: rank 0 recv failed after {:.3}s: {e}", t.elapsed().as_secs_f64());
+            }
+            r?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn flood(comm: &Communicator) -> R<()> {
+    match comm.rank() {
+        0 => {
+            let msg = vec![1u8; 60_000];
+            let t = Instant::now();
+            loop {
+                if let Err(e) = comm.send(&msg, 1) {
+                    println!("selftest: rank 0 send failed after {:.3}s: {e}", t.elapsed().as_secs_f64());
+                    return Err(e.into());
+                }
+                if t.elapsed() > Duration::from_secs(60) {
+                    return Err("the receiver's death went unnoticed".into());
+                }
+            }
+        }
+        1 => {
+            // Never read; die once rank 0's ring to us is surely full.
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
