@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::fabric::{Events, Fabric, FabricConfig};
 use crate::params::Params;
 use crate::proto::{self, Cts, CHAN_INTERNAL, CHAN_USER, EAGER_HEADER};
-use crate::transport::WriteTicket;
+use crate::transport::{WriteReq, WriteTicket};
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -266,7 +266,8 @@ impl Communicator {
             });
         }
         with_region_ro(data, |src| -> Result<()> {
-            let ticket = ep.post_write(src, 0, data.len(), cts.buf, 0, cts.imm, deadline, &pump)?;
+            let w = WriteReq { src, offset: 0, len: data.len(), dst: cts.buf, dst_offset: 0, imm: cts.imm };
+            let ticket = ep.post_write(&w, deadline, &pump)?;
             if let WriteTicket::Pending { slot, gen } = ticket {
                 let shm = self.fabric.local_shm().ok_or_else(|| Error::invalid("internal: pull without shm"))?.clone();
                 let r = self.fabric.wait_until(op, deadline, &[wpeer], |_: &mut Events| match shm.pull_status(slot, gen) {

@@ -74,21 +74,11 @@ impl Endpoint {
     /// Writes `len` bytes from `src[offset..]` into `dst` at the peer, with immediate `imm`.
     /// Returns the work-request id whose `WriteDone` completion says `src` may be reused
     /// (already completed for the synchronous cases).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn post_write(
-        &self,
-        src: &RegionHandle,
-        offset: usize,
-        len: usize,
-        dst: RemoteBuf,
-        dst_offset: u64,
-        imm: u32,
-        deadline: Instant,
-        poll: &dyn Fn() -> Result<()>,
-    ) -> Result<WriteTicket> {
+    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<WriteTicket> {
+        w.check()?;
         match self {
-            Endpoint::Shm(e) => e.post_write(src, offset, len, dst, dst_offset, imm, deadline, poll),
-            Endpoint::Tcp(e) => e.post_write(src, offset, len, dst, dst_offset, imm, deadline).map(|()| WriteTicket::Done),
+            Endpoint::Shm(e) => e.post_write(w, deadline, poll),
+            Endpoint::Tcp(e) => e.post_write(w, deadline).map(|()| WriteTicket::Done),
         }
     }
 
@@ -115,6 +105,46 @@ impl Endpoint {
             Endpoint::Shm(e) => e.close(deadline, poll),
             Endpoint::Tcp(e) => e.close(deadline),
         }
+    }
+}
+
+/// A one-sided write: `len` bytes from `src[offset..]` to `dst` at `dst_offset`, with the
+/// immediate `imm` reported to the target when the bytes have landed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WriteReq<'a> {
+    pub(crate) src: &'a RegionHandle,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) dst: RemoteBuf,
+    pub(crate) dst_offset: u64,
+    pub(crate) imm: u32,
+}
+
+impl WriteReq<'_> {
+    /// Both ends in bounds, and the remote address arithmetic cannot overflow.
+    fn check(&self) -> Result<()> {
+        if self.offset.checked_add(self.len).is_none_or(|e| e > self.src.len()) {
+            return Err(crate::error::Error::invalid(format!(
+                "write source [{}, +{}) overruns the local region of {} bytes",
+                self.offset,
+                self.len,
+                self.src.len()
+            )));
+        }
+        if self.dst_offset.checked_add(self.len as u64).is_none_or(|e| e > self.dst.len)
+            || self.dst.addr.checked_add(self.dst.len).is_none()
+        {
+            return Err(crate::error::Error::invalid(format!(
+                "write of {} bytes at offset {} overruns the peer's region of {} bytes",
+                self.len, self.dst_offset, self.dst.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// The target address of byte `pos` of the write.
+    pub(crate) fn dst_addr(&self, pos: usize) -> u64 {
+        self.dst.addr + self.dst_offset + pos as u64
     }
 }
 

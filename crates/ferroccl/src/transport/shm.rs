@@ -30,12 +30,11 @@ use std::time::Instant;
 
 use ferroccl_mem::futex::futex_wake;
 use ferroccl_mem::process::read_process_memory;
-use ferroccl_mem::region::RegionHandle;
 use ferroccl_mem::segment::ShmSegment;
 
 use crate::error::{Error, Result};
 use crate::fabric::Shared;
-use crate::transport::{RemoteBuf, WriteTicket};
+use crate::transport::{WriteReq, WriteTicket};
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.
 const HEADER_BYTES: usize = 4096;
@@ -485,24 +484,9 @@ impl ShmEndpoint {
         self.peer_can_pull.load(Ordering::Acquire) != 0
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn post_write(
-        &self,
-        src: &RegionHandle,
-        offset: usize,
-        len: usize,
-        dst: RemoteBuf,
-        dst_offset: u64,
-        imm: u32,
-        deadline: Instant,
-        poll: &dyn Fn() -> Result<()>,
-    ) -> Result<WriteTicket> {
-        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) || dst.addr.checked_add(dst.len).is_none() {
-            return Err(self.err(format!("write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes", dst.len)));
-        }
-        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
-            return Err(self.err(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));
-        }
+    /// Posts a write already checked by [`WriteReq`]'s bounds check.
+    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<WriteTicket> {
+        let WriteReq { src, offset, len, dst, imm, .. } = *w;
         let pull = self.cma && len > self.inline_max && self.peer_can_pull.load(Ordering::Acquire) == 1;
         if pull {
             if let Some((slot, gen)) = self.local.alloc_slot() {
@@ -511,7 +495,7 @@ impl ShmEndpoint {
                     len: len as u64,
                     imm,
                     key: dst.key,
-                    dst_addr: dst.addr + dst_offset,
+                    dst_addr: w.dst_addr(0),
                     src_addr: src.addr() + offset as u64,
                     slot: slot as u32,
                     gen,
@@ -536,7 +520,7 @@ impl ShmEndpoint {
                 len: n as u64,
                 imm,
                 key: dst.key,
-                dst_addr: dst.addr + dst_offset + pos as u64,
+                dst_addr: w.dst_addr(pos),
                 ..Header::default()
             };
             self.produce(

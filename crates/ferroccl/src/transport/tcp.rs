@@ -14,11 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ferroccl_mem::region::RegionHandle;
-
 use crate::error::{Error, Result};
 use crate::fabric::Shared;
-use crate::transport::RemoteBuf;
+use crate::transport::WriteReq;
 
 const HDR: usize = 40;
 const K_MSG: u8 = 1;
@@ -161,28 +159,11 @@ impl TcpEndpoint {
         self.send_frame(&header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn post_write(
-        &self,
-        src: &RegionHandle,
-        offset: usize,
-        len: usize,
-        dst: RemoteBuf,
-        dst_offset: u64,
-        imm: u32,
-        deadline: Instant,
-    ) -> Result<()> {
-        if dst_offset.checked_add(len as u64).is_none_or(|e| e > dst.len) {
-            return Err(Error::invalid(format!(
-                "write of {len} bytes at offset {dst_offset} overruns the peer's region of {} bytes",
-                dst.len
-            )));
-        }
-        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
-            return Err(Error::invalid(format!("write source [{offset}, +{len}) overruns the local region of {} bytes", src.len())));
-        }
-        let addr = dst.addr.checked_add(dst_offset).ok_or_else(|| Error::invalid("remote address overflows"))?;
-        let hdr = header(K_WRITE, imm, len as u64, dst.key, addr);
+    /// Posts a write already checked by [`WriteReq`]'s bounds check: one frame, written
+    /// straight from the source region.
+    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant) -> Result<()> {
+        let WriteReq { src, offset, len, dst, imm, .. } = *w;
+        let hdr = header(K_WRITE, imm, len as u64, dst.key, w.dst_addr(0));
         self.send_frame(
             &hdr,
             |put| src.with_slice(offset, len, |b| put(b)).unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
