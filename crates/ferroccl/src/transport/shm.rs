@@ -220,14 +220,26 @@ impl LocalShm {
         let r = self.ring_bytes as u64;
         for &(peer, ep) in peers {
             let base = ring_off(peer, self.ring_bytes);
-            let tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
+            let mut tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
+            let mut revoked = false;
             let corrupt =
                 |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
             if tail < head || tail - head > r {
                 return Err(corrupt(format!("tail {tail} is not within one ring of head {head}")));
             }
-            while head < tail {
+            loop {
+                if head >= tail {
+                    if !revoked {
+                        break;
+                    }
+                    // The writer revoked a pull because it gave up; it posted the reason
+                    // before revoking, so read on to it.
+                    tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
+                    if head >= tail {
+                        break;
+                    }
+                }
                 any = true;
                 // Everything below comes from another process: check before using it.
                 let pos = (head % r) as usize;
@@ -263,7 +275,7 @@ impl LocalShm {
                             shared.write_imm(peer, h.imm);
                         }
                     }
-                    K_PULL => self.serve_pull(peer, ep, &h, shared)?,
+                    K_PULL => revoked |= !self.serve_pull(peer, ep, &h, shared)?,
                     K_HELLO => ep.peer_can_pull.store(if h.flags & F_CAN_PULL != 0 { 1 } else { 2 }, Ordering::Release),
                     K_BYE => shared.peer_closed(peer),
                     k => {
@@ -279,43 +291,54 @@ impl LocalShm {
                 heads[peer] = head;
                 self.seg.atomic_u64(base + 64).store(head, Ordering::Release);
             }
+            if revoked {
+                let what = "gave up on a single-copy write while this rank was copying it".to_string();
+                shared.lock().set_fatal(peer, what.clone());
+                return Err(Error::PeerFailed { rank: self.rank, peer, op: "shm receive".into(), reason: what });
+            }
         }
         Ok(any)
     }
 
-    fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, shared: &Shared) -> Result<()> {
+    /// Serves one pull. `Ok(false)` when the writer revoked it (gave up) during the copy:
+    /// nothing is delivered, and the writer's reason follows in the ring.
+    fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, shared: &Shared) -> Result<bool> {
         let slot = h.slot as usize;
         if slot >= PULL_SLOTS {
             return Err(Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("pull slot {slot} out of range") });
         }
         let pid = ep.peer_pid;
-        let copied = shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
-            read_process_memory(pid, h.src_addr, s).map_err(|e| format!("process_vm_readv from rank {peer} (pid {pid}): {e}"))
-        });
+        let mut read_err = None;
+        // A bad destination is a protocol error (fatal in land_write); a failed read is judged
+        // below, together with the slot's generation.
+        shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+            if let Err(e) = read_process_memory(pid, h.src_addr, s) {
+                read_err = Some(e);
+            }
+            Ok(())
+        })?;
         // The writer revokes the slot (generation 0) before it releases its buffer; if the
         // generation is unchanged after our copy, the copy read live data (a seqlock read:
         // the fence keeps the copy before the check).
         fence(Ordering::SeqCst);
         let gen_now = ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES).load(Ordering::SeqCst);
-        let ok = copied.is_ok() && gen_now == h.gen;
-        // A revoked slot may already belong to a newer transfer: leave its word alone.
-        if gen_now == h.gen {
-            ep.peer_seg
-                .atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
-                .store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
-            ep.ring_peer_bell();
+        if gen_now != h.gen {
+            // Revoked: the slot may already belong to a newer transfer, leave it alone.
+            return Ok(false);
         }
-        copied?;
-        if !ok {
+        let ok = read_err.is_none();
+        ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8).store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
+        ep.ring_peer_bell();
+        if let Some(e) = read_err {
             return Err(Error::Transport {
                 rank: self.rank,
                 peer,
                 transport: "shm",
-                what: "its single-copy write was revoked while this rank copied it (the sender gave up on it)".into(),
+                what: format!("single-copy read of {} bytes from pid {pid} failed: {e}", h.len),
             });
         }
         shared.write_imm(peer, h.imm);
-        Ok(())
+        Ok(true)
     }
 }
 

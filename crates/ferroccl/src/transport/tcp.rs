@@ -44,6 +44,7 @@ pub(crate) struct TcpEndpoint {
     /// A handle to shut the socket down without waiting for the writer's lock.
     ctl: TcpStream,
     reader: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
     closing: Arc<AtomicBool>,
     /// Set when a frame was cut short by a send timeout: the stream is unusable.
     broken: AtomicBool,
@@ -55,9 +56,10 @@ impl TcpEndpoint {
         let ctl = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
         let closing = Arc::new(AtomicBool::new(false));
         let c2 = closing.clone();
+        let sh = shared.clone();
         let reader = std::thread::Builder::new()
             .name(format!("ferroccl-tcp-{peer}"))
-            .spawn(move || reader_loop(peer, rd, shared, c2))
+            .spawn(move || reader_loop(peer, rd, sh, c2))
             .map_err(|e| Error::io("spawn tcp reader thread", e))?;
         Ok(TcpEndpoint {
             rank,
@@ -65,6 +67,7 @@ impl TcpEndpoint {
             writer: Mutex::new(stream),
             ctl,
             reader: Mutex::new(Some(reader)),
+            shared,
             closing,
             broken: AtomicBool::new(false),
         })
@@ -122,6 +125,20 @@ impl TcpEndpoint {
         let r = put(hdr).and_then(|()| body(&mut put));
         r.map_err(|e| {
             self.broken.store(true, Ordering::Release);
+            if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
+                // The peer closed on us. If it said why first (an ERR ahead of its FIN), our
+                // reader thread is about to deliver it: report that root cause instead.
+                let until = Instant::now() + Duration::from_millis(200);
+                while Instant::now() < until
+                    && self.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|h| !h.is_finished())
+                {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                if let Some((peer, reason)) = self.shared.lock().fatal.clone().filter(|(p, _)| *p != usize::MAX) {
+                    let _ = self.ctl.shutdown(Shutdown::Both);
+                    return Error::PeerFailed { rank: self.rank, peer, op: format!("tcp {what} to rank {}", self.peer), reason };
+                }
+            }
             let _ = self.ctl.shutdown(Shutdown::Both);
             self.io_err(what, e, start)
         })
