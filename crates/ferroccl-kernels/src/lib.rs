@@ -1,18 +1,100 @@
-//! Element types of FerroCCL.
+//! Element types, reduction operations and reduction kernels of FerroCCL.
 //!
-//! Every buffer that crosses the wire is a slice of one of the [`Element`] types below. The
-//! element type travels as a [`DType`] tag so that a receiver can check that both sides agree.
-//! f16 and bf16 are the `half` crate's types and stay 2 bytes wide on the wire.
+//! Every buffer that crosses the wire is a slice of one of the [`Element`] types. The element
+//! type travels as a [`DType`] tag so that a receiver can check that both sides agree. f16 and
+//! bf16 are the `half` crate's types and stay 2 bytes wide on the wire and in buffers; their
+//! arithmetic widens to f32 inside a register and rounds once, to nearest-even.
+//!
+//! The [`reference`](mod@reference) module *defines* what each [`ReduceOp`] computes for each element type;
+//! the fast kernels (portable loops, AVX2 + F16C, AVX-512 with and without AVX512-BF16, chosen
+//! at run time by [`SimdLevel::detected`]) produce exactly the same bytes.
 //!
 //! ```
-//! use ferroccl_kernels::{DType, Element};
-//! assert_eq!(<half::bf16 as Element>::DTYPE, DType::Bf16);
-//! assert_eq!(DType::Bf16.size(), 2);
+//! use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16, reduce_into, reduce_into_bytes, reduce_many, DType, ReduceOp};
+//!
+//! // Typed: one pairwise step, as a ring does.
+//! let mut acc = [1.0f32, 2.0, 3.0];
+//! reduce_into(ReduceOp::Sum, &mut acc, &[10.0, 20.0, 30.0]);
+//! assert_eq!(acc, [11.0, 22.0, 33.0]);
+//!
+//! // The rank-order reduction of three ranks' bf16 buffers, accumulated in f32.
+//! let ranks: Vec<Vec<bf16>> = (1..=3).map(|r| vec![bf16::from_f32(r as f32); 4]).collect();
+//! let srcs: Vec<&[bf16]> = ranks.iter().map(|v| v.as_slice()).collect();
+//! let mut out = [bf16::ZERO; 4];
+//! reduce_many(ReduceOp::Avg, &srcs, &mut out);
+//! assert_eq!(out[0].to_f32(), 2.0);
+//!
+//! // Byte buffers with a dtype tag, as the runtime receives them.
+//! let mut acc = [5i32, -7];
+//! reduce_into_bytes(DType::I32, ReduceOp::Max, as_bytes_mut(&mut acc), as_bytes(&[6i32, -8])).unwrap();
+//! assert_eq!(acc, [6, -7]);
+//! assert_eq!(<bf16 as ferroccl_kernels::Element>::DTYPE, DType::Bf16);
 //! ```
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+/// Expands `$body` with the type alias `$T` bound to the Rust type of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::Bf16 => {
+                type $T = bf16;
+                $body
+            }
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U64 => {
+                type $T = u64;
+                $body
+            }
+        }
+    };
+}
+
+mod arith;
+mod error;
+mod kernels;
+mod op;
+mod portable;
+pub mod reference;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod x86;
+
+pub use error::KernelError;
 pub use half::{bf16, f16};
+pub use kernels::{Kernels, SimdLevel};
+pub use op::ReduceOp;
 
 /// The element types FerroCCL moves and reduces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,10 +170,11 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// A type whose slices FerroCCL can send, receive and (in later layers) reduce.
+/// A type whose slices FerroCCL can send, receive and reduce.
 ///
-/// Implemented for exactly the types of [`DType`]; `bytemuck::Pod` gives the safe byte views.
-pub trait Element: bytemuck::Pod + Send + Sync + std::fmt::Debug + PartialEq + 'static {
+/// Implemented for exactly the types of [`DType`] (the trait is sealed); `bytemuck::Pod` gives
+/// the safe byte views.
+pub trait Element: arith::Arith + bytemuck::Pod + Send + Sync + std::fmt::Debug + PartialEq + 'static {
     /// The dtype tag of this element type.
     const DTYPE: DType;
 }
@@ -109,6 +192,62 @@ pub fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
 /// Views a mutable slice of elements as bytes.
 pub fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(s)
+}
+
+/// [`Kernels::reduce_into`] with the [detected](Kernels::detected) kernels: one pairwise step,
+/// `acc[i] = acc[i] op src[i]`, rounded to `T` (Avg steps are sums).
+///
+/// # Panics
+///
+/// If `acc.len() != src.len()`.
+pub fn reduce_into<T: Element>(op: ReduceOp, acc: &mut [T], src: &[T]) {
+    Kernels::detected().reduce_into(op, acc, src)
+}
+
+/// [`Kernels::reduce_many`] with the [detected](Kernels::detected) kernels: the rank-order
+/// reduction of `srcs` into `out`, rounding once.
+///
+/// # Panics
+///
+/// If `srcs` is empty or a source's length differs from `out.len()`.
+pub fn reduce_many<T: Element>(op: ReduceOp, srcs: &[&[T]], out: &mut [T]) {
+    Kernels::detected().reduce_many(op, srcs, out)
+}
+
+/// [`Kernels::finish_avg`] with the [detected](Kernels::detected) kernels: `acc[i] = acc[i] / n`.
+///
+/// # Panics
+///
+/// If `n == 0`.
+pub fn finish_avg<T: Element>(acc: &mut [T], n: usize) {
+    Kernels::detected().finish_avg(acc, n)
+}
+
+/// [`Kernels::reduce_into_bytes`] with the [detected](Kernels::detected) kernels.
+///
+/// # Errors
+///
+/// See [`Kernels::reduce_into_bytes`].
+pub fn reduce_into_bytes(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
+    Kernels::detected().reduce_into_bytes(dtype, op, acc, src)
+}
+
+/// [`Kernels::reduce_many_bytes`] with the [detected](Kernels::detected) kernels.
+///
+/// # Errors
+///
+/// See [`Kernels::reduce_many_bytes`].
+pub fn reduce_many_bytes(dtype: DType, op: ReduceOp, srcs: &[&[u8]], out: &mut [u8]) -> Result<(), KernelError> {
+    Kernels::detected().reduce_many_bytes(dtype, op, srcs, out)
+}
+
+/// [`Kernels::finish_avg_bytes`] with the [detected](Kernels::detected) kernels.
+///
+/// # Errors
+///
+/// See [`Kernels::finish_avg_bytes`].
+pub fn finish_avg_bytes(dtype: DType, acc: &mut [u8], n: usize) -> Result<(), KernelError> {
+    Kernels::detected().finish_avg_bytes(dtype, acc, n)
 }
 
 #[cfg(test)]
@@ -132,3 +271,6 @@ mod tests {
         assert_eq!(as_bytes(&[1u32, 2]).len(), 8);
     }
 }
+
+#[cfg(test)]
+mod conformance;

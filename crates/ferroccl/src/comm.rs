@@ -10,11 +10,12 @@ use ferroccl_mem::region::{with_region, with_region_ro};
 
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
+use crate::coll::ScratchCache;
 use crate::error::{Error, Result};
-use crate::fabric::{Events, Fabric, FabricConfig};
+use crate::fabric::{Fabric, FabricConfig, Poll};
 use crate::params::Params;
-use crate::proto::{self, Cts, CHAN_INTERNAL, CHAN_USER, EAGER_HEADER};
-use crate::transport::{WriteReq, WriteTicket};
+use crate::p2p::{Ctx, RecvOp, SendOp};
+use crate::proto::{Desc, CHAN_INTERNAL, CHAN_USER, NO_DESC};
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -60,6 +61,7 @@ pub struct Communicator {
     seqs: Mutex<Seqs>,
     splits: Mutex<u32>,
     op_lock: Mutex<()>,
+    scratch: ScratchCache,
 }
 
 /// Counts inits per (store, job token, world size, rank) so that several communicators in
@@ -74,6 +76,17 @@ fn init_generation(store: &str, token: &str, world: usize, rank: usize) -> u64 {
     let v = *n;
     *n += 1;
     v
+}
+
+/// Ready when `done`; otherwise whether the last step moved anything.
+pub(crate) fn poll_of(done: bool, moved: bool) -> Poll<()> {
+    if done {
+        Poll::Ready(())
+    } else if moved {
+        Poll::Moved
+    } else {
+        Poll::Idle
+    }
 }
 
 fn fnv(parts: &[u64]) -> u32 {
@@ -147,6 +160,7 @@ impl Communicator {
             seqs: Mutex::default(),
             splits: Mutex::new(0),
             op_lock: Mutex::new(()),
+            scratch: ScratchCache::default(),
         })
     }
 
@@ -180,6 +194,30 @@ impl Communicator {
         self.fabric.setup_time
     }
 
+    pub(crate) fn scratch(&self) -> &ScratchCache {
+        &self.scratch
+    }
+
+    pub(crate) fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// The world rank of member `peer`, which must not be this rank.
+    pub(crate) fn world_rank_checked(&self, peer: usize) -> Result<usize> {
+        self.peer_world(peer, "collective")
+    }
+
+    /// The next sequence number of the collectives' stream with member `peer`.
+    pub(crate) fn next_coll_seq(&self, send: bool, peer: usize) -> u32 {
+        self.next_seq(send, crate::proto::CHAN_COLL, peer)
+    }
+
+    /// Runs a whole collective call: serialised with the communicator's other calls, and an
+    /// error after its checks is fatal for the fabric.
+    pub(crate) fn run_op<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.run(f)
+    }
+
     /// The blocking-call deadline (`FERROCCL_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
         self.fabric.params.timeout
@@ -207,21 +245,6 @@ impl Communicator {
         out
     }
 
-    fn is_eager(&self, wpeer: usize, len: usize) -> Result<bool> {
-        let ep = self.fabric.endpoint(wpeer)?;
-        Ok(len <= self.fabric.params.eager_max && EAGER_HEADER + len <= ep.max_send())
-    }
-
-    /// The error for waiting on a peer that has already left.
-    fn closed_error(&self, peer: usize, op: &str) -> Error {
-        Error::PeerFailed {
-            rank: self.rank,
-            peer,
-            op: op.to_string(),
-            reason: "closed its communicator before this operation matched (finalized or dropped early?)".into(),
-        }
-    }
-
     /// Everything that can be checked before a byte goes on the wire; errors here leave the
     /// communicator usable.
     fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
@@ -233,58 +256,34 @@ impl Communicator {
         Ok(wpeer)
     }
 
+    /// The context transfers of this communicator run in.
+    pub(crate) fn ctx<'a>(&'a self, chan: u8, op: &'a str, desc: Desc) -> Ctx<'a> {
+        Ctx {
+            fabric: &self.fabric,
+            comm: self.id,
+            chan,
+            rank: self.rank,
+            op,
+            deadline: self.deadline(),
+            desc,
+            describe: crate::coll::describe,
+            eager_max: self.fabric.params.eager_max,
+        }
+    }
+
     /// Sends to a member already checked by [`Communicator::check_peer`]. Any error is
     /// fatal (the caller poisons).
     fn send_bytes(&self, chan: u8, peer: usize, data: &[u8], op: &str) -> Result<()> {
         let wpeer = self.check_peer(peer, op)?;
-        let ep = self.fabric.endpoint(wpeer)?;
         let seq = self.next_seq(true, chan, peer);
-        let deadline = self.deadline();
-        let pump = || self.fabric.pump(op);
-        if self.is_eager(wpeer, data.len())? {
-            return ep.post_send(&proto::encode_eager(self.id, chan, seq, data), deadline, &pump);
-        }
-        // Rendezvous: announce (so an eager receiver can tell the lengths differ), wait for
-        // the receiver's clear-to-send, then write into its buffer.
-        ep.post_send(&proto::encode_rts(self.id, chan, seq, data.len() as u64), deadline, &pump)?;
-        let key = (self.id, chan, wpeer);
-        let cts: Cts = self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
-            let q = ev.cts.entry(key).or_default();
-            match q.front() {
-                Some(c) if c.seq == seq => Ok(q.pop_front()),
-                Some(c) => Err(Error::protocol(format!("rank {peer}"), format!("{op}: clear-to-send #{} arrived, expected #{seq}", c.seq))),
-                None if ev.closed.contains(&wpeer) => Err(self.closed_error(peer, op)),
-                None => Ok(None),
-            }
-        })?;
-        if cts.len != data.len() as u64 {
-            return Err(Error::Mismatch {
-                rank: self.rank,
-                peer,
-                op: op.to_string(),
-                what: format!("this rank sends {} bytes, rank {peer} receives {}", data.len(), cts.len),
-            });
-        }
-        with_region_ro(data, |src| -> Result<()> {
-            let w = WriteReq { src, offset: 0, len: data.len(), dst: cts.buf, dst_offset: 0, imm: cts.imm };
-            let ticket = ep.post_write(&w, deadline, &pump)?;
-            if let WriteTicket::Pending { slot, gen } = ticket {
-                let shm = self.fabric.local_shm().ok_or_else(|| Error::invalid("internal: pull without shm"))?.clone();
-                let r = self.fabric.wait_until(op, deadline, &[wpeer], |_: &mut Events| match shm.pull_status(slot, gen) {
-                    Some(Ok(())) => Ok(Some(())),
-                    Some(Err(())) => Err(Error::Transport {
-                        rank: self.rank,
-                        peer,
-                        transport: "shm",
-                        what: format!("{op}: rank {peer} could not copy the data"),
-                    }),
-                    None => Ok(None),
-                });
-                // Revoke before the buffer goes back to the caller, success or not.
-                shm.release_slot(slot);
-                r?;
-            }
-            Ok(())
+        let cx = self.ctx(chan, op, NO_DESC);
+        with_region_ro(data, |src| {
+            let mut s = SendOp::new(peer, wpeer, seq, src.clone(), 0, data.len());
+            self.fabric.run_until(op, cx.deadline, &|| vec![wpeer], || {
+                let moved = s.advance(&cx)?;
+                Ok(poll_of(s.is_done(), moved))
+            })
+            // `s` drops here, inside the registration: a lent pull slot is revoked first.
         })
     }
 
@@ -293,80 +292,21 @@ impl Communicator {
     /// so no pattern of sendrecvs can deadlock. Any error is fatal (the caller poisons).
     fn recv_bytes_then(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str, between: impl FnOnce() -> Result<()>) -> Result<()> {
         let wpeer = self.check_peer(peer, op)?;
-        let ep = self.fabric.endpoint(wpeer)?;
         let seq = self.next_seq(false, chan, peer);
-        let deadline = self.deadline();
-        let key = (self.id, chan, wpeer);
+        let cx = self.ctx(chan, op, NO_DESC);
         let len = buf.len();
-        let mismatch = |got: u64| Error::Mismatch {
-            rank: self.rank,
-            peer,
-            op: op.to_string(),
-            what: format!("this rank receives {len} bytes, rank {peer} sends {got}"),
-        };
-        if self.is_eager(wpeer, len)? {
-            between()?;
-            let msg = self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
-                let q = ev.data.entry(key).or_default();
-                match q.front() {
-                    Some(m) if m.seq == seq => Ok(q.pop_front()),
-                    Some(m) => Err(Error::protocol(format!("rank {peer}"), format!("{op}: message #{} arrived, expected #{seq}", m.seq))),
-                    None if ev.closed.contains(&wpeer) => Err(self.closed_error(peer, op)),
-                    None => Ok(None),
-                }
-            })?;
-            if let Some(sent) = msg.rts {
-                return Err(mismatch(sent));
-            }
-            if msg.data.len() != len {
-                return Err(mismatch(msg.data.len() as u64));
-            }
-            buf.copy_from_slice(&msg.data);
-            return Ok(());
-        }
-        let pump = || self.fabric.pump(op);
-        with_region(buf, |dst| -> Result<()> {
-            let remote = self.fabric.register(dst);
-            let imm = self.fabric.next_imm();
-            let r = (|| {
-                let cts = Cts { seq, len: len as u64, buf: remote, imm };
-                ep.post_send(&proto::encode_cts(self.id, chan, &cts), deadline, &pump)?;
+        with_region(buf, |dst| {
+            let mut r = RecvOp::new(peer, wpeer, seq, dst.clone(), 0, len);
+            let res = (|| {
+                r.advance(&cx)?;
                 between()?;
-                let mut announced = false;
-                self.fabric.wait_until(op, deadline, &[wpeer], |ev: &mut Events| {
-                    // The sender's ready-to-send (or, if it thinks the message is small,
-                    // the data itself) comes first on the stream.
-                    if !announced {
-                        let q = ev.data.entry(key).or_default();
-                        match q.front() {
-                            Some(m) if m.seq == seq => match m.rts {
-                                Some(sent) if sent == len as u64 => {
-                                    q.pop_front();
-                                    announced = true;
-                                }
-                                Some(sent) => return Err(mismatch(sent)),
-                                None => return Err(mismatch(m.data.len() as u64)),
-                            },
-                            Some(m) => {
-                                return Err(Error::protocol(
-                                    format!("rank {peer}"),
-                                    format!("{op}: message #{} arrived, expected #{seq}", m.seq),
-                                ))
-                            }
-                            None => {}
-                        }
-                    }
-                    if announced && ev.imms.remove(&(wpeer, imm)) {
-                        return Ok(Some(()));
-                    }
-                    if ev.closed.contains(&wpeer) {
-                        return Err(self.closed_error(peer, op));
-                    }
-                    Ok(None)
+                self.fabric.run_until(op, cx.deadline, &|| vec![wpeer], || {
+                    let moved = r.advance(&cx)?;
+                    Ok(poll_of(r.is_done(), moved))
                 })
             })();
-            self.fabric.deregister(remote.key);
-            r
+            self.fabric.deregister(dst.id());
+            res
         })
     }
 
@@ -493,6 +433,7 @@ impl Communicator {
             seqs: Mutex::default(),
             splits: Mutex::new(0),
             op_lock: Mutex::new(()),
+            scratch: ScratchCache::default(),
         }))
     }
 

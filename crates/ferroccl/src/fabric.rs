@@ -31,10 +31,22 @@ use crate::transport::tcp::TcpEndpoint;
 use crate::transport::{Endpoint, RemoteBuf};
 use crate::wire::{Reader, Writer};
 
+/// What one round of a wait loop's step found.
+#[derive(Debug)]
+pub(crate) enum Poll<T> {
+    /// Finished, with this value.
+    Ready(T),
+    /// Not finished, but something moved (keep polling eagerly).
+    Moved,
+    /// Nothing to do yet.
+    Idle,
+}
+
 /// An eager message waiting to be received.
 #[derive(Debug)]
 pub(crate) struct Incoming {
     pub(crate) seq: u32,
+    pub(crate) desc: proto::Desc,
     pub(crate) data: Vec<u8>,
     /// `Some(len)` for a rendezvous sender's ready-to-send (no data).
     pub(crate) rts: Option<u64>,
@@ -116,12 +128,12 @@ impl Shared {
         let decoded = proto::decode(bytes);
         let mut ev = self.lock();
         match decoded {
-            Ok(ProtoMsg::Eager { comm, chan, seq, data }) => {
-                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data, rts: None })
+            Ok(ProtoMsg::Eager { comm, chan, seq, desc, data }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, desc, data, rts: None })
             }
             Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
-            Ok(ProtoMsg::Rts { comm, chan, seq, len }) => {
-                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, data: Vec::new(), rts: Some(len) })
+            Ok(ProtoMsg::Rts { comm, chan, seq, desc, len }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, desc, data: Vec::new(), rts: Some(len) })
             }
             Ok(ProtoMsg::Err { what }) => ev.set_fatal(peer, format!("reported an error: {what}")),
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
@@ -661,6 +673,26 @@ impl Fabric {
         waiting_for: &[usize],
         mut check: impl FnMut(&mut Events) -> Result<Option<T>>,
     ) -> Result<T> {
+        self.run_until(op, deadline, &|| waiting_for.to_vec(), || {
+            let mut ev = self.shared.lock();
+            Ok(match check(&mut ev)? {
+                Some(v) => Poll::Ready(v),
+                None => Poll::Idle,
+            })
+        })
+    }
+
+    /// The one wait loop: drains the shm inbox, stops on a fatal error, runs `step` (which
+    /// locks what it needs; it says whether it finished, moved, or found nothing to do),
+    /// watches the peers, and backs off (spin, yield, futex sleep) while nothing moves.
+    /// Every error returned here is fatal for the fabric (see [`Fabric::poison`]).
+    pub(crate) fn run_until<T>(
+        &self,
+        op: &str,
+        deadline: Instant,
+        waiting_for: &dyn Fn() -> Vec<usize>,
+        mut step: impl FnMut() -> Result<Poll<T>>,
+    ) -> Result<T> {
         let start = Instant::now();
         let mut idle = 0u32;
         loop {
@@ -675,16 +707,11 @@ impl Fabric {
             if let Some(e) = self.fatal_error(op) {
                 return Err(self.poison(e));
             }
-            {
-                let mut ev = self.shared.lock();
-                match check(&mut ev) {
-                    Ok(Some(v)) => return Ok(v),
-                    Ok(None) => {}
-                    Err(e) => {
-                        drop(ev);
-                        return Err(self.poison(e));
-                    }
-                }
+            match step() {
+                Ok(Poll::Ready(v)) => return Ok(v),
+                Ok(Poll::Moved) => idle = 0,
+                Ok(Poll::Idle) => {}
+                Err(e) => return Err(self.poison(e)),
             }
             self.check_health(false);
             let now = Instant::now();
@@ -693,7 +720,7 @@ impl Fabric {
                     rank: self.rank,
                     op: op.to_string(),
                     after: now - start,
-                    waiting_for: waiting_for.iter().map(|p| format!("rank {p}")).collect(),
+                    waiting_for: waiting_for().iter().map(|p| format!("rank {p}")).collect(),
                 };
                 return Err(self.poison(e));
             }

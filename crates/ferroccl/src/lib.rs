@@ -36,10 +36,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub(crate) mod algo;
 pub mod bootstrap;
+pub(crate) mod coll;
 pub mod comm;
 pub mod error;
+pub(crate) mod exec;
 pub(crate) mod fabric;
+pub(crate) mod p2p;
 pub mod params;
 pub(crate) mod proto;
 pub(crate) mod transport;
@@ -47,5 +51,5 @@ pub(crate) mod wire;
 
 pub use comm::{Communicator, InitConfig};
 pub use error::{Error, Result};
-pub use ferroccl_kernels::{DType, Element};
-pub use params::{Params, TransportChoice};
+pub use ferroccl_kernels::{DType, Element, ReduceOp};
+pub use params::{Params, ProtoChoice, TransportChoice};

@@ -37,9 +37,23 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_SHM_INLINE_MAX", default: "16384", doc: "Largest one-sided write copied through the ring; larger ones are single-copied (process_vm_readv) when allowed." },
     Param { name: "FERROCCL_SHM_CMA", default: "1", doc: "1: use cross-memory attach (process_vm_readv) for large shm writes when the kernel allows it; 0: always copy through the ring." },
     Param { name: "FERROCCL_EAGER_MAX", default: "65536", doc: "Largest point-to-point message sent eagerly (one copy through the transport's slots); larger messages use rendezvous (zero copy into the receiver's buffer)." },
+    Param { name: "FERROCCL_ALGO", default: "auto", doc: "Collective algorithm: auto (cost model), ring, mesh, oneshot or chain. A name applies to the collectives it implements; the others keep the cost model's choice. Must be the same on every rank." },
+    Param { name: "FERROCCL_PROTO", default: "auto", doc: "Protocol for collective transfers: auto (eager up to FERROCCL_EAGER_MAX, rendezvous above), eager (every chunk through the transport's slots) or rendezvous (every chunk written straight into the receiver's buffer). Must be the same on every rank." },
+    Param { name: "FERROCCL_CHUNK_BYTES", default: "524288", doc: "Largest piece a collective moves at once; larger blocks are cut into chunks that flow in a pipeline (power of two, 4 KiB to 1 GiB)." },
     Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
     Param { name: "FERROCCL_DEBUG", default: "0", doc: "1: print the transport chosen for each peer and setup times to stderr." },
 ];
+
+/// The protocol of collective transfers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProtoChoice {
+    /// Eager up to `FERROCCL_EAGER_MAX`, rendezvous above.
+    Auto,
+    /// Every chunk eager (bounded by the transport's slot size).
+    Eager,
+    /// Every chunk by rendezvous.
+    Rendezvous,
+}
 
 /// Which transport to use between ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +103,16 @@ pub struct Params {
     pub debug: bool,
     /// `FERROCCL_STORE_MAX_VALUE` (read by whoever serves the store).
     pub store_max_value: usize,
+    /// `FERROCCL_ALGO`: `None` for the cost model, else an algorithm name.
+    pub algo: Option<String>,
+    /// `FERROCCL_PROTO`.
+    pub proto: ProtoChoice,
+    /// `FERROCCL_CHUNK_BYTES`.
+    pub chunk_bytes: usize,
 }
+
+/// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
+pub const ALGO_NAMES: [&str; 4] = ["ring", "mesh", "oneshot", "chain"];
 
 impl Default for Params {
     fn default() -> Self {
@@ -105,6 +128,9 @@ impl Default for Params {
             launcher_pid: None,
             debug: false,
             store_max_value: 64 << 20,
+            algo: None,
+            proto: ProtoChoice::Auto,
+            chunk_bytes: 512 << 10,
         }
     }
 }
@@ -169,6 +195,29 @@ impl Params {
                 return Err(Error::Env { var: "FERROCCL_STORE_MAX_VALUE".into(), problem: "must be a positive number of bytes".into() });
             }
         }
+        if let Some(v) = get("FERROCCL_ALGO") {
+            let name = v.trim().to_ascii_lowercase();
+            if name != "auto" {
+                if !ALGO_NAMES.contains(&name.as_str()) {
+                    return Err(Error::Env { var: "FERROCCL_ALGO".into(), problem: format!("{v:?} is not one of auto, {}", ALGO_NAMES.join(", ")) });
+                }
+                p.algo = Some(name);
+            }
+        }
+        if let Some(v) = get("FERROCCL_PROTO") {
+            p.proto = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => ProtoChoice::Auto,
+                "eager" | "simple" => ProtoChoice::Eager,
+                "rendezvous" | "rndv" => ProtoChoice::Rendezvous,
+                _ => return Err(Error::Env { var: "FERROCCL_PROTO".into(), problem: format!("{v:?} is not one of auto, eager, rendezvous") }),
+            };
+        }
+        if let Some(v) = get("FERROCCL_CHUNK_BYTES") {
+            p.chunk_bytes = parse_num("FERROCCL_CHUNK_BYTES", &v)?;
+            if !(4096..=(1 << 30)).contains(&p.chunk_bytes) || !p.chunk_bytes.is_power_of_two() {
+                return Err(Error::Env { var: "FERROCCL_CHUNK_BYTES".into(), problem: format!("{v:?} must be a power of two between 4096 and 1 GiB") });
+            }
+        }
         if let Some(v) = get("FERROCCL_DEBUG") {
             p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
         }
@@ -188,6 +237,14 @@ impl Params {
         }
         if self.store_max_value == 0 {
             return bad("store_max_value must be positive".into());
+        }
+        if !(4096..=(1 << 30)).contains(&self.chunk_bytes) || !self.chunk_bytes.is_power_of_two() {
+            return bad(format!("chunk_bytes {} must be a power of two between 4096 and 1 GiB", self.chunk_bytes));
+        }
+        if let Some(a) = &self.algo {
+            if !ALGO_NAMES.contains(&a.as_str()) {
+                return bad(format!("algo {a:?} is not one of {}", ALGO_NAMES.join(", ")));
+            }
         }
         Ok(())
     }
@@ -225,6 +282,7 @@ mod tests {
         assert_eq!(p.shm_inline_max.to_string(), d("FERROCCL_SHM_INLINE_MAX"));
         assert_eq!(p.eager_max.to_string(), d("FERROCCL_EAGER_MAX"));
         assert_eq!(p.store_max_value.to_string(), d("FERROCCL_STORE_MAX_VALUE"));
+        assert_eq!(p.chunk_bytes.to_string(), d("FERROCCL_CHUNK_BYTES"));
         assert_eq!(p.transport, TransportChoice::Auto);
     }
 
@@ -237,6 +295,9 @@ mod tests {
             ("FERROCCL_SHM_RING_BYTES", "1000"),
             ("FERROCCL_SOCKET_ADDR", "not-an-ip"),
             ("FERROCCL_DEBUG", "maybe"),
+            ("FERROCCL_ALGO", "bubble"),
+            ("FERROCCL_PROTO", "pigeon"),
+            ("FERROCCL_CHUNK_BYTES", "1000"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{e}");

@@ -1,8 +1,11 @@
 //! Point-to-point protocols over the transport contract: eager and rendezvous.
 //!
 //! Every message carries a small header: the communicator id, a channel (user
-//! point-to-point, or internal traffic such as barriers and splits, so the two never
-//! mix), a kind and a per-(communicator, channel, peer, direction) sequence number.
+//! point-to-point, collectives, or internal traffic such as barriers and splits, so they
+//! never mix), a kind, a per-(communicator, channel, peer, direction) sequence number, and
+//! a 16-byte descriptor of the call it belongs to (collective, dtype, op, algorithm, root,
+//! count; zero for point-to-point), so that ranks that call a collective differently fail
+//! with an error that says how, instead of exchanging garbage.
 //!
 //! * **Eager** (`len <= FERROCCL_EAGER_MAX`): the sender posts one message holding the data;
 //!   the receiver copies it out of its queue. One trip.
@@ -25,6 +28,13 @@ use crate::wire::{DResult, DecodeError, Reader, Writer};
 pub(crate) const CHAN_USER: u8 = 0;
 /// Internal traffic (barrier, split, setup).
 pub(crate) const CHAN_INTERNAL: u8 = 1;
+/// Collectives.
+pub(crate) const CHAN_COLL: u8 = 2;
+
+/// What call a message belongs to; compared by the receiver.
+pub(crate) type Desc = [u8; 16];
+/// The descriptor of point-to-point traffic.
+pub(crate) const NO_DESC: Desc = [0; 16];
 
 const K_EAGER: u8 = 1;
 const K_CTS: u8 = 2;
@@ -38,6 +48,7 @@ pub(crate) type StreamKey = (u32, u8, usize);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cts {
     pub(crate) seq: u32,
+    pub(crate) desc: Desc,
     pub(crate) len: u64,
     pub(crate) buf: RemoteBuf,
     pub(crate) imm: u32,
@@ -46,12 +57,7 @@ pub(crate) struct Cts {
 /// A decoded protocol message.
 #[derive(Debug)]
 pub(crate) enum ProtoMsg {
-    Eager {
-        comm: u32,
-        chan: u8,
-        seq: u32,
-        data: Vec<u8>,
-    },
+    Eager { comm: u32, chan: u8, seq: u32, desc: Desc, data: Vec<u8> },
     Cts {
         comm: u32,
         chan: u8,
@@ -61,45 +67,46 @@ pub(crate) enum ProtoMsg {
         what: String,
     },
     /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
-    Rts {
-        comm: u32,
-        chan: u8,
-        seq: u32,
-        len: u64,
-    },
+    Rts { comm: u32, chan: u8, seq: u32, desc: Desc, len: u64 },
 }
 
 /// Bytes of the eager header (data follows it).
-pub(crate) const EAGER_HEADER: usize = 12;
+pub(crate) const EAGER_HEADER: usize = 28;
 
-fn head(w: &mut Writer, comm: u32, chan: u8, kind: u8, seq: u32) {
-    w.u32(comm).u8(chan).u8(kind).u8(0).u8(0).u32(seq);
+fn head(w: &mut Writer, comm: u32, chan: u8, kind: u8, seq: u32, desc: &Desc) {
+    w.u32(comm).u8(chan).u8(kind).u8(0).u8(0).u32(seq).raw(desc);
 }
 
-pub(crate) fn encode_eager(comm: u32, chan: u8, seq: u32, data: &[u8]) -> Vec<u8> {
-    let mut w = Writer { buf: Vec::with_capacity(EAGER_HEADER + data.len()) };
-    head(&mut w, comm, chan, K_EAGER, seq);
-    w.raw(data);
+/// An eager message: the header, then `fill` appends `len` bytes of data.
+pub(crate) fn encode_eager_with(comm: u32, chan: u8, seq: u32, desc: &Desc, len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut w = Writer { buf: Vec::with_capacity(EAGER_HEADER + len) };
+    head(&mut w, comm, chan, K_EAGER, seq, desc);
+    fill(&mut w.buf);
     w.finish()
+}
+
+#[cfg(test)]
+pub(crate) fn encode_eager(comm: u32, chan: u8, seq: u32, data: &[u8]) -> Vec<u8> {
+    encode_eager_with(comm, chan, seq, &NO_DESC, data.len(), |b| b.extend_from_slice(data))
 }
 
 pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> Vec<u8> {
     let mut w = Writer::new();
-    head(&mut w, comm, chan, K_CTS, cts.seq);
+    head(&mut w, comm, chan, K_CTS, cts.seq, &cts.desc);
     w.u64(cts.len).u64(cts.buf.addr).u64(cts.buf.len).u64(cts.buf.key).u32(cts.imm);
     w.finish()
 }
 
-pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, len: u64) -> Vec<u8> {
+pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, desc: &Desc, len: u64) -> Vec<u8> {
     let mut w = Writer::new();
-    head(&mut w, comm, chan, K_RTS, seq);
+    head(&mut w, comm, chan, K_RTS, seq, desc);
     w.u64(len);
     w.finish()
 }
 
 pub(crate) fn encode_err(comm: u32, chan: u8, seq: u32, what: &str) -> Vec<u8> {
     let mut w = Writer::new();
-    head(&mut w, comm, chan, K_ERR, seq);
+    head(&mut w, comm, chan, K_ERR, seq, &NO_DESC);
     w.str(what);
     w.finish()
 }
@@ -111,26 +118,28 @@ pub(crate) fn decode(mut msg: Vec<u8>) -> DResult<ProtoMsg> {
     let kind = r.u8()?;
     r.raw(2)?;
     let seq = r.u32()?;
+    let mut desc = NO_DESC;
+    desc.copy_from_slice(r.raw(16)?);
     match kind {
         K_EAGER => {
             msg.drain(..EAGER_HEADER);
-            Ok(ProtoMsg::Eager { comm, chan, seq, data: msg })
+            Ok(ProtoMsg::Eager { comm, chan, seq, desc, data: msg })
         }
         K_CTS => {
             let len = r.u64()?;
             let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
             let imm = r.u32()?;
             r.end()?;
-            Ok(ProtoMsg::Cts { comm, chan, cts: Cts { seq, len, buf, imm } })
+            Ok(ProtoMsg::Cts { comm, chan, cts: Cts { seq, desc, len, buf, imm } })
         }
         K_RTS => {
             let len = r.u64()?;
             r.end()?;
-            Ok(ProtoMsg::Rts { comm, chan, seq, len })
+            Ok(ProtoMsg::Rts { comm, chan, seq, desc, len })
         }
         K_ERR => {
             let what = r.str()?.to_string();
-            let _ = (comm, chan, seq);
+            let _ = (comm, chan, seq, desc);
             Ok(ProtoMsg::Err { what })
         }
         k => Err(DecodeError(format!("unknown message kind {k}"))),
@@ -144,13 +153,13 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         match decode(encode_eager(7, CHAN_USER, 3, b"abc")).unwrap() {
-            ProtoMsg::Eager { comm: 7, chan: CHAN_USER, seq: 3, data } => assert_eq!(data, b"abc"),
+            ProtoMsg::Eager { comm: 7, chan: CHAN_USER, seq: 3, data, desc } => assert_eq!((data, desc), (b"abc".to_vec(), NO_DESC)),
             m => panic!("{m:?}"),
         }
-        let cts = Cts { seq: 9, len: 100, buf: RemoteBuf { addr: 1, len: 2, key: 3 }, imm: 4 };
+        let cts = Cts { seq: 9, desc: [7; 16], len: 100, buf: RemoteBuf { addr: 1, len: 2, key: 3 }, imm: 4 };
         match decode(encode_cts(1, CHAN_INTERNAL, &cts)).unwrap() {
             ProtoMsg::Cts { comm: 1, chan: CHAN_INTERNAL, cts: c } => {
-                assert_eq!((c.seq, c.len, c.buf, c.imm), (9, 100, cts.buf, 4))
+                assert_eq!((c.seq, c.desc, c.len, c.buf, c.imm), (9, [7; 16], 100, cts.buf, 4))
             }
             m => panic!("{m:?}"),
         }
@@ -158,11 +167,11 @@ mod tests {
             ProtoMsg::Err { what, .. } => assert_eq!(what, "bad"),
             m => panic!("{m:?}"),
         }
-        match decode(encode_rts(2, 1, 5, 1 << 40)).unwrap() {
-            ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, len } => assert_eq!(len, 1 << 40),
+        match decode(encode_rts(2, 1, 5, &[1; 16], 1 << 40)).unwrap() {
+            ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, len, desc } => assert_eq!((len, desc), (1 << 40, [1; 16])),
             m => panic!("{m:?}"),
         }
         assert!(decode(vec![1, 2, 3]).is_err());
-        assert!(decode(vec![0; 12].into_iter().chain([0]).collect()).is_err());
+        assert!(decode(vec![0; 28].into_iter().chain([0]).collect()).is_err());
     }
 }

@@ -1,0 +1,45 @@
+//! Mesh all-to-all: rank `r` sends block `j` of its input to rank `j` and receives block `i`
+//! of its output from rank `i`; block `r` is copied locally. One latency; every rank sends
+//! `(n - 1) / n` of its buffer.
+//!
+//! Out of place, blocks are received straight into `Output` (no scratch). In place, block
+//! `p` of the one buffer is both what goes to `p` and where `p`'s block lands, so a chunk
+//! from `p` is received into a scratch slot and copied over once the chunk sent to `p`
+//! has left.
+
+use super::super::plan::{Ctx, Emitter, LOOKAHEAD, SLOTS};
+use super::super::{Op, Schedule, Shape};
+use super::Key;
+
+pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
+    let cx = Ctx::new(shape);
+    let (n, r) = (cx.n, cx.rank);
+    let blocks = cx.equal_blocks();
+    let blk = blocks.len(0);
+    let chunks = cx.chunks(blk);
+    let slot_len = cx.chunk_cap(blk);
+    // Slots per peer: no more than the chunks.
+    let per = chunks.len().min(SLOTS).max(1);
+    let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
+    let mut em = Emitter::new(LOOKAHEAD);
+    for (c, &(off, len)) in chunks.iter().enumerate() {
+        for k in 1..n {
+            let p = cx.peer(k);
+            let at = blocks.off(p) + off;
+            if cx.in_place {
+                let deps = if c >= SLOTS { vec![em.idx(Key::Copy(k, c - SLOTS))] } else { vec![] };
+                let recv = em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps);
+                let send = em.now(Op::Send { peer: p, src: cx.output(at, len) }, vec![]);
+                em.later(Key::Copy(k, c), Op::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]);
+            } else {
+                em.now(Op::Recv { peer: p, dst: cx.output(at, len) }, vec![]);
+                em.now(Op::Send { peer: p, src: cx.input(at, len) }, vec![]);
+            }
+        }
+        if c == 0 && !cx.in_place {
+            em.now(Op::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(blocks.off(r), blk) }, vec![]);
+        }
+    }
+    let scratch = if cx.in_place && n > 1 { (n - 1) * chunks.len().min(SLOTS) * slot_len } else { 0 };
+    em.finish(scratch)
+}

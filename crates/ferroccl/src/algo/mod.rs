@@ -1,0 +1,335 @@
+//! Collective algorithms as schedules: pure data, no I/O.
+//!
+//! A [`Schedule`] is what one rank does for one collective call: an ordered list of
+//! [`Step`]s over byte ranges of three buffers (the caller's input, the caller's output,
+//! and a scratch area the executor allocates). Building a schedule does no I/O, so the same
+//! schedule is run by the executor (`crate::exec`) over real transports, by a deterministic
+//! simulator in tests, and (later) by persistent plans, many times.
+//!
+//! Rules every builder follows, and the executor and simulator rely on:
+//! * Transfers between two ranks match in schedule order: the k-th `Send` from a to b pairs
+//!   with the k-th `Recv` on b from a, and both have the same length.
+//! * A step may start only when every step in `deps` has completed. The executor starts
+//!   steps in index order (transfers are posted without waiting; local steps run at once),
+//!   so independent transfers overlap with each other and with reductions.
+//! * A step never reads or writes a range that an unfinished step writes (the deps say so).
+//! * Builders never emit a transfer of length 0 (they drop it) unless a count of 0 makes the
+//!   whole schedule empty.
+//!
+//! # Buffers and in-place calls
+//!
+//! Out of place (`Shape::in_place == false`), `Input` and `Output` are the caller's two
+//! buffers, with the sizes listed on [`Collective`]. In place (`Shape::in_place == true`) the
+//! caller passes ONE buffer, and schedules reference only `Output` (and `Scratch`), never
+//! `Input` (an executor that aliases `Input` to `Output` is therefore also correct). That one
+//! buffer is laid out as NCCL does it:
+//!
+//! | collective | the one buffer (`Output`) | where the input is | where the result goes |
+//! | --- | --- | --- | --- |
+//! | allreduce | `count` | all of it | all of it |
+//! | allgather | `n * count` | block `rank` (NCCL: `sendbuf == recvbuf + rank * count`) | all of it |
+//! | reduce_scatter | `n * count` | all of it | block `rank` (NCCL: `recvbuf == sendbuf + rank * count`); the other blocks are left unchanged |
+//! | alltoall | `n * count` | all of it | all of it |
+//! | broadcast | `count` | all of it on the root | all of it (the root's is unchanged) |
+//! | reduce | `count` | all of it | all of it on the root; unchanged elsewhere |
+//!
+//! # Building
+//!
+//! [`build`] dispatches to one builder per (algorithm, collective), one file each
+//! (`ring/allreduce.rs`, `mesh/alltoall.rs`, ...); [`select::choose`] picks an algorithm from
+//! a cost model; [`sim`] runs the schedules of all ranks of one call in memory (the tests).
+//! `docs/algorithms.md` lists every algorithm's steps, bytes on the wire, reduction order and
+//! scratch.
+
+#![allow(dead_code)]
+
+mod chain;
+mod mesh;
+mod oneshot;
+mod plan;
+mod ring;
+pub(crate) mod select;
+pub(crate) mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+use ferroccl_kernels::{DType, ReduceOp};
+
+/// Which of the three buffers a range lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Buf {
+    /// The caller's input (for in-place calls, the executor aliases it to `Output`).
+    Input,
+    /// The caller's output.
+    Output,
+    /// Scratch owned by the executor, `Schedule::scratch_bytes` long.
+    Scratch,
+}
+
+/// A byte range of one buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Slice {
+    pub(crate) buf: Buf,
+    pub(crate) range: Range<usize>,
+}
+
+impl Slice {
+    pub(crate) fn new(buf: Buf, start: usize, len: usize) -> Slice {
+        Slice { buf, range: start..start + len }
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.range.len()
+    }
+}
+
+/// What a step does.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Op {
+    /// Send `src` to communicator rank `peer`.
+    Send { peer: usize, src: Slice },
+    /// Receive from communicator rank `peer` into `dst` (same length as the matching send).
+    Recv { peer: usize, dst: Slice },
+    /// `dst[i] = dst[i] op src[i]`, rounding to the element type (one pairwise step).
+    /// For `Avg` this is a `Sum` step; a `FinishAvg` divides at the end.
+    Reduce { dst: Slice, src: Slice },
+    /// `dst = srcs[0] op srcs[1] op ...` in this order, accumulating in f32 for f16/bf16 and
+    /// rounding once (the reference semantics); `Avg` divides by `srcs.len()`.
+    /// `dst` may be one of `srcs`.
+    ReduceMany { dst: Slice, srcs: Vec<Slice> },
+    /// `dst = src`.
+    Copy { dst: Slice, src: Slice },
+    /// Divides the sums in `dst` by `n` (the end of an `Avg` built from `Reduce` steps).
+    FinishAvg { dst: Slice, n: usize },
+}
+
+/// One step and what it waits for.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Step {
+    pub(crate) op: Op,
+    /// Indices of earlier steps that must complete first.
+    pub(crate) deps: Vec<usize>,
+}
+
+/// One rank's part of one collective call.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Schedule {
+    pub(crate) steps: Vec<Step>,
+    pub(crate) scratch_bytes: usize,
+}
+
+impl Schedule {
+    /// Appends a step; returns its index.
+    pub(crate) fn push(&mut self, op: Op, deps: Vec<usize>) -> usize {
+        debug_assert!(deps.iter().all(|&d| d < self.steps.len()));
+        self.steps.push(Step { op, deps });
+        self.steps.len() - 1
+    }
+}
+
+/// The collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Collective {
+    /// Every rank ends with the reduction of all inputs (`count` elements each).
+    AllReduce,
+    /// Input `count` elements per rank; output `count * n`, rank r's input at block r.
+    AllGather,
+    /// Input `count * n` elements per rank; output `count`: block r of the reduction.
+    ReduceScatter,
+    /// `count` elements from `root` to everyone (in the output buffer; the root's input is
+    /// its output).
+    Broadcast { root: usize },
+    /// The reduction of all inputs (`count` each) lands in `root`'s output.
+    Reduce { root: usize },
+    /// Input `count * n` per rank; block j goes to rank j; output block i comes from rank i.
+    AllToAll,
+}
+
+/// Algorithms (not every one applies to every collective: see [`Algo::supports`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Algo {
+    /// Neighbour to neighbour around a ring, chunked and pipelined.
+    Ring,
+    /// Direct: every rank talks to every other at once (rank-order reductions).
+    Mesh,
+    /// Small messages: one round; every rank sends its whole input to every other and
+    /// reduces locally in rank order.
+    OneShot,
+    /// Broadcast (and reduce) along a chain from the root, chunked and pipelined.
+    Chain,
+}
+
+/// Everything a builder needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) coll: Collective,
+    /// Ranks in the communicator.
+    pub(crate) n: usize,
+    /// This rank.
+    pub(crate) rank: usize,
+    /// Elements (see [`Collective`] for what `count` means for each).
+    pub(crate) count: usize,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    /// Largest transfer a builder should emit (bytes; builders split larger pieces into
+    /// chunks of at most this size, on element boundaries; a chunk is at least one element;
+    /// 0 means no limit).
+    pub(crate) chunk_bytes: usize,
+    /// One buffer instead of two (see the module docs, "Buffers and in-place calls"): the
+    /// schedule then references only `Output` and `Scratch`.
+    pub(crate) in_place: bool,
+}
+
+impl Collective {
+    /// The name users and docs use (`allreduce`, `broadcast`, ...).
+    pub(crate) const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::AllGather => "allgather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::Reduce { .. } => "reduce",
+            Collective::AllToAll => "alltoall",
+        }
+    }
+
+    /// Whether the collective combines values with a [`ReduceOp`].
+    pub(crate) const fn reduces(self) -> bool {
+        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. })
+    }
+
+    /// The root, for rooted collectives.
+    pub(crate) const fn root(self) -> Option<usize> {
+        match self {
+            Collective::Broadcast { root } | Collective::Reduce { root } => Some(root),
+            _ => None,
+        }
+    }
+
+    /// Elements in each rank's (input, output) buffer of an out-of-place call with `count`
+    /// and `n` ranks (in place, the one buffer has the larger of the two sizes).
+    pub(crate) fn elems(self, count: usize, n: usize) -> Option<(usize, usize)> {
+        let all = count.checked_mul(n)?;
+        Some(match self {
+            Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. } => (count, count),
+            Collective::AllGather => (count, all),
+            Collective::ReduceScatter => (all, count),
+            Collective::AllToAll => (all, all),
+        })
+    }
+}
+
+impl std::fmt::Display for Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.root() {
+            Some(root) => write!(f, "{}(root {root})", self.name()),
+            None => f.write_str(self.name()),
+        }
+    }
+}
+
+impl Algo {
+    /// Every algorithm.
+    pub(crate) const ALL: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
+
+    /// The name users write (`FERROCCL_ALGO`-style overrides): `ring`, `mesh`, `oneshot`, `chain`.
+    pub(crate) const fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::Mesh => "mesh",
+            Algo::OneShot => "oneshot",
+            Algo::Chain => "chain",
+        }
+    }
+
+    /// Parses [`Algo::name`] (case-insensitive).
+    pub(crate) fn parse(name: &str) -> Option<Algo> {
+        Algo::ALL.into_iter().find(|a| a.name().eq_ignore_ascii_case(name.trim()))
+    }
+
+    /// Whether this algorithm has a builder for `coll` (for some dtype and op; see
+    /// [`Algo::supports_op`] for the combinations it refuses).
+    pub(crate) const fn supports(self, coll: Collective) -> bool {
+        match self {
+            Algo::Ring => matches!(coll, Collective::AllReduce | Collective::AllGather | Collective::ReduceScatter),
+            Algo::Mesh => true,
+            Algo::OneShot => matches!(coll, Collective::AllReduce),
+            Algo::Chain => matches!(coll, Collective::Broadcast { .. }),
+        }
+    }
+
+    /// Whether [`build`] accepts `coll` with this `dtype` and `op`: [`Algo::supports`], except
+    /// that the ring refuses integer `Avg` (its pairwise sums in the element type may wrap,
+    /// so the average would not be exact; mesh and oneshot reduce with `reduce_many`, exact).
+    pub(crate) fn supports_op(self, coll: Collective, dtype: DType, op: ReduceOp) -> bool {
+        self.supports(coll) && !(self == Algo::Ring && coll.reduces() && op == ReduceOp::Avg && !is_float(dtype))
+    }
+}
+
+impl std::fmt::Display for Algo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether `dtype` is a floating-point type.
+pub(crate) const fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::Bf16)
+}
+
+/// Builds `shape.rank`'s schedule of one call of `shape.coll` with `algo`.
+///
+/// Every rank of the call builds its own schedule from the same shape (but its own `rank`);
+/// together they match (see the module docs).
+///
+/// # Errors
+///
+/// A message naming what is wrong: `n == 0`, `rank` or `root` out of range, an algorithm
+/// that does not implement the collective, a (dtype, op) it refuses (ring + integer avg), or
+/// a size that overflows `usize`.
+pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
+    if shape.n == 0 {
+        return Err("a communicator has at least one rank (n == 0)".into());
+    }
+    if shape.rank >= shape.n {
+        return Err(format!("rank {} out of range for {} ranks", shape.rank, shape.n));
+    }
+    if let Some(root) = shape.coll.root() {
+        if root >= shape.n {
+            return Err(format!("{}: root {root} out of range for {} ranks", shape.coll.name(), shape.n));
+        }
+    }
+    if !algo.supports(shape.coll) {
+        return Err(format!("algorithm {algo} does not implement {}", shape.coll.name()));
+    }
+    if !algo.supports_op(shape.coll, shape.dtype, shape.op) {
+        return Err(format!(
+            "algorithm {algo} cannot compute {} with avg on {} exactly (its pairwise sums may wrap); use mesh or oneshot",
+            shape.coll.name(),
+            shape.dtype
+        ));
+    }
+    let bytes = shape.coll.elems(shape.count, shape.n).and_then(|(i, o)| i.max(o).checked_mul(shape.dtype.size()));
+    if bytes.is_none() {
+        return Err(format!("{}: count {} x {} ranks overflows the address space", shape.coll.name(), shape.count, shape.n));
+    }
+    if shape.count == 0 {
+        return Ok(Schedule::default());
+    }
+    let s = match (algo, shape.coll) {
+        (Algo::Ring, Collective::AllReduce) => ring::allreduce::build(shape),
+        (Algo::Ring, Collective::AllGather) => ring::allgather::build(shape),
+        (Algo::Ring, Collective::ReduceScatter) => ring::reduce_scatter::build(shape),
+        (Algo::Mesh, Collective::AllReduce) => mesh::allreduce::build(shape),
+        (Algo::Mesh, Collective::AllGather) => mesh::allgather::build(shape),
+        (Algo::Mesh, Collective::ReduceScatter) => mesh::reduce_scatter::build(shape),
+        (Algo::Mesh, Collective::AllToAll) => mesh::alltoall::build(shape),
+        (Algo::Mesh, Collective::Reduce { root }) => mesh::reduce::build(shape, root),
+        (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
+        (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),
+        (Algo::Chain, Collective::Broadcast { root }) => chain::broadcast::build(shape, root),
+        (algo, coll) => unreachable!("{algo} supports {coll} but has no builder"),
+    };
+    Ok(s)
+}

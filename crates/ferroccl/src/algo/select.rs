@@ -1,0 +1,197 @@
+//! Choosing an algorithm: a latency-bandwidth cost model.
+//!
+//! For each algorithm that implements the collective (and accepts the dtype and op, see
+//! [`Algo::supports_op`]) [`estimate`] predicts the call's time as
+//!
+//! ```text
+//! time = rounds * latency + messages * MSG_OVERHEAD * latency
+//!      + wire_bytes / bandwidth * contention + reduced_bytes / REDUCE_GBPS
+//! ```
+//!
+//! * `rounds`: dependent message latencies on the critical path (ring: `n - 1` per phase;
+//!   mesh and oneshot: 1 per phase; chain: `n - 1` hops);
+//! * `messages`: messages one rank posts beyond one per round (mesh posts `n - 1` at once:
+//!   each costs software time even when the wire overlaps them);
+//! * `wire_bytes`: the most bytes any rank sends (or receives), in units of the message;
+//! * `contention`: `1 + MESH_CONTENTION * (n - 2)` for the mesh algorithms, whose `n - 1`
+//!   simultaneous peers share the rank's link and memory, 1 otherwise;
+//! * `reduced_bytes`: bytes one rank's reductions read.
+//!
+//! [`choose`] returns the cheapest. The constants are deliberately simple; they and the
+//! [`LinkCost`] of each transport are where measurements should be fed back. Small messages
+//! pick oneshot (allreduce) or mesh (one round), large ones ring (allreduce, allgather,
+//! reduce-scatter) or chain (broadcast). See docs/algorithms.md.
+
+use ferroccl_kernels::{DType, ReduceOp};
+
+use super::{Algo, Collective};
+
+/// A transport's cost per message and per byte.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LinkCost {
+    /// One message's latency (microseconds).
+    pub(crate) latency_us: f64,
+    /// Per-rank bandwidth (GB/s, 1e9 bytes per second).
+    pub(crate) gbps: f64,
+}
+
+/// Extra cost of each additional message posted in one round, as a fraction of the latency.
+const MSG_OVERHEAD: f64 = 0.25;
+/// Bandwidth lost per extra simultaneous peer of the mesh algorithms.
+const MESH_CONTENTION: f64 = 0.05;
+/// Reduction throughput (GB/s of input read) of one core.
+const REDUCE_GBPS: f64 = 10.0;
+/// Pipeline chunk assumed for the chain's fill time (bytes).
+const CHAIN_CHUNK: f64 = 512.0 * 1024.0;
+
+/// Predicted time in microseconds of `coll` with `algo` on `n` ranks, for `bytes` =
+/// `count * dtype size` (`count` as in [`super::Shape`]), or `None` if the algorithm does not
+/// implement it.
+pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, link: LinkCost) -> Option<f64> {
+    if !algo.supports(coll) {
+        return None;
+    }
+    if n <= 1 {
+        return Some(0.0);
+    }
+    let nf = n as f64;
+    // S: the message in bytes; for the per-rank-count collectives, the whole n * count.
+    let s = bytes as f64;
+    let total = match coll {
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => s * nf,
+        _ => s,
+    };
+    let frac = (nf - 1.0) / nf;
+    let contention = 1.0 + MESH_CONTENTION * (nf - 2.0);
+    // (rounds, extra messages, wire bytes, bandwidth factor, reduced bytes)
+    let (rounds, msgs, wire, factor, reduced) = match (algo, coll) {
+        // Each of the n - 1 pairwise reductions reads two blocks of S / n.
+        (Algo::Ring, Collective::AllReduce) => (2.0 * (nf - 1.0), 0.0, 2.0 * frac * total, 1.0, 2.0 * frac * total),
+        (Algo::Ring, Collective::AllGather) => (nf - 1.0, 0.0, frac * total, 1.0, 0.0),
+        (Algo::Ring, Collective::ReduceScatter) => (nf - 1.0, 0.0, frac * total, 1.0, 2.0 * frac * total),
+        // One ReduceMany reads n blocks of S / n.
+        (Algo::Mesh, Collective::AllReduce) => (2.0, 2.0 * (nf - 2.0), 2.0 * frac * total, contention, total),
+        (Algo::Mesh, Collective::AllGather | Collective::AllToAll) => (1.0, nf - 2.0, frac * total, contention, 0.0),
+        (Algo::Mesh, Collective::ReduceScatter) => (1.0, nf - 2.0, frac * total, contention, total),
+        // The root receives (sends) n - 1 messages.
+        (Algo::Mesh, Collective::Reduce { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, nf * total),
+        (Algo::Mesh, Collective::Broadcast { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0),
+        (Algo::OneShot, Collective::AllReduce) => (1.0, nf - 2.0, (nf - 1.0) * total, contention, nf * total),
+        // Pipelined: the last rank gets the last chunk n - 2 chunk-times after the first hop.
+        (Algo::Chain, Collective::Broadcast { .. }) => (nf - 1.0, 0.0, total + (nf - 2.0) * total.min(CHAIN_CHUNK), 1.0, 0.0),
+        _ => return None,
+    };
+    let per_byte_us = 1e-3 / link.gbps; // 1 byte at `gbps` GB/s, in microseconds
+    Some(
+        rounds * link.latency_us
+            + msgs * MSG_OVERHEAD * link.latency_us
+            + wire * factor * per_byte_us
+            + reduced * 1e-3 / REDUCE_GBPS,
+    )
+}
+
+/// The cheapest algorithm for `coll` by [`estimate`], among those that [`build`](super::build)
+/// accepts for `dtype` and `op` (so never the ring for integer `Avg`). Ties go to the
+/// earlier of [`Algo::ALL`].
+pub(crate) fn choose(coll: Collective, n: usize, bytes: usize, dtype: DType, op: ReduceOp, link: LinkCost) -> Algo {
+    let mut best: Option<(f64, Algo)> = None;
+    for algo in Algo::ALL {
+        if !algo.supports_op(coll, dtype, op) {
+            continue;
+        }
+        if let Some(t) = estimate(algo, coll, n, bytes, link) {
+            if best.is_none_or(|(b, _)| t < b) {
+                best = Some((t, algo));
+            }
+        }
+    }
+    // Mesh implements every collective with every dtype and op.
+    best.map_or(Algo::Mesh, |(_, a)| a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::{build, Shape};
+
+    const SHM: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
+    const TCP: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+
+    fn colls(n: usize) -> Vec<Collective> {
+        vec![
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::AllToAll,
+            Collective::Broadcast { root: n - 1 },
+            Collective::Reduce { root: 0 },
+        ]
+    }
+
+    #[test]
+    fn small_messages_take_one_round() {
+        for link in [SHM, TCP] {
+            for n in [2, 4, 8, 16] {
+                assert_eq!(choose(Collective::AllReduce, n, 256, DType::F32, ReduceOp::Sum, link), Algo::OneShot, "n {n}");
+            }
+            // (With two ranks the ring is one round too.)
+            for n in [3, 4, 8, 16] {
+                for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast { root: 0 }] {
+                    assert_eq!(choose(coll, n, 64, DType::F32, ReduceOp::Sum, link), Algo::Mesh, "{coll} n {n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_messages_take_the_ring() {
+        for link in [SHM, TCP] {
+            for n in [4, 8, 16] {
+                let big = 256 << 20;
+                assert_eq!(choose(Collective::AllReduce, n, big, DType::F32, ReduceOp::Sum, link), Algo::Ring, "n {n}");
+                assert_eq!(choose(Collective::AllGather, n, big / n, DType::Bf16, ReduceOp::Sum, link), Algo::Ring, "n {n}");
+                assert_eq!(choose(Collective::ReduceScatter, n, big / n, DType::F16, ReduceOp::Max, link), Algo::Ring, "n {n}");
+                assert_eq!(choose(Collective::Broadcast { root: 1 }, n, big, DType::U8, ReduceOp::Sum, link), Algo::Chain, "n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn integer_avg_never_picks_the_ring() {
+        for n in [2, 3, 8, 16] {
+            for bytes in [4, 1 << 20, 1 << 30] {
+                for coll in [Collective::AllReduce, Collective::ReduceScatter] {
+                    let a = choose(coll, n, bytes, DType::I32, ReduceOp::Avg, TCP);
+                    assert_ne!(a, Algo::Ring, "{coll} n {n} bytes {bytes}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_choice_builds() {
+        for link in [SHM, TCP] {
+            for n in [1, 2, 3, 5, 8, 16] {
+                for coll in colls(n) {
+                    for shift in [0, 4, 10, 16, 20, 26] {
+                        for dtype in [DType::F32, DType::Bf16, DType::I64, DType::U8] {
+                            for op in ReduceOp::ALL {
+                                let count = (1usize << shift) / dtype.size() + 1;
+                                let algo = choose(coll, n, count * dtype.size(), dtype, op, link);
+                                let shape = Shape { coll, n, rank: n - 1, count: 3, dtype, op, chunk_bytes: 1 << 20, in_place: false };
+                                assert!(build(algo, &shape).is_ok(), "{coll} n {n} {dtype} {op}: {algo}");
+                                assert!(estimate(algo, coll, n, count, link).is_some_and(f64::is_finite));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_rank_costs_nothing() {
+        assert_eq!(estimate(Algo::Ring, Collective::AllReduce, 1, 1 << 20, TCP), Some(0.0));
+        assert_eq!(estimate(Algo::Chain, Collective::AllReduce, 4, 1 << 20, TCP), None);
+    }
+}

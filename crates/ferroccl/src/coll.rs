@@ -1,0 +1,310 @@
+//! Collectives: the public calls, their argument checks, the call descriptor compared on
+//! the wire, algorithm selection, and running the schedule.
+//!
+//! Every collective is one code path: check the arguments (an error here leaves the
+//! communicator usable), pick an algorithm (`FERROCCL_ALGO`, else the cost model), build
+//! this rank's schedule, register the buffers for the call, and run the schedule with the
+//! executor. Every transfer carries a 16-byte descriptor of the call, so ranks that call
+//! differently (another collective, dtype, op, count, root, algorithm or protocol) fail with
+//! an error that shows both calls.
+
+use std::sync::Mutex;
+
+use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
+
+use crate::algo::select::{self, LinkCost};
+use crate::algo::{self, Algo, Collective, Shape};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::exec::{self, Buffers};
+use crate::params::ProtoChoice;
+use crate::proto::{Desc, CHAN_COLL, NO_DESC};
+
+/// Link costs the cost model assumes (rough measurements on one host; see
+/// docs/algorithms.md).
+const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
+const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+
+fn coll_code(c: Collective) -> u8 {
+    match c {
+        Collective::AllReduce => 1,
+        Collective::AllGather => 2,
+        Collective::ReduceScatter => 3,
+        Collective::Broadcast { .. } => 4,
+        Collective::Reduce { .. } => 5,
+        Collective::AllToAll => 6,
+    }
+}
+
+const COLL_NAMES: [&str; 7] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"];
+const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+const PROTOS: [&str; 3] = ["auto", "eager", "rendezvous"];
+
+fn proto_code(p: ProtoChoice) -> u8 {
+    match p {
+        ProtoChoice::Auto => 0,
+        ProtoChoice::Eager => 1,
+        ProtoChoice::Rendezvous => 2,
+    }
+}
+
+/// Packs a call: collective, dtype, op, algorithm | protocol << 4, root (u32), count (48
+/// bits), log2 of the chunk size, 1 (so no call is all zeros, the point-to-point mark).
+fn encode_desc(coll: Collective, dtype: DType, op: ReduceOp, algo: Algo, proto: ProtoChoice, count: usize, chunk: usize) -> Desc {
+    let mut d = [0u8; 16];
+    d[0] = coll_code(coll);
+    d[1] = dtype as u8;
+    d[2] = OPS.iter().position(|&o| o == op).unwrap_or(0) as u8;
+    d[3] = Algo::ALL.iter().position(|&a| a == algo).unwrap_or(0) as u8 | (proto_code(proto) << 4);
+    d[4..8].copy_from_slice(&(coll.root().unwrap_or(0) as u32).to_le_bytes());
+    d[8..14].copy_from_slice(&(count as u64).to_le_bytes()[..6]);
+    d[14] = chunk.trailing_zeros() as u8;
+    d[15] = 1;
+    d
+}
+
+/// Renders a call descriptor for mismatch errors.
+pub(crate) fn describe(d: &Desc) -> String {
+    if *d == NO_DESC {
+        return "point-to-point send/recv".into();
+    }
+    let coll = COLL_NAMES.get(usize::from(d[0])).copied().unwrap_or("?");
+    let dtype = DType::from_tag(d[1]).map(|t| t.name()).unwrap_or("?");
+    let op = OPS.get(usize::from(d[2])).map(|o| o.name()).unwrap_or("?");
+    let algo = Algo::ALL.get(usize::from(d[3] & 0xf)).map(|a| a.name()).unwrap_or("?");
+    let proto = PROTOS.get(usize::from(d[3] >> 4)).copied().unwrap_or("?");
+    let root = u32::from_le_bytes([d[4], d[5], d[6], d[7]]);
+    let mut c = [0u8; 8];
+    c[..6].copy_from_slice(&d[8..14]);
+    let count = u64::from_le_bytes(c);
+    let rooted = matches!(d[0], 4 | 5);
+    let reduces = matches!(d[0], 1 | 3 | 5);
+    format!(
+        "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B)",
+        if reduces { format!(", {op}") } else { String::new() },
+        if rooted { format!(", root {root}") } else { String::new() },
+        1u64 << d[14].min(63)
+    )
+}
+
+/// Reusable scratch memory of a communicator (grown on demand).
+#[derive(Debug, Default)]
+pub(crate) struct ScratchCache(Mutex<Option<RegionHandle>>);
+
+impl ScratchCache {
+    fn get(&self, len: usize) -> RegionHandle {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match &*g {
+            Some(h) if h.len() >= len => h.clone(),
+            _ => {
+                let h = RegionHandle::owned(len);
+                *g = Some(h.clone());
+                h
+            }
+        }
+    }
+}
+
+/// The element-type-free description of one call.
+struct Call<'a> {
+    coll: Collective,
+    dtype: DType,
+    op: ReduceOp,
+    count: usize,
+    /// `None`: in place (one buffer, `output`).
+    input: Option<&'a [u8]>,
+    output: &'a mut [u8],
+}
+
+impl Communicator {
+    fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
+        let p = &self.fabric().params;
+        if let Some(a) = p.algo.as_deref().and_then(Algo::parse) {
+            if a.supports_op(coll, dtype, op) {
+                return a;
+            }
+        }
+        let tcp = (0..self.size()).any(|r| self.transport_to(r) == Some("tcp"));
+        let link = if tcp { TCP_LINK } else { SHM_LINK };
+        let bytes = count.saturating_mul(dtype.size());
+        select::choose(coll, self.size(), bytes, dtype, op, link)
+    }
+
+    fn collective(&self, name: &str, call: Call<'_>) -> Result<()> {
+        let Call { coll, dtype, op, count, input, output } = call;
+        let p = &self.fabric().params;
+        let algo = self.pick_algo(coll, dtype, op, count);
+        let shape = Shape {
+            coll,
+            n: self.size(),
+            rank: self.rank(),
+            count,
+            dtype,
+            op,
+            chunk_bytes: p.chunk_bytes,
+            in_place: input.is_none(),
+        };
+        let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
+        let desc = encode_desc(coll, dtype, op, algo, p.proto, count, p.chunk_bytes);
+        let op_name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
+        let eager_max = match p.proto {
+            ProtoChoice::Auto => p.eager_max,
+            ProtoChoice::Eager => usize::MAX,
+            ProtoChoice::Rendezvous => 0,
+        };
+        self.run_op(|| {
+            let mut cx = self.ctx(CHAN_COLL, &op_name, desc);
+            cx.eager_max = eager_max;
+            let scratch = self.scratch().get(sched.scratch_bytes);
+            with_region(output, |out| {
+                let r = match input {
+                    Some(i) => with_region_ro(i, |inp| {
+                        exec::execute(self, &cx, &sched, dtype, op, &Buffers { input: Some(inp), output: out, scratch: &scratch })
+                    }),
+                    None => exec::execute(self, &cx, &sched, dtype, op, &Buffers { input: None, output: out, scratch: &scratch }),
+                };
+                self.fabric().deregister(out.id());
+                self.fabric().deregister(scratch.id());
+                r
+            })
+        })
+    }
+
+    fn check_root(&self, name: &str, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(Error::invalid(format!("rank {}: {name}: root {root} is out of range (communicator of {} ranks)", self.rank(), self.size())));
+        }
+        Ok(())
+    }
+
+    fn check_len(&self, name: &str, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(Error::invalid(format!("rank {}: {name}: {what} has {got} elements, expected {want}", self.rank())));
+        }
+        Ok(())
+    }
+
+    fn blocks(&self, name: &str, len: usize) -> Result<usize> {
+        let n = self.size();
+        if len % n != 0 {
+            return Err(Error::invalid(format!(
+                "rank {}: {name}: the buffer's {len} elements do not split into {n} equal blocks",
+                self.rank()
+            )));
+        }
+        Ok(len / n)
+    }
+
+    /// Reduces `buf` across all ranks, in place: every rank ends with the same result.
+    ///
+    /// ```no_run
+    /// # let comm = ferroccl::Communicator::init()?;
+    /// let mut grads = vec![1.0f32; 1024];
+    /// comm.allreduce(&mut grads, ferroccl::ReduceOp::Sum)?;
+    /// # Ok::<(), ferroccl::Error>(())
+    /// ```
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let count = buf.len();
+        let call = Call { coll: Collective::AllReduce, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
+        self.collective("allreduce", call)
+    }
+
+    /// Reduces `send` across all ranks into `recv` (same length).
+    pub fn allreduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.check_len("allreduce", "recv", recv.len(), send.len())?;
+        let call = Call { coll: Collective::AllReduce, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        self.collective("allreduce", call)
+    }
+
+    /// Gathers every rank's `send` into `recv` (`send.len() * size()` elements, rank r's
+    /// block at `r * send.len()`).
+    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let want = send.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("allgather: size overflows"))?;
+        self.check_len("allgather", "recv", recv.len(), want)?;
+        let call = Call { coll: Collective::AllGather, dtype: T::DTYPE, op: ReduceOp::Sum, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        self.collective("allgather", call)
+    }
+
+    /// Allgather in place: `buf` has `size()` equal blocks and this rank's contribution is
+    /// already in block `rank()`.
+    pub fn allgather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let count = self.blocks("allgather", buf.len())?;
+        let call = Call { coll: Collective::AllGather, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: None, output: as_bytes_mut(buf) };
+        self.collective("allgather", call)
+    }
+
+    /// Reduces `send` (`recv.len() * size()` elements) across ranks; rank r receives block r
+    /// of the result in `recv`.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        let want = recv.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("reduce_scatter: size overflows"))?;
+        self.check_len("reduce_scatter", "send", send.len(), want)?;
+        let call = Call { coll: Collective::ReduceScatter, dtype: T::DTYPE, op, count: recv.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        self.collective("reduce_scatter", call)
+    }
+
+    /// Reduce-scatter in place: `buf` has `size()` equal blocks; block `rank()` receives this
+    /// rank's part of the result (the other blocks are left as they were).
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let count = self.blocks("reduce_scatter", buf.len())?;
+        let call = Call { coll: Collective::ReduceScatter, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
+        self.collective("reduce_scatter", call)
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        let count = buf.len();
+        let call = Call { coll: Collective::Broadcast { root }, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: None, output: as_bytes_mut(buf) };
+        self.collective("broadcast", call)
+    }
+
+    /// Reduces `send` across ranks into `root`'s `recv` (same length as `send` on the root;
+    /// ignored, and may be empty, elsewhere).
+    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_root("reduce", root)?;
+        if self.rank() == root {
+            self.check_len("reduce", "recv", recv.len(), send.len())?;
+            let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+            return self.collective("reduce", call);
+        }
+        // Off the root the output is never written; the schedule still needs a buffer of
+        // the right size to address.
+        let mut sink = vec![0u8; std::mem::size_of_val(send)];
+        let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: &mut sink };
+        self.collective("reduce", call)
+    }
+
+    /// Reduce in place: `root`'s `buf` receives the reduction of every rank's `buf`.
+    pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_root("reduce", root)?;
+        let count = buf.len();
+        let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
+        self.collective("reduce", call)
+    }
+
+    /// All-to-all with equal counts: `send` and `recv` have `size()` equal blocks; block j of
+    /// `send` goes to rank j, block i of `recv` comes from rank i.
+    pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.check_len("alltoall", "recv", recv.len(), send.len())?;
+        let count = self.blocks("alltoall", send.len())?;
+        let call = Call { coll: Collective::AllToAll, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        self.collective("alltoall", call)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_describe_calls() {
+        let d = encode_desc(Collective::Reduce { root: 3 }, DType::Bf16, ReduceOp::Max, Algo::Mesh, ProtoChoice::Eager, 1000, 1 << 19);
+        let s = describe(&d);
+        assert!(s.contains("reduce(count 1000, bf16, max, root 3, algo mesh, proto eager, chunk 524288 B)"), "{s}");
+        let a = encode_desc(Collective::AllReduce, DType::F32, ReduceOp::Sum, Algo::Ring, ProtoChoice::Auto, 0, 4096);
+        assert_ne!(a, NO_DESC);
+        assert!(describe(&a).starts_with("allreduce(count 0, f32, sum,"), "{}", describe(&a));
+        assert_eq!(describe(&NO_DESC), "point-to-point send/recv");
+    }
+}

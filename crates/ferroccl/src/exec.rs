@@ -1,0 +1,263 @@
+//! Runs a schedule (see `algo`) over the transports.
+//!
+//! Steps start in index order as soon as their dependencies have completed: transfers are
+//! posted and left in flight (eager sends complete at once; rendezvous transfers complete
+//! when the peer's side is there), local steps (reductions, copies) run immediately. So a
+//! schedule that interleaves "post the receive of chunk k+1" before "reduce chunk k"
+//! overlaps communication with computation without any thread of its own.
+//!
+//! Memory: the three buffers are registered regions for the whole call (`with_region` in
+//! the caller), so a rendezvous write lands straight in the output or scratch buffer, and
+//! a failed call can never be written into after it returns.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, ReduceOp};
+use ferroccl_mem::region::RegionHandle;
+
+use crate::algo::{Buf, Op, Schedule, Slice};
+use crate::comm::{poll_of, Communicator};
+use crate::error::{Error, Result};
+use crate::p2p::{Ctx, RecvOp, SendOp};
+
+/// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
+/// address the output buffer.
+#[derive(Debug)]
+pub(crate) struct Buffers<'a> {
+    pub(crate) input: Option<&'a RegionHandle>,
+    pub(crate) output: &'a RegionHandle,
+    pub(crate) scratch: &'a RegionHandle,
+}
+
+impl Buffers<'_> {
+    fn handle(&self, b: Buf) -> &RegionHandle {
+        match b {
+            Buf::Input => self.input.unwrap_or(self.output),
+            Buf::Output => self.output,
+            Buf::Scratch => self.scratch,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Xfer {
+    Send(SendOp),
+    Recv(RecvOp),
+}
+
+impl Xfer {
+    fn advance(&mut self, cx: &Ctx<'_>) -> Result<bool> {
+        match self {
+            Xfer::Send(s) => s.advance(cx),
+            Xfer::Recv(r) => r.advance(cx),
+        }
+    }
+    fn is_done(&self) -> bool {
+        match self {
+            Xfer::Send(s) => s.is_done(),
+            Xfer::Recv(r) => r.is_done(),
+        }
+    }
+    fn waiting_for(&self) -> Option<usize> {
+        match self {
+            Xfer::Send(s) => s.waiting_for(),
+            Xfer::Recv(r) => r.waiting_for(),
+        }
+    }
+}
+
+/// Runs `sched` to completion (or the first error, which the caller makes fatal).
+pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype: DType, op: ReduceOp, bufs: &Buffers<'_>) -> Result<()> {
+    let steps = &sched.steps;
+    let mut done = vec![false; steps.len()];
+    let mut remaining = steps.len();
+    let mut next = 0usize;
+    // Transfers in flight: (step index, transfer). Dropped (revoking any lent buffer) when
+    // this function returns, success or not, inside the caller's registrations.
+    let mut active: Vec<(usize, Xfer)> = Vec::new();
+    let waiting: RefCell<Vec<usize>> = RefCell::new(Vec::new());
+    if remaining == 0 {
+        return Ok(());
+    }
+    comm.fabric().run_until(cx.op, cx.deadline, &|| waiting.borrow().clone(), || {
+        let mut moved = false;
+        let mut i = 0;
+        while i < active.len() {
+            moved |= active[i].1.advance(cx)?;
+            if active[i].1.is_done() {
+                done[active[i].0] = true;
+                remaining -= 1;
+                active.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        while next < steps.len() && steps[next].deps.iter().all(|&d| done[d]) {
+            let step = &steps[next];
+            let started = match &step.op {
+                Op::Send { peer, src } => {
+                    let wpeer = comm.world_rank_checked(*peer)?;
+                    let seq = comm.next_coll_seq(true, *peer);
+                    Some(Xfer::Send(SendOp::new(*peer, wpeer, seq, bufs.handle(src.buf).clone(), src.range.start, src.len())))
+                }
+                Op::Recv { peer, dst } => {
+                    let wpeer = comm.world_rank_checked(*peer)?;
+                    let seq = comm.next_coll_seq(false, *peer);
+                    Some(Xfer::Recv(RecvOp::new(*peer, wpeer, seq, bufs.handle(dst.buf).clone(), dst.range.start, dst.len())))
+                }
+                local => {
+                    run_local(local, dtype, op, bufs).map_err(|e| Error::invalid(format!("{}: step {next}: {e}", cx.op)))?;
+                    None
+                }
+            };
+            match started {
+                Some(mut x) => {
+                    x.advance(cx)?;
+                    if x.is_done() {
+                        done[next] = true;
+                        remaining -= 1;
+                    } else {
+                        active.push((next, x));
+                    }
+                }
+                None => {
+                    done[next] = true;
+                    remaining -= 1;
+                }
+            }
+            next += 1;
+            moved = true;
+        }
+        if remaining > 0 && !moved {
+            *waiting.borrow_mut() = active.iter().filter_map(|(_, x)| x.waiting_for()).collect();
+        }
+        Ok(poll_of(remaining == 0, moved))
+    })
+}
+
+/// Full views of the three buffers for one local step.
+struct Views<'v> {
+    input: Option<&'v [u8]>,
+    out: &'v mut [u8],
+    scr: &'v mut [u8],
+}
+
+fn run_local(op: &Op, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>) -> std::result::Result<(), String> {
+    let (out_len, scr_len) = (bufs.output.len(), bufs.scratch.len());
+    let res = bufs.output.with_slice_mut(0, out_len, |out| {
+        bufs.scratch.with_slice_mut(0, scr_len, |scr| match bufs.input {
+            Some(inp) => inp.with_slice(0, inp.len(), |input| local_on(op, dtype, rop, &mut Views { input: Some(input), out, scr })),
+            None => Ok(local_on(op, dtype, rop, &mut Views { input: None, out, scr })),
+        })
+    });
+    match res {
+        Ok(Ok(Ok(r))) => r,
+        Ok(Ok(Err(e))) | Ok(Err(e)) | Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Which physical buffer a slice lives in (input aliases output when in place).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phys {
+    In,
+    Out,
+    Scr,
+}
+
+fn phys(v: &Views<'_>, b: Buf) -> Phys {
+    match b {
+        Buf::Input if v.input.is_some() => Phys::In,
+        Buf::Input | Buf::Output => Phys::Out,
+        Buf::Scratch => Phys::Scr,
+    }
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+fn read<'v>(v: &'v Views<'_>, s: &Slice) -> std::result::Result<&'v [u8], String> {
+    let buf: &[u8] = match phys(v, s.buf) {
+        Phys::In => v.input.unwrap_or(&[]),
+        Phys::Out => v.out,
+        Phys::Scr => v.scr,
+    };
+    buf.get(s.range.clone()).ok_or_else(|| format!("range {:?} of {:?} is outside its {} bytes", s.range, s.buf, buf.len()))
+}
+
+/// Runs `f(dst, srcs)` with `dst` mutable and every source readable. A source that shares
+/// bytes with `dst` (an in-place reduction) is copied aside first.
+fn with_dst_srcs<R>(
+    v: &mut Views<'_>,
+    dst: &Slice,
+    srcs: &[&Slice],
+    f: impl FnOnce(&mut [u8], &[&[u8]]) -> R,
+) -> std::result::Result<R, String> {
+    let dp = phys(v, dst.buf);
+    if dp == Phys::In {
+        return Err("a step writes into the input buffer".into());
+    }
+    // Sources overlapping the destination: copy them out first.
+    let mut aside: Vec<Option<Vec<u8>>> = Vec::with_capacity(srcs.len());
+    for s in srcs {
+        aside.push(if phys(v, s.buf) == dp && overlaps(&s.range, &dst.range) { Some(read(v, s)?.to_vec()) } else { None });
+    }
+    let Views { input, out, scr } = v;
+    let (same, other): (&mut [u8], &[u8]) = if dp == Phys::Out { (&mut **out, &**scr) } else { (&mut **scr, &**out) };
+    let total = same.len();
+    let r = dst.range.clone();
+    if r.end > total {
+        return Err(format!("range {r:?} of {:?} is outside its {total} bytes", dst.buf));
+    }
+    let (left, rest) = same.split_at_mut(r.start);
+    let (mid, right) = rest.split_at_mut(r.len());
+    let (left, right): (&[u8], &[u8]) = (left, right);
+    let mut views: Vec<&[u8]> = Vec::with_capacity(srcs.len());
+    for (s, a) in srcs.iter().zip(&aside) {
+        if let Some(copy) = a {
+            views.push(copy);
+            continue;
+        }
+        let p = match s.buf {
+            Buf::Input if input.is_some() => Phys::In,
+            Buf::Input | Buf::Output => Phys::Out,
+            Buf::Scratch => Phys::Scr,
+        };
+        let bad = || format!("source range {:?} of {:?} is out of bounds", s.range, s.buf);
+        let sl: &[u8] = if p == Phys::In {
+            input.and_then(|i| i.get(s.range.clone())).ok_or_else(bad)?
+        } else if p == dp {
+            if s.range.end <= r.start {
+                left.get(s.range.clone()).ok_or_else(bad)?
+            } else {
+                right.get(s.range.start - r.end..s.range.end - r.end).ok_or_else(bad)?
+            }
+        } else {
+            other.get(s.range.clone()).ok_or_else(bad)?
+        };
+        views.push(sl);
+    }
+    Ok(f(mid, &views))
+}
+
+fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>) -> std::result::Result<(), String> {
+    let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
+    match op {
+        Op::Reduce { dst, src } => with_dst_srcs(v, dst, &[src], |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?.map_err(|e| e.to_string()),
+        Op::ReduceMany { dst, srcs } => {
+            let refs: Vec<&Slice> = srcs.iter().collect();
+            with_dst_srcs(v, dst, &refs, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
+        }
+        Op::Copy { dst, src } => with_dst_srcs(v, dst, &[src], |d, s| {
+            if d.len() == s[0].len() {
+                d.copy_from_slice(s[0]);
+                Ok(())
+            } else {
+                Err(format!("copy of {} bytes into {}", s[0].len(), d.len()))
+            }
+        })?,
+        Op::FinishAvg { dst, n } => with_dst_srcs(v, dst, &[], |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string()),
+        Op::Send { .. } | Op::Recv { .. } => Err("internal: a transfer as a local step".into()),
+    }
+}
