@@ -324,3 +324,22 @@ fn a_dead_receiver_fails_a_sender_stuck_on_a_full_ring() {
     let secs: f64 = line.split("after ").nth(1).unwrap().split('s').next().unwrap().parse().unwrap();
     assert!(secs < 5.0, "{line}");
 }
+
+/// Every collective over real processes, on each transport and with each algorithm forced
+/// (auto included), against the reference.
+fn collectives(n: usize, transport: &str, algo: &str) {
+    let j = job(n, transport, &["coll", "--counts", "0,1,7,1000,65537"], &[("FERROCCL_ALGO", algo), ("FERROCCL_CHUNK_BYTES", "16384")]);
+    assert_all_ok(&j, n);
+    assert!(j.stdout.contains("collectives ok"), "{}", j.all());
+}
+
+#[test]
+fn collectives_over_processes() {
+    for transport in ["shm", "tcp"] {
+        for algo in ["auto", "ring", "mesh", "oneshot", "chain"] {
+            for n in [2, 3, 4] {
+                collectives(n, transport, algo);
+            }
+        }
+    }
+}

@@ -189,7 +189,7 @@ impl ShmSegment {
     fn check_range(&self, offset: usize, size: usize, align: usize, what: &str) {
         let end = offset.checked_add(size);
         assert!(
-            end.is_some_and(|e| e <= self.len) && offset % align == 0,
+            end.is_some_and(|e| e <= self.len) && offset.is_multiple_of(align),
             "shm segment {}: {what} at offset {offset} (size {size}, align {align}) \
              outside the {}-byte segment or misaligned",
             self.name,

@@ -187,7 +187,7 @@ impl Communicator {
 
     fn blocks(&self, name: &str, len: usize) -> Result<usize> {
         let n = self.size();
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return Err(Error::invalid(format!(
                 "rank {}: {name}: the buffer's {len} elements do not split into {n} equal blocks",
                 self.rank()

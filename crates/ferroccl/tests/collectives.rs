@@ -205,6 +205,7 @@ fn params(transport: TransportChoice, algo: Option<&str>, proto: ProtoChoice, ch
 }
 
 /// One world: every collective, every dtype, every op.
+#[allow(clippy::too_many_arguments)]
 fn run_case(n: usize, transport: TransportChoice, algo: Option<&str>, proto: ProtoChoice, chunk: usize, counts: &[usize], seed: u64, exact: bool) -> Result<(), String> {
     let base = params(transport, algo, proto, chunk, false, 0);
     let results = world(n, &base, |comm| -> Result<Vec<Vec<u8>>, String> {

@@ -7,7 +7,7 @@
 /// when it sits the round out (odd `n`). Every pair meets exactly once, and within a round
 /// the pairing is symmetric.
 pub fn partner(n: usize, round: usize, rank: usize) -> Option<usize> {
-    let m = if n % 2 == 0 { n } else { n + 1 }; // with a phantom rank for odd n
+    let m = if n.is_multiple_of(2) { n } else { n + 1 }; // with a phantom rank for odd n
     let k = m - 1; // rounds
     let p = if rank == m - 1 {
         // The fixed rank meets the one that would otherwise meet itself.
@@ -31,7 +31,7 @@ pub fn partner(n: usize, round: usize, rank: usize) -> Option<usize> {
 pub fn rounds(n: usize) -> usize {
     if n <= 1 {
         0
-    } else if n % 2 == 0 {
+    } else if n.is_multiple_of(2) {
         n - 1
     } else {
         n
@@ -83,11 +83,11 @@ pub fn parse_size(s: &str) -> Option<usize> {
 
 /// Formats a byte count the way people read it.
 pub fn human(n: usize) -> String {
-    if n >= 1 << 30 && n % (1 << 30) == 0 {
+    if n >= 1 << 30 && n.is_multiple_of(1 << 30) {
         format!("{} GiB", n >> 30)
-    } else if n >= 1 << 20 && n % (1 << 20) == 0 {
+    } else if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
         format!("{} KiB", n >> 10)
     } else {
         format!("{n} B")

@@ -329,7 +329,7 @@ pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
         (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
         (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),
         (Algo::Chain, Collective::Broadcast { root }) => chain::broadcast::build(shape, root),
-        (algo, coll) => unreachable!("{algo} supports {coll} but has no builder"),
+        (algo, coll) => return Err(format!("algorithm {algo} has no builder for {}", coll.name())),
     };
     Ok(s)
 }

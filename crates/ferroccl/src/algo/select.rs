@@ -5,8 +5,11 @@
 //!
 //! ```text
 //! time = rounds * latency + messages * MSG_OVERHEAD * latency
-//!      + wire_bytes / bandwidth * contention + reduced_bytes / REDUCE_GBPS
+//!      + max(wire_bytes / bandwidth * contention, reduced_bytes / REDUCE_GBPS)
 //! ```
+//!
+//! (chunks are pipelined, so reductions overlap with the wire and the slower of the two
+//! sets the pace);
 //!
 //! * `rounds`: dependent message latencies on the critical path (ring: `n - 1` per phase;
 //!   mesh and oneshot: 1 per phase; chain: `n - 1` hops);
@@ -40,7 +43,7 @@ const MSG_OVERHEAD: f64 = 0.25;
 /// Bandwidth lost per extra simultaneous peer of the mesh algorithms.
 const MESH_CONTENTION: f64 = 0.05;
 /// Reduction throughput (GB/s of input read) of one core.
-const REDUCE_GBPS: f64 = 10.0;
+const REDUCE_GBPS: f64 = 20.0;
 /// Pipeline chunk assumed for the chain's fill time (bytes).
 const CHAIN_CHUNK: f64 = 512.0 * 1024.0;
 
@@ -82,12 +85,7 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         _ => return None,
     };
     let per_byte_us = 1e-3 / link.gbps; // 1 byte at `gbps` GB/s, in microseconds
-    Some(
-        rounds * link.latency_us
-            + msgs * MSG_OVERHEAD * link.latency_us
-            + wire * factor * per_byte_us
-            + reduced * 1e-3 / REDUCE_GBPS,
-    )
+    Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + (wire * factor * per_byte_us).max(reduced * 1e-3 / REDUCE_GBPS))
 }
 
 /// The cheapest algorithm for `coll` by [`estimate`], among those that [`build`](super::build)

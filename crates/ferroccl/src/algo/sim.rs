@@ -57,10 +57,9 @@ impl fmt::Display for SimError {
                 }
                 Ok(())
             }
-            SimError::LengthMismatch { from, to, send_step, recv_step, send_len, recv_len } => write!(
-                f,
-                "rank {from} step {send_step} sends {send_len} bytes to rank {to}, whose step {recv_step} receives {recv_len}"
-            ),
+            SimError::LengthMismatch { from, to, send_step, recv_step, send_len, recv_len } => {
+                write!(f, "rank {from} step {send_step} sends {send_len} bytes to rank {to}, whose step {recv_step} receives {recv_len}")
+            }
             SimError::Invalid { rank, step, why } => write!(f, "rank {rank} step {step}: {why}"),
             SimError::Race { rank, step, other } => {
                 write!(f, "rank {rank}: step {step} started while step {other}, in flight, touches the same bytes")
@@ -119,17 +118,26 @@ pub(crate) fn accesses(op: &Op) -> (Vec<&Slice>, Vec<&Slice>) {
     }
 }
 
+/// A step's accesses with `Input` folded into `Output` for in-place calls: (buffer, range,
+/// writes).
+type Access = (Buf, usize, usize, bool);
+
+fn access_list(op: &Op, in_place: bool) -> Vec<Access> {
+    let (reads, writes) = accesses(op);
+    let canon = |s: &Slice| if in_place && s.buf == Buf::Input { Buf::Output } else { s.buf };
+    let r = reads.into_iter().map(|s| (canon(s), s.range.start, s.range.end, false));
+    r.chain(writes.into_iter().map(|s| (canon(s), s.range.start, s.range.end, true))).filter(|a| a.1 < a.2).collect()
+}
+
 /// Whether two slices overlap, given whether `Input` aliases `Output`.
 fn overlap(a: &Slice, b: &Slice, in_place: bool) -> bool {
     let canon = |s: &Slice| if in_place && s.buf == Buf::Input { Buf::Output } else { s.buf };
     canon(a) == canon(b) && a.range.start < b.range.end && b.range.start < a.range.end && !a.range.is_empty() && !b.range.is_empty()
 }
 
-/// Whether step `a` and step `b` conflict (one writes what the other reads or writes).
-fn conflict(a: &Op, b: &Op, in_place: bool) -> bool {
-    let (ra, wa) = accesses(a);
-    let (rb, wb) = accesses(b);
-    wa.iter().any(|w| rb.iter().chain(&wb).any(|x| overlap(w, x, in_place))) || wb.iter().any(|w| ra.iter().any(|x| overlap(w, x, in_place)))
+/// Whether two steps conflict (one writes what the other reads or writes).
+fn conflict(a: &[Access], b: &[Access]) -> bool {
+    a.iter().any(|x| b.iter().any(|y| (x.3 || y.3) && x.0 == y.0 && x.1 < y.2 && y.1 < x.2))
 }
 
 /// Checks one step's shape against the buffers.
@@ -213,6 +221,7 @@ pub(crate) fn run(
             validate(r, i, s, n, elem, lens, in_place)?;
         }
     }
+    let acc: Vec<Vec<Vec<Access>>> = schedules.iter().map(|s| s.steps.iter().map(|st| access_list(&st.op, in_place)).collect()).collect();
     let mut next = vec![0usize; n];
     let mut done: Vec<Vec<bool>> = schedules.iter().map(|s| vec![false; s.steps.len()]).collect();
     let mut in_flight: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -227,7 +236,7 @@ pub(crate) fn run(
                 let i = next[r];
                 next[r] += 1;
                 progress = true;
-                if let Some(&other) = in_flight[r].iter().find(|&&j| conflict(&steps[j].op, &steps[i].op, in_place)) {
+                if let Some(&other) = in_flight[r].iter().find(|&&j| conflict(&acc[r][j], &acc[r][i])) {
                     return Err(SimError::Race { rank: r, step: i, other });
                 }
                 match &steps[i].op {
@@ -326,6 +335,7 @@ fn exec_local(m: &mut Mem, op: &Op, dtype: DType, rop: ReduceOp) -> Result<(), K
 /// [`SimError::Unordered`] naming the first such pair.
 pub(crate) fn check_deps(rank: usize, s: &Schedule, in_place: bool) -> Result<(), SimError> {
     let len = s.steps.len();
+    let acc: Vec<Vec<Access>> = s.steps.iter().map(|st| access_list(&st.op, in_place)).collect();
     let words = len.div_ceil(64);
     // reach[j]: bitset of the steps j transitively depends on.
     let mut reach = vec![0u64; len * words];
@@ -340,7 +350,7 @@ pub(crate) fn check_deps(rank: usize, s: &Schedule, in_place: bool) -> Result<()
     }
     for j in 0..len {
         for i in 0..j {
-            if reach[j * words + i / 64] & (1 << (i % 64)) == 0 && conflict(&s.steps[i].op, &s.steps[j].op, in_place) {
+            if reach[j * words + i / 64] & (1 << (i % 64)) == 0 && conflict(&acc[i], &acc[j]) {
                 return Err(SimError::Unordered { rank, first: i, second: j });
             }
         }

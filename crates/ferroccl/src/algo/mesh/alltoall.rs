@@ -19,10 +19,13 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let chunks = cx.chunks(blk);
     let slot_len = cx.chunk_cap(blk);
     // Slots per peer: no more than the chunks.
-    let per = chunks.len().min(SLOTS).max(1);
+    let per = chunks.len().clamp(1, SLOTS);
     let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
-    let mut em = Emitter::new(LOOKAHEAD);
+    // Hold back a whole round of copies, so that every rank posts all transfers of a round
+    // before it waits for any of them (with rendezvous sends, anything else can deadlock).
+    let mut em = Emitter::new(LOOKAHEAD.max(n - 1));
     for (c, &(off, len)) in chunks.iter().enumerate() {
+        let mut copies = Vec::new();
         for k in 1..n {
             let p = cx.peer(k);
             let at = blocks.off(p) + off;
@@ -30,16 +33,19 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
                 let deps = if c >= SLOTS { vec![em.idx(Key::Copy(k, c - SLOTS))] } else { vec![] };
                 let recv = em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps);
                 let send = em.now(Op::Send { peer: p, src: cx.output(at, len) }, vec![]);
-                em.later(Key::Copy(k, c), Op::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]);
+                copies.push((Key::Copy(k, c), Op::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]));
             } else {
                 em.now(Op::Recv { peer: p, dst: cx.output(at, len) }, vec![]);
                 em.now(Op::Send { peer: p, src: cx.input(at, len) }, vec![]);
             }
         }
+        for (key, op, deps) in copies {
+            em.later(key, op, deps);
+        }
         if c == 0 && !cx.in_place {
             em.now(Op::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(blocks.off(r), blk) }, vec![]);
         }
     }
-    let scratch = if cx.in_place && n > 1 { (n - 1) * chunks.len().min(SLOTS) * slot_len } else { 0 };
+    let scratch = if cx.in_place && n > 1 { (n - 1) * per * slot_len } else { 0 };
     em.finish(scratch)
 }

@@ -27,7 +27,7 @@ pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
     }
     let slot_len = cx.chunk_cap(total);
     // Slots per peer: no more than the chunks.
-    let per = chunks.len().min(SLOTS).max(1);
+    let per = chunks.len().clamp(1, SLOTS);
     let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
     for (c, &(off, len)) in chunks.iter().enumerate() {
         let deps = if c >= SLOTS { vec![em.idx(Key::Reduce(c - SLOTS))] } else { vec![] };

@@ -40,7 +40,7 @@ pub(super) fn phase(cx: &Ctx, blocks: &Blocks, res_off: usize, em: &mut Emitter<
     let chunks: Vec<Vec<(usize, usize)>> = (0..n).map(|j| cx.chunks(blocks.len(j))).collect();
     let slot_len = cx.chunk_cap(blocks.len(r));
     // Slots per peer: no more than the chunks.
-    let per = chunks[r].len().min(SLOTS).max(1);
+    let per = chunks[r].len().clamp(1, SLOTS);
     let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
     let mut sends: Vec<Vec<usize>> = vec![Vec::new(); n];
     let rounds = chunks.iter().map(Vec::len).max().unwrap_or(0);

@@ -25,8 +25,6 @@ use super::super::{Op, Schedule, Shape};
 enum Key {
     /// The reduction of reduce-scatter step `s`, chunk `c`.
     Reduce(usize, usize),
-    /// The `FinishAvg` of chunk `c` of the owned block.
-    Finish(usize),
 }
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
@@ -49,7 +47,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut next_slot = 0;
     // The reduce-scatter send that read each (block, chunk): the allgather's receive into
     // that chunk of `Output` waits for it.
-    let mut rs_send: Vec<Vec<usize>> = chunks.iter().map(|c| vec![usize::MAX; c.len()]).collect();
+    let mut rs_send: Vec<Vec<usize>> = vec![Vec::new(); n];
 
     for s in 0..n - 1 {
         let (sb, rb) = (cx.back(r, s), cx.back(r, s + 1));
@@ -73,18 +71,14 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
                 let at = blocks.off(sb) + off;
                 let (src, deps) =
                     if s == 0 { (cx.input(at, len), vec![]) } else { (cx.output(at, len), vec![em.idx(Key::Reduce(s - 1, c))]) };
-                rs_send[sb][c] = em.now(Op::Send { peer: right, src }, deps);
+                let send = em.now(Op::Send { peer: right, src }, deps);
+                rs_send[sb].push(send);
             }
         }
     }
 
     let own = cx.peer(1);
-    if shape.op == ferroccl_kernels::ReduceOp::Avg {
-        for (c, &(off, len)) in chunks[own].iter().enumerate() {
-            let reduced = em.idx(Key::Reduce(n - 2, c));
-            em.later(Key::Finish(c), Op::FinishAvg { dst: cx.output(blocks.off(own) + off, len), n }, vec![reduced]);
-        }
-    }
+    let avg = shape.op == ferroccl_kernels::ReduceOp::Avg;
     let mut ag_recv: Vec<usize> = Vec::new();
     for s in 0..n - 1 {
         let (sb, rb) = (cx.back(own, s), cx.back(r, s));
@@ -97,8 +91,10 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
             if let Some(&(off, len)) = chunks[sb].get(c) {
                 let deps = if s > 0 {
                     vec![ag_recv[c]]
-                } else if shape.op == ferroccl_kernels::ReduceOp::Avg {
-                    vec![em.idx(Key::Finish(c))]
+                } else if avg {
+                    // Divide the owned chunk by n just before it is first shared.
+                    let reduced = em.idx(Key::Reduce(n - 2, c));
+                    vec![em.now(Op::FinishAvg { dst: cx.output(blocks.off(sb) + off, len), n }, vec![reduced])]
                 } else {
                     vec![em.idx(Key::Reduce(n - 2, c))]
                 };

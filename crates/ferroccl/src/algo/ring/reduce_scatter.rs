@@ -54,11 +54,8 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
             let deps = if s >= 2 { vec![sends[s - 1][c]] } else { vec![] };
             let recv = em.now(Op::Recv { peer: left, dst }, deps);
             em.later((s, c), reduce, vec![recv]);
-            let (src, deps) = if s == 0 {
-                (cx.input(blocks.off(sb) + off, len), vec![])
-            } else {
-                (tmp(s - 1, off, len), vec![em.idx((s - 1, c))])
-            };
+            let (src, deps) =
+                if s == 0 { (cx.input(blocks.off(sb) + off, len), vec![]) } else { (tmp(s - 1, off, len), vec![em.idx((s - 1, c))]) };
             this_send.push(em.now(Op::Send { peer: right, src }, deps));
         }
         sends.push(this_send);
