@@ -50,8 +50,10 @@ fn proto_code(p: ProtoChoice) -> u8 {
 }
 
 /// Packs a call: collective, dtype, op, algorithm | protocol << 4, root (u32), count (48
-/// bits), log2 of the chunk size, 1 (so no call is all zeros, the point-to-point mark).
-fn encode_desc(coll: Collective, dtype: DType, op: ReduceOp, algo: Algo, proto: ProtoChoice, count: usize, chunk: usize) -> Desc {
+/// bits), log2 of the chunk size, pipeline slots (at least 1, so no call is all zeros, the
+/// point-to-point mark).
+fn encode_desc(shape: &Shape, algo: Algo, proto: ProtoChoice) -> Desc {
+    let Shape { coll, dtype, op, count, chunk_bytes: chunk, slots, .. } = *shape;
     let mut d = [0u8; 16];
     d[0] = coll_code(coll);
     d[1] = dtype as u8;
@@ -60,7 +62,7 @@ fn encode_desc(coll: Collective, dtype: DType, op: ReduceOp, algo: Algo, proto: 
     d[4..8].copy_from_slice(&(coll.root().unwrap_or(0) as u32).to_le_bytes());
     d[8..14].copy_from_slice(&(count as u64).to_le_bytes()[..6]);
     d[14] = chunk.trailing_zeros() as u8;
-    d[15] = 1;
+    d[15] = slots.clamp(1, 255) as u8;
     d
 }
 
@@ -81,10 +83,11 @@ pub(crate) fn describe(d: &Desc) -> String {
     let rooted = matches!(d[0], 4 | 5);
     let reduces = matches!(d[0], 1 | 3 | 5);
     format!(
-        "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B)",
+        "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",
         if reduces { format!(", {op}") } else { String::new() },
         if rooted { format!(", root {root}") } else { String::new() },
-        1u64 << d[14].min(63)
+        1u64 << d[14].min(63),
+        d[15]
     )
 }
 
@@ -144,9 +147,10 @@ impl Communicator {
             op,
             chunk_bytes: p.chunk_bytes,
             in_place: input.is_none(),
+            slots: p.slots,
         };
         let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
-        let desc = encode_desc(coll, dtype, op, algo, p.proto, count, p.chunk_bytes);
+        let desc = encode_desc(&shape, algo, p.proto);
         let op_name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
         let eager_max = match p.proto {
             ProtoChoice::Auto => p.eager_max,
@@ -173,7 +177,11 @@ impl Communicator {
 
     fn check_root(&self, name: &str, root: usize) -> Result<()> {
         if root >= self.size() {
-            return Err(Error::invalid(format!("rank {}: {name}: root {root} is out of range (communicator of {} ranks)", self.rank(), self.size())));
+            return Err(Error::invalid(format!(
+                "rank {}: {name}: root {root} is out of range (communicator of {} ranks)",
+                self.rank(),
+                self.size()
+            )));
         }
         Ok(())
     }
@@ -213,7 +221,14 @@ impl Communicator {
     /// Reduces `send` across all ranks into `recv` (same length).
     pub fn allreduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.check_len("allreduce", "recv", recv.len(), send.len())?;
-        let call = Call { coll: Collective::AllReduce, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        let call = Call {
+            coll: Collective::AllReduce,
+            dtype: T::DTYPE,
+            op,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            output: as_bytes_mut(recv),
+        };
         self.collective("allreduce", call)
     }
 
@@ -222,7 +237,14 @@ impl Communicator {
     pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let want = send.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("allgather: size overflows"))?;
         self.check_len("allgather", "recv", recv.len(), want)?;
-        let call = Call { coll: Collective::AllGather, dtype: T::DTYPE, op: ReduceOp::Sum, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        let call = Call {
+            coll: Collective::AllGather,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            output: as_bytes_mut(recv),
+        };
         self.collective("allgather", call)
     }
 
@@ -239,7 +261,14 @@ impl Communicator {
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         let want = recv.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("reduce_scatter: size overflows"))?;
         self.check_len("reduce_scatter", "send", send.len(), want)?;
-        let call = Call { coll: Collective::ReduceScatter, dtype: T::DTYPE, op, count: recv.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        let call = Call {
+            coll: Collective::ReduceScatter,
+            dtype: T::DTYPE,
+            op,
+            count: recv.len(),
+            input: Some(as_bytes(send)),
+            output: as_bytes_mut(recv),
+        };
         self.collective("reduce_scatter", call)
     }
 
@@ -255,7 +284,14 @@ impl Communicator {
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_root("broadcast", root)?;
         let count = buf.len();
-        let call = Call { coll: Collective::Broadcast { root }, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: None, output: as_bytes_mut(buf) };
+        let call = Call {
+            coll: Collective::Broadcast { root },
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count,
+            input: None,
+            output: as_bytes_mut(buf),
+        };
         self.collective("broadcast", call)
     }
 
@@ -265,13 +301,27 @@ impl Communicator {
         self.check_root("reduce", root)?;
         if self.rank() == root {
             self.check_len("reduce", "recv", recv.len(), send.len())?;
-            let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+            let call = Call {
+                coll: Collective::Reduce { root },
+                dtype: T::DTYPE,
+                op,
+                count: send.len(),
+                input: Some(as_bytes(send)),
+                output: as_bytes_mut(recv),
+            };
             return self.collective("reduce", call);
         }
         // Off the root the output is never written; the schedule still needs a buffer of
         // the right size to address.
         let mut sink = vec![0u8; std::mem::size_of_val(send)];
-        let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count: send.len(), input: Some(as_bytes(send)), output: &mut sink };
+        let call = Call {
+            coll: Collective::Reduce { root },
+            dtype: T::DTYPE,
+            op,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            output: &mut sink,
+        };
         self.collective("reduce", call)
     }
 
@@ -288,7 +338,14 @@ impl Communicator {
     pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.check_len("alltoall", "recv", recv.len(), send.len())?;
         let count = self.blocks("alltoall", send.len())?;
-        let call = Call { coll: Collective::AllToAll, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: Some(as_bytes(send)), output: as_bytes_mut(recv) };
+        let call = Call {
+            coll: Collective::AllToAll,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count,
+            input: Some(as_bytes(send)),
+            output: as_bytes_mut(recv),
+        };
         self.collective("alltoall", call)
     }
 }
@@ -299,10 +356,25 @@ mod tests {
 
     #[test]
     fn descriptors_describe_calls() {
-        let d = encode_desc(Collective::Reduce { root: 3 }, DType::Bf16, ReduceOp::Max, Algo::Mesh, ProtoChoice::Eager, 1000, 1 << 19);
+        let shape = |coll, dtype, op, count, chunk_bytes, slots| Shape {
+            coll,
+            n: 4,
+            rank: 0,
+            count,
+            dtype,
+            op,
+            chunk_bytes,
+            in_place: false,
+            slots,
+        };
+        let d = encode_desc(
+            &shape(Collective::Reduce { root: 3 }, DType::Bf16, ReduceOp::Max, 1000, 1 << 19, 4),
+            Algo::Mesh,
+            ProtoChoice::Eager,
+        );
         let s = describe(&d);
-        assert!(s.contains("reduce(count 1000, bf16, max, root 3, algo mesh, proto eager, chunk 524288 B)"), "{s}");
-        let a = encode_desc(Collective::AllReduce, DType::F32, ReduceOp::Sum, Algo::Ring, ProtoChoice::Auto, 0, 4096);
+        assert!(s.contains("reduce(count 1000, bf16, max, root 3, algo mesh, proto eager, chunk 524288 B, slots 4)"), "{s}");
+        let a = encode_desc(&shape(Collective::AllReduce, DType::F32, ReduceOp::Sum, 0, 4096, 1), Algo::Ring, ProtoChoice::Auto);
         assert_ne!(a, NO_DESC);
         assert!(describe(&a).starts_with("allreduce(count 0, f32, sum,"), "{}", describe(&a));
         assert_eq!(describe(&NO_DESC), "point-to-point send/recv");

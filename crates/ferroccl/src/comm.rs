@@ -13,8 +13,8 @@ use crate::bootstrap::{StoreClient, StoreServer};
 use crate::coll::ScratchCache;
 use crate::error::{Error, Result};
 use crate::fabric::{Fabric, FabricConfig, Poll};
-use crate::params::Params;
 use crate::p2p::{Ctx, RecvOp, SendOp};
+use crate::params::Params;
 use crate::proto::{Desc, CHAN_INTERNAL, CHAN_USER, NO_DESC};
 
 /// How to reach the other ranks of a job, when not read from the environment.

@@ -244,7 +244,9 @@ fn with_dst_srcs<R>(
 fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>) -> std::result::Result<(), String> {
     let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
     match op {
-        Op::Reduce { dst, src } => with_dst_srcs(v, dst, &[src], |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?.map_err(|e| e.to_string()),
+        Op::Reduce { dst, src } => {
+            with_dst_srcs(v, dst, &[src], |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?.map_err(|e| e.to_string())
+        }
         Op::ReduceMany { dst, srcs } => {
             let refs: Vec<&Slice> = srcs.iter().collect();
             with_dst_srcs(v, dst, &refs, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())

@@ -40,6 +40,7 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_ALGO", default: "auto", doc: "Collective algorithm: auto (cost model), ring, mesh, oneshot or chain. A name applies to the collectives it implements; the others keep the cost model's choice. Must be the same on every rank." },
     Param { name: "FERROCCL_PROTO", default: "auto", doc: "Protocol for collective transfers: auto (eager up to FERROCCL_EAGER_MAX, rendezvous above), eager (every chunk through the transport's slots) or rendezvous (every chunk written straight into the receiver's buffer). Must be the same on every rank." },
     Param { name: "FERROCCL_CHUNK_BYTES", default: "524288", doc: "Largest piece a collective moves at once; larger blocks are cut into chunks that flow in a pipeline (power of two, 4 KiB to 1 GiB)." },
+    Param { name: "FERROCCL_SLOTS", default: "4", doc: "Chunks in flight per peer in the pipelined collective algorithms (mesh, in-place ring): the pipeline's depth, and the scratch memory it needs (slots x FERROCCL_CHUNK_BYTES per peer). 1 to 64. Must be the same on every rank." },
     Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
     Param { name: "FERROCCL_DEBUG", default: "0", doc: "1: print the transport chosen for each peer and setup times to stderr." },
 ];
@@ -109,6 +110,8 @@ pub struct Params {
     pub proto: ProtoChoice,
     /// `FERROCCL_CHUNK_BYTES`.
     pub chunk_bytes: usize,
+    /// `FERROCCL_SLOTS`.
+    pub slots: usize,
 }
 
 /// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
@@ -131,6 +134,7 @@ impl Default for Params {
             algo: None,
             proto: ProtoChoice::Auto,
             chunk_bytes: 512 << 10,
+            slots: 4,
         }
     }
 }
@@ -199,7 +203,10 @@ impl Params {
             let name = v.trim().to_ascii_lowercase();
             if name != "auto" {
                 if !ALGO_NAMES.contains(&name.as_str()) {
-                    return Err(Error::Env { var: "FERROCCL_ALGO".into(), problem: format!("{v:?} is not one of auto, {}", ALGO_NAMES.join(", ")) });
+                    return Err(Error::Env {
+                        var: "FERROCCL_ALGO".into(),
+                        problem: format!("{v:?} is not one of auto, {}", ALGO_NAMES.join(", ")),
+                    });
                 }
                 p.algo = Some(name);
             }
@@ -209,13 +216,27 @@ impl Params {
                 "auto" => ProtoChoice::Auto,
                 "eager" | "simple" => ProtoChoice::Eager,
                 "rendezvous" | "rndv" => ProtoChoice::Rendezvous,
-                _ => return Err(Error::Env { var: "FERROCCL_PROTO".into(), problem: format!("{v:?} is not one of auto, eager, rendezvous") }),
+                _ => {
+                    return Err(Error::Env {
+                        var: "FERROCCL_PROTO".into(),
+                        problem: format!("{v:?} is not one of auto, eager, rendezvous"),
+                    })
+                }
             };
         }
         if let Some(v) = get("FERROCCL_CHUNK_BYTES") {
             p.chunk_bytes = parse_num("FERROCCL_CHUNK_BYTES", &v)?;
             if !(4096..=(1 << 30)).contains(&p.chunk_bytes) || !p.chunk_bytes.is_power_of_two() {
-                return Err(Error::Env { var: "FERROCCL_CHUNK_BYTES".into(), problem: format!("{v:?} must be a power of two between 4096 and 1 GiB") });
+                return Err(Error::Env {
+                    var: "FERROCCL_CHUNK_BYTES".into(),
+                    problem: format!("{v:?} must be a power of two between 4096 and 1 GiB"),
+                });
+            }
+        }
+        if let Some(v) = get("FERROCCL_SLOTS") {
+            p.slots = parse_num("FERROCCL_SLOTS", &v)?;
+            if !(1..=64).contains(&p.slots) {
+                return Err(Error::Env { var: "FERROCCL_SLOTS".into(), problem: format!("{v:?} must be between 1 and 64") });
             }
         }
         if let Some(v) = get("FERROCCL_DEBUG") {
@@ -240,6 +261,9 @@ impl Params {
         }
         if !(4096..=(1 << 30)).contains(&self.chunk_bytes) || !self.chunk_bytes.is_power_of_two() {
             return bad(format!("chunk_bytes {} must be a power of two between 4096 and 1 GiB", self.chunk_bytes));
+        }
+        if !(1..=64).contains(&self.slots) {
+            return bad(format!("slots {} must be between 1 and 64", self.slots));
         }
         if let Some(a) = &self.algo {
             if !ALGO_NAMES.contains(&a.as_str()) {
@@ -283,6 +307,7 @@ mod tests {
         assert_eq!(p.eager_max.to_string(), d("FERROCCL_EAGER_MAX"));
         assert_eq!(p.store_max_value.to_string(), d("FERROCCL_STORE_MAX_VALUE"));
         assert_eq!(p.chunk_bytes.to_string(), d("FERROCCL_CHUNK_BYTES"));
+        assert_eq!(p.slots.to_string(), d("FERROCCL_SLOTS"));
         assert_eq!(p.transport, TransportChoice::Auto);
     }
 

@@ -57,7 +57,13 @@ pub(crate) struct Cts {
 /// A decoded protocol message.
 #[derive(Debug)]
 pub(crate) enum ProtoMsg {
-    Eager { comm: u32, chan: u8, seq: u32, desc: Desc, data: Vec<u8> },
+    Eager {
+        comm: u32,
+        chan: u8,
+        seq: u32,
+        desc: Desc,
+        data: Vec<u8>,
+    },
     Cts {
         comm: u32,
         chan: u8,
@@ -67,7 +73,13 @@ pub(crate) enum ProtoMsg {
         what: String,
     },
     /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
-    Rts { comm: u32, chan: u8, seq: u32, desc: Desc, len: u64 },
+    Rts {
+        comm: u32,
+        chan: u8,
+        seq: u32,
+        desc: Desc,
+        len: u64,
+    },
 }
 
 /// Bytes of the eager header (data follows it).

@@ -206,7 +206,16 @@ fn params(transport: TransportChoice, algo: Option<&str>, proto: ProtoChoice, ch
 
 /// One world: every collective, every dtype, every op.
 #[allow(clippy::too_many_arguments)]
-fn run_case(n: usize, transport: TransportChoice, algo: Option<&str>, proto: ProtoChoice, chunk: usize, counts: &[usize], seed: u64, exact: bool) -> Result<(), String> {
+fn run_case(
+    n: usize,
+    transport: TransportChoice,
+    algo: Option<&str>,
+    proto: ProtoChoice,
+    chunk: usize,
+    counts: &[usize],
+    seed: u64,
+    exact: bool,
+) -> Result<(), String> {
     let base = params(transport, algo, proto, chunk, false, 0);
     let results = world(n, &base, |comm| -> Result<Vec<Vec<u8>>, String> {
         let mut outs = Vec::new();
@@ -311,7 +320,9 @@ fn bad_arguments_are_errors_not_panics() {
             comm.alltoall(&[1f32; 10], &mut a).unwrap_err().to_string(),
             comm.allgather_in_place(&mut a).unwrap_err().to_string(),
         ];
-        for (m, want) in msgs.iter().zip(["expected 9", "expected 12", "expected 12", "root 3", "root 7", "3 equal blocks", "3 equal blocks"]) {
+        for (m, want) in
+            msgs.iter().zip(["expected 9", "expected 12", "expected 12", "root 3", "root 7", "3 equal blocks", "3 equal blocks"])
+        {
             if !m.contains(want) {
                 return Err(format!("error {m:?} does not say {want:?}"));
             }

@@ -179,6 +179,9 @@ pub(crate) struct Shape {
     /// One buffer instead of two (see the module docs, "Buffers and in-place calls"): the
     /// schedule then references only `Output` and `Scratch`.
     pub(crate) in_place: bool,
+    /// Chunks in flight per peer in the windowed builders (mesh, in-place ring): the
+    /// pipeline's depth and the scratch it needs (`FERROCCL_SLOTS`; 0 means the default, 4).
+    pub(crate) slots: usize,
 }
 
 impl Collective {

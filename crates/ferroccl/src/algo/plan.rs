@@ -6,9 +6,9 @@ use std::hash::Hash;
 
 use super::{Buf, Op, Schedule, Shape, Slice};
 
-/// Receive slots per peer that the windowed builders (mesh, in-place ring) cycle through:
-/// up to this many chunks from one peer are in flight at once.
-pub(super) const SLOTS: usize = 4;
+/// Receive slots per peer that the windowed builders (mesh, in-place ring) cycle through
+/// when `Shape::slots` is 0: up to this many chunks from one peer are in flight at once.
+pub(super) const DEFAULT_SLOTS: usize = 4;
 
 /// Local steps (reductions, copies) that an [`Emitter`] holds back, so that the transfers
 /// behind them are posted first and overlap with them.
@@ -22,6 +22,8 @@ pub(super) struct Ctx {
     pub(super) elem: usize,
     pub(super) count: usize,
     pub(super) in_place: bool,
+    /// Receive slots per peer (at least 1).
+    pub(super) slots: usize,
     /// Elements per chunk (at least 1).
     chunk_elems: usize,
 }
@@ -30,7 +32,8 @@ impl Ctx {
     pub(super) fn new(shape: &Shape) -> Ctx {
         let elem = shape.dtype.size();
         let chunk_elems = if shape.chunk_bytes == 0 { usize::MAX } else { (shape.chunk_bytes / elem).max(1) };
-        Ctx { n: shape.n, rank: shape.rank, elem, count: shape.count, in_place: shape.in_place, chunk_elems }
+        let slots = if shape.slots == 0 { DEFAULT_SLOTS } else { shape.slots };
+        Ctx { n: shape.n, rank: shape.rank, elem, count: shape.count, in_place: shape.in_place, slots, chunk_elems }
     }
 
     /// `len` bytes of the caller's input at byte `off` of the input's layout: `Input`, or

@@ -176,7 +176,8 @@ mod tests {
                             for op in ReduceOp::ALL {
                                 let count = (1usize << shift) / dtype.size() + 1;
                                 let algo = choose(coll, n, count * dtype.size(), dtype, op, link);
-                                let shape = Shape { coll, n, rank: n - 1, count: 3, dtype, op, chunk_bytes: 1 << 20, in_place: false };
+                                let shape =
+                                    Shape { coll, n, rank: n - 1, count: 3, dtype, op, chunk_bytes: 1 << 20, in_place: false, slots: 0 };
                                 assert!(build(algo, &shape).is_ok(), "{coll} n {n} {dtype} {op}: {algo}");
                                 assert!(estimate(algo, coll, n, count, link).is_some_and(f64::is_finite));
                             }

@@ -88,7 +88,17 @@ fn gen(rng: &mut Rng, dtype: DType, op: ReduceOp, values: Values, elems: usize) 
 }
 
 fn shape(c: &Case, rank: usize) -> Shape {
-    Shape { coll: c.coll, n: c.n, rank, count: c.count, dtype: c.dtype, op: c.op, chunk_bytes: c.chunk_bytes, in_place: c.in_place }
+    Shape {
+        coll: c.coll,
+        n: c.n,
+        rank,
+        count: c.count,
+        dtype: c.dtype,
+        op: c.op,
+        chunk_bytes: c.chunk_bytes,
+        in_place: c.in_place,
+        slots: 1 + (c.seed % 6) as usize,
+    }
 }
 
 fn schedules(c: &Case) -> Result<Vec<Schedule>, String> {
@@ -401,6 +411,7 @@ fn build_refuses_bad_shapes() {
         op: ReduceOp::Sum,
         chunk_bytes: 64,
         in_place: false,
+        slots: 0,
     };
     assert!(build(Algo::Ring, &ok).is_ok());
     let err = |algo, s: Shape| build(algo, &s).unwrap_err();
@@ -430,13 +441,19 @@ fn names_round_trip() {
 #[test]
 fn bytes_on_the_wire() {
     let sent = |algo, coll, n, count| -> usize {
-        let s =
-            build(algo, &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false }).unwrap();
+        let s = build(
+            algo,
+            &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false, slots: 0 },
+        )
+        .unwrap();
         s.steps.iter().map(|st| if let Op::Send { src, .. } = &st.op { src.len() } else { 0 }).sum()
     };
     let sends = |algo, coll, n, count| -> usize {
-        let s =
-            build(algo, &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false }).unwrap();
+        let s = build(
+            algo,
+            &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false, slots: 0 },
+        )
+        .unwrap();
         s.steps.iter().filter(|st| matches!(st.op, Op::Send { .. })).count()
     };
     let (n, count) = (8, 8000);

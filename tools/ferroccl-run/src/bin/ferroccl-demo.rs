@@ -1,10 +1,10 @@
 //! ferroccl-demo: every pair of ranks exchanges and verifies data, then rank 0 prints who
 //! talked to whom, over which transport, and how fast (latency at 8 B, bandwidth at 1 MiB
 //! and 64 MiB), next to this machine's single-thread memcpy bandwidth measured in the same
-//! run.
+//! run; then an allreduce (f32 sum, verified) at a few sizes with its bus bandwidth.
 //!
 //! ```text
-//! ferroccl-run -n 4 -- ferroccl-demo [--iters N] [--sizes 8,1M,64M]
+//! ferroccl-run -n 4 -- ferroccl-demo [--iters N] [--sizes 8,1M,64M] [--allreduce 8,64K,1M,16M]
 //! ```
 #![forbid(unsafe_code)]
 
@@ -14,6 +14,7 @@ mod testkit;
 use std::time::Instant;
 
 use ferroccl::comm::Communicator;
+use ferroccl::ReduceOp;
 use testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
@@ -90,6 +91,12 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
         .collect::<Result<_, _>>()?;
     let iters_arg: Option<usize> = flag(&args, "--iters").and_then(|s| s.parse().ok());
     let (n, me) = (comm.size(), comm.rank());
+    let ar_sizes: Vec<usize> = flag(&args, "--allreduce")
+        .unwrap_or("8,64K,1M,16M")
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| parse_size(s).ok_or_else(|| format!("bad size {s:?}")))
+        .collect::<Result<_, _>>()?;
     let mut rows: Vec<Row> = Vec::new();
     for (si, &size) in sizes.iter().enumerate() {
         let iters = iters_arg.unwrap_or(if size <= 4096 {
@@ -108,6 +115,7 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
             comm.barrier()?;
         }
     }
+    let ar = allreduce_table(comm, &ar_sizes)?;
     // Gather everyone's rows on rank 0.
     let encode =
         |rows: &[Row]| -> Vec<f64> { rows.iter().flat_map(|&(a, b, s, t, c)| [a as f64, b as f64, s as f64, t, c as f64]).collect() };
@@ -151,5 +159,46 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
             println!();
         }
     }
+    if !ar.is_empty() {
+        println!("allreduce, f32 sum, {n} ranks (busbw = 2(n-1)/n x bytes / time, as nccl-tests)");
+        println!("{:>10} {:>12} {:>12} {:>22}", "size", "time", "algbw", "busbw");
+        for (size, t) in ar {
+            let algbw = size as f64 / t / 1e9;
+            let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
+            println!("{:>10} {:>9.1} us {:>7.2} GB/s {:>7.2} GB/s ({:.2}x memcpy)", human(size), t * 1e6, algbw, busbw, busbw / memcpy);
+        }
+    }
     Ok(())
+}
+
+/// Times allreduce (f32 sum) at each size; every rank checks the result. Returns (bytes,
+/// seconds per call, max over ranks) on every rank.
+fn allreduce_table(comm: &Communicator, sizes: &[usize]) -> R<Vec<(usize, f64)>> {
+    let (n, me) = (comm.size(), comm.rank());
+    let mut out = Vec::new();
+    for &size in sizes {
+        let count = (size / 4).max(1);
+        let mut buf: Vec<f32> = (0..count).map(|i| ((i + me) % 7) as f32).collect();
+        comm.allreduce(&mut buf, ReduceOp::Sum)?;
+        let want = |i: usize| (0..n).map(|r| ((i + r) % 7) as f32).sum::<f32>();
+        if let Some(i) = (0..count).find(|&i| buf[i] != want(i)) {
+            return Err(format!("allreduce of {}: element {i} is {}, want {}", human(size), buf[i], want(i)).into());
+        }
+        let iters = if size <= 65536 {
+            500
+        } else if size <= (1 << 20) {
+            50
+        } else {
+            5
+        };
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            comm.allreduce(&mut buf, ReduceOp::Sum)?;
+        }
+        let mut dt = [t.elapsed().as_secs_f64() / iters as f64];
+        comm.allreduce(&mut dt, ReduceOp::Max)?;
+        out.push((count * 4, dt[0]));
+    }
+    Ok(out)
 }

@@ -7,7 +7,7 @@
 //! from `p` is received into a scratch slot and copied over once the chunk sent to `p`
 //! has left.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD, SLOTS};
+use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::Key;
 
@@ -19,7 +19,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let chunks = cx.chunks(blk);
     let slot_len = cx.chunk_cap(blk);
     // Slots per peer: no more than the chunks.
-    let per = chunks.len().clamp(1, SLOTS);
+    let per = chunks.len().clamp(1, cx.slots);
     let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
     // Hold back a whole round of copies, so that every rank posts all transfers of a round
     // before it waits for any of them (with rendezvous sends, anything else can deadlock).
@@ -30,7 +30,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
             let p = cx.peer(k);
             let at = blocks.off(p) + off;
             if cx.in_place {
-                let deps = if c >= SLOTS { vec![em.idx(Key::Copy(k, c - SLOTS))] } else { vec![] };
+                let deps = if c >= cx.slots { vec![em.idx(Key::Copy(k, c - cx.slots))] } else { vec![] };
                 let recv = em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps);
                 let send = em.now(Op::Send { peer: p, src: cx.output(at, len) }, vec![]);
                 copies.push((Key::Copy(k, c), Op::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]));

@@ -3,7 +3,7 @@
 //! order, so f16/bf16 results are bit-equal to the reference `reduce_many`.
 //!
 //! Peers are visited in the order `rank + 1, rank + 2, ...` (mod n) so that the ranks do
-//! not all send to rank 0 first. Received chunks land in [`SLOTS`](super::plan::SLOTS)
+//! not all send to rank 0 first. Received chunks land in `Shape::slots`
 //! scratch slots per peer, reused once the reduction (or copy) that read them is done.
 
 pub(super) mod allgather;

@@ -6,7 +6,7 @@
 //!
 //! [`phase`] is also the first half of the mesh allreduce.
 
-use super::super::plan::{Blocks, Ctx, Emitter, LOOKAHEAD, SLOTS};
+use super::super::plan::{Blocks, Ctx, Emitter, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::Key;
 
@@ -40,7 +40,7 @@ pub(super) fn phase(cx: &Ctx, blocks: &Blocks, res_off: usize, em: &mut Emitter<
     let chunks: Vec<Vec<(usize, usize)>> = (0..n).map(|j| cx.chunks(blocks.len(j))).collect();
     let slot_len = cx.chunk_cap(blocks.len(r));
     // Slots per peer: no more than the chunks.
-    let per = chunks[r].len().clamp(1, SLOTS);
+    let per = chunks[r].len().clamp(1, cx.slots);
     let slot = |k: usize, c: usize, len: usize| cx.scratch(((k - 1) * per + c % per) * slot_len, len);
     let mut sends: Vec<Vec<usize>> = vec![Vec::new(); n];
     let rounds = chunks.iter().map(Vec::len).max().unwrap_or(0);
@@ -49,7 +49,7 @@ pub(super) fn phase(cx: &Ctx, blocks: &Blocks, res_off: usize, em: &mut Emitter<
         for k in 1..n {
             let p = cx.peer(k);
             if let Some(&(_, len)) = chunks[r].get(c) {
-                let deps = if c >= SLOTS { vec![em.idx(Key::Reduce(c - SLOTS))] } else { vec![] };
+                let deps = if c >= cx.slots { vec![em.idx(Key::Reduce(c - cx.slots))] } else { vec![] };
                 recvs.push(em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps));
             }
             if let Some(&(off, len)) = chunks[p].get(c) {
@@ -61,6 +61,6 @@ pub(super) fn phase(cx: &Ctx, blocks: &Blocks, res_off: usize, em: &mut Emitter<
             em.later(Key::Reduce(c), Op::ReduceMany { dst: cx.output(res_off + off, len), srcs }, recvs);
         }
     }
-    let slots_per_peer = chunks[r].len().min(SLOTS);
+    let slots_per_peer = chunks[r].len().min(cx.slots);
     Phase { sends, scratch_bytes: (n - 1) * slots_per_peer * slot_len }
 }

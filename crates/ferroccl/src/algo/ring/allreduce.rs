@@ -15,10 +15,10 @@
 //!
 //! Buffers: out of place, partial sums travel through `Output` itself (block `j` is
 //! received there, reduced with `Input`, sent on, and later overwritten by the final value):
-//! no scratch. In place, a received chunk lands in one of [`SLOTS`] scratch slots and is
+//! no scratch. In place, a received chunk lands in one of [`cx.slots`] scratch slots and is
 //! reduced into `Output`.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD, SLOTS};
+use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,7 +41,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let (left, right) = (cx.back(r, 1), cx.peer(1));
     let chunks: Vec<Vec<(usize, usize)>> = (0..n).map(|j| cx.chunks(blocks.len(j))).collect();
     let slot_len = cx.chunk_cap(blocks.max_len());
-    let slots = if cx.in_place { SLOTS } else { 0 };
+    let slots = if cx.in_place { cx.slots } else { 0 };
     // The reduction that last read each slot (a receive into the slot waits for it).
     let mut slot_user: Vec<Option<Key>> = vec![None; slots];
     let mut next_slot = 0;
