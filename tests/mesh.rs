@@ -113,10 +113,22 @@ fn mesh_tcp_8() {
     full(8, "tcp");
 }
 
-/// Without cross-memory attach, large shm writes go through the rings in chunks.
+/// Without cross-memory attach (the default), large shm writes go through the rings in
+/// chunks; here with a small ring, so records wrap often.
 #[test]
-fn mesh_shm_without_cma() {
+fn mesh_shm_small_ring() {
     let j = job(3, "shm", &["exchange", "--sizes", "0,1,20000,1M,9M"], &[("FERROCCL_SHM_CMA", "0"), ("FERROCCL_SHM_RING_BYTES", "65536")]);
+    assert_all_ok(&j, 3);
+}
+
+/// With cross-memory attach, large shm writes are single-copied by the receiver.
+#[test]
+fn mesh_shm_with_cma() {
+    for n in [2, 4] {
+        let j = job(n, "shm", &["all", "--sizes", "0,1,20000,1M,9M"], &[("FERROCCL_SHM_CMA", "1")]);
+        assert_all_ok(&j, n);
+    }
+    let j = job(3, "shm", &["coll", "--counts", "0,7,65537,300000"], &[("FERROCCL_SHM_CMA", "1"), ("FERROCCL_CHUNK_BYTES", "65536")]);
     assert_all_ok(&j, 3);
 }
 
@@ -145,9 +157,13 @@ fn forcing_shm_across_hosts_is_an_error() {
 /// SIGKILL one rank in the middle of the work: every other rank must fail promptly with an
 /// error that names the dead rank, and the launcher must exit non-zero.
 fn killed(transport: &str, during: &str) {
+    killed_with(transport, during, &[]);
+}
+
+fn killed_with(transport: &str, during: &str, env: &[(&str, &str)]) {
     let n = 4;
     let victim = 2;
-    let j = job(n, transport, &["kill", "--victim", &victim.to_string(), "--during", during], &[]);
+    let j = job(n, transport, &["kill", "--victim", &victim.to_string(), "--during", during], env);
     // The launcher reports the root cause: the killed rank's status, 128 + SIGKILL.
     assert_eq!(j.code, Some(137), "{}", j.all());
     assert!(j.stderr.contains(&format!("rank {victim} was killed by signal SIGKILL")), "{}", j.all());
@@ -172,6 +188,10 @@ fn kill_during_barrier_shm() {
 #[test]
 fn kill_during_transfer_shm() {
     killed("shm", "transfer");
+}
+#[test]
+fn kill_during_transfer_shm_with_cma() {
+    killed_with("shm", "transfer", &[("FERROCCL_SHM_CMA", "1")]);
 }
 #[test]
 fn kill_during_barrier_tcp() {

@@ -66,7 +66,7 @@
 //! | status | when |
 //! | --- | --- |
 //! | 0 | every rank exited with status 0 |
-//! | the first failing rank's status | a rank failed: its exit status, or 128 + signal number if a signal killed it (137 for `SIGKILL`) |
+//! | the first failing rank's status | a rank failed: its exit status, or 128 + signal number if a signal killed it (137 for `SIGKILL`); a rank killed by a signal within 250 ms after an ordinary failure counts as the first (the others were most likely reacting to its death) |
 //! | 124 | `--timeout` passed (and no rank had failed before) |
 //! | 130, 143, 129 | the runner got `SIGINT`, `SIGTERM` or `SIGHUP` (128 + signal) |
 //! | 127, 126 | the program was not found, or is not executable |
@@ -122,6 +122,10 @@ pub const USAGE: &str =
 
 /// The most ranks one job may have.
 pub const MAX_RANKS: usize = 1024;
+
+/// After an ordinary failure, how long a rank killed by a signal still counts as the root
+/// cause (the first failure).
+const ROOT_CAUSE_WINDOW: Duration = Duration::from_millis(250);
 
 /// How long the other ranks may run on after the first failure, unless `--grace` says.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
@@ -799,10 +803,6 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
     let mut stopping: Option<Stopping> = None;
 
     loop {
-        // Exits seen in one poll happened within the same few milliseconds: among them a
-        // rank killed by a signal is the likelier root cause than one that exited with an
-        // error after noticing it, so it counts as the first failure.
-        let failed_before_this_poll = first_failure.is_some();
         for r in job.ranks.iter_mut().filter(|r| r.status.is_none()) {
             let st = match r.child.try_wait() {
                 Ok(Some(st)) => st,
@@ -816,9 +816,13 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
             // Once the runner is stopping the job, exits are its own doing.
             if stopping.is_none() && !st.success() {
                 eprintln!("ferroccl-run: rank {} {}", r.rank, Describe(st));
+                // A rank killed by a signal is the likelier root cause than one that exited
+                // with an error after noticing it: if one shows up shortly after an ordinary
+                // failure (a dying process's teardown can take longer than its peers need
+                // to notice it and exit), it counts as the first failure.
                 let replaces = match &first_failure {
                     None => true,
-                    Some((_, first, _)) => !failed_before_this_poll && first.signal().is_none() && st.signal().is_some(),
+                    Some((_, first, at)) => first.signal().is_none() && st.signal().is_some() && at.elapsed() < ROOT_CAUSE_WINDOW,
                 };
                 if replaces {
                     first_failure = Some((r.rank, st, Instant::now()));
