@@ -1,0 +1,332 @@
+//! Running the sweep on one rank: buffers, timing, checking, and collecting the results on
+//! rank 0.
+
+use std::io::Write;
+use std::time::Instant;
+
+use ferroccl::{Communicator, DType, ReduceOp};
+
+use crate::args::{format_size, Options, Variants};
+use crate::colls::{self, Coll, Layout};
+use crate::data::{corrupt, count_wrong, Patterns, Val};
+use crate::report;
+use crate::Failure;
+
+/// One variant (out-of-place or in-place) of one row, as rank 0 reports it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cell {
+    /// Mean time of one call in microseconds, the slowest rank's.
+    pub time_us: f64,
+    /// `size / time` in GB/s.
+    pub algbw: f64,
+    /// `algbw * bus factor` in GB/s.
+    pub busbw: f64,
+    /// Wrong elements summed over the ranks; `None` with `-c 0`.
+    pub wrong: Option<u64>,
+}
+
+/// One row of the table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// The `size` column (bytes).
+    pub size: usize,
+    /// The `count` column (elements).
+    pub count: usize,
+    /// The element type.
+    pub dtype: DType,
+    /// The reduction (`None` for collectives that do not reduce).
+    pub op: Option<ReduceOp>,
+    /// The root (`None` for collectives without one).
+    pub root: Option<usize>,
+    /// The algorithm setting the row ran with.
+    pub algo: String,
+    /// Out of place (`None`: not run, or FerroCCL has no such form).
+    pub oop: Option<Cell>,
+    /// In place (`None`: not run, or FerroCCL has no such form).
+    pub ip: Option<Cell>,
+}
+
+/// The rows of one collective.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollResult {
+    /// The collective.
+    pub coll: Coll,
+    /// Its rows, smallest size first.
+    pub rows: Vec<Row>,
+}
+
+impl CollResult {
+    /// nccl-tests' "Avg bus bandwidth": the mean busbw over every cell of the table.
+    pub fn avg_busbw(&self) -> f64 {
+        let v: Vec<f64> = self.rows.iter().flat_map(|r| [r.oop, r.ip]).flatten().map(|c| c.busbw).collect();
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    }
+
+    /// Wrong elements over every cell.
+    pub fn wrong(&self) -> u64 {
+        self.rows.iter().flat_map(|r| [r.oop, r.ip]).flatten().filter_map(|c| c.wrong).sum()
+    }
+}
+
+/// What a rank measured for one variant: time (us) and wrong elements.
+#[derive(Clone, Copy, Debug, Default)]
+struct Local {
+    time_us: f64,
+    wrong: u64,
+}
+
+/// Context of the sweep on this rank.
+struct Ctx<'a, T> {
+    comm: &'a Communicator,
+    o: &'a Options,
+    pats: &'a Patterns<T>,
+    algo: &'a str,
+}
+
+fn coll_err(comm: &Communicator, coll: Coll, l: &Layout, variant: &str, e: ferroccl::Error) -> Failure {
+    Failure::Collective { rank: comm.rank(), what: format!("{coll} {} B {variant}", l.bytes), source: e }
+}
+
+/// One out-of-place call.
+fn call_oop<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, send: &[T], recv: &mut [T]) -> ferroccl::Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    match coll {
+        Coll::AllReduce => comm.allreduce_into(send, recv, op),
+        Coll::AllGather => comm.allgather(send, recv),
+        Coll::ReduceScatter => comm.reduce_scatter(send, recv, op),
+        Coll::Reduce => comm.reduce(send, recv, op, root),
+        Coll::AllToAll => comm.alltoall(send, recv),
+        Coll::SendRecv => comm.sendrecv(send, (r + 1) % n, recv, (r + n - 1) % n),
+        // No out-of-place form; never called (see Coll::has_out_of_place).
+        Coll::Broadcast => comm.broadcast(recv, root),
+    }
+}
+
+/// One in-place call.
+fn call_ip<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, buf: &mut [T]) -> ferroccl::Result<()> {
+    match coll {
+        Coll::AllReduce => comm.allreduce(buf, op),
+        Coll::AllGather => comm.allgather_in_place(buf),
+        Coll::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
+        Coll::Broadcast => comm.broadcast(buf, root),
+        Coll::Reduce => comm.reduce_in_place(buf, op, root),
+        // No in-place form; never called (see Coll::has_in_place).
+        Coll::AllToAll | Coll::SendRecv => Ok(()),
+    }
+}
+
+/// A value no correct result holds in the checked runs (sums of up to 16 ranks stay within
+/// +-64): receive buffers start with it, so a call that writes nothing is caught.
+fn sentinel<T: Val>() -> T {
+    T::from_small(99)
+}
+
+impl<T: Val> Ctx<'_, T> {
+    /// Fills the out-of-place buffers for a checked (or timed) call.
+    fn fill_oop(&self, send: &mut [T], recv: &mut [T]) {
+        self.pats.fill(self.comm.rank(), send, 0);
+        recv.fill(sentinel());
+    }
+
+    /// Fills the in-place buffer.
+    fn fill_ip(&self, coll: Coll, l: &Layout, buf: &mut [T]) {
+        let r = self.comm.rank();
+        match coll {
+            Coll::AllGather => {
+                buf.fill(sentinel());
+                self.pats.fill(r, &mut buf[r * l.block..(r + 1) * l.block], 0);
+            }
+            _ => self.pats.fill(r, buf, 0),
+        }
+    }
+
+    /// Counts wrong elements of an out-of-place result (after corrupting it if asked).
+    fn check_oop(&self, coll: Coll, l: &Layout, recv: &mut [T]) -> u64 {
+        let (r, n, root) = (self.comm.rank(), self.comm.size(), self.o.root);
+        let p = self.pats;
+        let checked: &mut [T] = match coll {
+            Coll::Reduce if r != root => &mut [],
+            _ => recv,
+        };
+        if self.o.corrupt_rank == Some(r) {
+            corrupt(checked);
+        }
+        let wrong = match coll {
+            Coll::AllReduce | Coll::Reduce => count_wrong(&p.reduced, checked, 0),
+            Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
+            Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
+            Coll::AllToAll => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], r * l.block)).sum(),
+            Coll::SendRecv => count_wrong(&p.inputs[(r + n - 1) % n], checked, 0),
+            Coll::Broadcast => count_wrong(&p.inputs[root], checked, 0),
+        };
+        wrong as u64
+    }
+
+    /// Counts wrong elements of an in-place result (after corrupting it if asked).
+    fn check_ip(&self, coll: Coll, l: &Layout, buf: &mut [T]) -> u64 {
+        let (r, n, root) = (self.comm.rank(), self.comm.size(), self.o.root);
+        let p = self.pats;
+        let checked: &mut [T] = match coll {
+            Coll::Reduce if r != root => &mut [],
+            Coll::ReduceScatter => &mut buf[r * l.block..(r + 1) * l.block],
+            _ => buf,
+        };
+        if self.o.corrupt_rank == Some(r) {
+            corrupt(checked);
+        }
+        let wrong = match coll {
+            Coll::AllReduce | Coll::Reduce => count_wrong(&p.reduced, checked, 0),
+            Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
+            Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
+            Coll::Broadcast => count_wrong(&p.inputs[root], checked, 0),
+            Coll::AllToAll | Coll::SendRecv => 0,
+        };
+        wrong as u64
+    }
+
+    /// Times `iters` calls after `warmup`, between barriers; returns microseconds per call.
+    fn time(&self, mut call: impl FnMut() -> ferroccl::Result<()>) -> ferroccl::Result<f64> {
+        for _ in 0..self.o.warmup {
+            call()?;
+        }
+        self.comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..self.o.iters {
+            call()?;
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / self.o.iters as f64;
+        self.comm.barrier()?;
+        Ok(us)
+    }
+
+    fn run_oop(&self, coll: Coll, l: &Layout, send: &mut [T], recv: &mut [T]) -> Result<Local, Failure> {
+        let (comm, op, root) = (self.comm, self.o.op, self.o.root);
+        let err = |e| coll_err(comm, coll, l, "out-of-place", e);
+        self.fill_oop(send, recv);
+        let time_us = self.time(|| call_oop(comm, coll, op, root, send, recv)).map_err(err)?;
+        let mut wrong = 0;
+        if self.o.check {
+            self.fill_oop(send, recv);
+            call_oop(comm, coll, op, root, send, recv).map_err(err)?;
+            wrong = self.check_oop(coll, l, recv);
+        }
+        Ok(Local { time_us, wrong })
+    }
+
+    fn run_ip(&self, coll: Coll, l: &Layout, buf: &mut [T]) -> Result<Local, Failure> {
+        let (comm, op, root) = (self.comm, self.o.op, self.o.root);
+        let err = |e| coll_err(comm, coll, l, "in-place", e);
+        self.fill_ip(coll, l, buf);
+        let time_us = self.time(|| call_ip(comm, coll, op, root, buf)).map_err(err)?;
+        let mut wrong = 0;
+        if self.o.check {
+            self.fill_ip(coll, l, buf);
+            call_ip(comm, coll, op, root, buf).map_err(err)?;
+            wrong = self.check_ip(coll, l, buf);
+        }
+        Ok(Local { time_us, wrong })
+    }
+
+    /// Runs one row on this rank; rank 0 gets the row (times maxed, wrong summed over ranks).
+    fn row(&self, coll: Coll, size: usize) -> Result<Option<Row>, Failure> {
+        let comm = self.comm;
+        let n = comm.size();
+        let l = coll.layout(size, n, self.o.dtype);
+        let do_oop = coll.has_out_of_place() && self.o.variants != Variants::InPlaceOnly;
+        let do_ip = coll.has_in_place() && self.o.variants != Variants::OutOfPlaceOnly;
+        let mut recv = vec![T::from_small(0); l.recv];
+        let mut oop = None;
+        if do_oop {
+            let mut send = vec![T::from_small(0); l.send];
+            oop = Some(self.run_oop(coll, &l, &mut send, &mut recv)?);
+        }
+        let mut ip = None;
+        if do_ip {
+            // The in-place buffer is the larger of the two (send for reduce_scatter).
+            let mut buf = if l.send > l.recv { vec![T::from_small(0); l.send] } else { recv };
+            ip = Some(self.run_ip(coll, &l, &mut buf)?);
+        }
+        let mine = [
+            oop.map_or(0.0, |c| c.time_us),
+            oop.map_or(0.0, |c| c.wrong as f64),
+            ip.map_or(0.0, |c| c.time_us),
+            ip.map_or(0.0, |c| c.wrong as f64),
+        ];
+        let Some(all) =
+            gather(comm, &mine).map_err(|e| Failure::Collective { rank: comm.rank(), what: "collecting times".into(), source: e })?
+        else {
+            return Ok(None);
+        };
+        let max = |k: usize| all.iter().map(|v| v[k]).fold(0.0, f64::max);
+        let sum = |k: usize| all.iter().map(|v| v[k] as u64).sum::<u64>();
+        let cell = |k: usize| {
+            let time_us = max(k);
+            Cell {
+                time_us,
+                algbw: colls::algbw(l.bytes, time_us),
+                busbw: colls::busbw(coll, n, l.bytes, time_us),
+                wrong: self.o.check.then(|| sum(k + 1)),
+            }
+        };
+        Ok(Some(Row {
+            size: l.bytes,
+            count: l.count,
+            dtype: self.o.dtype,
+            op: coll.reduces().then_some(self.o.op),
+            root: coll.rooted().then_some(self.o.root),
+            algo: self.algo.to_string(),
+            oop: do_oop.then(|| cell(0)),
+            ip: do_ip.then(|| cell(2)),
+        }))
+    }
+}
+
+/// Sends `mine` to rank 0; rank 0 returns every rank's values (its own first).
+pub fn gather(comm: &Communicator, mine: &[f64; 4]) -> ferroccl::Result<Option<Vec<[f64; 4]>>> {
+    if comm.rank() != 0 {
+        comm.send(mine, 0)?;
+        return Ok(None);
+    }
+    let mut all = vec![*mine];
+    for q in 1..comm.size() {
+        let mut v = [0f64; 4];
+        comm.recv(&mut v, q)?;
+        all.push(v);
+    }
+    Ok(Some(all))
+}
+
+/// Runs every collective of the sweep on this rank, printing rows on rank 0 as they come.
+/// Returns the results on rank 0 (empty elsewhere).
+pub fn sweep<T: Val>(comm: &Communicator, o: &Options, algo: &str) -> Result<Vec<CollResult>, Failure> {
+    let pats = Patterns::<T>::new(comm.size(), o.op);
+    let cx = Ctx { comm, o, pats: &pats, algo };
+    let sizes = colls::sweep(o.min_bytes, o.max_bytes, o.factor);
+    let mut results = Vec::new();
+    for &coll in &o.colls {
+        let mut rows = Vec::new();
+        if comm.rank() == 0 {
+            report::print_table_header(coll);
+        }
+        for (i, &size) in sizes.iter().enumerate() {
+            if comm.rank() == 0 {
+                eprintln!("ferroccl-perf: {coll} {} ({}/{})", format_size(size), i + 1, sizes.len());
+            }
+            if let Some(row) = cx.row(coll, size)? {
+                report::print_row(&row);
+                let _ = std::io::stdout().flush();
+                rows.push(row);
+            }
+        }
+        if comm.rank() == 0 {
+            let res = CollResult { coll, rows };
+            report::print_table_footer(&res, o);
+            results.push(res);
+        }
+    }
+    Ok(results)
+}

@@ -1,0 +1,17 @@
+//! The `ferroccl-perf` binary: everything lives in the library (`ferroccl_perf`); see its
+//! crate documentation for the command line, the columns and the formulas.
+#![forbid(unsafe_code)]
+
+fn main() {
+    let mut args = Vec::new();
+    for a in std::env::args_os().skip(1) {
+        match a.into_string() {
+            Ok(s) => args.push(s),
+            Err(a) => {
+                eprintln!("ferroccl-perf: error: argument {a:?} is not valid UTF-8");
+                std::process::exit(2);
+            }
+        }
+    }
+    std::process::exit(ferroccl_perf::main_with_args(&args));
+}

@@ -1,0 +1,165 @@
+//! The binary end to end: real ranks (started by `--ranks`, through ferroccl-run's library),
+//! the table, the check, JSON and SVG output, and command-line errors.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn perf(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferroccl-perf"))
+        .args(args)
+        .env_remove("FERROCCL_RANK")
+        .env_remove("RANK")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .env_remove("SLURM_PROCID")
+        .env("FERROCCL_TIMEOUT", "30")
+        .output()
+        .expect("run ferroccl-perf")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// The table's rows: whitespace-separated fields of the lines that are not comments.
+fn rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferroccl-perf-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn a_corrupted_result_shows_wrong_elements_and_fails() {
+    let o = perf(&["allreduce", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "-c", "1", "--ranks", "2", "--corrupt-rank", "1"]);
+    let (out, err) = text(&o);
+    let rows = rows(&out);
+    assert_eq!(rows.len(), 1, "{out}\n{err}");
+    let r = &rows[0];
+    assert_eq!(&r[..5], ["1024", "256", "f32", "sum", "-1"], "{out}");
+    let (oop, ip): (u64, u64) = (r[8].parse().unwrap(), r[12].parse().unwrap());
+    assert!(oop > 0 && ip > 0, "#wrong must be > 0 in both variants:\n{out}");
+    assert!(out.contains("FAILED"), "{out}");
+    assert!(!o.status.success(), "a run with wrong elements must fail: {:?}\n{err}", o.status);
+    assert!(err.contains("wrong elements"), "{err}");
+}
+
+#[test]
+fn a_clean_run_shows_no_wrong_elements() {
+    let json = tmp("clean.json");
+    let svg = tmp("clean.svg");
+    let o = perf(&[
+        "all",
+        "-b",
+        "8",
+        "-e",
+        "4K",
+        "-f",
+        "8",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-d",
+        "bf16",
+        "--ranks",
+        "3",
+        "--root",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    let rows = rows(&out);
+    // 7 collectives x sizes 8, 64, 512, 4096.
+    assert_eq!(rows.len(), 7 * 4, "{out}");
+    for r in &rows {
+        assert_eq!(r.len(), 14, "{r:?}");
+        for w in [&r[8], &r[12]] {
+            assert!(w == "0" || w == "N/A", "{r:?}");
+        }
+        assert!(r[8] == "0" || r[12] == "0", "every row checks at least one variant: {r:?}");
+    }
+    assert_eq!(out.matches("wrong elements: 0 OK").count(), 7, "{out}");
+    assert!(out.contains("Avg bus bandwidth"), "{out}");
+    assert!(out.contains("ranks 3") && out.contains("transport:") && out.contains("init:"), "{out}");
+    assert!(err.contains("(4/4)"), "progress on stderr: {err}");
+
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["ranks"], 3);
+    assert_eq!(v["dtype"], "bf16");
+    assert!(v["machine"]["nproc"].as_u64().unwrap() >= 1);
+    assert_eq!(v["runs"].as_array().unwrap().len(), 7);
+    assert_eq!(v["runs"][3]["collective"], "broadcast");
+    assert!(v["runs"][3]["rows"][0]["out_of_place"].is_null());
+    assert_eq!(v["runs"][3]["rows"][0]["root"], 2);
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg") && svg_text.contains("<polyline"), "{svg_text}");
+
+    // The JSON overlays as a baseline.
+    let svg2 = tmp("overlay.svg");
+    let o = perf(&[
+        "allreduce",
+        "-b",
+        "8",
+        "-e",
+        "64",
+        "-f",
+        "8",
+        "-n",
+        "1",
+        "-w",
+        "0",
+        "--ranks",
+        "2",
+        "--plot",
+        svg2.to_str().unwrap(),
+        "--baseline",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let overlay = std::fs::read_to_string(&svg2).unwrap();
+    assert!(overlay.contains("stroke-dasharray") && overlay.contains("FerroCCL allreduce bf16"), "{overlay}");
+
+    // `plot` draws results files without running anything.
+    let svg3 = tmp("files.svg");
+    let o = perf(&["plot", svg3.to_str().unwrap(), json.to_str().unwrap()]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let drawn = std::fs::read_to_string(&svg3).unwrap();
+    // 7 collectives: 5 with both variants, alltoall and sendrecv out of place only, broadcast
+    // in place only: 2 + 2 + 2 + 1 + 2 + 1 + 1 = 11 series, each a line in both panels.
+    assert_eq!(drawn.matches("<polyline").count(), 22, "{drawn}");
+    let o = perf(&["plot", svg3.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+}
+
+#[test]
+fn bad_arguments_are_named_and_exit_2() {
+    for (args, want) in [
+        (&["allreduce", "-d", "f7", "--ranks", "2"][..], "-d \"f7\""),
+        (&["allreduce", "-b", "lots"][..], "-b \"lots\""),
+        (&["allreduce", "--plan"][..], "not supported yet (persistent plans come with the progress-engine issue)"),
+        (&["shuffle"][..], "unknown collective \"shuffle\""),
+        (&[][..], "missing the collective"),
+        (&["allreduce", "--ranks", "2", "--plot", "/tmp/x.svg", "--baseline", "/nonexistent/b.json"][..], "--baseline /nonexistent/b.json"),
+    ] {
+        let o = perf(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // Not under a launcher and no --ranks: says how to start it.
+    let o = perf(&["allreduce"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--ranks N"), "{err}");
+}
