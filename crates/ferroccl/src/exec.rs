@@ -6,6 +6,13 @@
 //! schedule that interleaves "post the receive of chunk k+1" before "reduce chunk k"
 //! overlaps communication with computation without any thread of its own.
 //!
+//! Transfers in flight are kept in one queue per (peer, direction), in posting order, and
+//! only the front of each queue is polled (and the ones behind it as long as the front
+//! completes): a stream's messages arrive in order, so the rest could not complete before
+//! the front anyway, except an eager message overtaking a rendezvous one, which then just
+//! waits its turn. Polling everything in flight on every round would cost O(chunks^2) per
+//! call (hundreds of chunks in a large broadcast).
+//!
 //! Memory: the three buffers are registered regions for the whole call (`with_region` in
 //! the caller), so a rendezvous write lands straight in the output or scratch buffer, and
 //! a failed call can never be written into after it returns.
@@ -73,24 +80,29 @@ pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype
     let mut done = vec![false; steps.len()];
     let mut remaining = steps.len();
     let mut next = 0usize;
-    // Transfers in flight: (step index, transfer). Dropped (revoking any lent buffer) when
-    // this function returns, success or not, inside the caller's registrations.
-    let mut active: Vec<(usize, Xfer)> = Vec::new();
+    // Transfers in flight, one FIFO per (peer, direction): (step index, transfer). Dropped
+    // (revoking any lent buffer) when this function returns, success or not, inside the
+    // caller's registrations.
+    let mut queues: Vec<std::collections::VecDeque<(usize, Xfer)>> = (0..2 * comm.size()).map(|_| Default::default()).collect();
+    let mut in_flight = 0usize;
     let waiting: RefCell<Vec<usize>> = RefCell::new(Vec::new());
     if remaining == 0 {
         return Ok(());
     }
     comm.fabric().run_until(cx.op, cx.deadline, &|| waiting.borrow().clone(), || {
         let mut moved = false;
-        let mut i = 0;
-        while i < active.len() {
-            moved |= active[i].1.advance(cx)?;
-            if active[i].1.is_done() {
-                done[active[i].0] = true;
-                remaining -= 1;
-                active.swap_remove(i);
-            } else {
-                i += 1;
+        if in_flight > 0 {
+            for q in queues.iter_mut() {
+                while let Some((step, x)) = q.front_mut() {
+                    moved |= x.advance(cx)?;
+                    if !x.is_done() {
+                        break;
+                    }
+                    done[*step] = true;
+                    remaining -= 1;
+                    in_flight -= 1;
+                    q.pop_front();
+                }
             }
         }
         while next < steps.len() && steps[next].deps.iter().all(|&d| done[d]) {
@@ -99,12 +111,15 @@ pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype
                 Op::Send { peer, src } => {
                     let wpeer = comm.world_rank_checked(*peer)?;
                     let seq = comm.next_coll_seq(true, *peer);
-                    Some(Xfer::Send(SendOp::new(*peer, wpeer, seq, bufs.handle(src.buf).clone(), src.range.start, src.len())))
+                    Some((
+                        2 * *peer + 1,
+                        Xfer::Send(SendOp::new(*peer, wpeer, seq, bufs.handle(src.buf).clone(), src.range.start, src.len())),
+                    ))
                 }
                 Op::Recv { peer, dst } => {
                     let wpeer = comm.world_rank_checked(*peer)?;
                     let seq = comm.next_coll_seq(false, *peer);
-                    Some(Xfer::Recv(RecvOp::new(*peer, wpeer, seq, bufs.handle(dst.buf).clone(), dst.range.start, dst.len())))
+                    Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, wpeer, seq, bufs.handle(dst.buf).clone(), dst.range.start, dst.len()))))
                 }
                 local => {
                     run_local(local, dtype, op, bufs).map_err(|e| Error::invalid(format!("{}: step {next}: {e}", cx.op)))?;
@@ -112,13 +127,15 @@ pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype
                 }
             };
             match started {
-                Some(mut x) => {
+                Some((qi, mut x)) => {
                     x.advance(cx)?;
-                    if x.is_done() {
+                    if x.is_done() && queues[qi].is_empty() {
                         done[next] = true;
                         remaining -= 1;
                     } else {
-                        active.push((next, x));
+                        // Completion is reported in stream order (see the module docs).
+                        queues[qi].push_back((next, x));
+                        in_flight += 1;
                     }
                 }
                 None => {
@@ -130,7 +147,7 @@ pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype
             moved = true;
         }
         if remaining > 0 && !moved {
-            *waiting.borrow_mut() = active.iter().filter_map(|(_, x)| x.waiting_for()).collect();
+            *waiting.borrow_mut() = queues.iter().filter_map(|q| q.front()).filter_map(|(_, x)| x.waiting_for()).collect();
         }
         Ok(poll_of(remaining == 0, moved))
     })
