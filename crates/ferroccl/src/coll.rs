@@ -204,6 +204,24 @@ impl Communicator {
         Ok(len / n)
     }
 
+    /// The algorithm this communicator uses for a call (`"ring"`, `"mesh"`, `"oneshot"` or
+    /// `"chain"`): `FERROCCL_ALGO` where it applies, else the cost model's choice.
+    /// `collective` is `allreduce`, `allgather`, `reduce_scatter`, `broadcast`, `reduce` or
+    /// `alltoall`; `count` means what it means for that call (per rank for allgather,
+    /// reduce_scatter and alltoall).
+    pub fn algorithm_for(&self, collective: &str, dtype: DType, op: ReduceOp, count: usize) -> Result<&'static str> {
+        let coll = match collective {
+            "allreduce" => Collective::AllReduce,
+            "allgather" => Collective::AllGather,
+            "reduce_scatter" => Collective::ReduceScatter,
+            "broadcast" => Collective::Broadcast { root: 0 },
+            "reduce" => Collective::Reduce { root: 0 },
+            "alltoall" => Collective::AllToAll,
+            other => return Err(Error::invalid(format!("algorithm_for: {other:?} is not a collective"))),
+        };
+        Ok(self.pick_algo(coll, dtype, op, count).name())
+    }
+
     /// Reduces `buf` across all ranks, in place: every rank ends with the same result.
     ///
     /// ```no_run

@@ -278,7 +278,17 @@ impl<T: Val> Ctx<'_, T> {
             dtype: self.o.dtype,
             op: coll.reduces().then_some(self.o.op),
             root: coll.rooted().then_some(self.o.root),
-            algo: self.algo.to_string(),
+            algo: if coll == Coll::SendRecv {
+                "p2p".to_string()
+            } else if self.algo == "auto" {
+                let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
+                self.comm
+                    .algorithm_for(coll.name(), self.o.dtype, self.o.op, per_rank)
+                    .map(str::to_string)
+                    .unwrap_or_else(|_| "auto".into())
+            } else {
+                self.algo.to_string()
+            },
             oop: do_oop.then(|| cell(0)),
             ip: do_ip.then(|| cell(2)),
         }))

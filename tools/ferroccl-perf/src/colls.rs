@@ -89,7 +89,7 @@ impl Coll {
     }
 
     /// Whether the buffers are `n` equal blocks (the per-rank count is `size / n`).
-    const fn blocked(self) -> bool {
+    pub const fn blocked(self) -> bool {
         matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
     }
 

@@ -56,8 +56,8 @@
 //!   more call is checked element by element, bit for bit, against the reference computed
 //!   on each rank (inputs are small integers, exact in every dtype and every reduction
 //!   order; see [`data`]); the count is summed over the ranks. `N/A` with `-c 0`.
-//! * **algo**: the algorithm setting (`--algo` / `FERROCCL_ALGO`, else `auto`: the library's
-//!   cost model chooses per call and does not expose its choice).
+//! * **algo**: the algorithm setting (`--algo` / `FERROCCL_ALGO`, else the algorithm the
+//!   library's cost model chose for that size, from `Communicator::algorithm_for`).
 //! * `N/A` cells: the variant was not run, or FerroCCL has no such form (broadcast is in
 //!   place only; alltoall and sendrecv out of place only).
 //!

@@ -61,7 +61,7 @@ pub fn print_job_header(info: &JobInfo, o: &Options) {
     println!("#  transport: {}", info.transport_summary());
     println!("#  init: {:.1} ms (slowest rank; mesh setup {:.1} ms on rank 0)", info.init_ms, info.setup_ms);
     if info.algo == "auto" {
-        println!("#  algorithm: auto (the library's cost model picks per call; it does not expose its choice, so the algo column shows the setting)");
+        println!("#  algorithm: auto (the library's cost model picks per call; the algo column shows its choice)");
     } else {
         println!("#  algorithm: {} (FERROCCL_ALGO; collectives without a {} variant keep the cost model's choice)", info.algo, info.algo);
     }
