@@ -30,7 +30,8 @@ done
 mkdir -p /lower /rw /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot /lower \
     || { echo "softroce-vm: mounting the host's / over virtio-9p FAILED"; finish 125; }
-# Writes in the guest go to a tmpfs and are lost at power-off.
+# Writes in the guest go to a tmpfs (the overlay's upper layer) and are lost at power-off;
+# the host's files, /tmp included, stay visible (test binaries may live anywhere).
 mount -t tmpfs -o mode=755 tmpfs /rw
 mkdir -p /rw/upper /rw/work
 mount -t overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work overlay /host \
@@ -42,7 +43,6 @@ mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
 mount -t tmpfs tmpfs /host/dev/shm
 mount -t tmpfs tmpfs /host/run
-mount -t tmpfs tmpfs /host/tmp
 hostname softroce-vm
 
 chroot /host /usr/bin/env -i HOME=/root LANG=C.UTF-8 \

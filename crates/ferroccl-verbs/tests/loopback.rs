@@ -228,9 +228,7 @@ fn bad_arguments_are_errors() {
     let e = unsafe { p.a.post_write(8, mr.local(0..32).unwrap(), remote, true) };
     assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
     // A GID index past the table is refused with a message.
-    let (dev, _) = device().unwrap();
-    let ctx = Context::open(&dev).unwrap();
-    let cq = ctx.create_cq(4).unwrap();
+    let cq = p.pd.context().create_cq(4).unwrap();
     let qp = p.pd.create_rc_qp(&cq, &cq, &QpOptions { gid_index: 250, ..QpOptions::default() }).unwrap();
     assert!(matches!(qp.info(), Err(Error::InvalidArgument(_)) | Err(Error::Verb { .. })));
 }
