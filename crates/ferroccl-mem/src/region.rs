@@ -133,6 +133,10 @@ struct State {
     valid: bool,
     active: Vec<Active>,
     next_ticket: u64,
+    /// Threads blocked on `changed`. A notification costs a system call even with nobody
+    /// waiting, so releases notify only when this is non-zero (it is read and changed
+    /// under the same mutex the waiters sleep on, so no wake-up is lost).
+    waiters: usize,
 }
 
 struct Inner {
@@ -210,8 +214,11 @@ impl Drop for AccessGuard<'_> {
         if let Some(i) = st.active.iter().position(|a| a.ticket == self.ticket) {
             st.active.swap_remove(i);
         }
+        let notify = st.waiters > 0;
         drop(st);
-        self.inner.changed.notify_all();
+        if notify {
+            self.inner.changed.notify_all();
+        }
     }
 }
 
@@ -223,9 +230,13 @@ impl Drop for EndRegistration<'_> {
     fn drop(&mut self) {
         let mut st = lock(&self.0.state);
         st.valid = false;
-        self.0.changed.notify_all();
+        if st.waiters > 0 {
+            self.0.changed.notify_all();
+        }
         while !st.active.is_empty() {
+            st.waiters += 1;
             st = self.0.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
+            st.waiters -= 1;
         }
     }
 }
@@ -239,7 +250,7 @@ impl RegionHandle {
                 len,
                 writable,
                 owned,
-                state: Mutex::new(State { valid: true, active: Vec::new(), next_ticket: 0 }),
+                state: Mutex::new(State { valid: true, active: Vec::new(), next_ticket: 0, waiters: 0 }),
                 changed: Condvar::new(),
             }),
         }
@@ -311,7 +322,9 @@ impl RegionHandle {
                 None => break,
                 Some(a) if a.thread == me => return Err(RegionError::Reentrant { offset, len }),
                 Some(_) => {
+                    st.waiters += 1;
                     st = inner.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
+                    st.waiters -= 1;
                     if !st.valid {
                         return Err(RegionError::Gone);
                     }
