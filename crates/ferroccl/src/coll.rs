@@ -128,8 +128,7 @@ impl Communicator {
                 return a;
             }
         }
-        let tcp = (0..self.size()).any(|r| self.transport_to(r) == Some("tcp"));
-        let link = if tcp { TCP_LINK } else { SHM_LINK };
+        let link = if self.any_tcp() { TCP_LINK } else { SHM_LINK };
         let bytes = count.saturating_mul(dtype.size());
         select::choose(coll, self.size(), bytes, dtype, op, link)
     }
@@ -157,7 +156,7 @@ impl Communicator {
             ProtoChoice::Eager => usize::MAX,
             ProtoChoice::Rendezvous => 0,
         };
-        self.run_op(|| {
+        self.run(|| {
             let mut cx = self.ctx(CHAN_COLL, &op_name, desc);
             cx.eager_max = eager_max;
             let scratch = self.scratch().get(sched.scratch_bytes);

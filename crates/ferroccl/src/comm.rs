@@ -62,6 +62,9 @@ pub struct Communicator {
     splits: Mutex<u32>,
     op_lock: Mutex<()>,
     scratch: ScratchCache,
+    /// Whether any member is reached over tcp (fixed with the membership; the cost model
+    /// reads it on every collective).
+    any_tcp: bool,
 }
 
 /// Counts inits per (store, job token, world size, rank) so that several communicators in
@@ -151,8 +154,10 @@ impl Communicator {
             }
             eprintln!("ferroccl: rank {} connected in {:?}", fabric.rank, fabric.setup_time);
         }
-        let members = (0..cfg.world_size).collect();
+        let members: Vec<usize> = (0..cfg.world_size).collect();
+        let any_tcp = members.iter().any(|&w| fabric.transport_name(w) == "tcp");
         Ok(Communicator {
+            any_tcp,
             fabric: Arc::new(fabric),
             id: 0,
             rank: cfg.rank,
@@ -194,6 +199,11 @@ impl Communicator {
         self.fabric.setup_time
     }
 
+    /// Whether any member is reached over tcp.
+    pub(crate) fn any_tcp(&self) -> bool {
+        self.any_tcp
+    }
+
     pub(crate) fn scratch(&self) -> &ScratchCache {
         &self.scratch
     }
@@ -210,12 +220,6 @@ impl Communicator {
     /// The next sequence number of the collectives' stream with member `peer`.
     pub(crate) fn next_coll_seq(&self, send: bool, peer: usize) -> u32 {
         self.next_seq(send, crate::proto::CHAN_COLL, peer)
-    }
-
-    /// Runs a whole collective call: serialised with the communicator's other calls, and an
-    /// error after its checks is fatal for the fabric.
-    pub(crate) fn run_op<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        self.run(f)
     }
 
     /// The blocking-call deadline (`FERROCCL_TIMEOUT`).
@@ -314,8 +318,9 @@ impl Communicator {
         self.recv_bytes_then(chan, peer, buf, op, || Ok(()))
     }
 
-    /// Runs one whole operation: an error after its checks is fatal for the fabric.
-    fn run<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    /// Runs one whole operation (point-to-point or collective), serialised with the
+    /// communicator's other calls: an error after its checks is fatal for the fabric.
+    pub(crate) fn run<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
         f().map_err(|e| self.fabric.poison(e))
     }
@@ -425,7 +430,9 @@ impl Communicator {
         let members: Vec<usize> = group.iter().map(|&(_, p)| self.members[p]).collect();
         let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::invalid("internal: split lost this rank"))?;
         let id = fnv(&[u64::from(self.id), u64::from(count), u64::from(c)]).max(1);
+        let any_tcp = members.iter().any(|&w| self.fabric.transport_name(w) == "tcp");
         Ok(Some(Communicator {
+            any_tcp,
             fabric: self.fabric.clone(),
             id,
             rank,
@@ -445,11 +452,5 @@ impl Communicator {
             self.fabric.close();
         }
         r
-    }
-
-    /// Number of times a waiter slept on its doorbell (diagnostics).
-    #[doc(hidden)]
-    pub fn debug_wakeups(&self) -> u64 {
-        self.fabric.wakeups()
     }
 }

@@ -13,7 +13,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -290,7 +290,6 @@ pub(crate) struct Fabric {
     /// Kept alive: peers probe cross-memory attach by reading it.
     _probe: Box<[u8; 64]>,
     pub(crate) setup_time: Duration,
-    wakeups: AtomicU64,
 }
 
 fn unique_suffix() -> String {
@@ -477,7 +476,6 @@ impl Fabric {
             told_peers: AtomicBool::new(false),
             _probe: probe,
             setup_time: Duration::ZERO,
-            wakeups: AtomicU64::new(0),
         };
 
         // Say hello to every shm peer, then wait for theirs: proof that each has mapped our
@@ -546,16 +544,12 @@ impl Fabric {
     /// for the fabric.
     pub(crate) fn progress(&self) -> Result<()> {
         if let Some(shm) = &self.local_shm {
-            let peers: Vec<(usize, &ShmEndpoint)> = self
-                .endpoints
-                .iter()
-                .enumerate()
-                .filter_map(|(p, e)| match e {
-                    Some(Endpoint::Shm(ep)) => Some((p, ep)),
-                    _ => None,
-                })
-                .collect();
-            match shm.drain(&peers, &self.shared) {
+            // Called on every round of every wait: no allocation here.
+            let peers = self.endpoints.iter().enumerate().filter_map(|(p, e)| match e {
+                Some(Endpoint::Shm(ep)) => Some((p, ep)),
+                _ => None,
+            });
+            match shm.drain(peers, &self.shared) {
                 // Something arrived: another thread of this process may be waiting for it.
                 Ok(true) => self.shared.notify(),
                 Ok(false) => {}
@@ -576,20 +570,22 @@ impl Fabric {
     /// stop at once if the fabric has failed.
     pub(crate) fn pump(&self, op: &str) -> Result<()> {
         let _ = self.progress();
-        self.check_health(false);
+        self.check_health(Instant::now());
         match self.fatal_error(op) {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
 
-    fn check_health(&self, force: bool) {
+    /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
+    /// caller's clock reading, so a wait loop reads the clock once per round.
+    fn check_health(&self, now: Instant) {
         {
             let mut at = self.health_at.lock().unwrap_or_else(|e| e.into_inner());
-            if !force && at.elapsed() < Duration::from_millis(2) {
+            if now.saturating_duration_since(*at) < Duration::from_millis(2) {
                 return;
             }
-            *at = Instant::now();
+            *at = now;
         }
         if self.watches.is_empty() {
             return;
@@ -713,8 +709,8 @@ impl Fabric {
                 Ok(Poll::Idle) => {}
                 Err(e) => return Err(self.poison(e)),
             }
-            self.check_health(false);
             let now = Instant::now();
+            self.check_health(now);
             if now >= deadline {
                 let e = Error::Timeout {
                     rank: self.rank,
@@ -743,14 +739,8 @@ impl Fabric {
         let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
         if !nap.is_zero() {
             let _ = futex_wait(bell.word(), seen, Some(nap));
-            self.wakeups.fetch_add(1, Ordering::Relaxed);
         }
         bell.sleeping().fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// How often a waiter slept on the doorbell.
-    pub(crate) fn wakeups(&self) -> u64 {
-        self.wakeups.load(Ordering::Relaxed)
     }
 
     /// Says goodbye to every peer and tears the mesh down. Idempotent.

@@ -41,14 +41,13 @@
 //! `docs/algorithms.md` lists every algorithm's steps, bytes on the wire, reduction order and
 //! scratch.
 
-#![allow(dead_code)]
-
 mod chain;
 mod mesh;
 mod oneshot;
 mod plan;
 mod ring;
 pub(crate) mod select;
+#[cfg(test)]
 pub(crate) mod sim;
 #[cfg(test)]
 mod tests;

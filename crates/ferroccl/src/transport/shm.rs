@@ -214,11 +214,11 @@ impl LocalShm {
 
     /// Drains the ring of every sender in `peers` (world rank, endpoint), handing records to
     /// `shared`. Returns whether anything was consumed.
-    pub(crate) fn drain(&self, peers: &[(usize, &ShmEndpoint)], shared: &Shared) -> Result<bool> {
+    pub(crate) fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, shared: &Shared) -> Result<bool> {
         let mut heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
         let mut any = false;
         let r = self.ring_bytes as u64;
-        for &(peer, ep) in peers {
+        for (peer, ep) in peers {
             let base = ring_off(peer, self.ring_bytes);
             let mut tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
