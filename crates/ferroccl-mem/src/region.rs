@@ -69,6 +69,7 @@
 //! deadlock, which the transports avoid by holding one range at a time.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -243,6 +244,10 @@ impl Drop for EndRegistration<'_> {
 
 impl RegionHandle {
     fn new(base: NonNull<u8>, len: usize, writable: bool, owned: bool) -> RegionHandle {
+        Self::with_validity(base, len, writable, owned, true)
+    }
+
+    fn with_validity(base: NonNull<u8>, len: usize, writable: bool, owned: bool, valid: bool) -> RegionHandle {
         RegionHandle {
             inner: Arc::new(Inner {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -250,7 +255,7 @@ impl RegionHandle {
                 len,
                 writable,
                 owned,
-                state: Mutex::new(State { valid: true, active: Vec::new(), next_ticket: 0, waiters: 0 }),
+                state: Mutex::new(State { valid, active: Vec::new(), next_ticket: 0, waiters: 0 }),
                 changed: Condvar::new(),
             }),
         }
@@ -422,6 +427,143 @@ pub fn with_region_ro<R>(buf: &[u8], f: impl FnOnce(&RegionHandle) -> R) -> R {
     let handle = RegionHandle::new(NonNull::from(buf).cast::<u8>(), buf.len(), false, false);
     let _end = EndRegistration(&handle.inner);
     f(&handle)
+}
+
+/// A scope in which buffers borrowed for the scope's whole life can be registered one by
+/// one; every registration made in it ends when [`region_scope`] returns.
+///
+/// This is [`with_region`] for a number of buffers that is not known up front (one per
+/// non-blocking operation): like `std::thread::scope`, the end of the scope, not any
+/// handle's `Drop`, ends validity, so leaking a handle cannot extend it.
+pub struct RegionScope<'scope, 'env: 'scope> {
+    regs: Mutex<Vec<RegionHandle>>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl fmt::Debug for RegionScope<'_, '_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.regs.lock().unwrap_or_else(PoisonError::into_inner).len();
+        f.debug_struct("RegionScope").field("registrations", &n).finish()
+    }
+}
+
+/// Ends every registration of a scope (also on unwind).
+struct EndScope<'a>(&'a Mutex<Vec<RegionHandle>>);
+
+impl Drop for EndScope<'_> {
+    fn drop(&mut self) {
+        let regs = std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner));
+        for h in &regs {
+            drop(EndRegistration(&h.inner));
+        }
+    }
+}
+
+/// Runs `f` with a [`RegionScope`]; when `f` returns (or unwinds), every registration made
+/// through the scope ends, and this waits until no access to any of them is in progress.
+///
+/// ```
+/// use ferroccl_mem::region::region_scope;
+///
+/// let (mut a, mut b) = (vec![0u8; 4], vec![0u8; 4]);
+/// let kept = region_scope(|s| {
+///     let ha = s.register(&mut a);
+///     let hb = s.register(&mut b);
+///     ha.write_at(0, b"abcd").unwrap();
+///     hb.write_at(0, b"efgh").unwrap();
+///     ha
+/// });
+/// assert!(!kept.is_valid());
+/// assert_eq!((&a[..], &b[..]), (&b"abcd"[..], &b"efgh"[..]));
+/// ```
+pub fn region_scope<'env, R>(f: impl for<'scope> FnOnce(&'scope RegionScope<'scope, 'env>) -> R) -> R {
+    let scope = RegionScope { regs: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
+    let _end = EndScope(&scope.regs);
+    f(&scope)
+}
+
+impl<'scope> RegionScope<'scope, '_> {
+    /// Registers `buf` (borrowed until the scope ends) for reading and writing.
+    pub fn register(&'scope self, buf: &'scope mut [u8]) -> RegionHandle {
+        let len = buf.len();
+        let h = RegionHandle::new(NonNull::from(buf).cast::<u8>(), len, true, false);
+        self.regs.lock().unwrap_or_else(PoisonError::into_inner).push(h.clone());
+        h
+    }
+
+    /// Registers `buf` (borrowed until the scope ends) read-only.
+    pub fn register_ro(&'scope self, buf: &'scope [u8]) -> RegionHandle {
+        let h = RegionHandle::new(NonNull::from(buf).cast::<u8>(), buf.len(), false, false);
+        self.regs.lock().unwrap_or_else(PoisonError::into_inner).push(h.clone());
+        h
+    }
+}
+
+/// A persistent registration of a borrowed buffer (a persistent plan's): the handle, its id
+/// and address stay the same for the registration's life, but it is valid only inside
+/// [`Registration::active`], so nothing can reach the memory between activations, and
+/// leaking the `Registration` leaves it invalid. Between activations the owner reads and
+/// writes the buffer through [`Registration::bytes`] / [`Registration::bytes_mut`].
+pub struct Registration<'a> {
+    handle: RegionHandle,
+    _buf: PhantomData<&'a mut [u8]>,
+}
+
+impl fmt::Debug for Registration<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration").field("handle", &self.handle).finish()
+    }
+}
+
+impl<'a> Registration<'a> {
+    /// Registers `buf` for reading and writing (inactive until [`Registration::active`]).
+    pub fn new(buf: &'a mut [u8]) -> Registration<'a> {
+        let len = buf.len();
+        Registration { handle: RegionHandle::with_validity(NonNull::from(buf).cast::<u8>(), len, true, false, false), _buf: PhantomData }
+    }
+
+    /// Registers `buf` read-only (inactive until [`Registration::active`]).
+    pub fn new_ro(buf: &'a [u8]) -> Registration<'a> {
+        let len = buf.len();
+        Registration { handle: RegionHandle::with_validity(NonNull::from(buf).cast::<u8>(), len, false, false, false), _buf: PhantomData }
+    }
+
+    /// The handle (invalid outside [`Registration::active`]); its id and address are fixed.
+    pub fn handle(&self) -> &RegionHandle {
+        &self.handle
+    }
+
+    /// Makes the handle valid for the duration of `f`; when `f` returns (or unwinds), ends
+    /// validity and waits until no access is in progress.
+    pub fn active<R>(&mut self, f: impl FnOnce(&RegionHandle) -> R) -> R {
+        lock(&self.handle.inner.state).valid = true;
+        let _end = EndRegistration(&self.handle.inner);
+        f(&self.handle)
+    }
+
+    /// The buffer, read between activations.
+    pub fn bytes(&self) -> &[u8] {
+        let inner = &*self.handle.inner;
+        // SAFETY: `base`/`len` come from a `&'a [u8]` or `&'a mut [u8]` that this
+        // registration holds (by `PhantomData`) for `'a`. Outside `active` (which needs
+        // `&mut self`, so it cannot run while this borrow of `self` lives) the handle is
+        // invalid, so no access through any clone of it can create a slice: this shared
+        // view is the only one.
+        unsafe { std::slice::from_raw_parts(inner.base.as_ptr(), inner.len) }
+    }
+
+    /// The buffer, written between activations; fails on a read-only registration.
+    pub fn bytes_mut(&mut self) -> Result<&mut [u8], RegionError> {
+        let inner = &*self.handle.inner;
+        if !inner.writable {
+            return Err(RegionError::ReadOnly);
+        }
+        // SAFETY: as in `bytes`, and the registration came from a `&'a mut [u8]`
+        // (`writable`), which gives exclusive access for `'a`; `&mut self` keeps `active`
+        // and `bytes` from running while this slice lives.
+        Ok(unsafe { std::slice::from_raw_parts_mut(inner.base.as_ptr(), inner.len) })
+    }
 }
 
 #[cfg(test)]

@@ -8,16 +8,16 @@
 //! differently (another collective, dtype, op, count, root, algorithm or protocol) fail with
 //! an error that shows both calls.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::select::{self, LinkCost};
-use crate::algo::{self, Algo, Collective, Shape};
-use crate::comm::Communicator;
+use crate::algo::{self, Algo, Collective, Schedule, Shape};
+use crate::comm::{Communicator, PartBufs};
+use crate::engine::{Job, Part};
 use crate::error::{Error, Result};
-use crate::exec::{self, Buffers};
 use crate::params::ProtoChoice;
 use crate::proto::{Desc, CHAN_COLL, NO_DESC};
 
@@ -91,33 +91,72 @@ pub(crate) fn describe(d: &Desc) -> String {
     )
 }
 
-/// Reusable scratch memory of a communicator (grown on demand).
+/// Scratch memory of a communicator: a small pool, so that operations in flight together
+/// each have their own, and repeated calls reuse it.
 #[derive(Debug, Default)]
-pub(crate) struct ScratchCache(Mutex<Option<RegionHandle>>);
+pub(crate) struct ScratchCache {
+    pool: Mutex<Vec<RegionHandle>>,
+    empty: Mutex<Option<RegionHandle>>,
+}
+
+/// Buffers kept in the pool at most.
+const POOL: usize = 8;
 
 impl ScratchCache {
-    fn get(&self, len: usize) -> RegionHandle {
-        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        match &*g {
-            Some(h) if h.len() >= len => h.clone(),
-            _ => {
-                let h = RegionHandle::owned(len);
-                *g = Some(h.clone());
-                h
+    /// A scratch region of at least `len` bytes, owned by the caller until [`Self::put`].
+    pub(crate) fn get(&self, len: usize) -> RegionHandle {
+        if len == 0 {
+            return self.empty();
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        // The smallest that fits.
+        let best = pool.iter().enumerate().filter(|(_, h)| h.len() >= len).min_by_key(|(_, h)| h.len()).map(|(i, _)| i);
+        match best {
+            Some(i) => pool.swap_remove(i),
+            None => RegionHandle::owned(len),
+        }
+    }
+
+    /// Gives a region from [`Self::get`] back.
+    pub(crate) fn put(&self, h: RegionHandle) {
+        if h.is_empty() {
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(h);
+        if pool.len() > POOL {
+            // Drop the smallest.
+            if let Some(i) = pool.iter().enumerate().min_by_key(|(_, h)| h.len()).map(|(i, _)| i) {
+                pool.swap_remove(i);
             }
         }
+    }
+
+    /// A zero-length region (for schedules that need none).
+    pub(crate) fn empty(&self) -> RegionHandle {
+        self.empty.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(|| RegionHandle::owned(0)).clone()
     }
 }
 
 /// The element-type-free description of one call.
-struct Call<'a> {
-    coll: Collective,
-    dtype: DType,
-    op: ReduceOp,
-    count: usize,
+pub(crate) struct Call<'a> {
+    pub(crate) coll: Collective,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) count: usize,
     /// `None`: in place (one buffer, `output`).
-    input: Option<&'a [u8]>,
-    output: &'a mut [u8],
+    pub(crate) input: Option<&'a [u8]>,
+    pub(crate) output: &'a mut [u8],
+}
+
+/// A call's schedule and identity, before buffers are attached.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(crate) name: String,
+    pub(crate) desc: Desc,
+    pub(crate) sched: Arc<Schedule>,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
 }
 
 impl Communicator {
@@ -133,45 +172,41 @@ impl Communicator {
         select::choose(coll, self.size(), bytes, dtype, op, link)
     }
 
-    fn collective(&self, name: &str, call: Call<'_>) -> Result<()> {
-        let Call { coll, dtype, op, count, input, output } = call;
+    /// Picks the algorithm and builds this rank's schedule. Errors here leave the
+    /// communicator usable.
+    pub(crate) fn prepare(&self, name: &str, coll: Collective, dtype: DType, op: ReduceOp, count: usize, in_place: bool) -> Result<Prepared> {
         let p = &self.fabric().params;
         let algo = self.pick_algo(coll, dtype, op, count);
-        let shape = Shape {
-            coll,
-            n: self.size(),
-            rank: self.rank(),
-            count,
-            dtype,
-            op,
-            chunk_bytes: p.chunk_bytes,
-            in_place: input.is_none(),
-            slots: p.slots,
-        };
+        let shape = Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
         let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
         let desc = encode_desc(&shape, algo, p.proto);
-        let op_name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
-        let eager_max = match p.proto {
-            ProtoChoice::Auto => p.eager_max,
-            ProtoChoice::Eager => usize::MAX,
-            ProtoChoice::Rendezvous => 0,
-        };
-        self.run(|| {
-            let mut cx = self.ctx(CHAN_COLL, &op_name, desc);
-            cx.eager_max = eager_max;
-            let scratch = self.scratch().get(sched.scratch_bytes);
-            with_region(output, |out| {
-                let r = match input {
-                    Some(i) => with_region_ro(i, |inp| {
-                        exec::execute(self, &cx, &sched, dtype, op, &Buffers { input: Some(inp), output: out, scratch: &scratch })
-                    }),
-                    None => exec::execute(self, &cx, &sched, dtype, op, &Buffers { input: None, output: out, scratch: &scratch }),
-                };
-                self.fabric().deregister(out.id());
-                self.fabric().deregister(scratch.id());
-                r
-            })
-        })
+        let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
+        self.check_usable(&name)?;
+        Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op })
+    }
+
+    /// The part running `prep` over registered buffers (`input: None`: in place).
+    pub(crate) fn coll_part(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Part {
+        let bufs = PartBufs { dtype: prep.dtype, op: prep.op, input, output, scratch };
+        self.part(prep.name, CHAN_COLL, prep.desc, prep.sched, bufs)
+    }
+
+    fn collective(&self, name: &str, call: Call<'_>) -> Result<()> {
+        let Call { coll, dtype, op, count, input, output } = call;
+        let prep = self.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let scratch = self.scratch().get(prep.sched.scratch_bytes);
+        let r = with_region(output, |out| match input {
+            Some(i) => with_region_ro(i, |inp| self.run_coll(prep, Some(inp.clone()), out.clone(), scratch.clone())),
+            None => self.run_coll(prep, None, out.clone(), scratch.clone()),
+        });
+        self.scratch().put(scratch);
+        r
+    }
+
+    fn run_coll(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Result<()> {
+        let job = Job::new(self.job_body(vec![self.coll_part(prep, input, output, scratch)], true));
+        self.submit(&job, true, false)?;
+        self.wait_job(&job)
     }
 
     fn check_root(&self, name: &str, root: usize) -> Result<()> {

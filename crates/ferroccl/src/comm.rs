@@ -5,17 +5,19 @@ use std::net::ToSocketAddrs;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, Element};
-use ferroccl_mem::region::{with_region, with_region_ro};
+use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::coll::ScratchCache;
 use crate::error::{Error, Result};
+use crate::algo::{Buf, Op, Schedule, Slice, Step};
+use crate::engine::{Job, JobBody, Part};
+use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig, Poll};
-use crate::p2p::{Ctx, RecvOp, SendOp};
-use crate::params::Params;
-use crate::proto::{Desc, CHAN_INTERNAL, CHAN_USER, NO_DESC};
+use crate::params::{Params, ProtoChoice};
+use crate::proto::{Desc, CHAN_COLL, CHAN_INTERNAL, CHAN_USER, NO_DESC};
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -36,11 +38,24 @@ impl From<LaunchEnv> for InitConfig {
     }
 }
 
-/// Sequence numbers of one communicator's ordered streams.
-#[derive(Debug, Default)]
-struct Seqs {
-    send: HashMap<(u8, usize), u32>,
-    recv: HashMap<(u8, usize), u32>,
+/// Next sequence number of each ordered stream of one communicator: (channel, direction,
+/// peer), flattened.
+#[derive(Debug)]
+pub(crate) struct Seqs(Vec<u32>);
+
+impl Seqs {
+    fn new(n: usize) -> Seqs {
+        Seqs(vec![0; 3 * 2 * n])
+    }
+
+    /// Takes the next number of the stream (`chan`, send or receive, `peer`).
+    pub(crate) fn next(&mut self, chan: u8, send: bool, peer: usize) -> u32 {
+        let n = self.0.len() / 6;
+        let i = (usize::from(chan.min(2)) * 2 + usize::from(send)) * n + peer.min(n.saturating_sub(1));
+        let v = self.0[i];
+        self.0[i] = v.wrapping_add(1);
+        v
+    }
 }
 
 /// A group of ranks: the world (from [`Communicator::init`]) or a part of it (from
@@ -50,17 +65,22 @@ struct Seqs {
 /// (there are no tags). Every blocking call gives up after `FERROCCL_TIMEOUT` and fails
 /// promptly, naming the rank, if a peer dies.
 ///
-/// Calls on one communicator are serialised internally; it is `Send + Sync`.
+/// Every call is submitted to the fabric's progress engine (see [`crate::engine`] in the
+/// docs of [`Communicator::scope`]) and the blocking ones wait for it; the communicator is
+/// `Send + Sync`. Calls made from several threads at once on one communicator are ordered
+/// by whoever gets there first, so every rank must issue them in the same order: order them
+/// yourself (as with NCCL streams).
 #[derive(Debug)]
 pub struct Communicator {
     fabric: Arc<Fabric>,
     id: u32,
     rank: usize,
     /// World rank of each member.
-    members: Vec<usize>,
+    members: Arc<[usize]>,
+    /// Stream positions; held while a job is numbered and submitted, so that jobs enter the
+    /// engine in the order their sequence numbers say.
     seqs: Mutex<Seqs>,
     splits: Mutex<u32>,
-    op_lock: Mutex<()>,
     scratch: ScratchCache,
     /// Whether any member is reached over tcp (fixed with the membership; the cost model
     /// reads it on every collective).
@@ -154,17 +174,16 @@ impl Communicator {
             }
             eprintln!("ferroccl: rank {} connected in {:?}", fabric.rank, fabric.setup_time);
         }
-        let members: Vec<usize> = (0..cfg.world_size).collect();
+        let members: Arc<[usize]> = (0..cfg.world_size).collect();
         let any_tcp = members.iter().any(|&w| fabric.transport_name(w) == "tcp");
         Ok(Communicator {
             any_tcp,
             fabric: Arc::new(fabric),
             id: 0,
             rank: cfg.rank,
+            seqs: Mutex::new(Seqs::new(members.len())),
             members,
-            seqs: Mutex::default(),
             splits: Mutex::new(0),
-            op_lock: Mutex::new(()),
             scratch: ScratchCache::default(),
         })
     }
@@ -208,27 +227,17 @@ impl Communicator {
         &self.scratch
     }
 
-    pub(crate) fn fabric(&self) -> &Fabric {
+    pub(crate) fn fabric(&self) -> &Arc<Fabric> {
         &self.fabric
     }
 
-    /// The world rank of member `peer`, which must not be this rank.
-    pub(crate) fn world_rank_checked(&self, peer: usize) -> Result<usize> {
-        self.peer_world(peer, "collective")
-    }
-
-    /// The next sequence number of the collectives' stream with member `peer`.
-    pub(crate) fn next_coll_seq(&self, send: bool, peer: usize) -> u32 {
-        self.next_seq(send, crate::proto::CHAN_COLL, peer)
+    pub(crate) fn members(&self) -> &Arc<[usize]> {
+        &self.members
     }
 
     /// The blocking-call deadline (`FERROCCL_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
         self.fabric.params.timeout
-    }
-
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.fabric.params.timeout
     }
 
     fn peer_world(&self, peer: usize, op: &str) -> Result<usize> {
@@ -240,89 +249,106 @@ impl Communicator {
         })
     }
 
-    fn next_seq(&self, send: bool, chan: u8, peer: usize) -> u32 {
-        let mut s = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
-        let m = if send { &mut s.send } else { &mut s.recv };
-        let v = m.entry((chan, peer)).or_insert(0);
-        let out = *v;
-        *v = v.wrapping_add(1);
-        out
-    }
-
     /// Everything that can be checked before a byte goes on the wire; errors here leave the
     /// communicator usable.
     fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
         let wpeer = self.peer_world(peer, op)?;
         self.fabric.endpoint(wpeer)?;
-        if let Some(e) = self.fabric.fatal_error(op) {
-            return Err(e);
-        }
+        self.check_usable(op)?;
         Ok(wpeer)
     }
 
-    /// The context transfers of this communicator run in.
-    pub(crate) fn ctx<'a>(&'a self, chan: u8, op: &'a str, desc: Desc) -> Ctx<'a> {
-        Ctx {
-            fabric: &self.fabric,
-            comm: self.id,
-            chan,
-            rank: self.rank,
-            op,
-            deadline: self.deadline(),
-            desc,
-            describe: crate::coll::describe,
-            eager_max: self.fabric.params.eager_max,
+    /// The fabric's fatal error (or abort), as seen by a new call `op`.
+    pub(crate) fn check_usable(&self, op: &str) -> Result<()> {
+        match self.fabric.fatal_error(op) {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
-    /// Sends to a member already checked by [`Communicator::check_peer`]. Any error is
-    /// fatal (the caller poisons).
-    fn send_bytes(&self, chan: u8, peer: usize, data: &[u8], op: &str) -> Result<()> {
-        let wpeer = self.check_peer(peer, op)?;
-        let seq = self.next_seq(true, chan, peer);
-        let cx = self.ctx(chan, op, NO_DESC);
-        with_region_ro(data, |src| {
-            let mut s = SendOp::new(peer, wpeer, seq, src.clone(), 0, data.len());
-            self.fabric.run_until(op, cx.deadline, &|| vec![wpeer], || {
-                let moved = s.advance(&cx)?;
-                Ok(poll_of(s.is_done(), moved))
-            })
-            // `s` drops here, inside the registration: a lent pull slot is revoked first.
-        })
+    /// A part of a job: one schedule over one set of buffers, on channel `chan`.
+    pub(crate) fn part(&self, name: String, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
+        let p = &self.fabric.params;
+        let eager_max = match (chan, p.proto) {
+            (CHAN_COLL, ProtoChoice::Eager) => usize::MAX,
+            (CHAN_COLL, ProtoChoice::Rendezvous) => 0,
+            _ => p.eager_max,
+        };
+        let mut exec = Exec::default();
+        exec.reset(sched.steps.len(), self.size());
+        Part {
+            name,
+            chan,
+            desc,
+            eager_max,
+            seqs: Vec::with_capacity(sched.steps.len()),
+            sched,
+            dtype: bufs.dtype,
+            op: bufs.op,
+            input: bufs.input,
+            output: bufs.output,
+            scratch: bufs.scratch,
+            exec,
+            finished: false,
+        }
     }
 
-    /// Receives from a member already checked, running `between` once the receive is ready
-    /// (its clear-to-send posted) and before waiting for the data: `sendrecv` sends there,
-    /// so no pattern of sendrecvs can deadlock. Any error is fatal (the caller poisons).
-    fn recv_bytes_then(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str, between: impl FnOnce() -> Result<()>) -> Result<()> {
-        let wpeer = self.check_peer(peer, op)?;
-        let seq = self.next_seq(false, chan, peer);
-        let cx = self.ctx(chan, op, NO_DESC);
-        let len = buf.len();
-        with_region(buf, |dst| {
-            let mut r = RecvOp::new(peer, wpeer, seq, dst.clone(), 0, len);
-            let res = (|| {
-                r.advance(&cx)?;
-                between()?;
-                self.fabric.run_until(op, cx.deadline, &|| vec![wpeer], || {
-                    let moved = r.advance(&cx)?;
-                    Ok(poll_of(r.is_done(), moved))
-                })
-            })();
-            self.fabric.deregister(dst.id());
-            res
-        })
+    /// A job of `parts`, with the call deadline (`FERROCCL_TIMEOUT` from now).
+    pub(crate) fn job_body(&self, parts: Vec<Part>, deregister: bool) -> JobBody {
+        let now = Instant::now();
+        JobBody {
+            comm: self.id,
+            rank: self.rank,
+            members: self.members.clone(),
+            parts,
+            deadline: now + self.fabric.params.timeout,
+            started: now,
+            deregister,
+        }
     }
 
-    fn recv_bytes(&self, chan: u8, peer: usize, buf: &mut [u8], op: &str) -> Result<()> {
-        self.recv_bytes_then(chan, peer, buf, op, || Ok(()))
+    /// Numbers the transfers of `job` on this communicator's streams and hands it to the
+    /// engine, as one step: jobs enter the engine in the order of their numbers.
+    /// `restart`: a persistent plan's job, whose progress is reset and deadline renewed.
+    pub(crate) fn submit(&self, job: &Arc<Job>, will_wait: bool, restart: bool) -> Result<()> {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let mut body = job.body();
+            if restart {
+                let now = Instant::now();
+                body.started = now;
+                body.deadline = now + self.fabric.params.timeout;
+                let n = self.size();
+                for p in &mut body.parts {
+                    p.reset(n);
+                }
+            }
+            if let Some(e) = self.fabric.fatal_error(body.parts.first().map(|p| p.name.as_str()).unwrap_or("operation")) {
+                return Err(e);
+            }
+            for p in &mut body.parts {
+                let Part { sched, seqs: out, chan, .. } = p;
+                assign_seqs(sched, &mut |send, peer| seqs.next(*chan, send, peer), out);
+            }
+        }
+        if restart {
+            job.rearm();
+        }
+        self.fabric.engine.submit(&self.fabric, job.clone(), will_wait);
+        Ok(())
     }
 
-    /// Runs one whole operation (point-to-point or collective), serialised with the
-    /// communicator's other calls: an error after its checks is fatal for the fabric.
-    pub(crate) fn run<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let _g = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
-        f().map_err(|e| self.fabric.poison(e))
+    /// Waits for a job this thread submitted with `will_wait`.
+    pub(crate) fn wait_job(&self, job: &Job) -> Result<()> {
+        self.fabric.engine.wait(&self.fabric, job, None);
+        job.result()
+    }
+
+    /// Submits a one-part job and waits for it: the blocking calls.
+    fn run_part(&self, part: Part) -> Result<()> {
+        let job = Job::new(self.job_body(vec![part], true));
+        self.submit(&job, true, false)?;
+        self.wait_job(&job)
     }
 
     /// Sends `data` to member `peer`, which must call [`Communicator::recv`] with a buffer of
@@ -330,14 +356,24 @@ impl Communicator {
     pub fn send<T: Element>(&self, data: &[T], peer: usize) -> Result<()> {
         let op = format!("send to rank {peer}");
         self.check_peer(peer, &op)?;
-        self.run(|| self.send_bytes(CHAN_USER, peer, as_bytes(data), &op))
+        let data = as_bytes(data);
+        with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, p2p_send(peer, data.len()), None, src.clone())))
     }
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         let op = format!("recv from rank {peer}");
         self.check_peer(peer, &op)?;
-        self.run(|| self.recv_bytes(CHAN_USER, peer, as_bytes_mut(buf), &op))
+        let buf = as_bytes_mut(buf);
+        let len = buf.len();
+        with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, p2p_recv(peer, len), None, dst.clone())))
+    }
+
+    /// A point-to-point part: `output` is the buffer its steps address as `Output`, `input`
+    /// the one they address as `Input` (sendrecv's source).
+    pub(crate) fn p2p_part(&self, name: String, chan: u8, sched: Schedule, input: Option<RegionHandle>, output: RegionHandle) -> Part {
+        let bufs = PartBufs { dtype: DType::U8, op: ReduceOp::Sum, input, output, scratch: self.scratch.empty() };
+        self.part(name, chan, NO_DESC, Arc::new(sched), bufs)
     }
 
     /// Sends `data` to member `to` and receives `buf` from member `from` in one call, which
@@ -356,7 +392,10 @@ impl Communicator {
             (false, false) => {
                 self.check_peer(to, &op)?;
                 self.check_peer(from, &op)?;
-                self.run(|| self.recv_bytes_then(CHAN_USER, from, b, &op, || self.send_bytes(CHAN_USER, to, d, &op)))
+                let sched = p2p_sendrecv(to, d.len(), from, b.len());
+                with_region_ro(d, |src| {
+                    with_region(b, |dst| self.run_part(self.p2p_part(op, CHAN_USER, sched, Some(src.clone()), dst.clone())))
+                })
             }
         }
     }
@@ -364,21 +403,21 @@ impl Communicator {
     /// Waits until every member has entered the barrier (dissemination: ⌈log2 n⌉ rounds of
     /// empty messages).
     pub fn barrier(&self) -> Result<()> {
-        self.run(|| self.barrier_inner())
+        self.check_usable("barrier")?;
+        let empty = self.scratch.empty();
+        self.run_part(self.p2p_part("barrier".into(), CHAN_INTERNAL, barrier_schedule(self.rank, self.size()), None, empty))
     }
 
-    fn barrier_inner(&self) -> Result<()> {
-        let n = self.size();
-        let mut k = 1;
-        while k < n {
-            let to = (self.rank + k) % n;
-            let from = (self.rank + n - k) % n;
-            let op = format!("barrier (round {}: rank {to} / rank {from})", k.trailing_zeros());
-            self.send_bytes(CHAN_INTERNAL, to, &[], &op)?;
-            self.recv_bytes(CHAN_INTERNAL, from, &mut [], &op)?;
-            k *= 2;
-        }
-        Ok(())
+    /// Aborts the communicator: every pending operation (on any thread) and every later one
+    /// fails promptly with [`Error::Aborted`], and the peers are told, so that theirs fail
+    /// too (naming this rank) instead of waiting for the timeout. Callable from any thread;
+    /// returns at once.
+    ///
+    /// Communicators made by [`Communicator::split`] share their connections with the world
+    /// communicator, and an abort of any of them aborts all of them (in this rank and, by the
+    /// message, in the peers), like any other fatal error.
+    pub fn abort(&self) {
+        self.fabric.abort();
     }
 
     /// Splits the communicator, like `MPI_Comm_split`: members that pass the same `color`
@@ -386,30 +425,24 @@ impl Communicator {
     /// color leaves this rank out (it gets `Ok(None)`). Every member must call it.
     /// The new communicators share this one's connections.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        self.run(|| self.split_inner(color, key))
-    }
-
-    fn split_inner(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        self.check_usable("split")?;
         let n = self.size();
-        let mine = {
-            let mut b = Vec::with_capacity(13);
-            b.push(u8::from(color.is_some()));
-            b.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
-            b.extend_from_slice(&key.to_le_bytes());
-            b
-        };
-        let mut all = vec![mine.clone(); n];
-        // Everyone sends its 13 bytes to everyone (eager, so the sends never wait).
-        for p in 0..n {
-            if p != self.rank {
-                self.send_bytes(CHAN_INTERNAL, p, &mine, "split")?;
-            }
+        let mut mine = Vec::with_capacity(SPLIT_REC);
+        mine.push(u8::from(color.is_some()));
+        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let mut all = vec![0u8; SPLIT_REC * n];
+        all[self.rank * SPLIT_REC..][..SPLIT_REC].copy_from_slice(&mine);
+        // Everyone sends its record to everyone (eager, so the sends never wait).
+        let mut steps = Vec::new();
+        for p in (0..n).filter(|&p| p != self.rank) {
+            steps.push(Step { op: Op::Send { peer: p, src: Slice::new(Buf::Input, 0, SPLIT_REC) }, deps: vec![] });
+            steps.push(Step { op: Op::Recv { peer: p, dst: Slice::new(Buf::Output, p * SPLIT_REC, SPLIT_REC) }, deps: vec![] });
         }
-        for (p, slot) in all.iter_mut().enumerate() {
-            if p != self.rank {
-                self.recv_bytes(CHAN_INTERNAL, p, slot, "split")?;
-            }
-        }
+        let sched = Schedule { steps, scratch_bytes: 0 };
+        with_region_ro(&mine, |src| {
+            with_region(&mut all, |dst| self.run_part(self.p2p_part("split".into(), CHAN_INTERNAL, sched, Some(src.clone()), dst.clone())))
+        })?;
         let count = {
             let mut s = self.splits.lock().unwrap_or_else(|e| e.into_inner());
             *s += 1;
@@ -417,7 +450,7 @@ impl Communicator {
         };
         let Some(c) = color else { return Ok(None) };
         let mut group: Vec<(i64, usize)> = all
-            .iter()
+            .chunks(SPLIT_REC)
             .enumerate()
             .filter(|(_, b)| b[0] == 1 && u32::from_le_bytes([b[1], b[2], b[3], b[4]]) == c)
             .map(|(p, b)| {
@@ -427,7 +460,7 @@ impl Communicator {
             })
             .collect();
         group.sort();
-        let members: Vec<usize> = group.iter().map(|&(_, p)| self.members[p]).collect();
+        let members: Arc<[usize]> = group.iter().map(|&(_, p)| self.members[p]).collect();
         let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::invalid("internal: split lost this rank"))?;
         let id = fnv(&[u64::from(self.id), u64::from(count), u64::from(c)]).max(1);
         let any_tcp = members.iter().any(|&w| self.fabric.transport_name(w) == "tcp");
@@ -436,10 +469,9 @@ impl Communicator {
             fabric: self.fabric.clone(),
             id,
             rank,
+            seqs: Mutex::new(Seqs::new(members.len())),
             members,
-            seqs: Mutex::default(),
             splits: Mutex::new(0),
-            op_lock: Mutex::new(()),
             scratch: ScratchCache::default(),
         }))
     }
@@ -447,10 +479,57 @@ impl Communicator {
     /// Ends this rank's part: a barrier (so no member is still talking to it), then goodbye
     /// to every peer. Dropping a communicator without `finalize` skips the barrier.
     pub fn finalize(self) -> Result<()> {
-        let r = self.run(|| self.barrier_inner());
+        let r = self.barrier();
         if self.id == 0 {
             self.fabric.close();
         }
         r
     }
+}
+
+/// Bytes of a rank's `split` record: has-color, color, key.
+const SPLIT_REC: usize = 13;
+
+fn p2p_send(peer: usize, len: usize) -> Schedule {
+    Schedule { steps: vec![Step { op: Op::Send { peer, src: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
+}
+
+fn p2p_recv(peer: usize, len: usize) -> Schedule {
+    Schedule { steps: vec![Step { op: Op::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
+}
+
+/// The receive first (its clear-to-send goes out before anything waits), then the send:
+/// no pattern of sendrecvs can deadlock.
+fn p2p_sendrecv(to: usize, send_len: usize, from: usize, recv_len: usize) -> Schedule {
+    Schedule {
+        steps: vec![
+            Step { op: Op::Recv { peer: from, dst: Slice::new(Buf::Output, 0, recv_len) }, deps: vec![] },
+            Step { op: Op::Send { peer: to, src: Slice::new(Buf::Input, 0, send_len) }, deps: vec![] },
+        ],
+        scratch_bytes: 0,
+    }
+}
+
+/// Dissemination barrier: in round k send to rank + 2^k and receive from rank - 2^k; a
+/// round's send waits for the previous round's receive.
+fn barrier_schedule(rank: usize, n: usize) -> Schedule {
+    let mut steps: Vec<Step> = Vec::new();
+    let mut k = 1;
+    while k < n {
+        let deps: Vec<usize> = if steps.is_empty() { vec![] } else { vec![steps.len() - 1] };
+        steps.push(Step { op: Op::Send { peer: (rank + k) % n, src: Slice::new(Buf::Output, 0, 0) }, deps: deps.clone() });
+        steps.push(Step { op: Op::Recv { peer: (rank + n - k) % n, dst: Slice::new(Buf::Output, 0, 0) }, deps });
+        k *= 2;
+    }
+    Schedule { steps, scratch_bytes: 0 }
+}
+
+/// The buffers and element semantics of a part.
+#[derive(Debug)]
+pub(crate) struct PartBufs {
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) input: Option<RegionHandle>,
+    pub(crate) output: RegionHandle,
+    pub(crate) scratch: RegionHandle,
 }

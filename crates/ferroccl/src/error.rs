@@ -114,9 +114,25 @@ pub enum Error {
         what: String,
     },
 
+    /// The communicator was aborted ([`crate::Communicator::abort`]); every pending and later
+    /// operation fails with this.
+    #[error("rank {rank}: {op} failed: the communicator was aborted{}", fmt_by(*.by))]
+    Aborted {
+        /// The rank reporting.
+        rank: usize,
+        /// The operation that was pending or called.
+        op: String,
+        /// The rank that called `abort` (a world rank), if it was another one.
+        by: Option<usize>,
+    },
+
     /// The communicator was poisoned by an earlier fatal error; the first error is kept.
     #[error("communicator is unusable after an earlier error: {0}")]
     Poisoned(String),
+}
+
+fn fmt_by(by: Option<usize>) -> String {
+    by.map(|r| format!(" by rank {r}")).unwrap_or_default()
 }
 
 fn fmt_waiting(w: &[String]) -> String {
@@ -136,6 +152,31 @@ impl Error {
     /// Shorthand for [`Error::InvalidArgument`].
     pub(crate) fn invalid(what: impl Into<String>) -> Self {
         Error::InvalidArgument(what.into())
+    }
+
+    /// A copy of the error, for reporting one failure to several waiters (an I/O error's
+    /// copy keeps its kind and message).
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::Env { var, problem } => Error::Env { var: var.clone(), problem: problem.clone() },
+            Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::Io { what, source } => Error::Io { what: what.clone(), source: io::Error::new(source.kind(), source.to_string()) },
+            Error::Auth { peer, reason } => Error::Auth { peer: peer.clone(), reason: reason.clone() },
+            Error::Protocol { peer, what } => Error::Protocol { peer: peer.clone(), what: what.clone() },
+            Error::StoreRefused { op, reason } => Error::StoreRefused { op, reason: reason.clone() },
+            Error::Timeout { rank, op, after, waiting_for } => {
+                Error::Timeout { rank: *rank, op: op.clone(), after: *after, waiting_for: waiting_for.clone() }
+            }
+            Error::PeerFailed { rank, peer, op, reason } => {
+                Error::PeerFailed { rank: *rank, peer: *peer, op: op.clone(), reason: reason.clone() }
+            }
+            Error::Transport { rank, peer, transport, what } => {
+                Error::Transport { rank: *rank, peer: *peer, transport, what: what.clone() }
+            }
+            Error::Mismatch { rank, peer, op, what } => Error::Mismatch { rank: *rank, peer: *peer, op: op.clone(), what: what.clone() },
+            Error::Aborted { rank, op, by } => Error::Aborted { rank: *rank, op: op.clone(), by: *by },
+            Error::Poisoned(s) => Error::Poisoned(s.clone()),
+        }
     }
 
     /// Shorthand for [`Error::Protocol`].

@@ -17,20 +17,20 @@
 //! the caller), so a rendezvous write lands straight in the output or scratch buffer, and
 //! a failed call can never be written into after it returns.
 
-use std::cell::RefCell;
 use std::ops::Range;
 
 use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Buf, Op, Schedule, Slice};
-use crate::comm::{poll_of, Communicator};
+use crate::comm::poll_of;
+use crate::fabric::Poll;
 use crate::error::{Error, Result};
 use crate::p2p::{Ctx, RecvOp, SendOp};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
 /// address the output buffer.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Buffers<'a> {
     pub(crate) input: Option<&'a RegionHandle>,
     pub(crate) output: &'a RegionHandle,
@@ -74,83 +74,138 @@ impl Xfer {
     }
 }
 
-/// Runs `sched` to completion (or the first error, which the caller makes fatal).
-pub(crate) fn execute(comm: &Communicator, cx: &Ctx<'_>, sched: &Schedule, dtype: DType, op: ReduceOp, bufs: &Buffers<'_>) -> Result<()> {
-    let steps = &sched.steps;
-    let mut done = vec![false; steps.len()];
-    let mut remaining = steps.len();
-    let mut next = 0usize;
-    // Transfers in flight, one FIFO per (peer, direction): (step index, transfer). Dropped
-    // (revoking any lent buffer) when this function returns, success or not, inside the
-    // caller's registrations.
-    let mut queues: Vec<std::collections::VecDeque<(usize, Xfer)>> = (0..2 * comm.size()).map(|_| Default::default()).collect();
-    let mut in_flight = 0usize;
-    let waiting: RefCell<Vec<usize>> = RefCell::new(Vec::new());
-    if remaining == 0 {
-        return Ok(());
+/// The stream positions of one run of a schedule: the sequence number of every transfer
+/// step, fixed when the operation is submitted (so that operations in flight together match
+/// in the order they were issued, whatever order their steps start in).
+pub(crate) fn assign_seqs(sched: &Schedule, next: &mut dyn FnMut(bool, usize) -> u32, out: &mut Vec<u32>) {
+    out.clear();
+    for step in &sched.steps {
+        out.push(match &step.op {
+            Op::Send { peer, .. } => next(true, *peer),
+            Op::Recv { peer, .. } => next(false, *peer),
+            _ => 0,
+        });
     }
-    comm.fabric().run_until(cx.op, cx.deadline, &|| waiting.borrow().clone(), || {
+}
+
+/// What one run of a schedule needs besides its progress: the schedule, the sequence number
+/// of each transfer step, the world rank of each member, and the buffers.
+#[derive(Debug)]
+pub(crate) struct RunSpec<'a> {
+    pub(crate) sched: &'a Schedule,
+    pub(crate) seqs: &'a [u32],
+    pub(crate) members: &'a [usize],
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) bufs: Buffers<'a>,
+}
+
+/// The progress of one run of a schedule: which steps are done, the transfers in flight.
+/// Reusable: [`Exec::reset`] keeps every allocation, so a persistent plan's runs allocate
+/// nothing here.
+#[derive(Debug, Default)]
+pub(crate) struct Exec {
+    done: Vec<bool>,
+    // Transfers in flight, one FIFO per (peer, direction): (step index, transfer). Dropped
+    // (revoking any lent buffer) when the run ends, success or not, inside the caller's
+    // registrations.
+    queues: Vec<std::collections::VecDeque<(usize, Xfer)>>,
+    next: usize,
+    remaining: usize,
+    in_flight: usize,
+}
+
+impl Exec {
+    /// Prepares a run of `steps` steps over a communicator of `size` ranks.
+    pub(crate) fn reset(&mut self, steps: usize, size: usize) {
+        self.done.clear();
+        self.done.resize(steps, false);
+        for q in &mut self.queues {
+            q.clear();
+        }
+        if self.queues.len() < 2 * size {
+            self.queues.resize_with(2 * size, Default::default);
+        }
+        self.next = 0;
+        self.remaining = steps;
+        self.in_flight = 0;
+    }
+
+    /// Drops every transfer in flight (after a failure): revokes lent buffers.
+    pub(crate) fn abandon(&mut self) {
+        for q in &mut self.queues {
+            q.clear();
+        }
+        self.in_flight = 0;
+    }
+
+    /// The world ranks the transfers at the front of the queues wait for.
+    pub(crate) fn waiting_for(&self) -> Vec<usize> {
+        self.queues.iter().filter_map(|q| q.front()).filter_map(|(_, x)| x.waiting_for()).collect()
+    }
+
+    /// Moves the run as far as it goes now: completes what can complete, starts every step
+    /// whose dependencies are done. `Ready` when every step has completed.
+    pub(crate) fn poll(&mut self, cx: &Ctx<'_>, run: &RunSpec<'_>) -> Result<Poll<()>> {
+        let steps = &run.sched.steps;
         let mut moved = false;
-        if in_flight > 0 {
-            for q in queues.iter_mut() {
+        if self.in_flight > 0 {
+            for q in self.queues.iter_mut() {
                 while let Some((step, x)) = q.front_mut() {
                     moved |= x.advance(cx)?;
                     if !x.is_done() {
                         break;
                     }
-                    done[*step] = true;
-                    remaining -= 1;
-                    in_flight -= 1;
+                    self.done[*step] = true;
+                    self.remaining -= 1;
+                    self.in_flight -= 1;
                     q.pop_front();
                 }
             }
         }
-        while next < steps.len() && steps[next].deps.iter().all(|&d| done[d]) {
-            let step = &steps[next];
+        while self.next < steps.len() && steps[self.next].deps.iter().all(|&d| self.done[d]) {
+            let i = self.next;
+            let step = &steps[i];
+            let world = |peer: usize| {
+                run.members.get(peer).copied().ok_or_else(|| Error::invalid(format!("{}: step {i}: rank {peer} out of range", cx.op)))
+            };
             let started = match &step.op {
                 Op::Send { peer, src } => {
-                    let wpeer = comm.world_rank_checked(*peer)?;
-                    let seq = comm.next_coll_seq(true, *peer);
-                    Some((
-                        2 * *peer + 1,
-                        Xfer::Send(SendOp::new(*peer, wpeer, seq, bufs.handle(src.buf).clone(), src.range.start, src.len())),
-                    ))
+                    let h = run.bufs.handle(src.buf).clone();
+                    Some((2 * *peer + 1, Xfer::Send(SendOp::new(*peer, world(*peer)?, run.seqs[i], h, src.range.start, src.len()))))
                 }
                 Op::Recv { peer, dst } => {
-                    let wpeer = comm.world_rank_checked(*peer)?;
-                    let seq = comm.next_coll_seq(false, *peer);
-                    Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, wpeer, seq, bufs.handle(dst.buf).clone(), dst.range.start, dst.len()))))
+                    let h = run.bufs.handle(dst.buf).clone();
+                    Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
                 }
                 local => {
-                    run_local(local, dtype, op, bufs).map_err(|e| Error::invalid(format!("{}: step {next}: {e}", cx.op)))?;
+                    run_local(local, run.dtype, run.op, &run.bufs).map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
                     None
                 }
             };
             match started {
                 Some((qi, mut x)) => {
+                    let q = self.queues.get_mut(qi).ok_or_else(|| Error::invalid(format!("{}: step {i}: peer out of range", cx.op)))?;
                     x.advance(cx)?;
-                    if x.is_done() && queues[qi].is_empty() {
-                        done[next] = true;
-                        remaining -= 1;
+                    if x.is_done() && q.is_empty() {
+                        self.done[i] = true;
+                        self.remaining -= 1;
                     } else {
                         // Completion is reported in stream order (see the module docs).
-                        queues[qi].push_back((next, x));
-                        in_flight += 1;
+                        q.push_back((i, x));
+                        self.in_flight += 1;
                     }
                 }
                 None => {
-                    done[next] = true;
-                    remaining -= 1;
+                    self.done[i] = true;
+                    self.remaining -= 1;
                 }
             }
-            next += 1;
+            self.next += 1;
             moved = true;
         }
-        if remaining > 0 && !moved {
-            *waiting.borrow_mut() = queues.iter().filter_map(|q| q.front()).filter_map(|(_, x)| x.waiting_for()).collect();
-        }
-        Ok(poll_of(remaining == 0, moved))
-    })
+        Ok(poll_of(self.remaining == 0, moved))
+    }
 }
 
 /// Full views of the three buffers for one local step.

@@ -22,6 +22,7 @@ use ferroccl_mem::process::{can_read_process, wait_any_exited, ProcessWatch};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::auth;
+use crate::engine::Engine;
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::error::{Error, Result};
 use crate::params::{Params, TransportChoice};
@@ -30,6 +31,9 @@ use crate::transport::shm::{LocalShm, ShmEndpoint};
 use crate::transport::tcp::TcpEndpoint;
 use crate::transport::{Endpoint, RemoteBuf};
 use crate::wire::{Reader, Writer};
+
+/// The text of the `ERR` message a rank sends its peers when its communicator is aborted.
+const ABORT_MARK: &str = "\u{0}abort";
 
 /// What one round of a wait loop's step found.
 #[derive(Debug)]
@@ -62,6 +66,8 @@ pub(crate) struct Events {
     pub(crate) fatal: Option<(usize, String)>,
     /// Peers that said goodbye.
     pub(crate) closed: HashSet<usize>,
+    /// Set by an abort: `Some(None)` by this rank, `Some(Some(r))` by rank `r`.
+    pub(crate) aborted: Option<Option<usize>>,
 }
 
 impl Events {
@@ -123,6 +129,12 @@ impl Shared {
         }
     }
 
+    /// The doorbell's current value: read it before looking for work, then sleep with
+    /// [`Fabric::sleep_on_bell`] only if it has not moved.
+    pub(crate) fn bell_seen(&self) -> u32 {
+        self.bell.word().load(Ordering::SeqCst)
+    }
+
     /// A two-sided message arrived from `peer`.
     pub(crate) fn deliver_msg(&self, peer: usize, bytes: Vec<u8>) {
         let decoded = proto::decode(bytes);
@@ -134,6 +146,10 @@ impl Shared {
             Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
             Ok(ProtoMsg::Rts { comm, chan, seq, desc, len }) => {
                 ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, desc, data: Vec::new(), rts: Some(len) })
+            }
+            Ok(ProtoMsg::Err { what }) if what == ABORT_MARK => {
+                ev.aborted.get_or_insert(Some(peer));
+                ev.set_fatal(peer, "aborted its communicator".into());
             }
             Ok(ProtoMsg::Err { what }) => ev.set_fatal(peer, format!("reported an error: {what}")),
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
@@ -280,6 +296,8 @@ pub(crate) struct Fabric {
     /// (world rank, watch) for every shm peer, plus the launcher as usize::MAX.
     watches: Vec<(usize, ProcessWatch)>,
     pub(crate) peers: Vec<PeerInfo>,
+    /// Runs every operation in flight (see `engine`).
+    pub(crate) engine: Arc<Engine>,
     store: Mutex<Option<StoreClient>>,
     server: Mutex<Option<StoreServer>>,
     key_prefix: String,
@@ -467,6 +485,7 @@ impl Fabric {
             local_shm,
             watches,
             peers,
+            engine: Arc::default(),
             store: Mutex::new(Some(store)),
             server: Mutex::new(server),
             key_prefix,
@@ -579,7 +598,7 @@ impl Fabric {
 
     /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
     /// caller's clock reading, so a wait loop reads the clock once per round.
-    fn check_health(&self, now: Instant) {
+    pub(crate) fn check_health(&self, now: Instant) {
         {
             let mut at = self.health_at.lock().unwrap_or_else(|e| e.into_inner());
             if now.saturating_duration_since(*at) < Duration::from_millis(2) {
@@ -611,6 +630,9 @@ impl Fabric {
     /// The error for the fabric's fatal state, if any, as seen by an operation.
     pub(crate) fn fatal_error(&self, op: &str) -> Option<Error> {
         let ev = self.shared.lock();
+        if let Some(by) = ev.aborted {
+            return Some(Error::Aborted { rank: self.rank, op: op.to_string(), by });
+        }
         ev.fatal.as_ref().map(|(peer, what)| {
             if *peer == usize::MAX {
                 Error::Poisoned(format!("rank {}: {op}: {what}", self.rank))
@@ -635,6 +657,28 @@ impl Fabric {
         self.shared.lock().set_fatal(peer, err.to_string());
         self.tell_peers_and_cut();
         err
+    }
+
+    /// Aborts every operation on this fabric, pending and later, with [`Error::Aborted`], and
+    /// tells every peer (whose operations then fail with [`Error::Aborted`] naming this rank).
+    /// Returns at once; waiting threads wake within a round.
+    pub(crate) fn abort(&self) {
+        {
+            let mut ev = self.shared.lock();
+            ev.aborted.get_or_insert(None);
+            ev.set_fatal(usize::MAX, "aborted".into());
+        }
+        if !self.told_peers.swap(true, Ordering::AcqRel) {
+            let msg = proto::encode_err(0, proto::CHAN_INTERNAL, 0, ABORT_MARK);
+            let deadline = Instant::now() + Duration::from_millis(200);
+            for e in self.endpoints.iter().flatten() {
+                let _ = e.try_post_send_now(&msg, deadline);
+            }
+            for e in self.endpoints.iter().flatten() {
+                e.cut();
+            }
+        }
+        self.shared.notify();
     }
 
     /// Once: sends every peer an `ERR` with the fatal cause (without waiting: a full ring
@@ -733,7 +777,7 @@ impl Fabric {
     }
 
     /// Sleeps until the doorbell moves past `seen` (or 5 ms, to look at peers' health).
-    fn sleep_on_bell(&self, seen: u32, deadline: Instant) {
+    pub(crate) fn sleep_on_bell(&self, seen: u32, deadline: Instant) {
         let bell = &self.shared.bell;
         bell.sleeping().fetch_add(1, Ordering::SeqCst);
         let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
@@ -748,6 +792,7 @@ impl Fabric {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.engine.shutdown();
         let deadline = Instant::now() + Duration::from_secs(2).min(self.params.timeout);
         // After a fatal error, tell every peer why we are leaving, so that they report the
         // root cause (the rank that died) rather than our exit.

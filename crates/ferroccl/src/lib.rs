@@ -40,6 +40,7 @@ pub(crate) mod algo;
 pub mod bootstrap;
 pub(crate) mod coll;
 pub mod comm;
+pub(crate) mod engine;
 pub mod error;
 pub(crate) mod exec;
 pub(crate) mod fabric;

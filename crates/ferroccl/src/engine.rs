@@ -1,0 +1,438 @@
+//! The progress engine: runs every operation in flight on a fabric (the communicators that
+//! share one set of connections) to completion.
+//!
+//! # Threading model
+//!
+//! An operation is submitted as a [`Job`] and completes when its schedule has run. Whoever
+//! holds the engine's *driver* role advances every job in flight, round after round: drain
+//! the shared-memory inbox, advance each job's transfers and local steps, complete what is
+//! finished, watch the peers and the deadlines. Two kinds of thread take that role:
+//!
+//! * a thread waiting for a job (`wait`, a blocking call) drives itself, so a blocking call
+//!   costs no hand-off between threads;
+//! * the engine's background thread (one per fabric, started on first use) drives while jobs
+//!   are in flight and nobody waits: a non-blocking collective progresses while its caller
+//!   computes. It gives the role up as soon as a thread starts waiting.
+//!
+//! Idle rounds back off: spin, then yield, then sleep on the fabric's doorbell (a futex that
+//! peers and transport threads bump when something arrives, for at most a few ms so that
+//! peer health and deadlines are still looked at). With no job in flight the background
+//! thread parks on a condition variable and uses no CPU.
+//!
+//! Completion order: jobs of one communicator are matched between ranks by the sequence
+//! numbers assigned when they are submitted, so several may be in flight at once and they
+//! complete as if issued in order (every rank must issue them in the same order).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::task::Waker;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferroccl_kernels::{DType, ReduceOp};
+use ferroccl_mem::region::RegionHandle;
+
+use crate::algo::Schedule;
+use crate::error::{Error, Result};
+use crate::exec::{Buffers, Exec, RunSpec};
+use crate::fabric::{Fabric, Poll};
+use crate::p2p::Ctx;
+use crate::proto::Desc;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One schedule of a job, with its buffers and its stream positions. A group job has
+/// several.
+#[derive(Debug)]
+pub(crate) struct Part {
+    /// For errors: "allreduce (1024 x f32, sum, ring)".
+    pub(crate) name: String,
+    pub(crate) chan: u8,
+    pub(crate) desc: Desc,
+    pub(crate) eager_max: usize,
+    pub(crate) sched: Arc<Schedule>,
+    /// Sequence number of every transfer step.
+    pub(crate) seqs: Vec<u32>,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) input: Option<RegionHandle>,
+    pub(crate) output: RegionHandle,
+    pub(crate) scratch: RegionHandle,
+    pub(crate) exec: Exec,
+    pub(crate) finished: bool,
+}
+
+impl Part {
+    /// Gets the part ready to run (again): fresh progress, same buffers.
+    pub(crate) fn reset(&mut self, size: usize) {
+        self.exec.reset(self.sched.steps.len(), size);
+        self.finished = false;
+    }
+}
+
+/// What a job runs: its parts, the communicator they belong to, and the deadline.
+#[derive(Debug)]
+pub(crate) struct JobBody {
+    pub(crate) comm: u32,
+    pub(crate) rank: usize,
+    pub(crate) members: Arc<[usize]>,
+    pub(crate) parts: Vec<Part>,
+    pub(crate) deadline: Instant,
+    pub(crate) started: Instant,
+    /// Registrations to drop from the fabric when the job ends (non-persistent calls).
+    pub(crate) deregister: bool,
+}
+
+impl JobBody {
+    fn label(&self) -> &str {
+        self.parts.first().map(|p| p.name.as_str()).unwrap_or("operation")
+    }
+
+    /// One round: advance every unfinished part.
+    fn poll(&mut self, fabric: &Fabric) -> Result<Poll<()>> {
+        let mut moved = false;
+        let mut all = true;
+        let JobBody { comm, rank, members, parts, deadline, .. } = self;
+        for p in parts.iter_mut() {
+            if p.finished {
+                continue;
+            }
+            let cx = Ctx {
+                fabric,
+                comm: *comm,
+                chan: p.chan,
+                rank: *rank,
+                op: &p.name,
+                deadline: *deadline,
+                desc: p.desc,
+                describe: crate::coll::describe,
+                eager_max: p.eager_max,
+            };
+            let run = RunSpec {
+                sched: &p.sched,
+                seqs: &p.seqs,
+                members,
+                dtype: p.dtype,
+                op: p.op,
+                bufs: Buffers { input: p.input.as_ref(), output: &p.output, scratch: &p.scratch },
+            };
+            match p.exec.poll(&cx, &run)? {
+                Poll::Ready(()) => {
+                    p.finished = true;
+                    moved = true;
+                }
+                Poll::Moved => {
+                    moved = true;
+                    all = false;
+                }
+                Poll::Idle => all = false,
+            }
+        }
+        Ok(if all {
+            Poll::Ready(())
+        } else if moved {
+            Poll::Moved
+        } else {
+            Poll::Idle
+        })
+    }
+
+    fn waiting_for(&self) -> Vec<usize> {
+        let mut w: Vec<usize> = self.parts.iter().filter(|p| !p.finished).flat_map(|p| p.exec.waiting_for()).collect();
+        w.sort_unstable();
+        w.dedup();
+        w
+    }
+
+    /// After the last round (success or failure): drop transfers still in flight (revoking
+    /// lent buffers) and, for one-off calls, the registrations.
+    fn end(&mut self, fabric: &Fabric) {
+        for p in &mut self.parts {
+            p.exec.abandon();
+            if self.deregister {
+                fabric.deregister(p.output.id());
+                fabric.deregister(p.scratch.id());
+            }
+        }
+    }
+}
+
+/// An operation in flight and its completion.
+#[derive(Debug)]
+pub(crate) struct Job {
+    body: Mutex<JobBody>,
+    done: AtomicBool,
+    error: Mutex<Option<Error>>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Job {
+    pub(crate) fn new(body: JobBody) -> Arc<Job> {
+        Arc::new(Job { body: Mutex::new(body), done: AtomicBool::new(false), error: Mutex::new(None), waker: Mutex::new(None) })
+    }
+
+    /// The job's body, for a plan to reset between runs (never while it runs).
+    pub(crate) fn body(&self) -> MutexGuard<'_, JobBody> {
+        lock(&self.body)
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// The outcome once done (`Err` stays for later calls: it is cloned out).
+    pub(crate) fn result(&self) -> Result<()> {
+        match &*lock(&self.error) {
+            None => Ok(()),
+            Some(e) => Err(e.duplicate()),
+        }
+    }
+
+    /// Registers the waker of an async caller; `true` if the job finished meanwhile.
+    pub(crate) fn set_waker(&self, w: &Waker) -> bool {
+        let mut g = lock(&self.waker);
+        match &*g {
+            Some(old) if old.will_wake(w) => {}
+            _ => *g = Some(w.clone()),
+        }
+        drop(g);
+        self.is_done()
+    }
+
+    /// Marks a plan's job as not done before it is submitted again.
+    pub(crate) fn rearm(&self) {
+        *lock(&self.error) = None;
+        self.done.store(false, Ordering::Release);
+    }
+
+    fn finish(&self, fabric: &Fabric, r: Result<()>) {
+        lock(&self.body).end(fabric);
+        if let Err(e) = r {
+            *lock(&self.error) = Some(e);
+        }
+        self.done.store(true, Ordering::Release);
+        if let Some(w) = lock(&self.waker).take() {
+            w.wake();
+        }
+    }
+}
+
+/// Parking state of the background thread.
+#[derive(Debug, Default)]
+struct Park {
+    shutdown: bool,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The engine of one fabric.
+#[derive(Debug, Default)]
+pub(crate) struct Engine {
+    /// Jobs submitted and not yet picked up by the driver.
+    submitted: Mutex<Vec<Arc<Job>>>,
+    /// The driver role, and the jobs it is running (in submission order).
+    driver: Mutex<Vec<Arc<Job>>>,
+    /// Jobs submitted and not yet finished.
+    pending: AtomicUsize,
+    /// Threads in `wait`.
+    waiters: AtomicUsize,
+    park: Mutex<Park>,
+    wake: Condvar,
+}
+
+/// Backoff of an idle driver (also the old wait loop's numbers: see `Fabric::run_until`).
+const SPINS: u32 = 64;
+const YIELDS: u32 = 32;
+
+impl Engine {
+    /// Hands `job` to the engine. With `will_wait`, the caller is about to wait for it (and
+    /// drive); otherwise the background thread is woken to drive it.
+    pub(crate) fn submit(self: &Arc<Self>, fabric: &Arc<Fabric>, job: Arc<Job>, will_wait: bool) {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        lock(&self.submitted).push(job);
+        fabric.shared.notify();
+        if !will_wait {
+            self.wake_background(fabric);
+        }
+    }
+
+    fn wake_background(self: &Arc<Self>, fabric: &Arc<Fabric>) {
+        let mut p = lock(&self.park);
+        if p.shutdown {
+            return;
+        }
+        if p.thread.is_none() {
+            let (engine, weak) = (Arc::clone(self), Arc::downgrade(fabric));
+            let spawned = std::thread::Builder::new()
+                .name(format!("ferroccl-progress-{}", fabric.rank))
+                .spawn(move || engine.background(weak));
+            // Without the thread, jobs still progress when waited for.
+            p.thread = spawned.ok();
+        }
+        drop(p);
+        self.wake.notify_one();
+    }
+
+    /// Stops the background thread (fabric shutdown).
+    pub(crate) fn shutdown(&self) {
+        let t = {
+            let mut p = lock(&self.park);
+            p.shutdown = true;
+            p.thread.take()
+        };
+        self.wake.notify_all();
+        if let Some(t) = t {
+            // The last reference to the fabric may be dropped on the engine thread itself.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn background(&self, fabric: Weak<Fabric>) {
+        loop {
+            {
+                let mut p = lock(&self.park);
+                while !p.shutdown && (self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0) {
+                    p = self.wake.wait(p).unwrap_or_else(|e| e.into_inner());
+                }
+                if p.shutdown {
+                    return;
+                }
+            }
+            let Some(fabric) = fabric.upgrade() else { return };
+            match self.driver.try_lock() {
+                Ok(mut jobs) => {
+                    let mut idle = 0u32;
+                    loop {
+                        let seen = fabric.shared.bell_seen();
+                        let moved = self.round(&fabric, &mut jobs);
+                        if self.pending.load(Ordering::SeqCst) == 0
+                            || self.waiters.load(Ordering::SeqCst) > 0
+                            || lock(&self.park).shutdown
+                        {
+                            break;
+                        }
+                        idle = if moved { 0 } else { idle + 1 };
+                        backoff(&fabric, &mut idle, seen, None);
+                    }
+                }
+                // A waiter drives; it wakes us when it leaves with jobs still in flight.
+                Err(_) => std::thread::sleep(Duration::from_micros(200)),
+            }
+        }
+    }
+
+    /// Waits for `job` until it is done or `until` passes (then `false`), driving the
+    /// engine whenever no other thread does.
+    pub(crate) fn wait(self: &Arc<Self>, fabric: &Arc<Fabric>, job: &Job, until: Option<Instant>) -> bool {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        // A background driver asleep on the doorbell gives the role up when it wakes.
+        fabric.shared.notify();
+        let mut idle = 0u32;
+        let done = loop {
+            if job.is_done() {
+                break true;
+            }
+            if until.is_some_and(|u| Instant::now() >= u) {
+                break false;
+            }
+            match self.driver.try_lock() {
+                Ok(mut jobs) => loop {
+                    let seen = fabric.shared.bell_seen();
+                    let moved = self.round(fabric, &mut jobs);
+                    if job.is_done() {
+                        break;
+                    }
+                    if until.is_some_and(|u| Instant::now() >= u) {
+                        break;
+                    }
+                    idle = if moved { 0 } else { idle + 1 };
+                    backoff(fabric, &mut idle, seen, until);
+                },
+                Err(_) => {
+                    // Another thread drives; it bumps the doorbell when a job finishes.
+                    let seen = fabric.shared.bell_seen();
+                    if !job.is_done() {
+                        fabric.sleep_on_bell(seen, Instant::now() + Duration::from_millis(1));
+                    }
+                }
+            }
+        };
+        if self.waiters.fetch_sub(1, Ordering::SeqCst) == 1 && self.pending.load(Ordering::SeqCst) > 0 {
+            let _p = lock(&self.park);
+            self.wake.notify_one();
+        }
+        done
+    }
+
+    /// One round of the driver; returns whether anything moved.
+    fn round(&self, fabric: &Fabric, jobs: &mut Vec<Arc<Job>>) -> bool {
+        {
+            let mut s = lock(&self.submitted);
+            if !s.is_empty() {
+                jobs.append(&mut s);
+            }
+        }
+        if jobs.is_empty() {
+            return false;
+        }
+        let _ = fabric.progress();
+        let now = Instant::now();
+        fabric.check_health(now);
+        let mut moved = false;
+        let mut i = 0;
+        while i < jobs.len() {
+            let outcome = {
+                let mut body = lock(&jobs[i].body);
+                match fabric.fatal_error(body.label()) {
+                    Some(e) => Err(fabric.poison(e)),
+                    None => match body.poll(fabric) {
+                        Ok(Poll::Ready(())) => Ok(true),
+                        Ok(Poll::Moved) => {
+                            moved = true;
+                            Ok(false)
+                        }
+                        Ok(Poll::Idle) if now >= body.deadline => {
+                            let e = Error::Timeout {
+                                rank: body.rank,
+                                op: body.label().to_string(),
+                                after: now - body.started,
+                                waiting_for: body.waiting_for().iter().map(|p| format!("rank {p}")).collect(),
+                            };
+                            Err(fabric.poison(e))
+                        }
+                        Ok(Poll::Idle) => Ok(false),
+                        Err(e) => Err(fabric.poison(e)),
+                    },
+                }
+            };
+            match outcome {
+                Ok(false) => i += 1,
+                done => {
+                    let job = jobs.remove(i);
+                    job.finish(fabric, done.map(|_| ()));
+                    self.pending.fetch_sub(1, Ordering::SeqCst);
+                    moved = true;
+                    // Wake threads sleeping in `wait` for this job.
+                    fabric.shared.notify();
+                }
+            }
+        }
+        moved
+    }
+}
+
+/// Spin, yield, then sleep on the doorbell (at most 5 ms, or until `until`).
+fn backoff(fabric: &Fabric, idle: &mut u32, seen: u32, until: Option<Instant>) {
+    if *idle < SPINS {
+        std::hint::spin_loop();
+    } else if *idle < SPINS + YIELDS {
+        std::thread::yield_now();
+    } else {
+        let cap = Instant::now() + Duration::from_millis(5);
+        fabric.sleep_on_bell(seen, until.map_or(cap, |u| u.min(cap)));
+        *idle = SPINS / 2;
+    }
+}
