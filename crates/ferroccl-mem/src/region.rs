@@ -478,9 +478,15 @@ impl Drop for EndScope<'_> {
 /// assert_eq!((&a[..], &b[..]), (&b"abcd"[..], &b"efgh"[..]));
 /// ```
 pub fn region_scope<'env, R>(f: impl for<'scope> FnOnce(&'scope RegionScope<'scope, 'env>) -> R) -> R {
+    region_scope_with((), |s, ()| f(s))
+}
+
+/// [`region_scope`] with a value that lives as long as the scope (dropped after the
+/// registrations end), for state that refers to the scope's registrations.
+pub fn region_scope_with<'env, T, R>(payload: T, f: impl for<'scope> FnOnce(&'scope RegionScope<'scope, 'env>, &'scope T) -> R) -> R {
     let scope = RegionScope { regs: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
     let _end = EndScope(&scope.regs);
-    f(&scope)
+    f(&scope, &payload)
 }
 
 impl<'scope> RegionScope<'scope, '_> {

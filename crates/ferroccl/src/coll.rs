@@ -139,14 +139,42 @@ impl ScratchCache {
 }
 
 /// The element-type-free description of one call.
+#[derive(Debug)]
 pub(crate) struct Call<'a> {
+    pub(crate) name: &'static str,
     pub(crate) coll: Collective,
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
     pub(crate) count: usize,
     /// `None`: in place (one buffer, `output`).
     pub(crate) input: Option<&'a [u8]>,
-    pub(crate) output: &'a mut [u8],
+    /// `None`: the call's output is not wanted (reduce off the root); it runs into memory of
+    /// its own of the input's size.
+    pub(crate) output: Option<&'a mut [u8]>,
+}
+
+/// A call without its buffers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CallSpec {
+    pub(crate) name: &'static str,
+    pub(crate) coll: Collective,
+    pub(crate) dtype: DType,
+    pub(crate) op: ReduceOp,
+    pub(crate) count: usize,
+}
+
+impl Call<'_> {
+    pub(crate) fn spec(&self) -> CallSpec {
+        CallSpec { name: self.name, coll: self.coll, dtype: self.dtype, op: self.op, count: self.count }
+    }
+
+    /// Bytes of the output buffer the schedule addresses.
+    pub(crate) fn output_len(&self) -> usize {
+        match &self.output {
+            Some(o) => o.len(),
+            None => self.input.map_or(0, <[u8]>::len),
+        }
+    }
 }
 
 /// A call's schedule and identity, before buffers are attached.
@@ -191,9 +219,18 @@ impl Communicator {
         self.part(prep.name, CHAN_COLL, prep.desc, prep.sched, bufs)
     }
 
-    fn collective(&self, name: &str, call: Call<'_>) -> Result<()> {
-        let Call { coll, dtype, op, count, input, output } = call;
+    fn collective(&self, call: Call<'_>) -> Result<()> {
+        let out_len = call.output_len();
+        let Call { name, coll, dtype, op, count, input, output } = call;
         let prep = self.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let mut sink = Vec::new();
+        let output = match output {
+            Some(o) => o,
+            None => {
+                sink.resize(out_len, 0u8);
+                &mut sink[..]
+            }
+        };
         let scratch = self.scratch().get(prep.sched.scratch_bytes);
         let r = with_region(output, |out| match input {
             Some(i) => with_region_ro(i, |inp| self.run_coll(prep, Some(inp.clone()), out.clone(), scratch.clone())),
@@ -209,7 +246,7 @@ impl Communicator {
         self.wait_job(&job)
     }
 
-    fn check_root(&self, name: &str, root: usize) -> Result<()> {
+    pub(crate) fn check_root(&self, name: &str, root: usize) -> Result<()> {
         if root >= self.size() {
             return Err(Error::invalid(format!(
                 "rank {}: {name}: root {root} is out of range (communicator of {} ranks)",
@@ -220,14 +257,14 @@ impl Communicator {
         Ok(())
     }
 
-    fn check_len(&self, name: &str, what: &str, got: usize, want: usize) -> Result<()> {
+    pub(crate) fn check_len(&self, name: &str, what: &str, got: usize, want: usize) -> Result<()> {
         if got != want {
             return Err(Error::invalid(format!("rank {}: {name}: {what} has {got} elements, expected {want}", self.rank())));
         }
         Ok(())
     }
 
-    fn blocks(&self, name: &str, len: usize) -> Result<usize> {
+    pub(crate) fn blocks(&self, name: &str, len: usize) -> Result<usize> {
         let n = self.size();
         if !len.is_multiple_of(n) {
             return Err(Error::invalid(format!(
@@ -265,140 +302,185 @@ impl Communicator {
     /// # Ok::<(), ferroccl::Error>(())
     /// ```
     pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let count = buf.len();
-        let call = Call { coll: Collective::AllReduce, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
-        self.collective("allreduce", call)
+        self.collective(self.allreduce_call(buf, op))
     }
 
     /// Reduces `send` across all ranks into `recv` (same length).
     pub fn allreduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.check_len("allreduce", "recv", recv.len(), send.len())?;
-        let call = Call {
-            coll: Collective::AllReduce,
-            dtype: T::DTYPE,
-            op,
-            count: send.len(),
-            input: Some(as_bytes(send)),
-            output: as_bytes_mut(recv),
-        };
-        self.collective("allreduce", call)
+        self.collective(self.allreduce_into_call(send, recv, op)?)
     }
 
     /// Gathers every rank's `send` into `recv` (`send.len() * size()` elements, rank r's
     /// block at `r * send.len()`).
     pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let want = send.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("allgather: size overflows"))?;
-        self.check_len("allgather", "recv", recv.len(), want)?;
-        let call = Call {
-            coll: Collective::AllGather,
-            dtype: T::DTYPE,
-            op: ReduceOp::Sum,
-            count: send.len(),
-            input: Some(as_bytes(send)),
-            output: as_bytes_mut(recv),
-        };
-        self.collective("allgather", call)
+        self.collective(self.allgather_call(send, recv)?)
     }
 
     /// Allgather in place: `buf` has `size()` equal blocks and this rank's contribution is
     /// already in block `rank()`.
     pub fn allgather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let count = self.blocks("allgather", buf.len())?;
-        let call = Call { coll: Collective::AllGather, dtype: T::DTYPE, op: ReduceOp::Sum, count, input: None, output: as_bytes_mut(buf) };
-        self.collective("allgather", call)
+        self.collective(self.allgather_in_place_call(buf)?)
     }
 
     /// Reduces `send` (`recv.len() * size()` elements) across ranks; rank r receives block r
     /// of the result in `recv`.
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let want = recv.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("reduce_scatter: size overflows"))?;
-        self.check_len("reduce_scatter", "send", send.len(), want)?;
-        let call = Call {
-            coll: Collective::ReduceScatter,
-            dtype: T::DTYPE,
-            op,
-            count: recv.len(),
-            input: Some(as_bytes(send)),
-            output: as_bytes_mut(recv),
-        };
-        self.collective("reduce_scatter", call)
+        self.collective(self.reduce_scatter_call(send, recv, op)?)
     }
 
     /// Reduce-scatter in place: `buf` has `size()` equal blocks; block `rank()` receives this
     /// rank's part of the result (the other blocks are left as they were).
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let count = self.blocks("reduce_scatter", buf.len())?;
-        let call = Call { coll: Collective::ReduceScatter, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
-        self.collective("reduce_scatter", call)
+        self.collective(self.reduce_scatter_in_place_call(buf, op)?)
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.check_root("broadcast", root)?;
-        let count = buf.len();
-        let call = Call {
-            coll: Collective::Broadcast { root },
-            dtype: T::DTYPE,
-            op: ReduceOp::Sum,
-            count,
-            input: None,
-            output: as_bytes_mut(buf),
-        };
-        self.collective("broadcast", call)
+        self.collective(self.broadcast_call(buf, root)?)
     }
 
     /// Reduces `send` across ranks into `root`'s `recv` (same length as `send` on the root;
     /// ignored, and may be empty, elsewhere).
     pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.check_root("reduce", root)?;
-        if self.rank() == root {
-            self.check_len("reduce", "recv", recv.len(), send.len())?;
-            let call = Call {
-                coll: Collective::Reduce { root },
-                dtype: T::DTYPE,
-                op,
-                count: send.len(),
-                input: Some(as_bytes(send)),
-                output: as_bytes_mut(recv),
-            };
-            return self.collective("reduce", call);
-        }
-        // Off the root the output is never written; the schedule still needs a buffer of
-        // the right size to address.
-        let mut sink = vec![0u8; std::mem::size_of_val(send)];
-        let call = Call {
-            coll: Collective::Reduce { root },
-            dtype: T::DTYPE,
-            op,
-            count: send.len(),
-            input: Some(as_bytes(send)),
-            output: &mut sink,
-        };
-        self.collective("reduce", call)
+        self.collective(self.reduce_call(send, recv, op, root)?)
     }
 
     /// Reduce in place: `root`'s `buf` receives the reduction of every rank's `buf`.
     pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.check_root("reduce", root)?;
-        let count = buf.len();
-        let call = Call { coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count, input: None, output: as_bytes_mut(buf) };
-        self.collective("reduce", call)
+        self.collective(self.reduce_in_place_call(buf, op, root)?)
     }
 
     /// All-to-all with equal counts: `send` and `recv` have `size()` equal blocks; block j of
     /// `send` goes to rank j, block i of `recv` comes from rank i.
     pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.collective(self.alltoall_call(send, recv)?)
+    }
+
+    // The argument checks and call descriptions, shared by the blocking calls, the
+    // non-blocking ones (`Scope`) and group calls.
+
+    pub(crate) fn allreduce_call<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Call<'a> {
+        let count = buf.len();
+        Call { name: "allreduce", coll: Collective::AllReduce, dtype: T::DTYPE, op, count, input: None, output: Some(as_bytes_mut(buf)) }
+    }
+
+    pub(crate) fn allreduce_into_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T], op: ReduceOp) -> Result<Call<'a>> {
+        self.check_len("allreduce", "recv", recv.len(), send.len())?;
+        Ok(Call {
+            name: "allreduce",
+            coll: Collective::AllReduce,
+            dtype: T::DTYPE,
+            op,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            output: Some(as_bytes_mut(recv)),
+        })
+    }
+
+    pub(crate) fn allgather_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
+        let want = send.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("allgather: size overflows"))?;
+        self.check_len("allgather", "recv", recv.len(), want)?;
+        Ok(Call {
+            name: "allgather",
+            coll: Collective::AllGather,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            output: Some(as_bytes_mut(recv)),
+        })
+    }
+
+    pub(crate) fn allgather_in_place_call<'a, T: Element>(&self, buf: &'a mut [T]) -> Result<Call<'a>> {
+        let count = self.blocks("allgather", buf.len())?;
+        Ok(Call {
+            name: "allgather",
+            coll: Collective::AllGather,
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count,
+            input: None,
+            output: Some(as_bytes_mut(buf)),
+        })
+    }
+
+    pub(crate) fn reduce_scatter_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T], op: ReduceOp) -> Result<Call<'a>> {
+        let want = recv.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("reduce_scatter: size overflows"))?;
+        self.check_len("reduce_scatter", "send", send.len(), want)?;
+        Ok(Call {
+            name: "reduce_scatter",
+            coll: Collective::ReduceScatter,
+            dtype: T::DTYPE,
+            op,
+            count: recv.len(),
+            input: Some(as_bytes(send)),
+            output: Some(as_bytes_mut(recv)),
+        })
+    }
+
+    pub(crate) fn reduce_scatter_in_place_call<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<Call<'a>> {
+        let count = self.blocks("reduce_scatter", buf.len())?;
+        Ok(Call {
+            name: "reduce_scatter",
+            coll: Collective::ReduceScatter,
+            dtype: T::DTYPE,
+            op,
+            count,
+            input: None,
+            output: Some(as_bytes_mut(buf)),
+        })
+    }
+
+    pub(crate) fn broadcast_call<'a, T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<Call<'a>> {
+        self.check_root("broadcast", root)?;
+        let count = buf.len();
+        Ok(Call {
+            name: "broadcast",
+            coll: Collective::Broadcast { root },
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            count,
+            input: None,
+            output: Some(as_bytes_mut(buf)),
+        })
+    }
+
+    pub(crate) fn reduce_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T], op: ReduceOp, root: usize) -> Result<Call<'a>> {
+        self.check_root("reduce", root)?;
+        if self.rank() == root {
+            self.check_len("reduce", "recv", recv.len(), send.len())?;
+        }
+        Ok(Call {
+            name: "reduce",
+            coll: Collective::Reduce { root },
+            dtype: T::DTYPE,
+            op,
+            count: send.len(),
+            input: Some(as_bytes(send)),
+            // Off the root the output is never written; the schedule still addresses one
+            // of the right size, which the call allocates.
+            output: (self.rank() == root).then_some(as_bytes_mut(recv)),
+        })
+    }
+
+    pub(crate) fn reduce_in_place_call<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp, root: usize) -> Result<Call<'a>> {
+        self.check_root("reduce", root)?;
+        let count = buf.len();
+        Ok(Call { name: "reduce", coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count, input: None, output: Some(as_bytes_mut(buf)) })
+    }
+
+    pub(crate) fn alltoall_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
         self.check_len("alltoall", "recv", recv.len(), send.len())?;
         let count = self.blocks("alltoall", send.len())?;
-        let call = Call {
+        Ok(Call {
+            name: "alltoall",
             coll: Collective::AllToAll,
             dtype: T::DTYPE,
             op: ReduceOp::Sum,
             count,
             input: Some(as_bytes(send)),
-            output: as_bytes_mut(recv),
-        };
-        self.collective("alltoall", call)
+            output: Some(as_bytes_mut(recv)),
+        })
     }
 }
 

@@ -231,10 +231,6 @@ impl Communicator {
         &self.fabric
     }
 
-    pub(crate) fn members(&self) -> &Arc<[usize]> {
-        &self.members
-    }
-
     /// The blocking-call deadline (`FERROCCL_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
         self.fabric.params.timeout
@@ -251,7 +247,7 @@ impl Communicator {
 
     /// Everything that can be checked before a byte goes on the wire; errors here leave the
     /// communicator usable.
-    fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
+    pub(crate) fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
         let wpeer = self.peer_world(peer, op)?;
         self.fabric.endpoint(wpeer)?;
         self.check_usable(op)?;
@@ -490,11 +486,11 @@ impl Communicator {
 /// Bytes of a rank's `split` record: has-color, color, key.
 const SPLIT_REC: usize = 13;
 
-fn p2p_send(peer: usize, len: usize) -> Schedule {
+pub(crate) fn p2p_send(peer: usize, len: usize) -> Schedule {
     Schedule { steps: vec![Step { op: Op::Send { peer, src: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
 }
 
-fn p2p_recv(peer: usize, len: usize) -> Schedule {
+pub(crate) fn p2p_recv(peer: usize, len: usize) -> Schedule {
     Schedule { steps: vec![Step { op: Op::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
 }
 

@@ -164,13 +164,21 @@ impl JobBody {
 pub(crate) struct Job {
     body: Mutex<JobBody>,
     done: AtomicBool,
+    /// Whether a caller has seen the outcome (a scope reports errors nobody saw).
+    observed: AtomicBool,
     error: Mutex<Option<Error>>,
     waker: Mutex<Option<Waker>>,
 }
 
 impl Job {
     pub(crate) fn new(body: JobBody) -> Arc<Job> {
-        Arc::new(Job { body: Mutex::new(body), done: AtomicBool::new(false), error: Mutex::new(None), waker: Mutex::new(None) })
+        Arc::new(Job {
+            body: Mutex::new(body),
+            done: AtomicBool::new(false),
+            observed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            waker: Mutex::new(None),
+        })
     }
 
     /// The job's body, for a plan to reset between runs (never while it runs).
@@ -190,6 +198,20 @@ impl Job {
         }
     }
 
+    /// The outcome of a finished job, marked as seen.
+    pub(crate) fn observe(&self) -> Result<()> {
+        self.observed.store(true, Ordering::Release);
+        self.result()
+    }
+
+    /// The outcome of a finished job if nobody has seen it yet.
+    pub(crate) fn observe_if_unobserved(&self) -> Result<()> {
+        if self.observed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.result()
+    }
+
     /// Registers the waker of an async caller; `true` if the job finished meanwhile.
     pub(crate) fn set_waker(&self, w: &Waker) -> bool {
         let mut g = lock(&self.waker);
@@ -204,6 +226,7 @@ impl Job {
     /// Marks a plan's job as not done before it is submitted again.
     pub(crate) fn rearm(&self) {
         *lock(&self.error) = None;
+        self.observed.store(false, Ordering::Release);
         self.done.store(false, Ordering::Release);
     }
 
@@ -272,6 +295,21 @@ impl Engine {
         }
         drop(p);
         self.wake.notify_one();
+    }
+
+    /// Makes sure the background thread drives the jobs in flight (an async caller waits
+    /// without driving).
+    pub(crate) fn ensure_background(self: &Arc<Self>, fabric: &Arc<Fabric>) {
+        if self.pending.load(Ordering::SeqCst) > 0 {
+            self.wake_background(fabric);
+        }
+    }
+
+    /// One round, if no other thread is driving (`test`).
+    pub(crate) fn try_round(&self, fabric: &Fabric) {
+        if let Ok(mut jobs) = self.driver.try_lock() {
+            self.round(fabric, &mut jobs);
+        }
     }
 
     /// Stops the background thread (fabric shutdown).

@@ -1,0 +1,389 @@
+//! Non-blocking operations: [`Scope`], [`Request`] and group calls ([`Group`]).
+//!
+//! A scope is to operations what `std::thread::scope` is to threads: inside
+//! [`Communicator::scope`], collectives and point-to-point calls return a [`Request`] at
+//! once and run in the background (the progress engine); their buffers stay borrowed until
+//! the scope ends, so the type system, not documentation, keeps the caller from touching
+//! them while the operation may still read or write them. When the scope's closure returns,
+//! the scope waits for every operation still in flight.
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params, ReduceOp};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! let mut grads = vec![1.0f32; 1 << 16];
+//! let mut stats = vec![2u64; 4];
+//! comm.scope(|s| {
+//!     let g = s.allreduce(&mut grads, ReduceOp::Sum)?; // starts, returns at once
+//!     s.allreduce(&mut stats, ReduceOp::Max)?; // dropped: the scope waits for it
+//!     // ... compute something that touches neither buffer ...
+//!     g.wait()
+//! })?;
+//! assert_eq!(stats, [2; 4]);
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+//!
+//! # Semantics
+//!
+//! * Operations of one communicator are matched between ranks in the order they are
+//!   issued, so every rank must issue them in the same order; several may be in flight at
+//!   once, and they complete as if run one after the other in that order.
+//! * Dropping a [`Request`] neither cancels nor waits: the operation goes on, and the end
+//!   of the scope waits for it (a collective cannot be cancelled on one rank alone). An
+//!   error of an operation nobody waited for is what the scope returns.
+//! * A fatal error (a peer's death, a timeout, an [`Communicator::abort`]) fails every
+//!   operation in flight, and every later one, on this communicator and the ones sharing
+//!   its connections.
+//! * [`Request`] implements [`Future`]: an async caller can `.await` it (the progress
+//!   engine's thread drives it and wakes the task).
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use ferroccl_kernels::{as_bytes, as_bytes_mut, Element, ReduceOp};
+use ferroccl_mem::region::{region_scope_with, RegionHandle, RegionScope};
+
+use crate::coll::Call;
+use crate::comm::Communicator;
+use crate::engine::{Job, Part};
+use crate::error::{Error, Result};
+use crate::fabric::Fabric;
+use crate::proto::CHAN_USER;
+
+/// What a scope keeps: its jobs and the scratch memory they borrowed from the
+/// communicator's pool.
+#[derive(Debug, Default)]
+pub(crate) struct ScopeState {
+    jobs: Mutex<Vec<Arc<Job>>>,
+    scratch: Mutex<Vec<RegionHandle>>,
+}
+
+/// A scope for non-blocking operations; see [`Communicator::scope`] and the
+/// [module documentation](self).
+#[derive(Clone, Copy)]
+pub struct Scope<'s, 'env> {
+    comm: &'env Communicator,
+    regions: &'s RegionScope<'s, 'env>,
+    state: &'s ScopeState,
+}
+
+impl std::fmt::Debug for Scope<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope").field("rank", &self.comm.rank()).field("size", &self.comm.size()).finish()
+    }
+}
+
+/// An operation in flight: wait for it, test it, or `.await` it.
+///
+/// `Send + Sync`: it may be waited for on another thread (inside the scope).
+#[must_use = "dropping a Request does not cancel it; the scope waits for it at its end"]
+pub struct Request<'s> {
+    job: Arc<Job>,
+    fabric: Arc<Fabric>,
+    _scope: PhantomData<&'s ()>,
+}
+
+impl std::fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("done", &self.job.is_done()).finish()
+    }
+}
+
+impl Request<'_> {
+    /// Waits until the operation completes (at the latest its `FERROCCL_TIMEOUT` deadline,
+    /// which fails it with [`Error::Timeout`]).
+    pub fn wait(self) -> Result<()> {
+        self.fabric.engine.wait(&self.fabric, &self.job, None);
+        self.job.observe()
+    }
+
+    /// Waits at most `limit`: `Ok(true)` if the operation completed, `Ok(false)` if it is
+    /// still running (it goes on), `Err` if it failed.
+    pub fn wait_timeout(&self, limit: Duration) -> Result<bool> {
+        if self.fabric.engine.wait(&self.fabric, &self.job, Some(Instant::now() + limit)) {
+            self.job.observe().map(|()| true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    /// Whether the operation has completed (`Err` if it failed); never blocks, and moves
+    /// the engine one round forward when no other thread is driving it.
+    pub fn test(&self) -> Result<bool> {
+        if !self.job.is_done() {
+            self.fabric.engine.try_round(&self.fabric);
+        }
+        if self.job.is_done() {
+            self.job.observe().map(|()| true)
+        } else {
+            Ok(false)
+        }
+    }
+}
+
+impl Future for Request<'_> {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.job.is_done() || self.job.set_waker(cx.waker()) {
+            return Poll::Ready(self.job.observe());
+        }
+        // The engine's thread drives the job and wakes the task.
+        self.fabric.engine.ensure_background(&self.fabric);
+        Poll::Pending
+    }
+}
+
+impl Communicator {
+    /// Runs `f` with a [`Scope`] in which operations are non-blocking; when `f` returns, waits
+    /// for every operation it started and left running. Returns `f`'s error if it failed,
+    /// else the first error of an operation whose [`Request`] was not waited for, else `f`'s
+    /// value. See the [module documentation](crate::nonblocking).
+    pub fn scope<'env, R>(&'env self, f: impl for<'s> FnOnce(Scope<'s, 'env>) -> Result<R>) -> Result<R> {
+        region_scope_with(ScopeState::default(), |regions, state| {
+            let scope = Scope { comm: self, regions, state };
+            // Waits also when `f` unwinds, before the registrations end.
+            let wait_all = WaitAll(scope);
+            let r = f(scope);
+            let unobserved = wait_all.finish();
+            match (r, unobserved) {
+                (Err(e), _) => Err(e),
+                (Ok(_), Some(e)) => Err(e),
+                (Ok(v), None) => Ok(v),
+            }
+        })
+    }
+
+    /// Runs the operations `f` adds to a [`Group`] as one unit, and waits for them: one
+    /// submission, their transfers in flight together.
+    pub fn group<'env>(&'env self, f: impl for<'g, 's> FnOnce(&'g Group<'s, 'env>) -> Result<()>) -> Result<()> {
+        self.scope(|s| s.group(f)?.wait())
+    }
+}
+
+/// Waits for a scope's jobs when dropped (on unwind); [`WaitAll::finish`] does it on the
+/// normal path and reports errors nobody looked at.
+struct WaitAll<'s, 'env>(Scope<'s, 'env>);
+
+impl WaitAll<'_, '_> {
+    fn finish(self) -> Option<Error> {
+        let e = self.wait();
+        std::mem::forget(self);
+        e
+    }
+
+    fn wait(&self) -> Option<Error> {
+        let s = &self.0;
+        let jobs = std::mem::take(&mut *s.state.jobs.lock().unwrap_or_else(|e| e.into_inner()));
+        let fabric = s.comm.fabric();
+        let mut first = None;
+        for job in &jobs {
+            fabric.engine.wait(fabric, job, None);
+            if let Err(e) = job.observe_if_unobserved() {
+                first.get_or_insert(e);
+            }
+        }
+        for h in std::mem::take(&mut *s.state.scratch.lock().unwrap_or_else(|e| e.into_inner())) {
+            s.comm.scratch().put(h);
+        }
+        first
+    }
+}
+
+impl Drop for WaitAll<'_, '_> {
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
+
+impl<'s, 'env> Scope<'s, 'env> {
+    /// The communicator.
+    pub fn comm(&self) -> &'env Communicator {
+        self.comm
+    }
+
+    /// Registers a call's buffers in the scope and makes its part.
+    fn call_part(&self, call: Call<'s>) -> Result<Part> {
+        let out_len = call.output_len();
+        let Call { name, coll, dtype, op, count, input, output } = call;
+        let prep = self.comm.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
+        self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
+        let output = match output {
+            Some(o) => self.regions.register(o),
+            None => RegionHandle::owned(out_len),
+        };
+        let input = input.map(|i| self.regions.register_ro(i));
+        Ok(self.comm.coll_part(prep, input, output, scratch))
+    }
+
+    fn submit(&self, parts: Vec<Part>) -> Result<Request<'s>> {
+        let job = Job::new(self.comm.job_body(parts, true));
+        self.comm.submit(&job, false, false)?;
+        self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
+        Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })
+    }
+
+    fn start(&self, call: Result<Call<'s>>) -> Result<Request<'s>> {
+        let part = self.call_part(call?)?;
+        self.submit(vec![part])
+    }
+
+    /// Non-blocking [`Communicator::allreduce`].
+    pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
+        self.start(Ok(self.comm.allreduce_call(buf, op)))
+    }
+
+    /// Non-blocking [`Communicator::allreduce_into`].
+    pub fn allreduce_into<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
+        self.start(self.comm.allreduce_into_call(send, recv, op))
+    }
+
+    /// Non-blocking [`Communicator::allgather`].
+    pub fn allgather<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
+        self.start(self.comm.allgather_call(send, recv))
+    }
+
+    /// Non-blocking [`Communicator::allgather_in_place`].
+    pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<Request<'s>> {
+        self.start(self.comm.allgather_in_place_call(buf))
+    }
+
+    /// Non-blocking [`Communicator::reduce_scatter`].
+    pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
+        self.start(self.comm.reduce_scatter_call(send, recv, op))
+    }
+
+    /// Non-blocking [`Communicator::reduce_scatter_in_place`].
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
+        self.start(self.comm.reduce_scatter_in_place_call(buf, op))
+    }
+
+    /// Non-blocking [`Communicator::broadcast`].
+    pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<Request<'s>> {
+        self.start(self.comm.broadcast_call(buf, root))
+    }
+
+    /// Non-blocking [`Communicator::reduce`].
+    pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
+        self.start(self.comm.reduce_call(send, recv, op, root))
+    }
+
+    /// Non-blocking [`Communicator::reduce_in_place`].
+    pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
+        self.start(self.comm.reduce_in_place_call(buf, op, root))
+    }
+
+    /// Non-blocking [`Communicator::alltoall`].
+    pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
+        self.start(self.comm.alltoall_call(send, recv))
+    }
+
+    /// Non-blocking [`Communicator::send`].
+    pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
+        let part = self.send_part(data, peer)?;
+        self.submit(vec![part])
+    }
+
+    /// Non-blocking [`Communicator::recv`].
+    pub fn recv<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<Request<'s>> {
+        let part = self.recv_part(buf, peer)?;
+        self.submit(vec![part])
+    }
+
+    fn send_part<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Part> {
+        let name = format!("send to rank {peer}");
+        self.comm.check_peer(peer, &name)?;
+        let data = as_bytes(data);
+        let sched = crate::comm::p2p_send(peer, data.len());
+        Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register_ro(data)))
+    }
+
+    fn recv_part<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
+        let name = format!("recv from rank {peer}");
+        self.comm.check_peer(peer, &name)?;
+        let buf = as_bytes_mut(buf);
+        let sched = crate::comm::p2p_recv(peer, buf.len());
+        Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register(buf)))
+    }
+
+    /// Starts the operations `f` adds to a [`Group`] as one unit: one submission, one
+    /// request; their transfers are in flight together and progress in the same rounds.
+    /// Nothing is started if `f` fails (then nothing went on the wire either).
+    pub fn group(&self, f: impl for<'g> FnOnce(&'g Group<'s, 'env>) -> Result<()>) -> Result<Request<'s>> {
+        let g = Group { scope: *self, parts: Mutex::new(Vec::new()) };
+        f(&g)?;
+        let parts = g.parts.into_inner().unwrap_or_else(|e| e.into_inner());
+        self.submit(parts)
+    }
+}
+
+/// Operations collected to start as one unit; see [`Scope::group`] and
+/// [`Communicator::group`]. Its calls check their arguments at once and start nothing until
+/// the group is complete.
+pub struct Group<'s, 'env> {
+    scope: Scope<'s, 'env>,
+    parts: Mutex<Vec<Part>>,
+}
+
+impl std::fmt::Debug for Group<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.parts.lock().unwrap_or_else(|e| e.into_inner()).len();
+        f.debug_struct("Group").field("operations", &n).finish()
+    }
+}
+
+impl<'s> Group<'s, '_> {
+    fn add(&self, part: Result<Part>) -> Result<()> {
+        let part = part?;
+        self.parts.lock().unwrap_or_else(|e| e.into_inner()).push(part);
+        Ok(())
+    }
+
+    fn add_call(&self, call: Result<Call<'s>>) -> Result<()> {
+        self.add(call.and_then(|c| self.scope.call_part(c)))
+    }
+
+    /// Adds an [`Communicator::allreduce`].
+    pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
+        self.add_call(Ok(self.scope.comm.allreduce_call(buf, op)))
+    }
+
+    /// Adds an [`Communicator::allreduce_into`].
+    pub fn allreduce_into<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
+        self.add_call(self.scope.comm.allreduce_into_call(send, recv, op))
+    }
+
+    /// Adds an [`Communicator::allgather`].
+    pub fn allgather<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
+        self.add_call(self.scope.comm.allgather_call(send, recv))
+    }
+
+    /// Adds an [`Communicator::reduce_scatter`].
+    pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_scatter_call(send, recv, op))
+    }
+
+    /// Adds a [`Communicator::broadcast`].
+    pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<()> {
+        self.add_call(self.scope.comm.broadcast_call(buf, root))
+    }
+
+    /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,
+    /// whatever order they are added in: every receive is posted in the first round).
+    pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<()> {
+        self.add(self.scope.send_part(data, peer))
+    }
+
+    /// Adds a [`Communicator::recv`].
+    pub fn recv<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<()> {
+        self.add(self.scope.recv_part(buf, peer))
+    }
+}

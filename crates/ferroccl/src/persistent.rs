@@ -1,0 +1,157 @@
+//! Persistent plans: a collective built once and run many times (MPI-4's
+//! `MPI_Allreduce_init` + `MPI_Start`).
+//!
+//! Building a plan checks the arguments, picks the algorithm, builds the schedule, numbers
+//! its transfers, allocates its scratch memory and registers its buffers with the fabric;
+//! [`Plan::run`] then only moves data: it allocates nothing and registers nothing (a test
+//! counts both). The plan borrows its buffers for its whole life; between runs they are
+//! read and rewritten through [`Plan::output_mut`] / [`Plan::input_mut`].
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params, ReduceOp};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! let mut grads = vec![0.0f32; 1024];
+//! let mut plan = comm.allreduce_plan(&mut grads, ReduceOp::Sum)?;
+//! for step in 0..10 {
+//!     plan.output_mut().fill(step as f32); // this step's gradients
+//!     plan.run()?;
+//!     assert_eq!(plan.output()[0], step as f32 * comm.size() as f32);
+//! }
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+//!
+//! Every rank must run its plans in the same order as its other operations on the
+//! communicator (a plan's run is an operation like any other).
+//!
+//! The clear-to-send of each rendezvous transfer still goes over the wire on every run: it
+//! is the receiver's flow control (its buffer is free again), and carries the descriptor
+//! registered when the plan was built.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use ferroccl_kernels::{as_bytes_mut, Element, ReduceOp};
+use ferroccl_mem::region::{RegionHandle, Registration};
+
+use crate::coll::CallSpec;
+use crate::comm::Communicator;
+use crate::engine::Job;
+use crate::error::Result;
+
+/// A collective built once, run many times; see the [module documentation](self).
+pub struct Plan<'a, T: Element> {
+    comm: &'a Communicator,
+    job: Arc<Job>,
+    output: Registration<'a>,
+    input: Option<Registration<'a>>,
+    scratch: RegionHandle,
+    runs: u64,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> std::fmt::Debug for Plan<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = self.job.body().parts.first().map(|p| p.name.clone()).unwrap_or_default();
+        f.debug_struct("Plan").field("op", &name).field("runs", &self.runs).finish()
+    }
+}
+
+impl<'a, T: Element> Plan<'a, T> {
+    /// `call` was checked on temporary borrows of `input` / `output`, which the plan then
+    /// holds for its life.
+    fn build(comm: &'a Communicator, call: CallSpec, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
+        let CallSpec { name, coll, dtype, op, count } = call;
+        let prep = comm.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let scratch = RegionHandle::owned(prep.sched.scratch_bytes);
+        let out = Registration::new(as_bytes_mut(output));
+        // Writable, so that the owner can refill it between runs; the schedules never
+        // write into an input.
+        let inp = input.map(|i| Registration::new(as_bytes_mut(i)));
+        let fabric = comm.fabric();
+        fabric.register(out.handle());
+        fabric.register(&scratch);
+        let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
+        let job = Job::new(comm.job_body(vec![part], false));
+        Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, _t: PhantomData })
+    }
+
+    /// Runs the collective once and waits for it. Moves data only: no allocation, no
+    /// registration. An error is fatal for the communicator, as for any call.
+    pub fn run(&mut self) -> Result<()> {
+        let Plan { comm, job, output, input, .. } = self;
+        let r = output.active(|_| match input {
+            Some(i) => i.active(|_| Self::run_job(comm, job)),
+            None => Self::run_job(comm, job),
+        });
+        self.runs += 1;
+        r
+    }
+
+    fn run_job(comm: &Communicator, job: &Arc<Job>) -> Result<()> {
+        comm.submit(job, true, true)?;
+        comm.wait_job(job)
+    }
+
+    /// How many times the plan has run.
+    pub fn runs(&self) -> u64 {
+        self.runs
+    }
+
+    /// The output buffer (the result of the last run).
+    pub fn output(&self) -> &[T] {
+        bytemuck::cast_slice(self.output.bytes())
+    }
+
+    /// The output buffer, to write the next run's input into (in-place plans).
+    pub fn output_mut(&mut self) -> &mut [T] {
+        match self.output.bytes_mut() {
+            Ok(b) => bytemuck::cast_slice_mut(b),
+            Err(_) => &mut [],
+        }
+    }
+
+    /// The separate input buffer of an out-of-place plan (`None` for in-place ones), to
+    /// write the next run's input into.
+    pub fn input_mut(&mut self) -> Option<&mut [T]> {
+        self.input.as_mut().and_then(|r| r.bytes_mut().ok()).map(bytemuck::cast_slice_mut)
+    }
+}
+
+impl<T: Element> Drop for Plan<'_, T> {
+    fn drop(&mut self) {
+        let fabric = self.comm.fabric();
+        fabric.deregister(self.output.handle().id());
+        fabric.deregister(self.scratch.id());
+    }
+}
+
+impl Communicator {
+    /// A persistent in-place allreduce of `buf`; see [`Plan`].
+    pub fn allreduce_plan<'a, T: Element>(&'a self, buf: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
+        let call = self.allreduce_call(&mut *buf, op).spec();
+        Plan::build(self, call, None, buf)
+    }
+
+    /// A persistent allgather of `send` into `recv` (see [`Communicator::allgather`]).
+    pub fn allgather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T]) -> Result<Plan<'a, T>> {
+        let call = self.allgather_call(&*send, &mut *recv)?.spec();
+        Plan::build(self, call, Some(send), recv)
+    }
+
+    /// A persistent reduce-scatter of `send` into `recv` (see
+    /// [`Communicator::reduce_scatter`]).
+    pub fn reduce_scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
+        let call = self.reduce_scatter_call(&*send, &mut *recv, op)?.spec();
+        Plan::build(self, call, Some(send), recv)
+    }
+
+    /// A persistent broadcast of `root`'s `buf` (see [`Communicator::broadcast`]).
+    pub fn broadcast_plan<'a, T: Element>(&'a self, buf: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let call = self.broadcast_call(&mut *buf, root)?.spec();
+        Plan::build(self, call, None, buf)
+    }
+}

@@ -1,0 +1,429 @@
+//! The progress engine's API, with ranks as threads of this process: non-blocking
+//! collectives in flight together (waited in random order) against the reference,
+//! persistent plans run many times with their buffers rewritten between runs, group calls,
+//! dropping requests without waiting, async `.await`, and `abort`.
+//!
+//! Values are small integers, so every algorithm's result is exactly the reference whatever
+//! its reduction order.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+use ferroccl::{Communicator, Error, InitConfig, Params, ReduceOp, Request, TransportChoice};
+use ferroccl_kernels::bf16;
+use proptest::prelude::*;
+
+fn world<R: Send>(n: usize, params: &Params, f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+    let token = new_token();
+    let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20).unwrap();
+    let addr = store.addr().to_string();
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (token, addr, f, params) = (token.clone(), addr.clone(), &f, params.clone());
+                s.spawn(move || {
+                    let cfg = InitConfig { rank, world_size: n, store: StoreRole::Connect(addr), token };
+                    f(Communicator::init_with(cfg, params).expect("init"))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    });
+    store.shutdown();
+    out
+}
+
+fn params(transport: TransportChoice) -> Params {
+    Params { transport, timeout: Duration::from_secs(60), ..Params::default() }
+}
+
+/// Rank r's input value at index i of operation k.
+fn val(k: usize, r: usize, i: usize) -> i64 {
+    ((k * 31 + r * 7 + i * 3) % 23) as i64 - 11
+}
+
+/// One operation of a random sequence.
+#[derive(Debug, Clone)]
+enum OpSpec {
+    AllreduceF32 { len: usize, op: u8 },
+    AllreduceBf16 { len: usize },
+    AllgatherI32 { len: usize },
+    ReduceScatterF64 { len: usize },
+    BroadcastU8 { len: usize, root: usize },
+}
+
+fn op_spec(n: usize) -> impl Strategy<Value = OpSpec> {
+    let len = prop_oneof![0usize..4, 1usize..300, 1000usize..40_000];
+    prop_oneof![
+        (len.clone(), 0u8..3).prop_map(|(len, op)| OpSpec::AllreduceF32 { len, op }),
+        len.clone().prop_map(|len| OpSpec::AllreduceBf16 { len }),
+        len.clone().prop_map(|len| OpSpec::AllgatherI32 { len }),
+        len.clone().prop_map(|len| OpSpec::ReduceScatterF64 { len }),
+        (len, 0..n).prop_map(|(len, root)| OpSpec::BroadcastU8 { len, root }),
+    ]
+}
+
+/// Buffers of one operation on one rank, and how to check them.
+enum Bufs {
+    F32(Vec<f32>, ReduceOp),
+    Bf16(Vec<bf16>),
+    I32(Vec<i32>, Vec<i32>),
+    F64(Vec<f64>, Vec<f64>),
+    U8(Vec<u8>, usize),
+}
+
+fn make(k: usize, spec: &OpSpec, r: usize, n: usize) -> Bufs {
+    match *spec {
+        OpSpec::AllreduceF32 { len, op } => {
+            let op = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min][op as usize];
+            Bufs::F32((0..len).map(|i| val(k, r, i) as f32).collect(), op)
+        }
+        OpSpec::AllreduceBf16 { len } => Bufs::Bf16((0..len).map(|i| bf16::from_f32(val(k, r, i) as f32)).collect()),
+        OpSpec::AllgatherI32 { len } => Bufs::I32((0..len).map(|i| val(k, r, i) as i32).collect(), vec![0; len * n]),
+        OpSpec::ReduceScatterF64 { len } => Bufs::F64((0..len * n).map(|i| val(k, r, i) as f64).collect(), vec![0.0; len]),
+        OpSpec::BroadcastU8 { len, root } => Bufs::U8((0..len).map(|i| if r == root { (val(k, r, i) + 11) as u8 } else { 0 }).collect(), root),
+    }
+}
+
+fn check(k: usize, spec: &OpSpec, b: &Bufs, r: usize, n: usize) -> Result<(), String> {
+    let bad = |what: &str| Err(format!("op {k} {spec:?} on rank {r}: {what}"));
+    match (spec, b) {
+        (OpSpec::AllreduceF32 { .. }, Bufs::F32(v, op)) => {
+            for (i, x) in v.iter().enumerate() {
+                let vals = (0..n).map(|q| val(k, q, i));
+                let want = match op {
+                    ReduceOp::Sum => vals.sum::<i64>(),
+                    ReduceOp::Max => vals.max().unwrap_or(0),
+                    _ => vals.min().unwrap_or(0),
+                } as f32;
+                if *x != want {
+                    return bad(&format!("[{i}] = {x}, want {want}"));
+                }
+            }
+        }
+        (OpSpec::AllreduceBf16 { .. }, Bufs::Bf16(v)) => {
+            for (i, x) in v.iter().enumerate() {
+                let want = (0..n).map(|q| val(k, q, i)).sum::<i64>() as f32;
+                if x.to_f32() != want {
+                    return bad(&format!("[{i}] = {x}, want {want}"));
+                }
+            }
+        }
+        (OpSpec::AllgatherI32 { len }, Bufs::I32(_, out)) => {
+            for q in 0..n {
+                for i in 0..*len {
+                    if out[q * len + i] != val(k, q, i) as i32 {
+                        return bad(&format!("block {q} [{i}]"));
+                    }
+                }
+            }
+        }
+        (OpSpec::ReduceScatterF64 { len }, Bufs::F64(_, out)) => {
+            for (i, x) in out.iter().enumerate() {
+                let want = (0..n).map(|q| val(k, q, r * len + i)).sum::<i64>() as f64;
+                if *x != want {
+                    return bad(&format!("[{i}] = {x}, want {want}"));
+                }
+            }
+        }
+        (OpSpec::BroadcastU8 { root, .. }, Bufs::U8(v, _)) => {
+            for (i, x) in v.iter().enumerate() {
+                if *x != (val(k, *root, i) + 11) as u8 {
+                    return bad(&format!("[{i}]"));
+                }
+            }
+        }
+        _ => return bad("buffer kind"),
+    }
+    Ok(())
+}
+
+/// Starts every operation in `specs` in one scope, then waits for them in `order` (the
+/// rest are dropped, so the scope waits for them), and checks every result.
+fn run_sequence(comm: &Communicator, specs: &[OpSpec], order: &[usize], drop_some: bool) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.size());
+    let mut bufs: Vec<Bufs> = specs.iter().enumerate().map(|(k, s)| make(k, s, r, n)).collect();
+    comm.scope(|s| {
+        let mut reqs: Vec<Option<Request<'_>>> = Vec::new();
+        for b in bufs.iter_mut() {
+            reqs.push(Some(match b {
+                Bufs::F32(v, op) => s.allreduce(v, *op)?,
+                Bufs::Bf16(v) => s.allreduce(v, ReduceOp::Sum)?,
+                Bufs::I32(send, recv) => s.allgather(send, recv)?,
+                Bufs::F64(send, recv) => s.reduce_scatter(send, recv, ReduceOp::Sum)?,
+                Bufs::U8(v, root) => s.broadcast(v, *root)?,
+            }));
+        }
+        for (j, &i) in order.iter().enumerate() {
+            let m = reqs.len();
+            if let Some(req) = reqs[i % m].take() {
+                if drop_some && j % 3 == 2 {
+                    drop(req); // the scope waits for it
+                } else if j % 2 == 0 {
+                    req.wait()?;
+                } else {
+                    while !req.test()? {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("rank {r}: {e}"))?;
+    for (k, (spec, b)) in specs.iter().zip(&bufs).enumerate() {
+        check(k, spec, b, r, n)?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    #[test]
+    fn interleaved_nonblocking_collectives_equal_the_reference(
+        n in 2usize..5,
+        specs in proptest::collection::vec(op_spec(4), 1..7),
+        order_seed in any::<u64>(),
+        tcp in any::<bool>(),
+        drop_some in any::<bool>(),
+    ) {
+        // Roots must be in range for this n.
+        let specs: Vec<OpSpec> = specs.into_iter().map(|s| match s {
+            OpSpec::BroadcastU8 { len, root } => OpSpec::BroadcastU8 { len, root: root % n },
+            s => s,
+        }).collect();
+        // Each rank waits in its own random order.
+        let transport = if tcp { TransportChoice::Tcp } else { TransportChoice::Shm };
+        let res = world(n, &params(transport), |comm| {
+            let r = comm.rank() as u64;
+            let mut order: Vec<usize> = (0..specs.len()).collect();
+            let mut x = order_seed ^ (r.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            for i in (1..order.len()).rev() {
+                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let out = run_sequence(&comm, &specs, &order, drop_some);
+            comm.finalize().map_err(|e| e.to_string())?;
+            out
+        });
+        for r in res {
+            prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+        }
+    }
+}
+
+#[test]
+fn plans_run_a_thousand_times_with_rewritten_buffers() {
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let res = world(3, &params(transport), |comm| -> Result<(), String> {
+            let (r, n) = (comm.rank(), comm.size());
+            let e = |e: Error| e.to_string();
+            let mut small = vec![0i64; 3];
+            let mut big = vec![0.0f32; 70_000]; // rendezvous, several chunks
+            let mut ag_send = vec![0u32; 5];
+            let mut ag_recv = vec![0u32; 5 * n];
+            let mut rs_send = vec![0i32; 4 * n];
+            let mut rs_recv = vec![0i32; 4];
+            let mut bc = vec![0u8; 33];
+            {
+                let mut p_small = comm.allreduce_plan(&mut small, ReduceOp::Sum).map_err(e)?;
+                let mut p_big = comm.allreduce_plan(&mut big, ReduceOp::Max).map_err(e)?;
+                let mut p_ag = comm.allgather_plan(&mut ag_send, &mut ag_recv).map_err(e)?;
+                let mut p_rs = comm.reduce_scatter_plan(&mut rs_send, &mut rs_recv, ReduceOp::Sum).map_err(e)?;
+                let mut p_bc = comm.broadcast_plan(&mut bc, 1).map_err(e)?;
+                let runs = if transport == TransportChoice::Shm { 1000 } else { 200 };
+                for k in 0..runs {
+                    p_small.output_mut().copy_from_slice(&[k as i64, r as i64, 1]);
+                    p_small.run().map_err(e)?;
+                    let want = [k as i64 * n as i64, (0..n as i64).sum(), n as i64];
+                    if p_small.output() != want {
+                        return Err(format!("run {k}: small allreduce {:?}, want {want:?}", p_small.output()));
+                    }
+                    p_ag.input_mut().ok_or("allgather input")?.fill((k * 10 + r) as u32);
+                    p_ag.run().map_err(e)?;
+                    for q in 0..n {
+                        if p_ag.output()[q * 5..q * 5 + 5].iter().any(|&x| x != (k * 10 + q) as u32) {
+                            return Err(format!("run {k}: allgather block {q}"));
+                        }
+                    }
+                    let rs_in = p_rs.input_mut().ok_or("reduce_scatter input")?;
+                    for (i, x) in rs_in.iter_mut().enumerate() {
+                        *x = (i + k) as i32;
+                    }
+                    p_rs.run().map_err(e)?;
+                    let rs_want: Vec<i32> = (0..4).map(|i| ((r * 4 + i + k) * n) as i32).collect();
+                    if p_rs.output() != rs_want {
+                        return Err(format!("run {k}: reduce_scatter {:?}, want {rs_want:?}", p_rs.output()));
+                    }
+                    p_bc.output_mut().fill(if r == 1 { k as u8 } else { 0xee });
+                    p_bc.run().map_err(e)?;
+                    if p_bc.output().iter().any(|&x| x != k as u8) {
+                        return Err(format!("run {k}: broadcast"));
+                    }
+                    if k % 50 == 0 {
+                        p_big.output_mut().iter_mut().enumerate().for_each(|(i, x)| *x = ((i + r + k) % 1000) as f32);
+                        p_big.run().map_err(e)?;
+                        let ok = p_big.output().iter().enumerate().all(|(i, x)| *x == (0..n).map(|q| ((i + q + k) % 1000) as f32).fold(f32::MIN, f32::max));
+                        if !ok {
+                            return Err(format!("run {k}: big allreduce"));
+                        }
+                    }
+                }
+                if p_small.runs() != runs as u64 {
+                    return Err("run count".into());
+                }
+            }
+            comm.finalize().map_err(e)
+        });
+        for r in res {
+            assert!(r.is_ok(), "{transport:?}: {}", r.unwrap_err());
+        }
+    }
+}
+
+#[test]
+fn groups_run_as_one_unit() {
+    let res = world(4, &params(TransportChoice::Shm), |comm| -> Result<(), String> {
+        let (r, n) = (comm.rank(), comm.size());
+        let mut a = vec![r as u32 + 1; 10];
+        let mut b = vec![1.0f64; 100_000];
+        let send = vec![r as u8; 7];
+        let mut got = vec![0u8; 7];
+        let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+        comm.group(|g| {
+            // A receive added after the send: a group cannot deadlock on it.
+            g.send(&send, to)?;
+            g.allreduce(&mut a, ReduceOp::Sum)?;
+            g.recv(&mut got, from)?;
+            g.allreduce(&mut b, ReduceOp::Sum)?;
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+        let sum: u32 = (1..=n as u32).sum();
+        if a.iter().any(|&x| x != sum) || b.iter().any(|&x| x != n as f64) || got.iter().any(|&x| x != from as u8) {
+            return Err(format!("rank {r}: group results wrong"));
+        }
+        // A failed argument check starts nothing, and the communicator stays usable.
+        let mut short = vec![0u8; 3];
+        let err = comm.group(|g| {
+            g.allreduce(&mut a, ReduceOp::Sum)?;
+            g.allgather(&send, &mut short)
+        });
+        if !matches!(err, Err(Error::InvalidArgument(_))) {
+            return Err(format!("rank {r}: bad group gave {err:?}"));
+        }
+        comm.barrier().map_err(|e| e.to_string())?;
+        comm.finalize().map_err(|e| e.to_string())
+    });
+    for r in res {
+        assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+/// A minimal executor: polls a future, parking the thread between wake-ups.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(v) => return v,
+            Poll::Pending => std::thread::park_timeout(Duration::from_millis(100)),
+        }
+    }
+}
+
+#[test]
+fn requests_are_futures_and_progress_without_a_waiter() {
+    let res = world(3, &params(TransportChoice::Shm), |comm| -> Result<(), String> {
+        let n = comm.size();
+        let mut a = vec![2.0f32; 200_000];
+        let mut b = vec![1i64; 5];
+        comm.scope(|s| {
+            let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
+            let rb = s.allreduce(&mut b, ReduceOp::Sum)?;
+            // Nobody waits: the engine's thread completes them.
+            let t0 = Instant::now();
+            while !(rb.wait_timeout(Duration::ZERO)? && ra.wait_timeout(Duration::ZERO)?) {
+                if t0.elapsed() > Duration::from_secs(30) {
+                    return Err(Error::InvalidArgument("no progress without a waiter".into()));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            block_on(async { ra.await?; rb.await })
+        })
+        .map_err(|e| e.to_string())?;
+        if a.iter().any(|&x| x != 2.0 * n as f32) || b.iter().any(|&x| x != n as i64) {
+            return Err("wrong result".into());
+        }
+        let mut c = vec![1u8; 3];
+        comm.scope(|s| block_on(s.allreduce(&mut c, ReduceOp::Sum)?)).map_err(|e| e.to_string())?;
+        if c != [n as u8; 3] {
+            return Err("async allreduce".into());
+        }
+        comm.finalize().map_err(|e| e.to_string())
+    });
+    for r in res {
+        assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+#[test]
+fn abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes() {
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        // Rank 1 never joins the allreduce; rank 0 aborts from another thread.
+        let done = AtomicBool::new(false);
+        let res = world(2, &params(transport), |comm| -> Result<(), String> {
+            if comm.rank() == 1 {
+                // Wait for rank 0's abort to reach us, without calling anything matching.
+                let t0 = Instant::now();
+                while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(20) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let mut x = [1u8];
+                let err = comm.allreduce(&mut x, ReduceOp::Sum);
+                return match err {
+                    Err(Error::Aborted { by: Some(0), .. }) => Ok(()),
+                    other => Err(format!("rank 1 after rank 0's abort: {other:?}")),
+                };
+            }
+            let mut buf = vec![0.0f32; 1000];
+            let t0 = Instant::now();
+            let err = std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort();
+                });
+                comm.allreduce(&mut buf, ReduceOp::Sum)
+            });
+            let took = t0.elapsed();
+            done.store(true, Ordering::SeqCst);
+            match err {
+                Err(Error::Aborted { rank: 0, ref op, by: None }) if op.contains("allreduce") => {}
+                other => return Err(format!("rank 0: {other:?}")),
+            }
+            // Promptly: the abort came at 0.3 s; allow a slow machine plenty.
+            if took > Duration::from_millis(300) + Duration::from_secs(1) {
+                return Err(format!("abort took {took:?}"));
+            }
+            // Later calls fail the same way.
+            match comm.barrier() {
+                Err(Error::Aborted { .. }) => Ok(()),
+                other => Err(format!("after abort: {other:?}")),
+            }
+        });
+        for r in res {
+            assert!(r.is_ok(), "{transport:?}: {}", r.unwrap_err());
+        }
+    }
+}
