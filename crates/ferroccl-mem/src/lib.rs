@@ -53,6 +53,7 @@
 pub mod futex;
 #[cfg(target_os = "linux")]
 pub mod process;
+pub mod alloc_count;
 pub mod region;
 #[cfg(target_os = "linux")]
 pub mod segment;

@@ -241,7 +241,7 @@ impl Communicator {
     }
 
     fn run_coll(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Result<()> {
-        let job = Job::new(self.job_body(vec![self.coll_part(prep, input, output, scratch)], true));
+        let job = Job::new(self.job_body(vec![self.coll_part(prep, input, output, scratch)]));
         self.submit(&job, true, false)?;
         self.wait_job(&job)
     }

@@ -218,6 +218,13 @@ impl Communicator {
         self.fabric.setup_time
     }
 
+    /// The registration cache's counters (shared by the communicators of one world): how
+    /// many registrations were made, how many calls reused one, evictions, and what is
+    /// cached now.
+    pub fn registration_stats(&self) -> crate::fabric::RegStats {
+        self.fabric.reg_stats()
+    }
+
     /// Whether any member is reached over tcp.
     pub(crate) fn any_tcp(&self) -> bool {
         self.any_tcp
@@ -290,7 +297,7 @@ impl Communicator {
     }
 
     /// A job of `parts`, with the call deadline (`FERROCCL_TIMEOUT` from now).
-    pub(crate) fn job_body(&self, parts: Vec<Part>, deregister: bool) -> JobBody {
+    pub(crate) fn job_body(&self, parts: Vec<Part>) -> JobBody {
         let now = Instant::now();
         JobBody {
             comm: self.id,
@@ -299,7 +306,6 @@ impl Communicator {
             parts,
             deadline: now + self.fabric.params.timeout,
             started: now,
-            deregister,
         }
     }
 
@@ -342,7 +348,7 @@ impl Communicator {
 
     /// Submits a one-part job and waits for it: the blocking calls.
     fn run_part(&self, part: Part) -> Result<()> {
-        let job = Job::new(self.job_body(vec![part], true));
+        let job = Job::new(self.job_body(vec![part]));
         self.submit(&job, true, false)?;
         self.wait_job(&job)
     }

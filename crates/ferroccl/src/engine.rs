@@ -81,8 +81,6 @@ pub(crate) struct JobBody {
     pub(crate) parts: Vec<Part>,
     pub(crate) deadline: Instant,
     pub(crate) started: Instant,
-    /// Registrations to drop from the fabric when the job ends (non-persistent calls).
-    pub(crate) deregister: bool,
 }
 
 impl JobBody {
@@ -147,14 +145,11 @@ impl JobBody {
     }
 
     /// After the last round (success or failure): drop transfers still in flight (revoking
-    /// lent buffers) and, for one-off calls, the registrations.
-    fn end(&mut self, fabric: &Fabric) {
+    /// lent buffers). Registrations stay in the fabric's cache (their handles end with the
+    /// call's scope).
+    fn end(&mut self) {
         for p in &mut self.parts {
             p.exec.abandon();
-            if self.deregister {
-                fabric.deregister(p.output.id());
-                fabric.deregister(p.scratch.id());
-            }
         }
     }
 }
@@ -230,8 +225,8 @@ impl Job {
         self.done.store(false, Ordering::Release);
     }
 
-    fn finish(&self, fabric: &Fabric, r: Result<()>) {
-        lock(&self.body).end(fabric);
+    fn finish(&self, r: Result<()>) {
+        lock(&self.body).end();
         if let Err(e) = r {
             *lock(&self.error) = Some(e);
         }
@@ -450,7 +445,7 @@ impl Engine {
                 Ok(false) => i += 1,
                 done => {
                     let job = jobs.remove(i);
-                    job.finish(fabric, done.map(|_| ()));
+                    job.finish(done.map(|_| ()));
                     self.pending.fetch_sub(1, Ordering::SeqCst);
                     moved = true;
                     // Wake threads sleeping in `wait` for this job.

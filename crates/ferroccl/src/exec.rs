@@ -113,6 +113,8 @@ pub(crate) struct Exec {
     next: usize,
     remaining: usize,
     in_flight: usize,
+    /// Where a reduction's source that overlaps its destination is copied first (reused).
+    aside: Vec<u8>,
 }
 
 impl Exec {
@@ -179,7 +181,7 @@ impl Exec {
                     Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
                 }
                 local => {
-                    run_local(local, run.dtype, run.op, &run.bufs).map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
+                    run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside).map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
                     None
                 }
             };
@@ -215,12 +217,12 @@ struct Views<'v> {
     scr: &'v mut [u8],
 }
 
-fn run_local(op: &Op, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>) -> std::result::Result<(), String> {
+fn run_local(op: &Op, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
     let (out_len, scr_len) = (bufs.output.len(), bufs.scratch.len());
     let res = bufs.output.with_slice_mut(0, out_len, |out| {
         bufs.scratch.with_slice_mut(0, scr_len, |scr| match bufs.input {
-            Some(inp) => inp.with_slice(0, inp.len(), |input| local_on(op, dtype, rop, &mut Views { input: Some(input), out, scr })),
-            None => Ok(local_on(op, dtype, rop, &mut Views { input: None, out, scr })),
+            Some(inp) => inp.with_slice(0, inp.len(), |input| local_on(op, dtype, rop, &mut Views { input: Some(input), out, scr }, aside)),
+            None => Ok(local_on(op, dtype, rop, &mut Views { input: None, out, scr }, aside)),
         })
     });
     match res {
@@ -258,22 +260,29 @@ fn read<'v>(v: &'v Views<'_>, s: &Slice) -> std::result::Result<&'v [u8], String
     buf.get(s.range.clone()).ok_or_else(|| format!("range {:?} of {:?} is outside its {} bytes", s.range, s.buf, buf.len()))
 }
 
+/// Sources a local step takes without allocating; more (a mesh reduction over more ranks)
+/// go through a vector.
+const INLINE_SRCS: usize = 16;
+
 /// Runs `f(dst, srcs)` with `dst` mutable and every source readable. A source that shares
-/// bytes with `dst` (an in-place reduction) is copied aside first.
+/// bytes with `dst` (an in-place reduction) is copied into `aside` first. Allocates nothing
+/// for up to [`INLINE_SRCS`] sources once `aside` has grown to its working size.
 fn with_dst_srcs<R>(
     v: &mut Views<'_>,
     dst: &Slice,
-    srcs: &[&Slice],
+    srcs: &[Slice],
+    aside: &mut Vec<u8>,
     f: impl FnOnce(&mut [u8], &[&[u8]]) -> R,
 ) -> std::result::Result<R, String> {
     let dp = phys(v, dst.buf);
     if dp == Phys::In {
         return Err("a step writes into the input buffer".into());
     }
-    // Sources overlapping the destination: copy them out first.
-    let mut aside: Vec<Option<Vec<u8>>> = Vec::with_capacity(srcs.len());
-    for s in srcs {
-        aside.push(if phys(v, s.buf) == dp && overlaps(&s.range, &dst.range) { Some(read(v, s)?.to_vec()) } else { None });
+    // Sources overlapping the destination: copy them out first, one after the other.
+    let overlapping = |s: &Slice| phys(v, s.buf) == dp && overlaps(&s.range, &dst.range);
+    aside.clear();
+    for s in srcs.iter().filter(|s| overlapping(s)) {
+        aside.extend_from_slice(read(v, s)?);
     }
     let Views { input, out, scr } = v;
     let (same, other): (&mut [u8], &[u8]) = if dp == Phys::Out { (&mut **out, &**scr) } else { (&mut **scr, &**out) };
@@ -285,19 +294,27 @@ fn with_dst_srcs<R>(
     let (left, rest) = same.split_at_mut(r.start);
     let (mid, right) = rest.split_at_mut(r.len());
     let (left, right): (&[u8], &[u8]) = (left, right);
-    let mut views: Vec<&[u8]> = Vec::with_capacity(srcs.len());
-    for (s, a) in srcs.iter().zip(&aside) {
-        if let Some(copy) = a {
-            views.push(copy);
-            continue;
-        }
+    let mut inline: [&[u8]; INLINE_SRCS] = [&[]; INLINE_SRCS];
+    let mut heap: Vec<&[u8]> = Vec::new();
+    let views: &mut [&[u8]] = if srcs.len() <= INLINE_SRCS {
+        &mut inline[..srcs.len()]
+    } else {
+        heap.resize(srcs.len(), &[]);
+        &mut heap
+    };
+    let mut aside_at = 0;
+    for (s, view) in srcs.iter().zip(views.iter_mut()) {
         let p = match s.buf {
             Buf::Input if input.is_some() => Phys::In,
             Buf::Input | Buf::Output => Phys::Out,
             Buf::Scratch => Phys::Scr,
         };
         let bad = || format!("source range {:?} of {:?} is out of bounds", s.range, s.buf);
-        let sl: &[u8] = if p == Phys::In {
+        *view = if p == dp && overlaps(&s.range, &r) {
+            let copy = &aside[aside_at..aside_at + s.len()];
+            aside_at += s.len();
+            copy
+        } else if p == Phys::In {
             input.and_then(|i| i.get(s.range.clone())).ok_or_else(bad)?
         } else if p == dp {
             if s.range.end <= r.start {
@@ -308,22 +325,19 @@ fn with_dst_srcs<R>(
         } else {
             other.get(s.range.clone()).ok_or_else(bad)?
         };
-        views.push(sl);
     }
-    Ok(f(mid, &views))
+    Ok(f(mid, views))
 }
 
-fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>) -> std::result::Result<(), String> {
+fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
     let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
     match op {
-        Op::Reduce { dst, src } => {
-            with_dst_srcs(v, dst, &[src], |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?.map_err(|e| e.to_string())
-        }
+        Op::Reduce { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?
+            .map_err(|e| e.to_string()),
         Op::ReduceMany { dst, srcs } => {
-            let refs: Vec<&Slice> = srcs.iter().collect();
-            with_dst_srcs(v, dst, &refs, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
+            with_dst_srcs(v, dst, srcs, aside, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
         }
-        Op::Copy { dst, src } => with_dst_srcs(v, dst, &[src], |d, s| {
+        Op::Copy { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| {
             if d.len() == s[0].len() {
                 d.copy_from_slice(s[0]);
                 Ok(())
@@ -331,7 +345,7 @@ fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>) -> std::res
                 Err(format!("copy of {} bytes into {}", s[0].len(), d.len()))
             }
         })?,
-        Op::FinishAvg { dst, n } => with_dst_srcs(v, dst, &[], |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string()),
+        Op::FinishAvg { dst, n } => with_dst_srcs(v, dst, &[], aside, |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string()),
         Op::Send { .. } | Op::Recv { .. } => Err("internal: a transfer as a local step".into()),
     }
 }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use ferroccl_mem::futex::{futex_wait, futex_wake};
-use ferroccl_mem::process::{can_read_process, wait_any_exited, ProcessWatch};
+use ferroccl_mem::process::{can_read_process, ProcessWatch};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::auth;
@@ -114,7 +114,14 @@ pub(crate) struct Shared {
     pub(crate) events: Mutex<Events>,
     regions: RwLock<HashMap<u64, RegionHandle>>,
     bell: Bell,
+    /// Message buffers for reuse, so that receiving an eager message allocates nothing once
+    /// the pool is warm.
+    bufs: Mutex<Vec<Vec<u8>>>,
 }
+
+/// Message buffers kept for reuse at most, and the largest kept.
+const BUF_POOL: usize = 64;
+const BUF_POOL_MAX_BYTES: usize = 1 << 20;
 
 impl Shared {
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
@@ -135,9 +142,41 @@ impl Shared {
         self.bell.word().load(Ordering::SeqCst)
     }
 
+    /// A buffer of `len` bytes for an incoming message (from the pool when one fits).
+    pub(crate) fn take_buf(&self, len: usize) -> Vec<u8> {
+        let mut pool = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = match pool.iter().rposition(|b| b.capacity() >= len) {
+            Some(i) => pool.swap_remove(i),
+            None => Vec::with_capacity(len),
+        };
+        drop(pool);
+        v.clear();
+        v.resize(len, 0);
+        v
+    }
+
+    /// Gives a message buffer back for reuse.
+    pub(crate) fn give_buf(&self, v: Vec<u8>) {
+        if v.capacity() == 0 || v.capacity() > BUF_POOL_MAX_BYTES {
+            return;
+        }
+        let mut pool = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < BUF_POOL {
+            pool.push(v);
+        }
+    }
+
     /// A two-sided message arrived from `peer`.
     pub(crate) fn deliver_msg(&self, peer: usize, bytes: Vec<u8>) {
-        let decoded = proto::decode(bytes);
+        let decoded = match proto::decode_keep(bytes) {
+            Ok((m, spare)) => {
+                if let Some(v) = spare {
+                    self.give_buf(v);
+                }
+                Ok(m)
+            }
+            Err(e) => Err(e),
+        };
         let mut ev = self.lock();
         match decoded {
             Ok(ProtoMsg::Eager { comm, chan, seq, desc, data }) => {
@@ -205,6 +244,37 @@ impl Shared {
         drop(ev);
         self.notify();
     }
+}
+
+/// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegStats {
+    /// Registrations made (cache misses).
+    pub registrations: u64,
+    /// Calls that reused a cached registration of the same address range.
+    pub hits: u64,
+    /// Registrations dropped to keep the cache within `FERROCCL_REG_CACHE_ENTRIES`.
+    pub evictions: u64,
+    /// Registrations cached now.
+    pub entries: usize,
+    /// Bytes covered by the cached registrations.
+    pub registered_bytes: u64,
+}
+
+#[derive(Debug)]
+struct RegEntry {
+    /// The key peers address (the id of the first region registered over the range).
+    key: u64,
+    /// Id of the region the key reaches now.
+    bound: u64,
+    last_use: u64,
+}
+
+#[derive(Debug, Default)]
+struct RegCache {
+    entries: HashMap<(u64, usize), RegEntry>,
+    clock: u64,
+    stats: RegStats,
 }
 
 /// What each rank publishes about itself, in one packed store value.
@@ -298,6 +368,7 @@ pub(crate) struct Fabric {
     pub(crate) peers: Vec<PeerInfo>,
     /// Runs every operation in flight (see `engine`).
     pub(crate) engine: Arc<Engine>,
+    reg_cache: Mutex<RegCache>,
     store: Mutex<Option<StoreClient>>,
     server: Mutex<Option<StoreServer>>,
     key_prefix: String,
@@ -343,7 +414,13 @@ impl Fabric {
             Some(s) => Bell::Shm(s.clone()),
             None => Bell::Heap(AtomicU32::new(0), AtomicU32::new(0)),
         };
-        let shared = Arc::new(Shared { rank, events: Mutex::new(Events::default()), regions: RwLock::new(HashMap::new()), bell });
+        let shared = Arc::new(Shared {
+            rank,
+            events: Mutex::new(Events::default()),
+            regions: RwLock::new(HashMap::new()),
+            bell,
+            bufs: Mutex::new(Vec::new()),
+        });
 
         // A listener for tcp peers.
         let listener = if params.transport != TransportChoice::Shm && size > 1 {
@@ -486,6 +563,7 @@ impl Fabric {
             watches,
             peers,
             engine: Arc::default(),
+            reg_cache: Mutex::default(),
             store: Mutex::new(Some(store)),
             server: Mutex::new(server),
             key_prefix,
@@ -541,14 +619,74 @@ impl Fabric {
         }
     }
 
-    /// Registers a region for remote writes; returns its descriptor.
+    /// Registers a region for remote writes through the registration cache; returns its
+    /// descriptor.
+    ///
+    /// The cache is keyed by address range: a region over a range registered before (the
+    /// same buffer in a later call) reuses that registration's key, rebound to the new
+    /// handle, instead of registering again. Nothing is pinned for shm and tcp, and a key
+    /// only ever reaches memory through the handle bound to it, which is valid only while
+    /// its call runs: a stale entry can never misdirect a write, it can only fail it.
     pub(crate) fn register(&self, h: &RegionHandle) -> RemoteBuf {
-        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(h.id(), h.clone());
-        RemoteBuf { addr: h.addr(), len: h.len() as u64, key: h.id() }
+        let range = (h.addr(), h.len());
+        let mut guard = self.reg_cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = &mut *guard;
+        cache.clock += 1;
+        let clock = cache.clock;
+        let key = match cache.entries.get_mut(&range) {
+            Some(e) => {
+                e.last_use = clock;
+                if e.bound != h.id() {
+                    e.bound = h.id();
+                    cache.stats.hits += 1;
+                    let key = e.key;
+                    self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(key, h.clone());
+                    key
+                } else {
+                    e.key
+                }
+            }
+            None => {
+                let key = h.id();
+                cache.entries.insert(range, RegEntry { key, bound: key, last_use: clock });
+                cache.stats.registrations += 1;
+                cache.stats.registered_bytes += h.len() as u64;
+                let mut regions = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+                regions.insert(key, h.clone());
+                if cache.entries.len() > self.params.reg_cache_entries {
+                    // Evict the least recently used entry whose memory no call is using.
+                    let victim = cache
+                        .entries
+                        .iter()
+                        .filter(|(_, e)| regions.get(&e.key).is_none_or(|r| !r.is_valid()))
+                        .min_by_key(|(_, e)| e.last_use)
+                        .map(|(r, e)| (*r, e.key));
+                    if let Some((r, k)) = victim {
+                        cache.entries.remove(&r);
+                        regions.remove(&k);
+                        cache.stats.evictions += 1;
+                        cache.stats.registered_bytes -= r.1 as u64;
+                    }
+                }
+                key
+            }
+        };
+        RemoteBuf { addr: h.addr(), len: h.len() as u64, key }
     }
 
-    pub(crate) fn deregister(&self, key: u64) {
-        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    /// Drops the registration of `h`'s address range (a plan's buffers, when it is dropped).
+    pub(crate) fn deregister(&self, h: &RegionHandle) {
+        let mut cache = self.reg_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = cache.entries.remove(&(h.addr(), h.len())) {
+            self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&e.key);
+            cache.stats.registered_bytes -= h.len() as u64;
+        }
+    }
+
+    /// The registration cache's counters.
+    pub(crate) fn reg_stats(&self) -> RegStats {
+        let cache = self.reg_cache.lock().unwrap_or_else(|e| e.into_inner());
+        RegStats { entries: cache.entries.len(), ..cache.stats }
     }
 
     pub(crate) fn next_imm(&self) -> u32 {
@@ -606,19 +744,15 @@ impl Fabric {
             }
             *at = now;
         }
-        if self.watches.is_empty() {
-            return;
-        }
-        let refs: Vec<&ProcessWatch> = self.watches.iter().map(|(_, w)| w).collect();
-        let Ok(exited) = wait_any_exited(&refs, Duration::ZERO) else { return };
-        if exited.is_empty() {
+        // One zero-timeout poll per watch: no allocation on this path (it runs every 2 ms
+        // of every wait).
+        if !self.watches.iter().any(|(_, w)| w.has_exited()) {
             return;
         }
         // Anything the peer sent before exiting (its goodbye included) counts first.
         let _ = self.progress();
         let mut ev = self.shared.lock();
-        for i in exited {
-            let (p, w) = &self.watches[i];
+        for (p, w) in self.watches.iter().filter(|(_, w)| w.has_exited()) {
             if *p == usize::MAX {
                 ev.set_fatal(usize::MAX, format!("the launcher (pid {}) exited", w.pid()));
             } else if !ev.closed.contains(p) {

@@ -45,6 +45,7 @@ pub mod error;
 pub mod nonblocking;
 pub(crate) mod exec;
 pub(crate) mod fabric;
+pub use fabric::RegStats;
 pub(crate) mod p2p;
 pub mod params;
 pub mod persistent;

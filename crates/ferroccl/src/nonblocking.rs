@@ -225,7 +225,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     fn submit(&self, parts: Vec<Part>) -> Result<Request<'s>> {
-        let job = Job::new(self.comm.job_body(parts, true));
+        let job = Job::new(self.comm.job_body(parts));
         self.comm.submit(&job, false, false)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
         Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })

@@ -121,13 +121,11 @@ impl SendOp {
             SendState::Start => {
                 let ep = cx.fabric.endpoint(self.wpeer)?;
                 if cx.eager(self.wpeer, self.len)? {
-                    let msg = self
-                        .src
-                        .with_slice(self.offset, self.len, |b| {
-                            proto::encode_eager_with(cx.comm, cx.chan, self.seq, &cx.desc, b.len(), |v| v.extend_from_slice(b))
-                        })
-                        .map_err(|e| Error::invalid(format!("{}: send source: {e}", cx.op)))?;
-                    ep.post_send(&msg, cx.deadline, &|| cx.pump())?;
+                    // Header on the stack, data straight from the source: nothing allocated.
+                    let head = proto::eager_header(cx.comm, cx.chan, self.seq, &cx.desc);
+                    self.src
+                        .with_slice(self.offset, self.len, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
+                        .map_err(|e| Error::invalid(format!("{}: send source: {e}", cx.op)))??;
                     self.state = SendState::Done;
                 } else {
                     ep.post_send(&proto::encode_rts(cx.comm, cx.chan, self.seq, &cx.desc, self.len as u64), cx.deadline, &|| cx.pump())?;
@@ -275,7 +273,9 @@ impl RecvOp {
                 if msg.data.len() != self.len {
                     return Err(self.mismatch(cx, msg.data.len() as u64));
                 }
-                self.dst.write_at(self.offset, &msg.data).map_err(|e| Error::invalid(format!("{}: receive buffer: {e}", cx.op)))?;
+                let r = self.dst.write_at(self.offset, &msg.data);
+                cx.fabric.shared.give_buf(msg.data);
+                r.map_err(|e| Error::invalid(format!("{}: receive buffer: {e}", cx.op)))?;
                 self.state = RecvState::Done;
                 Ok(true)
             }

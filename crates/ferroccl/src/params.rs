@@ -42,6 +42,7 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_CHUNK_BYTES", default: "524288", doc: "Largest piece a collective moves at once; larger blocks are cut into chunks that flow in a pipeline (power of two, 4 KiB to 1 GiB)." },
     Param { name: "FERROCCL_SLOTS", default: "4", doc: "Chunks in flight per peer in the pipelined collective algorithms (mesh, in-place ring): the pipeline's depth, and the scratch memory it needs (slots x FERROCCL_CHUNK_BYTES per peer). 1 to 64. Must be the same on every rank." },
     Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
+    Param { name: "FERROCCL_REG_CACHE_ENTRIES", default: "256", doc: "Registrations the registration cache keeps (keyed by address range; least recently used are evicted first, never one in use). Repeated calls on the same buffer reuse its registration." },
     Param { name: "FERROCCL_DEBUG", default: "0", doc: "1: print the transport chosen for each peer and setup times to stderr." },
 ];
 
@@ -112,6 +113,8 @@ pub struct Params {
     pub chunk_bytes: usize,
     /// `FERROCCL_SLOTS`.
     pub slots: usize,
+    /// `FERROCCL_REG_CACHE_ENTRIES`.
+    pub reg_cache_entries: usize,
 }
 
 /// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
@@ -135,6 +138,7 @@ impl Default for Params {
             proto: ProtoChoice::Auto,
             chunk_bytes: 512 << 10,
             slots: 4,
+            reg_cache_entries: 256,
         }
     }
 }
@@ -199,6 +203,9 @@ impl Params {
                 return Err(Error::Env { var: "FERROCCL_STORE_MAX_VALUE".into(), problem: "must be a positive number of bytes".into() });
             }
         }
+        if let Some(v) = get("FERROCCL_REG_CACHE_ENTRIES") {
+            p.reg_cache_entries = parse_num("FERROCCL_REG_CACHE_ENTRIES", &v)?;
+        }
         if let Some(v) = get("FERROCCL_ALGO") {
             let name = v.trim().to_ascii_lowercase();
             if name != "auto" {
@@ -258,6 +265,9 @@ impl Params {
         }
         if self.store_max_value == 0 {
             return bad("store_max_value must be positive".into());
+        }
+        if self.reg_cache_entries == 0 {
+            return bad("reg_cache_entries must be at least 1".into());
         }
         if !(4096..=(1 << 30)).contains(&self.chunk_bytes) || !self.chunk_bytes.is_power_of_two() {
             return bad(format!("chunk_bytes {} must be a power of two between 4096 and 1 GiB", self.chunk_bytes));

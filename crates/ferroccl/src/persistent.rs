@@ -75,7 +75,7 @@ impl<'a, T: Element> Plan<'a, T> {
         fabric.register(out.handle());
         fabric.register(&scratch);
         let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
-        let job = Job::new(comm.job_body(vec![part], false));
+        let job = Job::new(comm.job_body(vec![part]));
         Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, _t: PhantomData })
     }
 
@@ -124,8 +124,8 @@ impl<'a, T: Element> Plan<'a, T> {
 impl<T: Element> Drop for Plan<'_, T> {
     fn drop(&mut self) {
         let fabric = self.comm.fabric();
-        fabric.deregister(self.output.handle().id());
-        fabric.deregister(self.scratch.id());
+        fabric.deregister(self.output.handle());
+        fabric.deregister(&self.scratch);
     }
 }
 

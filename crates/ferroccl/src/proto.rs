@@ -90,6 +90,7 @@ fn head(w: &mut Writer, comm: u32, chan: u8, kind: u8, seq: u32, desc: &Desc) {
 }
 
 /// An eager message: the header, then `fill` appends `len` bytes of data.
+#[cfg(test)]
 pub(crate) fn encode_eager_with(comm: u32, chan: u8, seq: u32, desc: &Desc, len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
     let mut w = Writer { buf: Vec::with_capacity(EAGER_HEADER + len) };
     head(&mut w, comm, chan, K_EAGER, seq, desc);
@@ -102,18 +103,45 @@ pub(crate) fn encode_eager(comm: u32, chan: u8, seq: u32, data: &[u8]) -> Vec<u8
     encode_eager_with(comm, chan, seq, &NO_DESC, data.len(), |b| b.extend_from_slice(data))
 }
 
-pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> Vec<u8> {
-    let mut w = Writer::new();
-    head(&mut w, comm, chan, K_CTS, cts.seq, &cts.desc);
-    w.u64(cts.len).u64(cts.buf.addr).u64(cts.buf.len).u64(cts.buf.key).u32(cts.imm);
-    w.finish()
+/// The header of an eager message, on the stack (the data follows it on the wire).
+pub(crate) fn eager_header(comm: u32, chan: u8, seq: u32, desc: &Desc) -> [u8; EAGER_HEADER] {
+    let mut b = [0u8; EAGER_HEADER];
+    put_head(&mut b, comm, chan, K_EAGER, seq, desc);
+    b
 }
 
-pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, desc: &Desc, len: u64) -> Vec<u8> {
-    let mut w = Writer::new();
-    head(&mut w, comm, chan, K_RTS, seq, desc);
-    w.u64(len);
-    w.finish()
+fn put_head(b: &mut [u8], comm: u32, chan: u8, kind: u8, seq: u32, desc: &Desc) {
+    b[0..4].copy_from_slice(&comm.to_le_bytes());
+    b[4] = chan;
+    b[5] = kind;
+    b[6] = 0;
+    b[7] = 0;
+    b[8..12].copy_from_slice(&seq.to_le_bytes());
+    b[12..28].copy_from_slice(desc);
+}
+
+/// Bytes of a clear-to-send.
+pub(crate) const CTS_LEN: usize = EAGER_HEADER + 36;
+/// Bytes of a ready-to-send.
+pub(crate) const RTS_LEN: usize = EAGER_HEADER + 8;
+
+pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> [u8; CTS_LEN] {
+    let mut b = [0u8; CTS_LEN];
+    put_head(&mut b, comm, chan, K_CTS, cts.seq, &cts.desc);
+    let mut o = EAGER_HEADER;
+    for v in [cts.len, cts.buf.addr, cts.buf.len, cts.buf.key] {
+        b[o..o + 8].copy_from_slice(&v.to_le_bytes());
+        o += 8;
+    }
+    b[o..o + 4].copy_from_slice(&cts.imm.to_le_bytes());
+    b
+}
+
+pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, desc: &Desc, len: u64) -> [u8; RTS_LEN] {
+    let mut b = [0u8; RTS_LEN];
+    put_head(&mut b, comm, chan, K_RTS, seq, desc);
+    b[EAGER_HEADER..].copy_from_slice(&len.to_le_bytes());
+    b
 }
 
 pub(crate) fn encode_err(comm: u32, chan: u8, seq: u32, what: &str) -> Vec<u8> {
@@ -123,38 +151,51 @@ pub(crate) fn encode_err(comm: u32, chan: u8, seq: u32, what: &str) -> Vec<u8> {
     w.finish()
 }
 
-pub(crate) fn decode(mut msg: Vec<u8>) -> DResult<ProtoMsg> {
-    let mut r = Reader::new(&msg);
-    let comm = r.u32()?;
-    let chan = r.u8()?;
-    let kind = r.u8()?;
-    r.raw(2)?;
-    let seq = r.u32()?;
-    let mut desc = NO_DESC;
-    desc.copy_from_slice(r.raw(16)?);
-    match kind {
-        K_EAGER => {
+#[cfg(test)]
+pub(crate) fn decode(msg: Vec<u8>) -> DResult<ProtoMsg> {
+    decode_keep(msg).map(|(m, _)| m)
+}
+
+/// [`decode`], handing back the message's buffer when the decoded message does not own it
+/// (everything but eager data), so that it can be reused.
+pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>>)> {
+    let m = {
+        let mut r = Reader::new(&msg);
+        let comm = r.u32()?;
+        let chan = r.u8()?;
+        let kind = r.u8()?;
+        r.raw(2)?;
+        let seq = r.u32()?;
+        let mut desc = NO_DESC;
+        desc.copy_from_slice(r.raw(16)?);
+        match kind {
+            K_EAGER => None,
+            K_CTS => {
+                let len = r.u64()?;
+                let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
+                let imm = r.u32()?;
+                r.end()?;
+                Some(ProtoMsg::Cts { comm, chan, cts: Cts { seq, desc, len, buf, imm } })
+            }
+            K_RTS => {
+                let len = r.u64()?;
+                r.end()?;
+                Some(ProtoMsg::Rts { comm, chan, seq, desc, len })
+            }
+            K_ERR => {
+                let what = r.str()?.to_string();
+                Some(ProtoMsg::Err { what })
+            }
+            k => return Err(DecodeError(format!("unknown message kind {k}"))),
+        }
+        .ok_or((comm, chan, seq, desc))
+    };
+    match m {
+        Ok(m) => Ok((m, Some(msg))),
+        Err((comm, chan, seq, desc)) => {
             msg.drain(..EAGER_HEADER);
-            Ok(ProtoMsg::Eager { comm, chan, seq, desc, data: msg })
+            Ok((ProtoMsg::Eager { comm, chan, seq, desc, data: msg }, None))
         }
-        K_CTS => {
-            let len = r.u64()?;
-            let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
-            let imm = r.u32()?;
-            r.end()?;
-            Ok(ProtoMsg::Cts { comm, chan, cts: Cts { seq, desc, len, buf, imm } })
-        }
-        K_RTS => {
-            let len = r.u64()?;
-            r.end()?;
-            Ok(ProtoMsg::Rts { comm, chan, seq, desc, len })
-        }
-        K_ERR => {
-            let what = r.str()?.to_string();
-            let _ = (comm, chan, seq, desc);
-            Ok(ProtoMsg::Err { what })
-        }
-        k => Err(DecodeError(format!("unknown message kind {k}"))),
     }
 }
 
@@ -169,7 +210,7 @@ mod tests {
             m => panic!("{m:?}"),
         }
         let cts = Cts { seq: 9, desc: [7; 16], len: 100, buf: RemoteBuf { addr: 1, len: 2, key: 3 }, imm: 4 };
-        match decode(encode_cts(1, CHAN_INTERNAL, &cts)).unwrap() {
+        match decode(encode_cts(1, CHAN_INTERNAL, &cts).to_vec()).unwrap() {
             ProtoMsg::Cts { comm: 1, chan: CHAN_INTERNAL, cts: c } => {
                 assert_eq!((c.seq, c.desc, c.len, c.buf, c.imm), (9, [7; 16], 100, cts.buf, 4))
             }
@@ -179,7 +220,7 @@ mod tests {
             ProtoMsg::Err { what, .. } => assert_eq!(what, "bad"),
             m => panic!("{m:?}"),
         }
-        match decode(encode_rts(2, 1, 5, &[1; 16], 1 << 40)).unwrap() {
+        match decode(encode_rts(2, 1, 5, &[1; 16], 1 << 40).to_vec()).unwrap() {
             ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, len, desc } => assert_eq!((len, desc), (1 << 40, [1; 16])),
             m => panic!("{m:?}"),
         }

@@ -71,6 +71,15 @@ impl Endpoint {
         }
     }
 
+    /// Sends a two-sided message made of `head` followed by `body` (no copy into an
+    /// intermediate buffer: the eager path of every transfer).
+    pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        match self {
+            Endpoint::Shm(e) => e.post_send2(head, body, deadline, poll),
+            Endpoint::Tcp(e) => e.post_send2(head, body, deadline),
+        }
+    }
+
     /// Writes `len` bytes from `src[offset..]` into `dst` at the peer, with immediate `imm`.
     /// Returns the work-request id whose `WriteDone` completion says `src` may be reused
     /// (already completed for the synchronous cases).

@@ -261,7 +261,7 @@ impl LocalShm {
                 match h.kind {
                     K_PAD => {}
                     K_MSG => {
-                        let mut data = vec![0u8; h.len as usize];
+                        let mut data = shared.take_buf(h.len as usize);
                         self.seg.read(payload_off, &mut data);
                         shared.deliver_msg(peer, data);
                     }
@@ -480,15 +480,22 @@ impl ShmEndpoint {
     }
 
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        if msg.len() > self.max_send() {
-            return Err(self.err(format!("message of {} bytes exceeds the ring's limit of {}", msg.len(), self.max_send())));
+        self.post_send2(msg, &[], deadline, poll)
+    }
+
+    /// One message, `head` then `body`, copied straight into the ring.
+    pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        let len = head.len() + body.len();
+        if len > self.max_send() {
+            return Err(self.err(format!("message of {len} bytes exceeds the ring's limit of {}", self.max_send())));
         }
-        let h = Header { kind: K_MSG, len: msg.len() as u64, ..Header::default() };
+        let h = Header { kind: K_MSG, len: len as u64, ..Header::default() };
         self.produce(
             &h,
-            msg.len(),
+            len,
             |seg, off| {
-                seg.write(off, msg);
+                seg.write(off, head);
+                seg.write(off + head.len(), body);
                 Ok(())
             },
             deadline,

@@ -170,10 +170,28 @@ impl TcpEndpoint {
     }
 
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant) -> Result<()> {
-        if msg.len() > MAX_MSG {
-            return Err(Error::invalid(format!("tcp message of {} bytes exceeds {MAX_MSG}", msg.len())));
+        self.post_send2(msg, &[], deadline)
+    }
+
+    /// One message, `head` then `body`, in one frame.
+    pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant) -> Result<()> {
+        let len = head.len() + body.len();
+        if len > MAX_MSG {
+            return Err(Error::invalid(format!("tcp message of {len} bytes exceeds {MAX_MSG}")));
         }
-        self.send_frame(&header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
+        self.send_frame(
+            &header(K_MSG, 0, len as u64, 0, 0),
+            |put| {
+                put(head)?;
+                if body.is_empty() {
+                    Ok(())
+                } else {
+                    put(body)
+                }
+            },
+            deadline,
+            "send",
+        )
     }
 
     /// Posts a write already checked by [`WriteReq`]'s bounds check: one frame, written
