@@ -49,11 +49,11 @@
 //! later); `region` is portable.
 #![warn(missing_docs)]
 
+pub mod alloc_count;
 #[cfg(target_os = "linux")]
 pub mod futex;
 #[cfg(target_os = "linux")]
 pub mod process;
-pub mod alloc_count;
 pub mod region;
 #[cfg(target_os = "linux")]
 pub mod segment;

@@ -498,6 +498,15 @@ impl<'scope> RegionScope<'scope, '_> {
         h
     }
 
+    /// Makes a persistent [`Registration`] valid until the scope ends (it stays borrowed
+    /// until then); returns its handle. Its validity ends with the scope's other
+    /// registrations, after which it can be activated again.
+    pub fn activate(&'scope self, reg: &'scope mut Registration<'_>) -> RegionHandle {
+        lock(&reg.handle.inner.state).valid = true;
+        self.regs.lock().unwrap_or_else(PoisonError::into_inner).push(reg.handle.clone());
+        reg.handle.clone()
+    }
+
     /// Registers `buf` (borrowed until the scope ends) read-only.
     pub fn register_ro(&'scope self, buf: &'scope [u8]) -> RegionHandle {
         let h = RegionHandle::new(NonNull::from(buf).cast::<u8>(), buf.len(), false, false);

@@ -202,10 +202,19 @@ impl Communicator {
 
     /// Picks the algorithm and builds this rank's schedule. Errors here leave the
     /// communicator usable.
-    pub(crate) fn prepare(&self, name: &str, coll: Collective, dtype: DType, op: ReduceOp, count: usize, in_place: bool) -> Result<Prepared> {
+    pub(crate) fn prepare(
+        &self,
+        name: &str,
+        coll: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+        in_place: bool,
+    ) -> Result<Prepared> {
         let p = &self.fabric().params;
         let algo = self.pick_algo(coll, dtype, op, count);
-        let shape = Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
+        let shape =
+            Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
         let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
         let desc = encode_desc(&shape, algo, p.proto);
         let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
@@ -466,7 +475,15 @@ impl Communicator {
     pub(crate) fn reduce_in_place_call<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp, root: usize) -> Result<Call<'a>> {
         self.check_root("reduce", root)?;
         let count = buf.len();
-        Ok(Call { name: "reduce", coll: Collective::Reduce { root }, dtype: T::DTYPE, op, count, input: None, output: Some(as_bytes_mut(buf)) })
+        Ok(Call {
+            name: "reduce",
+            coll: Collective::Reduce { root },
+            dtype: T::DTYPE,
+            op,
+            count,
+            input: None,
+            output: Some(as_bytes_mut(buf)),
+        })
     }
 
     pub(crate) fn alltoall_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
+use crate::algo::{Buf, Op, Schedule, Slice, Step};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::coll::ScratchCache;
-use crate::error::{Error, Result};
-use crate::algo::{Buf, Op, Schedule, Slice, Step};
 use crate::engine::{Job, JobBody, Part};
+use crate::error::{Error, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig, Poll};
 use crate::params::{Params, ProtoChoice};
@@ -293,6 +293,7 @@ impl Communicator {
             scratch: bufs.scratch,
             exec,
             finished: false,
+            unpack: Vec::new(),
         }
     }
 

@@ -62,6 +62,9 @@ pub(crate) struct Part {
     pub(crate) scratch: RegionHandle,
     pub(crate) exec: Exec,
     pub(crate) finished: bool,
+    /// A fused group's results to copy out when the part finishes: (destination,
+    /// offset in `output`).
+    pub(crate) unpack: Vec<(RegionHandle, usize)>,
 }
 
 impl Part {
@@ -118,6 +121,13 @@ impl JobBody {
             };
             match p.exec.poll(&cx, &run)? {
                 Poll::Ready(()) => {
+                    for (dst, off) in &p.unpack {
+                        let len = dst.len();
+                        p.output
+                            .with_slice(*off, len, |s| dst.write_at(0, s))
+                            .and_then(|r| r)
+                            .map_err(|e| Error::invalid(format!("{}: copying a fused result out: {e}", p.name)))?;
+                    }
                     p.finished = true;
                     moved = true;
                 }
@@ -282,9 +292,8 @@ impl Engine {
         }
         if p.thread.is_none() {
             let (engine, weak) = (Arc::clone(self), Arc::downgrade(fabric));
-            let spawned = std::thread::Builder::new()
-                .name(format!("ferroccl-progress-{}", fabric.rank))
-                .spawn(move || engine.background(weak));
+            let spawned =
+                std::thread::Builder::new().name(format!("ferroccl-progress-{}", fabric.rank)).spawn(move || engine.background(weak));
             // Without the thread, jobs still progress when waited for.
             p.thread = spawned.ok();
         }
@@ -341,9 +350,7 @@ impl Engine {
                     loop {
                         let seen = fabric.shared.bell_seen();
                         let moved = self.round(&fabric, &mut jobs);
-                        if self.pending.load(Ordering::SeqCst) == 0
-                            || self.waiters.load(Ordering::SeqCst) > 0
-                            || lock(&self.park).shutdown
+                        if self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0 || lock(&self.park).shutdown
                         {
                             break;
                         }

@@ -24,8 +24,8 @@ use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Buf, Op, Schedule, Slice};
 use crate::comm::poll_of;
-use crate::fabric::Poll;
 use crate::error::{Error, Result};
+use crate::fabric::Poll;
 use crate::p2p::{Ctx, RecvOp, SendOp};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
@@ -181,7 +181,8 @@ impl Exec {
                     Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
                 }
                 local => {
-                    run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside).map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
+                    run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside)
+                        .map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
                     None
                 }
             };
@@ -332,8 +333,10 @@ fn with_dst_srcs<R>(
 fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
     let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
     match op {
-        Op::Reduce { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?
-            .map_err(|e| e.to_string()),
+        Op::Reduce { dst, src } => {
+            with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?
+                .map_err(|e| e.to_string())
+        }
         Op::ReduceMany { dst, srcs } => {
             with_dst_srcs(v, dst, srcs, aside, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
         }

@@ -22,8 +22,8 @@ use ferroccl_mem::process::{can_read_process, ProcessWatch};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::auth;
-use crate::engine::Engine;
 use crate::bootstrap::{StoreClient, StoreServer};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::params::{Params, TransportChoice};
 use crate::proto::{self, Cts, ProtoMsg, StreamKey};

@@ -47,9 +47,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, Element, ReduceOp};
+use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{region_scope_with, RegionHandle, RegionScope};
 
+use crate::algo::Collective;
 use crate::coll::Call;
 use crate::comm::Communicator;
 use crate::engine::{Job, Part};
@@ -83,7 +84,6 @@ impl std::fmt::Debug for Scope<'_, '_> {
 /// An operation in flight: wait for it, test it, or `.await` it.
 ///
 /// `Send + Sync`: it may be waited for on another thread (inside the scope).
-#[must_use = "dropping a Request does not cancel it; the scope waits for it at its end"]
 pub struct Request<'s> {
     job: Arc<Job>,
     fabric: Arc<Fabric>,
@@ -168,6 +168,11 @@ impl Communicator {
     }
 }
 
+/// The typed view of bytes that came from a `&mut [T]`.
+fn bytemuck_cast<T: Element>(b: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(b)
+}
+
 /// Waits for a scope's jobs when dropped (on unwind); [`WaitAll::finish`] does it on the
 /// normal path and reports errors nobody looked at.
 struct WaitAll<'s, 'env>(Scope<'s, 'env>);
@@ -231,59 +236,67 @@ impl<'s, 'env> Scope<'s, 'env> {
         Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })
     }
 
-    fn start(&self, call: Result<Call<'s>>) -> Result<Request<'s>> {
+    fn start_call(&self, call: Result<Call<'s>>) -> Result<Request<'s>> {
         let part = self.call_part(call?)?;
         self.submit(vec![part])
     }
 
+    /// Starts one run of a persistent [`Plan`](crate::Plan) (non-blocking
+    /// [`Plan::run`](crate::Plan::run)); the plan stays borrowed until the scope ends.
+    pub fn start<T: Element>(&self, plan: &'s mut crate::Plan<'_, T>) -> Result<Request<'s>> {
+        let job = plan.start_in(self.regions)?;
+        self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
+        Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })
+    }
+
     /// Non-blocking [`Communicator::allreduce`].
     pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start(Ok(self.comm.allreduce_call(buf, op)))
+        self.start_call(Ok(self.comm.allreduce_call(buf, op)))
     }
 
     /// Non-blocking [`Communicator::allreduce_into`].
     pub fn allreduce_into<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start(self.comm.allreduce_into_call(send, recv, op))
+        self.start_call(self.comm.allreduce_into_call(send, recv, op))
     }
 
     /// Non-blocking [`Communicator::allgather`].
     pub fn allgather<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
-        self.start(self.comm.allgather_call(send, recv))
+        self.start_call(self.comm.allgather_call(send, recv))
     }
 
     /// Non-blocking [`Communicator::allgather_in_place`].
     pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<Request<'s>> {
-        self.start(self.comm.allgather_in_place_call(buf))
+        self.start_call(self.comm.allgather_in_place_call(buf))
     }
 
     /// Non-blocking [`Communicator::reduce_scatter`].
     pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start(self.comm.reduce_scatter_call(send, recv, op))
+        self.start_call(self.comm.reduce_scatter_call(send, recv, op))
     }
 
     /// Non-blocking [`Communicator::reduce_scatter_in_place`].
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start(self.comm.reduce_scatter_in_place_call(buf, op))
+        self.start_call(self.comm.reduce_scatter_in_place_call(buf, op))
     }
 
     /// Non-blocking [`Communicator::broadcast`].
     pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        self.start(self.comm.broadcast_call(buf, root))
+        self.start_call(self.comm.broadcast_call(buf, root))
     }
 
     /// Non-blocking [`Communicator::reduce`].
     pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
-        self.start(self.comm.reduce_call(send, recv, op, root))
+        self.start_call(self.comm.reduce_call(send, recv, op, root))
     }
 
     /// Non-blocking [`Communicator::reduce_in_place`].
     pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
-        self.start(self.comm.reduce_in_place_call(buf, op, root))
+        self.start_call(self.comm.reduce_in_place_call(buf, op, root))
     }
 
     /// Non-blocking [`Communicator::alltoall`].
     pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
-        self.start(self.comm.alltoall_call(send, recv))
+        self.start_call(self.comm.alltoall_call(send, recv))
     }
 
     /// Non-blocking [`Communicator::send`].
@@ -318,10 +331,54 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// request; their transfers are in flight together and progress in the same rounds.
     /// Nothing is started if `f` fails (then nothing went on the wire either).
     pub fn group(&self, f: impl for<'g> FnOnce(&'g Group<'s, 'env>) -> Result<()>) -> Result<Request<'s>> {
-        let g = Group { scope: *self, parts: Mutex::new(Vec::new()) };
+        let g = Group { scope: *self, parts: Mutex::new(Vec::new()), fusable: Mutex::new(Vec::new()) };
         f(&g)?;
-        let parts = g.parts.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut parts = g.parts.into_inner().unwrap_or_else(|e| e.into_inner());
+        let fusable = g.fusable.into_inner().unwrap_or_else(|e| e.into_inner());
+        parts.extend(self.fuse(fusable)?);
         self.submit(parts)
+    }
+
+    /// The parts of a group's small in-place allreduces: those with the same element type
+    /// and op are packed into one buffer and reduced by one allreduce (one message per
+    /// peer instead of one per call), then copied back; a call with no partner runs alone.
+    fn fuse(&self, calls: Vec<(usize, DType, ReduceOp, &'s mut [u8])>) -> Result<Vec<Part>> {
+        let mut parts = Vec::new();
+        let mut groups: Vec<(DType, ReduceOp, Vec<&'s mut [u8]>)> = Vec::new();
+        for (_, dtype, op, buf) in calls {
+            match groups.iter_mut().find(|(d, o, _)| *d == dtype && *o == op) {
+                Some(g) => g.2.push(buf),
+                None => groups.push((dtype, op, vec![buf])),
+            }
+        }
+        for (dtype, op, bufs) in groups {
+            let total: usize = bufs.iter().map(|b| b.len()).sum();
+            let count = total / dtype.size();
+            if bufs.len() == 1 {
+                let buf = bufs.into_iter().next().unwrap_or_default();
+                let call = Call { name: "allreduce", coll: Collective::AllReduce, dtype, op, count, input: None, output: Some(buf) };
+                parts.push(self.call_part(call)?);
+                continue;
+            }
+            let k = bufs.len();
+            let mut prep = self.comm.prepare("allreduce", Collective::AllReduce, dtype, op, count, true)?;
+            prep.name = format!("{} fused from {k} calls", prep.name);
+            let staging = RegionHandle::owned(total);
+            let mut unpack = Vec::with_capacity(k);
+            let mut off = 0;
+            for b in bufs {
+                staging.write_at(off, b).map_err(|e| Error::invalid(format!("allreduce (fused): {e}")))?;
+                let len = b.len();
+                unpack.push((self.regions.register(b), off));
+                off += len;
+            }
+            let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
+            self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
+            let mut part = self.comm.coll_part(prep, None, staging, scratch);
+            part.unpack = unpack;
+            parts.push(part);
+        }
+        Ok(parts)
     }
 }
 
@@ -331,6 +388,8 @@ impl<'s, 'env> Scope<'s, 'env> {
 pub struct Group<'s, 'env> {
     scope: Scope<'s, 'env>,
     parts: Mutex<Vec<Part>>,
+    /// Small in-place allreduces (call index, dtype, op, buffer), fused when the group ends.
+    fusable: Mutex<Vec<(usize, DType, ReduceOp, &'s mut [u8])>>,
 }
 
 impl std::fmt::Debug for Group<'_, '_> {
@@ -351,9 +410,18 @@ impl<'s> Group<'s, '_> {
         self.add(call.and_then(|c| self.scope.call_part(c)))
     }
 
-    /// Adds an [`Communicator::allreduce`].
+    /// Adds an [`Communicator::allreduce`]. Small ones (up to `FERROCCL_EAGER_MAX` bytes)
+    /// with the same element type and op are fused: packed into one buffer and reduced by
+    /// one allreduce, so a group of many small reductions costs about one.
     pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
-        self.add_call(Ok(self.scope.comm.allreduce_call(buf, op)))
+        let bytes = as_bytes_mut(buf);
+        if bytes.len() <= self.scope.comm.fabric().params.eager_max && !bytes.is_empty() {
+            let mut f = self.fusable.lock().unwrap_or_else(|e| e.into_inner());
+            let i = f.len();
+            f.push((i, T::DTYPE, op, bytes));
+            return Ok(());
+        }
+        self.add_call(Ok(self.scope.comm.allreduce_call(bytemuck_cast::<T>(bytes), op)))
     }
 
     /// Adds an [`Communicator::allreduce_into`].

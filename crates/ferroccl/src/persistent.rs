@@ -35,7 +35,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use ferroccl_kernels::{as_bytes_mut, Element, ReduceOp};
-use ferroccl_mem::region::{RegionHandle, Registration};
+use ferroccl_mem::region::{RegionHandle, RegionScope, Registration};
 
 use crate::coll::CallSpec;
 use crate::comm::Communicator;
@@ -96,7 +96,19 @@ impl<'a, T: Element> Plan<'a, T> {
         comm.wait_job(job)
     }
 
-    /// How many times the plan has run.
+    /// Starts one run inside a scope (see [`Communicator::scope`]): the plan stays borrowed
+    /// until the scope ends; wait for the run with the returned request.
+    pub(crate) fn start_in<'s>(&'s mut self, regions: &'s RegionScope<'s, '_>) -> Result<Arc<Job>> {
+        regions.activate(&mut self.output);
+        if let Some(i) = self.input.as_mut() {
+            regions.activate(i);
+        }
+        self.comm.submit(&self.job, false, true)?;
+        self.runs += 1;
+        Ok(self.job.clone())
+    }
+
+    /// How many times the plan has run (or been started).
     pub fn runs(&self) -> u64 {
         self.runs
     }

@@ -83,7 +83,9 @@ fn make(k: usize, spec: &OpSpec, r: usize, n: usize) -> Bufs {
         OpSpec::AllreduceBf16 { len } => Bufs::Bf16((0..len).map(|i| bf16::from_f32(val(k, r, i) as f32)).collect()),
         OpSpec::AllgatherI32 { len } => Bufs::I32((0..len).map(|i| val(k, r, i) as i32).collect(), vec![0; len * n]),
         OpSpec::ReduceScatterF64 { len } => Bufs::F64((0..len * n).map(|i| val(k, r, i) as f64).collect(), vec![0.0; len]),
-        OpSpec::BroadcastU8 { len, root } => Bufs::U8((0..len).map(|i| if r == root { (val(k, r, i) + 11) as u8 } else { 0 }).collect(), root),
+        OpSpec::BroadcastU8 { len, root } => {
+            Bufs::U8((0..len).map(|i| if r == root { (val(k, r, i) + 11) as u8 } else { 0 }).collect(), root)
+        }
     }
 }
 
@@ -266,7 +268,11 @@ fn plans_run_a_thousand_times_with_rewritten_buffers() {
                     if k % 50 == 0 {
                         p_big.output_mut().iter_mut().enumerate().for_each(|(i, x)| *x = ((i + r + k) % 1000) as f32);
                         p_big.run().map_err(e)?;
-                        let ok = p_big.output().iter().enumerate().all(|(i, x)| *x == (0..n).map(|q| ((i + q + k) % 1000) as f32).fold(f32::MIN, f32::max));
+                        let ok = p_big
+                            .output()
+                            .iter()
+                            .enumerate()
+                            .all(|(i, x)| *x == (0..n).map(|q| ((i + q + k) % 1000) as f32).fold(f32::MIN, f32::max));
                         if !ok {
                             return Err(format!("run {k}: big allreduce"));
                         }
@@ -305,6 +311,34 @@ fn groups_run_as_one_unit() {
         let sum: u32 = (1..=n as u32).sum();
         if a.iter().any(|&x| x != sum) || b.iter().any(|&x| x != n as f64) || got.iter().any(|&x| x != from as u8) {
             return Err(format!("rank {r}: group results wrong"));
+        }
+        // Small allreduces of one type and op are fused into one; others run beside them.
+        let mut smalls: Vec<Vec<f32>> = (1..6).map(|k| vec![(r * k) as f32; k * 3]).collect();
+        let mut maxes: Vec<Vec<i64>> = (0..2).map(|k| vec![(r + k) as i64; 4]).collect();
+        let mut lone = vec![1u8; 5];
+        comm.group(|g| {
+            for v in smalls.iter_mut() {
+                g.allreduce(v, ReduceOp::Sum)?;
+            }
+            for v in maxes.iter_mut() {
+                g.allreduce(v, ReduceOp::Max)?;
+            }
+            g.allreduce(&mut lone, ReduceOp::Sum)
+        })
+        .map_err(|e| e.to_string())?;
+        let rsum: usize = (0..n).sum();
+        for (k, v) in smalls.iter().enumerate() {
+            if v.len() != (k + 1) * 3 || v.iter().any(|&x| x != (rsum * (k + 1)) as f32) {
+                return Err(format!("rank {r}: fused allreduce {k}: {v:?}"));
+            }
+        }
+        for (k, v) in maxes.iter().enumerate() {
+            if v.iter().any(|&x| x != (n - 1 + k) as i64) {
+                return Err(format!("rank {r}: fused max {k}: {v:?}"));
+            }
+        }
+        if lone != [n as u8; 5] {
+            return Err(format!("rank {r}: lone allreduce {lone:?}"));
         }
         // A failed argument check starts nothing, and the communicator stays usable.
         let mut short = vec![0u8; 3];
@@ -360,7 +394,10 @@ fn requests_are_futures_and_progress_without_a_waiter() {
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
-            block_on(async { ra.await?; rb.await })
+            block_on(async {
+                ra.await?;
+                rb.await
+            })
         })
         .map_err(|e| e.to_string())?;
         if a.iter().any(|&x| x != 2.0 * n as f32) || b.iter().any(|&x| x != n as i64) {
@@ -425,5 +462,69 @@ fn abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes() {
         for r in res {
             assert!(r.is_ok(), "{transport:?}: {}", r.unwrap_err());
         }
+    }
+}
+
+#[test]
+fn plans_start_in_scopes_next_to_other_operations() {
+    let res = world(3, &params(TransportChoice::Shm), |comm| -> Result<(), String> {
+        let (r, n) = (comm.rank(), comm.size());
+        let e = |e: Error| e.to_string();
+        let mut a = vec![0i32; 100];
+        let mut b = vec![0.0f32; 50_000];
+        let mut pa = comm.allreduce_plan(&mut a, ReduceOp::Sum).map_err(e)?;
+        let mut pb = comm.broadcast_plan(&mut b, 2).map_err(e)?;
+        for k in 0..20 {
+            pa.output_mut().fill((r + k) as i32);
+            pb.output_mut().fill(if r == 2 { k as f32 } else { -1.0 });
+            let mut other = vec![1u64; 7];
+            comm.scope(|s| {
+                let ra = s.start(&mut pa)?;
+                let ro = s.allreduce(&mut other, ReduceOp::Sum)?;
+                let rb = s.start(&mut pb)?;
+                rb.wait()?;
+                ro.wait()?;
+                ra.wait()
+            })
+            .map_err(e)?;
+            let want = (0..n).map(|q| (q + k) as i32).sum::<i32>();
+            if pa.output().iter().any(|&x| x != want) || pb.output().iter().any(|&x| x != k as f32) || other != [n as u64; 7] {
+                return Err(format!("rank {r}, round {k}: wrong result"));
+            }
+        }
+        if pa.runs() != 20 {
+            return Err("runs".into());
+        }
+        drop((pa, pb));
+        comm.finalize().map_err(e)
+    });
+    for r in res {
+        assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+#[test]
+fn eight_ranks_on_two_cores_make_progress_without_waiters() {
+    // More ranks than cores, every one with operations in flight that nobody waits for
+    // until the end: the engines' threads must share the cores and finish them.
+    let res = world(8, &params(TransportChoice::Shm), |comm| -> Result<(), String> {
+        let n = comm.size();
+        let mut bufs: Vec<Vec<f32>> = (0..6).map(|k| vec![k as f32; 1 << (6 + 2 * k)]).collect();
+        comm.scope(|s| {
+            for b in bufs.iter_mut() {
+                let _ = s.allreduce(b, ReduceOp::Sum)?;
+            }
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+        for (k, b) in bufs.iter().enumerate() {
+            if b.iter().any(|&x| x != (k * n) as f32) {
+                return Err(format!("buffer {k} wrong"));
+            }
+        }
+        comm.finalize().map_err(|e| e.to_string())
+    });
+    for r in res {
+        assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 }
