@@ -168,6 +168,13 @@ impl Communicator {
     }
 }
 
+/// A small in-place allreduce of a group, waiting to be fused.
+struct Fusable<'s> {
+    dtype: DType,
+    op: ReduceOp,
+    buf: &'s mut [u8],
+}
+
 /// The typed view of bytes that came from a `&mut [T]`.
 fn bytemuck_cast<T: Element>(b: &mut [u8]) -> &mut [T] {
     bytemuck::cast_slice_mut(b)
@@ -342,10 +349,10 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// The parts of a group's small in-place allreduces: those with the same element type
     /// and op are packed into one buffer and reduced by one allreduce (one message per
     /// peer instead of one per call), then copied back; a call with no partner runs alone.
-    fn fuse(&self, calls: Vec<(usize, DType, ReduceOp, &'s mut [u8])>) -> Result<Vec<Part>> {
+    fn fuse(&self, calls: Vec<Fusable<'s>>) -> Result<Vec<Part>> {
         let mut parts = Vec::new();
         let mut groups: Vec<(DType, ReduceOp, Vec<&'s mut [u8]>)> = Vec::new();
-        for (_, dtype, op, buf) in calls {
+        for Fusable { dtype, op, buf } in calls {
             match groups.iter_mut().find(|(d, o, _)| *d == dtype && *o == op) {
                 Some(g) => g.2.push(buf),
                 None => groups.push((dtype, op, vec![buf])),
@@ -389,7 +396,7 @@ pub struct Group<'s, 'env> {
     scope: Scope<'s, 'env>,
     parts: Mutex<Vec<Part>>,
     /// Small in-place allreduces (call index, dtype, op, buffer), fused when the group ends.
-    fusable: Mutex<Vec<(usize, DType, ReduceOp, &'s mut [u8])>>,
+    fusable: Mutex<Vec<Fusable<'s>>>,
 }
 
 impl std::fmt::Debug for Group<'_, '_> {
@@ -416,9 +423,7 @@ impl<'s> Group<'s, '_> {
     pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
         let bytes = as_bytes_mut(buf);
         if bytes.len() <= self.scope.comm.fabric().params.eager_max && !bytes.is_empty() {
-            let mut f = self.fusable.lock().unwrap_or_else(|e| e.into_inner());
-            let i = f.len();
-            f.push((i, T::DTYPE, op, bytes));
+            self.fusable.lock().unwrap_or_else(|e| e.into_inner()).push(Fusable { dtype: T::DTYPE, op, buf: bytes });
             return Ok(());
         }
         self.add_call(Ok(self.scope.comm.allreduce_call(bytemuck_cast::<T>(bytes), op)))
