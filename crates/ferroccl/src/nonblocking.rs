@@ -18,7 +18,7 @@
 //! let mut stats = vec![2u64; 4];
 //! comm.scope(|s| {
 //!     let g = s.allreduce(&mut grads, ReduceOp::Sum)?; // starts, returns at once
-//!     s.allreduce(&mut stats, ReduceOp::Max)?; // dropped: the scope waits for it
+//!     drop(s.allreduce(&mut stats, ReduceOp::Max)?); // not waited for: the scope waits
 //!     // ... compute something that touches neither buffer ...
 //!     g.wait()
 //! })?;
