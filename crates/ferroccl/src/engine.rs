@@ -23,7 +23,7 @@
 //! numbers assigned when they are submitted, so several may be in flight at once and they
 //! complete as if issued in order (every rank must issue them in the same order).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::task::Waker;
 use std::thread::JoinHandle;
@@ -265,6 +265,8 @@ pub(crate) struct Engine {
     pending: AtomicUsize,
     /// Threads in `wait`.
     waiters: AtomicUsize,
+    /// Driver rounds so far (the clock is read every [`CLOCK_EVERY`]).
+    rounds: AtomicU32,
     park: Mutex<Park>,
     wake: Condvar,
 }
@@ -272,6 +274,8 @@ pub(crate) struct Engine {
 /// Backoff of an idle driver (also the old wait loop's numbers: see `Fabric::run_until`).
 const SPINS: u32 = 64;
 const YIELDS: u32 = 32;
+/// Rounds between clock reads.
+const CLOCK_EVERY: u32 = 16;
 
 impl Engine {
     /// Hands `job` to the engine. With `will_wait`, the caller is about to wait for it (and
@@ -312,7 +316,7 @@ impl Engine {
     /// One round, if no other thread is driving (`test`).
     pub(crate) fn try_round(&self, fabric: &Fabric) {
         if let Ok(mut jobs) = self.driver.try_lock() {
-            self.round(fabric, &mut jobs);
+            self.round(fabric, &mut jobs, SPINS);
         }
     }
 
@@ -349,7 +353,7 @@ impl Engine {
                     let mut idle = 0u32;
                     loop {
                         let seen = fabric.shared.bell_seen();
-                        let moved = self.round(&fabric, &mut jobs);
+                        let moved = self.round(&fabric, &mut jobs, idle);
                         if self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0 || lock(&self.park).shutdown
                         {
                             break;
@@ -381,7 +385,7 @@ impl Engine {
             match self.driver.try_lock() {
                 Ok(mut jobs) => loop {
                     let seen = fabric.shared.bell_seen();
-                    let moved = self.round(fabric, &mut jobs);
+                    let moved = self.round(fabric, &mut jobs, idle);
                     if job.is_done() {
                         break;
                     }
@@ -407,8 +411,10 @@ impl Engine {
         done
     }
 
-    /// One round of the driver; returns whether anything moved.
-    fn round(&self, fabric: &Fabric, jobs: &mut Vec<Arc<Job>>) -> bool {
+    /// One round of the driver; returns whether anything moved. Reads the clock (deadlines,
+    /// peer health) only every few rounds: a clock read costs as much as the rest of a
+    /// quiet round.
+    fn round(&self, fabric: &Fabric, jobs: &mut Vec<Arc<Job>>, idle: u32) -> bool {
         {
             let mut s = lock(&self.submitted);
             if !s.is_empty() {
@@ -419,14 +425,20 @@ impl Engine {
             return false;
         }
         let _ = fabric.progress();
-        let now = Instant::now();
-        fabric.check_health(now);
+        // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
+        // between them, every time.
+        let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
+        let now = (idle >= SPINS || tick % CLOCK_EVERY == 0).then(Instant::now);
+        if let Some(now) = now {
+            fabric.check_health(now);
+        }
+        let fatal = fabric.shared.has_fatal();
         let mut moved = false;
         let mut i = 0;
         while i < jobs.len() {
             let outcome = {
                 let mut body = lock(&jobs[i].body);
-                match fabric.fatal_error(body.label()) {
+                match fatal.then(|| fabric.fatal_error(body.label())).flatten() {
                     Some(e) => Err(fabric.poison(e)),
                     None => match body.poll(fabric) {
                         Ok(Poll::Ready(())) => Ok(true),
@@ -434,7 +446,8 @@ impl Engine {
                             moved = true;
                             Ok(false)
                         }
-                        Ok(Poll::Idle) if now >= body.deadline => {
+                        Ok(Poll::Idle) if now.is_some_and(|now| now >= body.deadline) => {
+                            let now = now.unwrap_or(body.deadline);
                             let e = Error::Timeout {
                                 rank: body.rank,
                                 op: body.label().to_string(),

@@ -68,12 +68,15 @@ pub(crate) struct Events {
     pub(crate) closed: HashSet<usize>,
     /// Set by an abort: `Some(None)` by this rank, `Some(Some(r))` by rank `r`.
     pub(crate) aborted: Option<Option<usize>>,
+    /// Raised with `fatal`, readable without the lock (the driver looks every round).
+    pub(crate) fatal_flag: Arc<AtomicBool>,
 }
 
 impl Events {
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
         if self.fatal.is_none() {
             self.fatal = Some((peer, what));
+            self.fatal_flag.store(true, Ordering::SeqCst);
         }
     }
 }
@@ -114,6 +117,7 @@ pub(crate) struct Shared {
     pub(crate) events: Mutex<Events>,
     regions: RwLock<HashMap<u64, RegionHandle>>,
     bell: Bell,
+    fatal_flag: Arc<AtomicBool>,
     /// Message buffers for reuse, so that receiving an eager message allocates nothing once
     /// the pool is warm.
     bufs: Mutex<Vec<Vec<u8>>>,
@@ -134,6 +138,11 @@ impl Shared {
         if self.bell.sleeping().load(Ordering::SeqCst) != 0 {
             let _ = futex_wake(self.bell.word(), i32::MAX as u32);
         }
+    }
+
+    /// Whether the fabric has a fatal error (or was aborted); no lock.
+    pub(crate) fn has_fatal(&self) -> bool {
+        self.fatal_flag.load(Ordering::SeqCst)
     }
 
     /// The doorbell's current value: read it before looking for work, then sleep with
@@ -414,9 +423,11 @@ impl Fabric {
             Some(s) => Bell::Shm(s.clone()),
             None => Bell::Heap(AtomicU32::new(0), AtomicU32::new(0)),
         };
+        let fatal_flag = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             rank,
-            events: Mutex::new(Events::default()),
+            events: Mutex::new(Events { fatal_flag: fatal_flag.clone(), ..Events::default() }),
+            fatal_flag,
             regions: RwLock::new(HashMap::new()),
             bell,
             bufs: Mutex::new(Vec::new()),
@@ -915,7 +926,10 @@ impl Fabric {
         let bell = &self.shared.bell;
         bell.sleeping().fetch_add(1, Ordering::SeqCst);
         let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
-        if !nap.is_zero() {
+        // shm peers ring the bell only when they see us sleeping: look once more now that
+        // we have said so.
+        let pending = self.local_shm.as_ref().is_some_and(|s| s.has_pending());
+        if !nap.is_zero() && !pending {
             let _ = futex_wait(bell.word(), seen, Some(nap));
         }
         bell.sleeping().fetch_sub(1, Ordering::SeqCst);

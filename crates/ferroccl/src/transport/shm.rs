@@ -212,6 +212,15 @@ impl LocalShm {
         used[slot] = false;
     }
 
+    /// Whether any sender's ring holds a record not yet drained. A waiter calls it after
+    /// announcing that it sleeps (see `ShmEndpoint::ring_peer_bell`) and sleeps only if it
+    /// is `false`.
+    pub(crate) fn has_pending(&self) -> bool {
+        fence(Ordering::SeqCst);
+        let heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
+        heads.iter().enumerate().any(|(p, &h)| self.seg.atomic_u64(ring_off(p, self.ring_bytes)).load(Ordering::SeqCst) != h)
+    }
+
     /// Drains the ring of every sender in `peers` (world rank, endpoint), handing records to
     /// `shared`. Returns whether anything was consumed.
     pub(crate) fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, shared: &Shared) -> Result<bool> {
@@ -409,9 +418,14 @@ impl ShmEndpoint {
         Error::Transport { rank: self.rank, peer: self.peer, transport: "shm", what: what.into() }
     }
 
+    /// Wakes the peer if it sleeps. Only then is its doorbell touched: a message costs no
+    /// write to the peer's doorbell line while the peer polls. The fence pairs with the one
+    /// in [`LocalShm::has_pending`]: either the peer, having announced it sleeps, sees our
+    /// record, or we see the announcement and wake it.
     fn ring_peer_bell(&self) {
-        self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
+            self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);
             let _ = futex_wake(self.peer_seg.atomic_u32(BELL_OFF), u32::MAX);
         }
     }
