@@ -428,7 +428,7 @@ impl Engine {
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
-        let now = (idle >= SPINS || tick % CLOCK_EVERY == 0).then(Instant::now);
+        let now = (idle >= SPINS || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
         if let Some(now) = now {
             fabric.check_health(now);
         }
