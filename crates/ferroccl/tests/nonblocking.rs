@@ -528,3 +528,13 @@ fn eight_ranks_on_two_cores_make_progress_without_waiters() {
         assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 }
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Communicator>();
+    send_sync::<Request<'static>>();
+    send_sync::<ferroccl::Scope<'static, 'static>>();
+    send_sync::<ferroccl::Plan<'static, f32>>();
+    send_sync::<ferroccl::Group<'static, 'static>>();
+}
