@@ -354,13 +354,18 @@ impl Engine {
                     loop {
                         let seen = fabric.shared.bell_seen();
                         let moved = self.round(&fabric, &mut jobs, idle);
-                        if self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0 || lock(&self.park).shutdown
+                        if self.pending.load(Ordering::SeqCst) == 0
+                            || self.waiters.load(Ordering::SeqCst) > 0
+                            || lock(&self.park).shutdown
                         {
                             break;
                         }
                         idle = if moved { 0 } else { idle + 1 };
                         backoff(&fabric, &mut idle, seen, None);
                     }
+                    // A waiter may be asleep until the driver role is free: ring.
+                    drop(jobs);
+                    fabric.shared.notify();
                 }
                 // A waiter drives; it wakes us when it leaves with jobs still in flight.
                 Err(_) => std::thread::sleep(Duration::from_micros(200)),
@@ -396,15 +401,20 @@ impl Engine {
                     backoff(fabric, &mut idle, seen, until);
                 },
                 Err(_) => {
-                    // Another thread drives; it bumps the doorbell when a job finishes.
+                    // Another thread drives; it rings the doorbell when a job finishes and
+                    // when it gives the role up.
                     let seen = fabric.shared.bell_seen();
-                    if !job.is_done() {
-                        fabric.sleep_on_bell(seen, Instant::now() + Duration::from_millis(1));
+                    if !job.is_done() && self.driver.try_lock().is_err() {
+                        fabric.sleep_on_bell_for(seen, Instant::now() + Duration::from_millis(1), false);
                     }
                 }
             }
         };
-        if self.waiters.fetch_sub(1, Ordering::SeqCst) == 1 && self.pending.load(Ordering::SeqCst) > 0 {
+        let left = self.waiters.fetch_sub(1, Ordering::SeqCst) - 1;
+        if left > 0 {
+            // Another waiter may be asleep until the driver role is free.
+            fabric.shared.notify();
+        } else if self.pending.load(Ordering::SeqCst) > 0 {
             let _p = lock(&self.park);
             self.wake.notify_one();
         }

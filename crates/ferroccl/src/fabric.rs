@@ -923,12 +923,19 @@ impl Fabric {
 
     /// Sleeps until the doorbell moves past `seen` (or 5 ms, to look at peers' health).
     pub(crate) fn sleep_on_bell(&self, seen: u32, deadline: Instant) {
+        self.sleep_on_bell_for(seen, deadline, true);
+    }
+
+    /// [`Fabric::sleep_on_bell`]; `drains` says whether the caller will drain the shm
+    /// rings when it wakes (a thread waiting for another thread's driving does not, so it
+    /// must not return early for data in them: only the driver's doorbell rings matter).
+    pub(crate) fn sleep_on_bell_for(&self, seen: u32, deadline: Instant, drains: bool) {
         let bell = &self.shared.bell;
         bell.sleeping().fetch_add(1, Ordering::SeqCst);
         let nap = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(5));
         // shm peers ring the bell only when they see us sleeping: look once more now that
         // we have said so.
-        let pending = self.local_shm.as_ref().is_some_and(|s| s.has_pending());
+        let pending = drains && self.local_shm.as_ref().is_some_and(|s| s.has_pending());
         if !nap.is_zero() && !pending {
             let _ = futex_wait(bell.word(), seen, Some(nap));
         }

@@ -337,7 +337,9 @@ impl LocalShm {
         }
         let ok = read_err.is_none();
         ep.peer_seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8).store(if ok { h.gen } else { h.gen | DONE_FAILED }, Ordering::Release);
-        ep.ring_peer_bell();
+        // A finished pull is not a ring record, which is all a sleeper re-checks: always
+        // ring for it.
+        ep.ring_peer_bell_always();
         if let Some(e) = read_err {
             return Err(Error::Transport {
                 rank: self.rank,
@@ -422,6 +424,13 @@ impl ShmEndpoint {
     /// write to the peer's doorbell line while the peer polls. The fence pairs with the one
     /// in [`LocalShm::has_pending`]: either the peer, having announced it sleeps, sees our
     /// record, or we see the announcement and wake it.
+    fn ring_peer_bell_always(&self) {
+        self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);
+        if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
+            let _ = futex_wake(self.peer_seg.atomic_u32(BELL_OFF), u32::MAX);
+        }
+    }
+
     fn ring_peer_bell(&self) {
         fence(Ordering::SeqCst);
         if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
