@@ -354,9 +354,7 @@ impl Engine {
                     loop {
                         let seen = fabric.shared.bell_seen();
                         let moved = self.round(&fabric, &mut jobs, idle);
-                        if self.pending.load(Ordering::SeqCst) == 0
-                            || self.waiters.load(Ordering::SeqCst) > 0
-                            || lock(&self.park).shutdown
+                        if self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0 || lock(&self.park).shutdown
                         {
                             break;
                         }
