@@ -9,7 +9,8 @@ use crate::colls::Coll;
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|sendrecv|all> \
 [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-d DTYPE] [-o OP] [-c 0|1] [--inplace|--no-inplace] \
-[--algo A] [--transport T] [--ranks N] [--root R] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]";
+[--plan] [--algo A] [--transport T] [--ranks N] [--root R] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]
+       ferroccl-perf <latency|idle|overlap|plot> ... (see ferroccl-perf --help)";
 
 /// `--help`.
 pub const HELP: &str = "\
@@ -18,6 +19,10 @@ ferroccl-perf: nccl-tests-style benchmark of FerroCCL's collectives
 usage: ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-run -n N -- ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-perf plot OUT.svg RESULTS.json [MORE.json ...]
+       ferroccl-perf latency [OPTIONS]   small-message latency, blocking call vs plan
+       ferroccl-perf idle [OPTIONS]      CPU time an idle communicator uses
+       ferroccl-perf overlap [OPTIONS]   compute + allreduce, sequential vs non-blocking
+       (ferroccl-perf latency|idle|overlap --help for theirs)
 
 COLLECTIVE: allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv, all
 
@@ -42,7 +47,14 @@ options:
   --plot FILE.svg        draw busbw and time vs size as an SVG
   --baseline FILE.json   overlay the rows of an earlier --json file (or benches/peers'
                          MPI program) on the plot
-  --plan                 persistent plans (not supported yet)
+  --plan                 time persistent plans: each size builds its plan once
+                         (comm.allreduce_plan, allgather_plan, reduce_scatter_plan,
+                         broadcast_plan) and the timed calls are plan.run(); -c 1 refills
+                         the inputs through plan.input_mut()/output_mut() and checks
+                         plan.output(). Plans exist for allreduce and broadcast in place,
+                         allgather and reduce_scatter out of place: the other variant's
+                         cells are N/A; `all` runs those four; reduce, alltoall, sendrecv,
+                         and a variant no plan has (--no-inplace allreduce), are errors
   -h, --help             print this help
 
 size: bytes of the larger per-rank buffer (allgather: the gathered output; reduce_scatter:
@@ -101,6 +113,8 @@ pub struct Options {
     pub plot: Option<PathBuf>,
     /// `--baseline`.
     pub baseline: Option<PathBuf>,
+    /// `--plan`: time persistent plans instead of one-off calls.
+    pub plan: bool,
     /// Hidden `--corrupt-rank R`: rank R flips a byte of its result before the check (to
     /// test that the check sees it).
     pub corrupt_rank: Option<usize>,
@@ -126,6 +140,7 @@ impl Default for Options {
             json: None,
             plot: None,
             baseline: None,
+            plan: false,
             corrupt_rank: None,
         }
     }
@@ -169,9 +184,14 @@ pub enum ArgError {
         /// What is allowed.
         expected: String,
     },
-    /// `--plan`.
-    #[error("--plan: not supported yet (persistent plans come with the progress-engine issue)")]
-    PlanNotSupported,
+    /// `--plan` with a collective, or a variant, that has no persistent plan.
+    #[error("--plan: {coll} has no {what} (plans: allreduce and broadcast in place, allgather and reduce_scatter out of place)")]
+    NoPlan {
+        /// The collective.
+        coll: String,
+        /// What is missing: "persistent plan", "out-of-place plan", "in-place plan".
+        what: String,
+    },
 }
 
 /// Parses a size: a whole number of bytes with an optional suffix K, M or G (powers of
@@ -246,7 +266,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
         let no_value = |f: &str| inline.is_none() && flag == f;
         match flag {
             "-h" | "--help" if inline.is_none() => return Ok(Cmd::Help),
-            "--plan" => return Err(ArgError::PlanNotSupported),
+            _ if no_value("--plan") => o.plan = true,
             _ if no_value("--inplace") => o.variants = Variants::InPlaceOnly,
             _ if no_value("--no-inplace") => o.variants = Variants::OutOfPlaceOnly,
             "-b" | "--minbytes" => o.min_bytes = size(&value(&mut i)?)?,
@@ -307,7 +327,11 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
         }
         i += 1;
     }
+    let all = coll.as_ref().is_some_and(|c| c.len() > 1);
     o.colls = coll.ok_or(ArgError::MissingCollective)?;
+    if o.plan {
+        o.colls = plan_colls(&o.colls, o.variants, all)?;
+    }
     if o.min_bytes > o.max_bytes {
         return Err(bad("-e", &o.max_bytes.to_string(), &format!("is smaller than -b {}", o.min_bytes)));
     }
@@ -325,6 +349,27 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
         }
     }
     Ok(Cmd::Run(Box::new(o)))
+}
+
+/// With `--plan`: the collectives to run. `all` keeps those with a plan of the variants
+/// asked for; a collective named alone must have one.
+fn plan_colls(colls: &[Coll], variants: Variants, all: bool) -> Result<Vec<Coll>, ArgError> {
+    let missing = |c: Coll| -> Option<&'static str> {
+        let (ip, oop) = (c.plan_in_place(), c.plan_out_of_place());
+        match variants {
+            _ if !ip && !oop => Some("persistent plan"),
+            Variants::InPlaceOnly if !ip => Some("in-place plan (drop --inplace)"),
+            Variants::OutOfPlaceOnly if !oop => Some("out-of-place plan (drop --no-inplace)"),
+            _ => None,
+        }
+    };
+    let keep: Vec<Coll> = colls.iter().copied().filter(|&c| missing(c).is_none()).collect();
+    match colls.iter().find(|&&c| missing(c).is_some()) {
+        Some(&c) if !all || keep.is_empty() => {
+            Err(ArgError::NoPlan { coll: if all { "all".into() } else { c.name().into() }, what: missing(c).unwrap_or_default().into() })
+        }
+        _ => Ok(keep),
+    }
 }
 
 /// The arguments with `--ranks N` (or `--ranks=N`) taken out: what each rank is given.
@@ -410,6 +455,17 @@ mod tests {
     }
 
     #[test]
+    fn plan_keeps_the_collectives_that_have_plans() {
+        let o = run(&["allreduce", "--plan"]);
+        assert!(o.plan);
+        assert_eq!(o.colls, vec![Coll::AllReduce]);
+        assert_eq!(run(&["all", "--plan"]).colls, vec![Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter, Coll::Broadcast]);
+        assert_eq!(run(&["all", "--plan", "--inplace"]).colls, vec![Coll::AllReduce, Coll::Broadcast]);
+        assert_eq!(run(&["all", "--plan", "--no-inplace"]).colls, vec![Coll::AllGather, Coll::ReduceScatter]);
+        assert!(!run(&["all"]).plan);
+    }
+
+    #[test]
     fn sizes_parse_with_suffixes() {
         assert_eq!(parse_size("8"), Some(8));
         assert_eq!(parse_size("64K"), Some(64 << 10));
@@ -452,7 +508,11 @@ mod tests {
             (&["allreduce", "--baseline", "b.json"], "--baseline"),
             (&["allreduce", "--frobnicate"], "--frobnicate"),
             (&["allreduce", "--inplace=1"], "--inplace=1"),
-            (&["allreduce", "--plan"], "--plan: not supported yet (persistent plans come with the progress-engine issue)"),
+            (&["reduce", "--plan"], "--plan: reduce has no persistent plan"),
+            (&["allreduce", "--plan", "--no-inplace"], "--plan: allreduce has no out-of-place plan"),
+            (&["allgather", "--plan", "--inplace"], "--plan: allgather has no in-place plan"),
+            (&["alltoall", "--plan"], "alltoall has no persistent plan"),
+            (&["all", "--plan=1"], "--plan=1"),
         ];
         for (args, want) in cases {
             let e = err(args);

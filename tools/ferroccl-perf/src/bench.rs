@@ -231,24 +231,75 @@ impl<T: Val> Ctx<'_, T> {
         Ok(Local { time_us, wrong })
     }
 
+    /// `--plan`, out of place (allgather, reduce_scatter): builds the plan once, times
+    /// `plan.run()`, then refills it through `input_mut` / `output_mut` for the check.
+    fn run_plan_oop(&self, coll: Coll, l: &Layout, send: &mut [T], recv: &mut [T]) -> Result<Local, Failure> {
+        let (comm, op) = (self.comm, self.o.op);
+        let err = |e| coll_err(comm, coll, l, "out-of-place plan", e);
+        self.fill_oop(send, recv);
+        // Only the collectives of Coll::plan_out_of_place get here.
+        let mut plan = match coll {
+            Coll::ReduceScatter => comm.reduce_scatter_plan(send, recv, op),
+            _ => comm.allgather_plan(send, recv),
+        }
+        .map_err(err)?;
+        let time_us = self.time(|| plan.run()).map_err(err)?;
+        let mut wrong = 0;
+        if self.o.check {
+            if let Some(input) = plan.input_mut() {
+                self.pats.fill(comm.rank(), input, 0);
+            }
+            plan.output_mut().fill(sentinel());
+            plan.run().map_err(err)?;
+            wrong = self.check_oop(coll, l, plan.output_mut());
+        }
+        Ok(Local { time_us, wrong })
+    }
+
+    /// `--plan`, in place (allreduce, broadcast): as [`Ctx::run_plan_oop`], the input
+    /// rewritten through `output_mut` for the check.
+    fn run_plan_ip(&self, coll: Coll, l: &Layout, buf: &mut [T]) -> Result<Local, Failure> {
+        let (comm, op, root) = (self.comm, self.o.op, self.o.root);
+        let err = |e| coll_err(comm, coll, l, "in-place plan", e);
+        self.fill_ip(coll, l, buf);
+        // Only the collectives of Coll::plan_in_place get here.
+        let mut plan = match coll {
+            Coll::Broadcast => comm.broadcast_plan(buf, root),
+            _ => comm.allreduce_plan(buf, op),
+        }
+        .map_err(err)?;
+        let time_us = self.time(|| plan.run()).map_err(err)?;
+        let mut wrong = 0;
+        if self.o.check {
+            self.fill_ip(coll, l, plan.output_mut());
+            plan.run().map_err(err)?;
+            wrong = self.check_ip(coll, l, plan.output_mut());
+        }
+        Ok(Local { time_us, wrong })
+    }
+
     /// Runs one row on this rank; rank 0 gets the row (times maxed, wrong summed over ranks).
     fn row(&self, coll: Coll, size: usize) -> Result<Option<Row>, Failure> {
         let comm = self.comm;
         let n = comm.size();
         let l = coll.layout(size, n, self.o.dtype);
-        let do_oop = coll.has_out_of_place() && self.o.variants != Variants::InPlaceOnly;
-        let do_ip = coll.has_in_place() && self.o.variants != Variants::OutOfPlaceOnly;
+        let plan = self.o.plan;
+        let (has_oop, has_ip) =
+            if plan { (coll.plan_out_of_place(), coll.plan_in_place()) } else { (coll.has_out_of_place(), coll.has_in_place()) };
+        let do_oop = has_oop && self.o.variants != Variants::InPlaceOnly;
+        let do_ip = has_ip && self.o.variants != Variants::OutOfPlaceOnly;
         let mut recv = vec![T::from_small(0); l.recv];
         let mut oop = None;
         if do_oop {
             let mut send = vec![T::from_small(0); l.send];
-            oop = Some(self.run_oop(coll, &l, &mut send, &mut recv)?);
+            oop =
+                Some(if plan { self.run_plan_oop(coll, &l, &mut send, &mut recv)? } else { self.run_oop(coll, &l, &mut send, &mut recv)? });
         }
         let mut ip = None;
         if do_ip {
             // The in-place buffer is the larger of the two (send for reduce_scatter).
             let mut buf = if l.send > l.recv { vec![T::from_small(0); l.send] } else { recv };
-            ip = Some(self.run_ip(coll, &l, &mut buf)?);
+            ip = Some(if plan { self.run_plan_ip(coll, &l, &mut buf)? } else { self.run_ip(coll, &l, &mut buf)? });
         }
         let mine = [
             oop.map_or(0.0, |c| c.time_us),

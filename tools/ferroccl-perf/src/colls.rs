@@ -88,6 +88,17 @@ impl Coll {
         !matches!(self, Coll::AllToAll | Coll::SendRecv)
     }
 
+    /// Whether FerroCCL has an in-place persistent plan (`allreduce_plan`, `broadcast_plan`).
+    pub const fn plan_in_place(self) -> bool {
+        matches!(self, Coll::AllReduce | Coll::Broadcast)
+    }
+
+    /// Whether FerroCCL has an out-of-place persistent plan (`allgather_plan`,
+    /// `reduce_scatter_plan`).
+    pub const fn plan_out_of_place(self) -> bool {
+        matches!(self, Coll::AllGather | Coll::ReduceScatter)
+    }
+
     /// Whether the buffers are `n` equal blocks (the per-rank count is `size / n`).
     pub const fn blocked(self) -> bool {
         matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)

@@ -32,7 +32,15 @@
 //! | `--json FILE` | every row, plus the run's metadata (ranks, transports, dtype, op, machine) | |
 //! | `--plot FILE.svg` | busbw and time vs size, one line per collective and variant | |
 //! | `--baseline FILE.json` | overlay an earlier `--json` file (or the MPI peer's) on the plot | |
-//! | `--plan` | persistent plans: not supported yet (an error) | |
+//! | `--plan` | time persistent plans: built once per size, the timed calls are `plan.run()` (allreduce, broadcast in place; allgather, reduce_scatter out of place) | one-off calls |
+//!
+//! Three more subcommands measure what the table cannot (each has its own `--help`):
+//!
+//! * `ferroccl-perf latency`: small-message allreduce latency, blocking call vs persistent
+//!   plan, alternating in one run ([`latency`]; benches/latency.sh adds Open MPI);
+//! * `ferroccl-perf idle`: the CPU time a communicator uses while idle, per rank ([`idle`]);
+//! * `ferroccl-perf overlap`: compute + gradient allreduce, sequential vs overlapped with
+//!   the non-blocking API ([`overlap`]).
 //!
 //! `ferroccl-perf plot OUT.svg A.json [B.json ...]` draws results files (this tool's
 //! `--json`, or benches/peers' MPI program's) in one picture without running anything;
@@ -74,8 +82,12 @@ pub mod args;
 pub mod bench;
 pub mod colls;
 pub mod data;
+pub mod idle;
+pub mod latency;
+pub mod overlap;
 pub mod plot;
 pub mod report;
+pub mod sub;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -144,6 +156,12 @@ pub fn main_with_args(args: &[String]) -> i32 {
             }
         };
     }
+    match args.first().map(String::as_str) {
+        Some("latency") => return subcommand(args, latency::HELP, latency::parse, |o| o.common, latency::run),
+        Some("idle") => return subcommand(args, idle::HELP, idle::parse, |o| o.common, idle::run),
+        Some("overlap") => return subcommand(args, overlap::HELP, overlap::parse, |o| o.common, overlap::run),
+        _ => {}
+    }
     let o = match args::parse(args) {
         Ok(Cmd::Help) => {
             print!("{HELP}");
@@ -168,19 +186,56 @@ pub fn main_with_args(args: &[String]) -> i32 {
     }
 }
 
-/// `--ranks N`: runs N copies of this executable as the ranks of a local job, through
-/// `ferroccl-run`'s library (bootstrap store, fresh token, environment, failure handling:
-/// when one rank fails the others get a grace period, then are killed).
-fn spawn_ranks(n: usize, args: &[String], o: &Options) -> i32 {
-    if std::env::var_os("FERROCCL_RANK").is_some_and(|v| !v.is_empty()) {
-        eprintln!("ferroccl-perf: error: --ranks {n}: already running as a rank of a job (FERROCCL_RANK is set); drop --ranks");
-        return 2;
+/// A measurement subcommand (`latency`, `idle`, `overlap`): `args` starts with its name.
+fn subcommand<O>(
+    args: &[String],
+    help: &str,
+    parse: fn(&[String]) -> Result<Option<O>, ArgError>,
+    common: fn(&O) -> sub::Common,
+    run: fn(&O) -> Result<(), Failure>,
+) -> i32 {
+    let o = match parse(&args[1..]) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            print!("{help}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("ferroccl-perf {}: error: {e}", args[0]);
+            eprintln!("{}", help.lines().find(|l| l.starts_with("usage:")).unwrap_or(USAGE));
+            return 2;
+        }
+    };
+    if let Some(n) = common(&o).ranks {
+        return spawn(n, args);
     }
+    match run(&o) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ferroccl-perf {}: error: {e}", args[0]);
+            e.exit_code()
+        }
+    }
+}
+
+/// `--ranks N` of a benchmark: checks `--baseline` first, then [`spawn`].
+fn spawn_ranks(n: usize, args: &[String], o: &Options) -> i32 {
     if let Some(b) = &o.baseline {
         if let Err(e) = load_baseline(b) {
             eprintln!("ferroccl-perf: error: --baseline {e}");
             return 2;
         }
+    }
+    spawn(n, args)
+}
+
+/// `--ranks N`: runs N copies of this executable as the ranks of a local job, through
+/// `ferroccl-run`'s library (bootstrap store, fresh token, environment, failure handling:
+/// when one rank fails the others get a grace period, then are killed).
+fn spawn(n: usize, args: &[String]) -> i32 {
+    if std::env::var_os("FERROCCL_RANK").is_some_and(|v| !v.is_empty()) {
+        eprintln!("ferroccl-perf: error: --ranks {n}: already running as a rank of a job (FERROCCL_RANK is set); drop --ranks");
+        return 2;
     }
     let exe = match std::env::current_exe() {
         Ok(p) => p,

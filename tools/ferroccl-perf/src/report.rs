@@ -57,6 +57,9 @@ pub fn print_job_header(info: &JobInfo, o: &Options) {
         o.warmup,
         u8::from(o.check)
     );
+    if o.plan {
+        println!("#  calls: persistent plans (built once per size; timed: plan.run(); plans are in place for allreduce and broadcast, out of place for allgather and reduce_scatter)");
+    }
     println!("#  host {} (nproc {})", info.hostname, info.nproc);
     println!("#  transport: {}", info.transport_summary());
     println!("#  init: {:.1} ms (slowest rank; mesh setup {:.1} ms on rank 0)", info.init_ms, info.setup_ms);
@@ -200,7 +203,8 @@ pub fn to_json(info: &JobInfo, o: &Options, results: &[CollResult]) -> Value {
         .collect();
     json!({
         "tool": "ferroccl-perf",
-        "label": "FerroCCL",
+        "label": if o.plan { "FerroCCL plan" } else { "FerroCCL" },
+        "plan": o.plan,
         "version": env!("CARGO_PKG_VERSION"),
         "ranks": info.ranks,
         "transport": info.transport_summary(),

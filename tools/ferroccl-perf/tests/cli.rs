@@ -143,11 +143,56 @@ fn a_clean_run_shows_no_wrong_elements() {
 }
 
 #[test]
+fn plans_run_checked_and_a_corrupted_plan_result_fails() {
+    let json = tmp("plan.json");
+    let o = perf(&[
+        "all",
+        "--plan",
+        "-b",
+        "8",
+        "-e",
+        "64K",
+        "-f",
+        "64",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--ranks",
+        "3",
+        "--root",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    assert!(out.contains("persistent plans"), "{out}");
+    let rows = rows(&out);
+    // allreduce, allgather, reduce_scatter, broadcast x sizes 8, 512, 32K, 64K.
+    assert_eq!(rows.len(), 4 * 4, "{out}");
+    for (k, r) in rows.iter().enumerate() {
+        // allreduce and broadcast: in place only; allgather and reduce_scatter: out of place only.
+        let (oop, ip) = if (4..12).contains(&k) { ("0", "N/A") } else { ("N/A", "0") };
+        assert_eq!((r[8].as_str(), r[12].as_str()), (oop, ip), "{r:?}\n{out}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!((v["plan"].as_bool(), v["label"].as_str()), (Some(true), Some("FerroCCL plan")));
+
+    for coll in ["allreduce", "reduce_scatter"] {
+        let o = perf(&[coll, "--plan", "-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--ranks", "2", "--corrupt-rank", "1"]);
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "{coll}: a run with wrong elements must fail\n{out}\n{err}");
+        assert!(out.contains("FAILED") && err.contains("wrong elements"), "{coll}\n{out}\n{err}");
+    }
+}
+
+#[test]
 fn bad_arguments_are_named_and_exit_2() {
     for (args, want) in [
         (&["allreduce", "-d", "f7", "--ranks", "2"][..], "-d \"f7\""),
         (&["allreduce", "-b", "lots"][..], "-b \"lots\""),
-        (&["allreduce", "--plan"][..], "not supported yet (persistent plans come with the progress-engine issue)"),
+        (&["reduce", "--plan"][..], "--plan: reduce has no persistent plan"),
         (&["shuffle"][..], "unknown collective \"shuffle\""),
         (&[][..], "missing the collective"),
         (&["allreduce", "--ranks", "2", "--plot", "/tmp/x.svg", "--baseline", "/nonexistent/b.json"][..], "--baseline /nonexistent/b.json"),
@@ -162,4 +207,43 @@ fn bad_arguments_are_named_and_exit_2() {
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("--ranks N"), "{err}");
+}
+
+#[test]
+fn the_measurement_subcommands_run_and_check() {
+    let o = perf(&["latency", "--sizes", "8,4K", "-n", "5", "-w", "2", "--batches", "2", "--raw", "--ranks", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    let lat = rows(&out);
+    assert_eq!(lat.len(), 4, "{out}");
+    assert_eq!((lat[0][1].as_str(), lat[1][1].as_str()), ("blocking", "plan"), "{out}");
+    assert_eq!(out.matches("#batch ").count(), 2 * 2 * 2, "--raw prints every batch: {out}");
+    assert!(out.contains("plan / blocking") && out.contains("wrong elements: 0 OK"), "{out}");
+
+    let o = perf(&["idle", "--seconds", "0.2", "--ranks", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    assert_eq!(rows(&out).len(), 2, "one row per rank: {out}");
+    assert!(out.contains("allreduce OK"), "{out}");
+    assert!(err.contains("ferroccl-progre"), "the progress thread was started and is listed: {err}");
+
+    let o = perf(&["overlap", "--size", "64K", "--compute-ms", "0.05", "-n", "2", "--batches", "2", "--ranks", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    let forms: Vec<String> = rows(&out).iter().map(|r| r[..r.len() - 4].join(" ")).collect();
+    assert_eq!(forms, ["sequential", "overlapped", "compute only", "allreduce only"], "{out}");
+    assert!(out.contains("overlapped / sequential") && out.contains("checked iterations: OK"), "{out}");
+
+    for (args, want) in [
+        (&["latency", "--sizes", "8,x"][..], "--sizes \"8,x\""),
+        (&["idle", "--seconds", "0"][..], "--seconds \"0\""),
+        (&["overlap", "--frobnicate"][..], "--frobnicate"),
+    ] {
+        let o = perf(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && err.contains("usage: ferroccl-perf"), "{args:?}: {err}");
+    }
+    let o = perf(&["latency", "--help"]);
+    assert!(o.status.success() && text(&o).0.contains("allreduce_plan"), "{:?}", text(&o));
 }
