@@ -345,6 +345,40 @@ fn a_dead_receiver_fails_a_sender_stuck_on_a_full_ring() {
     assert!(secs < 5.0, "{line}");
 }
 
+/// Non-blocking collectives, plans and groups over real processes, on shm, tcp and a mixed
+/// mesh.
+#[test]
+fn progress_engine_over_processes() {
+    for (n, transport, extra) in [(4, "shm", &[][..]), (3, "tcp", &[][..]), (4, "auto", &["--fake-hosts", "2"][..])] {
+        let mut args = vec!["engine", "--runs", "300"];
+        args.extend_from_slice(extra);
+        let j = job(n, transport, &args, &[]);
+        assert_all_ok(&j, n);
+        assert_eq!(j.stdout.matches("engine ok").count(), n, "{}", j.all());
+    }
+}
+
+/// `abort` on one rank fails its own pending call and, by the message it sends, the
+/// peer's, within a second of the call (the abort comes 0.3 s in).
+#[test]
+fn abort_over_processes() {
+    for transport in ["shm", "tcp"] {
+        let j = job(2, transport, &["abort"], &[]);
+        for r in 0..2 {
+            let line = j
+                .stdout
+                .lines()
+                .find(|l| l.contains(&format!("rank {r} aborted after")))
+                .unwrap_or_else(|| panic!("{transport}: rank {r}: {}", j.all()));
+            let secs: f64 = line.split("after ").nth(1).unwrap().split('s').next().unwrap().parse().unwrap();
+            assert!(secs < 1.3, "{transport}: {line}");
+            if r == 1 {
+                assert!(line.contains("by rank 0"), "{line}");
+            }
+        }
+    }
+}
+
 /// Every collective over real processes, on each transport and with each algorithm forced
 /// (auto included), against the reference.
 fn collectives(n: usize, transport: &str, algo: &str) {

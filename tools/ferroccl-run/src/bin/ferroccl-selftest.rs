@@ -12,6 +12,8 @@
 //! ferroccl-selftest stop                                               rank 1 SIGSTOPs itself in the middle of a 512 MiB send to rank 0
 //! ferroccl-selftest coll [--counts 0,1,7,1000,65537]                 every collective, f32/bf16/i32, sum/max/avg, checked
 //! ferroccl-selftest flood                                              rank 0 floods rank 1 with messages; rank 1 never reads, then dies
+//! ferroccl-selftest engine [--runs N]                                  non-blocking collectives in flight together, plans run N times, groups, checked
+//! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
 //! ```
 //! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
 //! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
@@ -66,6 +68,8 @@ fn main() {
         "stop" => stop(&comm),
         "flood" => flood(&comm),
         "coll" => coll(&comm, rest),
+        "engine" => engine(&comm, rest),
+        "abort" => abort(comm),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
@@ -420,4 +424,122 @@ fn coll(comm: &Communicator, args: &[String]) -> R<()> {
     comm.barrier()?;
     println!("selftest: rank {} collectives ok for counts {counts:?} in {:.3}s", comm.rank(), t.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The progress engine's API over real processes: non-blocking collectives in flight
+/// together and waited in a rank-dependent order, persistent plans run many times with
+/// their buffers rewritten, and a group of small allreduces (fused).
+fn engine(comm: &Communicator, args: &[String]) -> R<()> {
+    use ferroccl::ReduceOp;
+    let runs: usize = flag(args, "--runs").unwrap_or("200").parse()?;
+    let (n, r) = (comm.size(), comm.rank());
+    let t = Instant::now();
+    for round in 0..5usize {
+        let mut a = vec![(r + round) as f32; 1000];
+        let mut b = vec![r as i64; 300_000];
+        let send = vec![(r * 3 + round) as u32; 4097];
+        let mut gathered = vec![0u32; 4097 * n];
+        let mut c = vec![1u8; 3];
+        comm.scope(|s| {
+            let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
+            let rb = s.allreduce(&mut b, ReduceOp::Max)?;
+            let rg = s.allgather(&send, &mut gathered)?;
+            drop(s.allreduce(&mut c, ReduceOp::Sum)?);
+            // Every rank waits in another order.
+            match (r + round) % 3 {
+                0 => {
+                    rg.wait()?;
+                    rb.wait()?;
+                    ra.wait()
+                }
+                1 => {
+                    while !ra.test()? {
+                        std::thread::yield_now();
+                    }
+                    rg.wait()?;
+                    rb.wait()
+                }
+                _ => {
+                    rb.wait()?;
+                    ra.wait()?;
+                    rg.wait()
+                }
+            }
+        })?;
+        let sum_a: f32 = (0..n).map(|q| (q + round) as f32).sum();
+        if a.iter().any(|&x| x != sum_a) || b.iter().any(|&x| x != (n - 1) as i64) || c != [n as u8; 3] {
+            return Err(format!("round {round}: non-blocking allreduce wrong").into());
+        }
+        for q in 0..n {
+            if gathered[q * 4097..(q + 1) * 4097].iter().any(|&x| x != (q * 3 + round) as u32) {
+                return Err(format!("round {round}: allgather block {q} wrong").into());
+            }
+        }
+    }
+    let mut small = vec![0.0f32; 16];
+    let mut large = vec![0.0f32; 200_000];
+    {
+        let mut ps = comm.allreduce_plan(&mut small, ReduceOp::Sum)?;
+        let mut pl = comm.allreduce_plan(&mut large, ReduceOp::Sum)?;
+        for k in 0..runs {
+            ps.output_mut().fill((r + k) as f32);
+            ps.run()?;
+            let want: f32 = (0..n).map(|q| (q + k) as f32).sum();
+            if ps.output().iter().any(|&x| x != want) {
+                return Err(format!("plan run {k}: {} != {want}", ps.output()[0]).into());
+            }
+            if k % 20 == 0 {
+                pl.output_mut().fill(k as f32);
+                pl.run()?;
+                if pl.output().iter().any(|&x| x != (k * n) as f32) {
+                    return Err(format!("large plan run {k} wrong").into());
+                }
+            }
+        }
+    }
+    let mut parts: Vec<Vec<i32>> = (1..8).map(|k| vec![r as i32 * k; k as usize]).collect();
+    comm.group(|g| {
+        for p in parts.iter_mut() {
+            g.allreduce(p, ReduceOp::Sum)?;
+        }
+        Ok(())
+    })?;
+    let rsum: i32 = (0..n as i32).sum();
+    for (k, p) in parts.iter().enumerate() {
+        if p.iter().any(|&x| x != rsum * (k as i32 + 1)) {
+            return Err(format!("group allreduce {k} wrong: {p:?}").into());
+        }
+    }
+    println!("selftest: rank {r} engine ok ({runs} plan runs, {:.2}s)", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Rank 0 aborts (from another thread) while both ranks sit in an allreduce rank 1 never
+/// completes: rank 0's call fails with Aborted, rank 1's names rank 0. Prints the times.
+fn abort(comm: Communicator) -> ! {
+    let r = comm.rank();
+    let mut buf = vec![1.0f32; 1000];
+    let t = Instant::now();
+    let res = std::thread::scope(|s| {
+        if r == 0 {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                comm.abort();
+            });
+            comm.allreduce(&mut buf, ferroccl::ReduceOp::Sum)
+        } else {
+            // Rank 1 waits for a message that never comes.
+            comm.recv(&mut buf[..1], 0)
+        }
+    });
+    match res {
+        Err(e @ ferroccl::Error::Aborted { .. }) => {
+            println!("selftest: rank {r} aborted after {:.3}s: {e}", t.elapsed().as_secs_f64());
+            std::process::exit(0)
+        }
+        other => {
+            eprintln!("selftest: rank {r} error: expected an abort, got {other:?}");
+            std::process::exit(1)
+        }
+    }
 }
