@@ -148,6 +148,13 @@ impl Communicator {
         Plan::build(self, call, None, buf)
     }
 
+    /// A persistent out-of-place allreduce of `send` into `recv` (see
+    /// [`Communicator::allreduce_into`]); refill `send` through [`Plan::input_mut`].
+    pub fn allreduce_into_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
+        let call = self.allreduce_into_call(&*send, &mut *recv, op)?.spec();
+        Plan::build(self, call, Some(send), recv)
+    }
+
     /// A persistent allgather of `send` into `recv` (see [`Communicator::allgather`]).
     pub fn allgather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T]) -> Result<Plan<'a, T>> {
         let call = self.allgather_call(&*send, &mut *recv)?.spec();

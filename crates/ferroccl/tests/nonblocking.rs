@@ -495,7 +495,21 @@ fn plans_start_in_scopes_next_to_other_operations() {
         if pa.runs() != 20 {
             return Err("runs".into());
         }
-        drop((pa, pb));
+        let mut send = vec![0u32; 40];
+        let mut recv = vec![0u32; 40];
+        let mut po = comm.allreduce_into_plan(&mut send, &mut recv, ReduceOp::Sum).map_err(e)?;
+        for k in 0..10u32 {
+            po.input_mut().ok_or("input")?.fill(k + r as u32);
+            po.run().map_err(e)?;
+            let want: u32 = (0..n as u32).map(|q| k + q).sum();
+            if po.output().iter().any(|&x| x != want) {
+                return Err(format!("allreduce_into plan run {k}"));
+            }
+        }
+        if po.runs() != 10 {
+            return Err("runs".into());
+        }
+        drop((pa, pb, po));
         comm.finalize().map_err(e)
     });
     for r in res {
