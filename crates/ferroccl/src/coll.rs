@@ -8,6 +8,7 @@
 //! differently (another collective, dtype, op, count, root, algorithm or protocol) fail with
 //! an error that shows both calls.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
@@ -178,14 +179,25 @@ impl Call<'_> {
 }
 
 /// A call's schedule and identity, before buffers are attached.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Prepared {
-    pub(crate) name: String,
+    pub(crate) name: Arc<str>,
     pub(crate) desc: Desc,
     pub(crate) sched: Arc<Schedule>,
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
 }
+
+/// Recently prepared calls of a communicator, keyed by what determines them (the knobs are
+/// fixed per communicator). Small and cleared when full: it serves loops that repeat calls.
+#[derive(Debug, Default)]
+pub(crate) struct SchedCache(Mutex<HashMap<SchedKey, Prepared>>);
+
+/// What determines a prepared call: collective (with its root), dtype, op, count, in place.
+type SchedKey = (Collective, DType, ReduceOp, usize, bool);
+
+/// Prepared calls a communicator keeps at most.
+const SCHED_CACHE: usize = 64;
 
 impl Communicator {
     fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
@@ -211,15 +223,38 @@ impl Communicator {
         count: usize,
         in_place: bool,
     ) -> Result<Prepared> {
-        let p = &self.fabric().params;
-        let algo = self.pick_algo(coll, dtype, op, count);
-        let shape =
-            Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
-        let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
-        let desc = encode_desc(&shape, algo, p.proto);
-        let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
-        self.check_usable(&name)?;
-        Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op })
+        let key = (coll, dtype, op, count, in_place);
+        let cached = self.sched_cache.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+        let prep = match cached {
+            Some(p) => p,
+            None => {
+                let p = &self.fabric().params;
+                let algo = self.pick_algo(coll, dtype, op, count);
+                let shape = Shape {
+                    coll,
+                    n: self.size(),
+                    rank: self.rank(),
+                    count,
+                    dtype,
+                    op,
+                    chunk_bytes: p.chunk_bytes,
+                    in_place,
+                    slots: p.slots,
+                };
+                let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
+                let desc = encode_desc(&shape, algo, p.proto);
+                let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
+                let prep = Prepared { name: name.into(), desc, sched: Arc::new(sched), dtype, op };
+                let mut cache = self.sched_cache.0.lock().unwrap_or_else(|e| e.into_inner());
+                if cache.len() >= SCHED_CACHE {
+                    cache.clear();
+                }
+                cache.insert(key, prep.clone());
+                prep
+            }
+        };
+        self.check_usable(&prep.name)?;
+        Ok(prep)
     }
 
     /// The part running `prep` over registered buffers (`input: None`: in place).

@@ -82,6 +82,8 @@ pub struct Communicator {
     seqs: Mutex<Seqs>,
     splits: Mutex<u32>,
     scratch: ScratchCache,
+    /// Schedules of recent calls, so that a repeated call does not build its schedule again.
+    pub(crate) sched_cache: crate::coll::SchedCache,
     /// Whether any member is reached over tcp (fixed with the membership; the cost model
     /// reads it on every collective).
     any_tcp: bool,
@@ -185,6 +187,7 @@ impl Communicator {
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
+            sched_cache: Default::default(),
         })
     }
 
@@ -270,7 +273,7 @@ impl Communicator {
     }
 
     /// A part of a job: one schedule over one set of buffers, on channel `chan`.
-    pub(crate) fn part(&self, name: String, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
+    pub(crate) fn part(&self, name: Arc<str>, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
         let p = &self.fabric.params;
         let eager_max = match (chan, p.proto) {
             (CHAN_COLL, ProtoChoice::Eager) => usize::MAX,
@@ -326,7 +329,7 @@ impl Communicator {
                     p.reset(n);
                 }
             }
-            if let Some(e) = self.fabric.fatal_error(body.parts.first().map(|p| p.name.as_str()).unwrap_or("operation")) {
+            if let Some(e) = self.fabric.fatal_error(body.parts.first().map(|p| &*p.name).unwrap_or("operation")) {
                 return Err(e);
             }
             for p in &mut body.parts {
@@ -376,7 +379,7 @@ impl Communicator {
     /// the one they address as `Input` (sendrecv's source).
     pub(crate) fn p2p_part(&self, name: String, chan: u8, sched: Schedule, input: Option<RegionHandle>, output: RegionHandle) -> Part {
         let bufs = PartBufs { dtype: DType::U8, op: ReduceOp::Sum, input, output, scratch: self.scratch.empty() };
-        self.part(name, chan, NO_DESC, Arc::new(sched), bufs)
+        self.part(name.into(), chan, NO_DESC, Arc::new(sched), bufs)
     }
 
     /// Sends `data` to member `to` and receives `buf` from member `from` in one call, which
@@ -476,6 +479,7 @@ impl Communicator {
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
+            sched_cache: Default::default(),
         }))
     }
 

@@ -48,7 +48,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub(crate) struct Part {
     /// For errors: "allreduce (1024 x f32, sum, ring)".
-    pub(crate) name: String,
+    pub(crate) name: Arc<str>,
     pub(crate) chan: u8,
     pub(crate) desc: Desc,
     pub(crate) eager_max: usize,
@@ -88,7 +88,7 @@ pub(crate) struct JobBody {
 
 impl JobBody {
     fn label(&self) -> &str {
-        self.parts.first().map(|p| p.name.as_str()).unwrap_or("operation")
+        self.parts.first().map(|p| &*p.name).unwrap_or("operation")
     }
 
     /// One round: advance every unfinished part.

@@ -126,6 +126,11 @@ pub(crate) struct Shared {
 /// Message buffers kept for reuse at most, and the largest kept.
 const BUF_POOL: usize = 64;
 const BUF_POOL_MAX_BYTES: usize = 1 << 20;
+/// Every pooled buffer holds at least this much, and the pool starts with
+/// [`BUF_POOL_START`] of them: messages up to this size (every control message, small
+/// eager data) find a buffer even when several wait to be matched at once.
+const BUF_MIN_BYTES: usize = 16 << 10;
+const BUF_POOL_START: usize = 8;
 
 impl Shared {
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
@@ -154,9 +159,11 @@ impl Shared {
     /// A buffer of `len` bytes for an incoming message (from the pool when one fits).
     pub(crate) fn take_buf(&self, len: usize) -> Vec<u8> {
         let mut pool = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v = match pool.iter().rposition(|b| b.capacity() >= len) {
+        // The smallest that fits, so that small messages do not take the large buffers.
+        let best = pool.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        let mut v = match best {
             Some(i) => pool.swap_remove(i),
-            None => Vec::with_capacity(len),
+            None => Vec::with_capacity(len.max(BUF_MIN_BYTES)),
         };
         drop(pool);
         v.clear();
@@ -166,7 +173,7 @@ impl Shared {
 
     /// Gives a message buffer back for reuse.
     pub(crate) fn give_buf(&self, v: Vec<u8>) {
-        if v.capacity() == 0 || v.capacity() > BUF_POOL_MAX_BYTES {
+        if v.capacity() < BUF_MIN_BYTES || v.capacity() > BUF_POOL_MAX_BYTES {
             return;
         }
         let mut pool = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
@@ -430,7 +437,7 @@ impl Fabric {
             fatal_flag,
             regions: RwLock::new(HashMap::new()),
             bell,
-            bufs: Mutex::new(Vec::new()),
+            bufs: Mutex::new((0..BUF_POOL_START).map(|_| Vec::with_capacity(BUF_MIN_BYTES)).collect()),
         });
 
         // A listener for tcp peers.

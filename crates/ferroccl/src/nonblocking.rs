@@ -369,7 +369,7 @@ impl<'s, 'env> Scope<'s, 'env> {
             }
             let k = bufs.len();
             let mut prep = self.comm.prepare("allreduce", Collective::AllReduce, dtype, op, count, true)?;
-            prep.name = format!("{} fused from {k} calls", prep.name);
+            prep.name = format!("{} fused from {k} calls", prep.name).into();
             let staging = RegionHandle::owned(total);
             let mut unpack = Vec::with_capacity(k);
             let mut off = 0;
