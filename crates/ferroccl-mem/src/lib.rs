@@ -61,6 +61,6 @@ pub mod segment;
 pub use futex::{futex_wait, futex_wake, WaitOutcome};
 #[cfg(target_os = "linux")]
 pub use process::{can_read_process, read_process_memory, wait_any_exited, ProcessWatch};
-pub use region::{with_region, with_region_ro, RegionError, RegionHandle};
+pub use region::{with_region, with_region_ro, RegionError, RegionHandle, RegionLease};
 #[cfg(target_os = "linux")]
 pub use segment::ShmSegment;
