@@ -28,7 +28,8 @@ use crate::params::{Params, TransportChoice};
 use crate::proto::{self, Cts, ProtoMsg, StreamKey};
 use crate::transport::shm::{LocalShm, ShmEndpoint};
 use crate::transport::tcp::TcpEndpoint;
-use crate::transport::{Endpoint, RemoteBuf};
+use crate::transport::verbs::{self, VerbsDevice, VerbsEndpoint, VerbsNet};
+use crate::transport::{Endpoint, Registration, RemoteBuf};
 use crate::wire::{Reader, Writer};
 
 /// What one round of a wait loop's step found.
@@ -202,6 +203,8 @@ struct Descriptor {
     probe_addr: u64,
     ring_bytes: u64,
     eager_max: u64,
+    /// The RDMA device this rank can use for verbs ("" when none).
+    ib_dev: String,
 }
 
 impl Descriptor {
@@ -214,7 +217,8 @@ impl Descriptor {
             .str(&self.tcp_addr)
             .u64(self.probe_addr)
             .u64(self.ring_bytes)
-            .u64(self.eager_max);
+            .u64(self.eager_max)
+            .str(&self.ib_dev);
         w.finish()
     }
     fn decode(b: &[u8]) -> crate::wire::DResult<Descriptor> {
@@ -228,6 +232,7 @@ impl Descriptor {
             probe_addr: r.u64()?,
             ring_bytes: r.u64()?,
             eager_max: r.u64()?,
+            ib_dev: r.str()?.to_string(),
         };
         r.end()?;
         Ok(d)
@@ -277,6 +282,8 @@ pub(crate) struct Fabric {
     pub(crate) shared: Arc<Shared>,
     endpoints: Vec<Option<Endpoint>>,
     local_shm: Option<Arc<LocalShm>>,
+    /// The verbs mesh (polled in `progress`), when any peer uses verbs.
+    verbs: Option<Arc<VerbsNet>>,
     /// (world rank, watch) for every shm peer, plus the launcher as usize::MAX.
     watches: Vec<(usize, ProcessWatch)>,
     pub(crate) peers: Vec<PeerInfo>,
@@ -309,7 +316,7 @@ impl Fabric {
         let probe = Box::new([0x5au8; 64]);
 
         // This rank's inbox segment (unless shm is switched off or unavailable).
-        let local_shm = if params.transport != TransportChoice::Tcp && size > 1 {
+        let local_shm = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Shm) && size > 1 {
             let name = format!("/ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
             match LocalShm::create(&name, rank, size, params.shm_ring_bytes) {
                 Ok(s) => Some(Arc::new(s)),
@@ -328,12 +335,18 @@ impl Fabric {
         let shared = Arc::new(Shared { rank, events: Mutex::new(Events::default()), regions: RwLock::new(HashMap::new()), bell });
 
         // A listener for tcp peers.
-        let listener = if params.transport != TransportChoice::Shm && size > 1 {
+        let listener = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Tcp) && size > 1 {
             let ip: IpAddr = params.socket_addr.unwrap_or_else(|| store.local_addr().ip());
             let l = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
             Some(l)
         } else {
             None
+        };
+        // verbs: FERROCCL_TRANSPORT=verbs needs a usable device; auto uses one if there is.
+        let ib = match params.transport {
+            TransportChoice::Verbs if size > 1 => Some(VerbsDevice::open(rank, &params)?),
+            TransportChoice::Auto if size > 1 && ferroccl_verbs::ENABLED => VerbsDevice::open(rank, &params).ok(),
+            _ => None,
         };
         let me = Descriptor {
             pid: std::process::id(),
@@ -344,6 +357,7 @@ impl Fabric {
             probe_addr: probe.as_ptr() as u64,
             ring_bytes: params.shm_ring_bytes as u64,
             eager_max: params.eager_max as u64,
+            ib_dev: ib.as_ref().map(|d| d.name()).unwrap_or_default(),
         };
         store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
         let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
@@ -385,7 +399,20 @@ impl Fabric {
                     })
                 }
                 TransportChoice::Auto if shm_ok => "shm",
+                TransportChoice::Auto if !same_host && !me.ib_dev.is_empty() && !d.ib_dev.is_empty() => "verbs",
                 TransportChoice::Auto => "tcp",
+                TransportChoice::Verbs if !d.ib_dev.is_empty() => "verbs",
+                TransportChoice::Verbs => {
+                    return Err(Error::Transport {
+                        rank,
+                        peer: p,
+                        transport: "verbs",
+                        what: format!(
+                            "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device, or FERROCCL_TRANSPORT differs between ranks",
+                            d.hostname
+                        ),
+                    })
+                }
             };
             if kinds[p] == "shm" && d.ring_bytes != me.ring_bytes {
                 return Err(Error::invalid(format!(
@@ -430,6 +457,25 @@ impl Fabric {
             hellos.push((p, can_pull));
             endpoints[p] = Some(Endpoint::Shm(ep));
         }
+        // verbs: one RC queue pair per peer. Peers on this host are watched like shm peers,
+        // so that a dead one is noticed without waiting for a work request to fail.
+        let verbs_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == "verbs").collect();
+        let verbs = match ib {
+            Some(dev) if !verbs_peers.is_empty() => {
+                Some(VerbsNet::connect(dev, rank, &verbs_peers, &store, &key_prefix, size, deadline, shared.clone())?)
+            }
+            _ => None,
+        };
+        if let Some(net) = &verbs {
+            for &p in &verbs_peers {
+                endpoints[p] = Some(Endpoint::Verbs(VerbsEndpoint::new(net.clone(), p)));
+                if descs[p].host_id == host_id {
+                    if let Ok(w) = ProcessWatch::new(descs[p].pid as i32) {
+                        watches.push((p, w));
+                    }
+                }
+            }
+        }
         if let Some(pid) = params.launcher_pid {
             if let Ok(w) = ProcessWatch::new(pid) {
                 watches.push((usize::MAX, w));
@@ -465,6 +511,7 @@ impl Fabric {
             shared,
             endpoints,
             local_shm,
+            verbs,
             watches,
             peers,
             store: Mutex::new(Some(store)),
@@ -522,18 +569,26 @@ impl Fabric {
         }
     }
 
-    /// Registers a region for remote writes; returns its descriptor.
-    pub(crate) fn register(&self, h: &RegionHandle) -> RemoteBuf {
+    /// Registers `[offset, offset + len)` of a region for a remote write by world rank
+    /// `peer`; returns the descriptor to advertise and what the receiver holds until the
+    /// write has landed (for a verbs peer: the memory region, see [`Registration`]).
+    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: usize) -> Result<(RemoteBuf, Registration)> {
+        if let (Some(Endpoint::Verbs(ep)), true) = (self.endpoints.get(peer).and_then(|e| e.as_ref()), len > 0) {
+            let (buf, mr) = verbs::register_user(ep.net(), h, offset, len)?;
+            return Ok((buf, Registration::verbs(mr)));
+        }
         self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(h.id(), h.clone());
-        RemoteBuf { addr: h.addr(), len: h.len() as u64, key: h.id() }
+        Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key: h.id() }, Registration::default()))
     }
 
     pub(crate) fn deregister(&self, key: u64) {
         self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
     }
 
+    /// A fresh immediate for a rendezvous write: 31 bits (verbs keeps the top bit for its
+    /// own control messages).
     pub(crate) fn next_imm(&self) -> u32 {
-        self.next_imm.fetch_add(1, Ordering::Relaxed)
+        self.next_imm.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff
     }
 
     pub(crate) fn local_shm(&self) -> Option<&Arc<LocalShm>> {
@@ -543,6 +598,10 @@ impl Fabric {
     /// Drains the shm inbox, handing records to the event state. An error here is fatal
     /// for the fabric.
     pub(crate) fn progress(&self) -> Result<()> {
+        if let Some(v) = &self.verbs {
+            // Completions: lands messages and immediates; a failed one fails its peer.
+            v.poll()?;
+        }
         if let Some(shm) = &self.local_shm {
             // Called on every round of every wait: no allocation here.
             let peers = self.endpoints.iter().enumerate().filter_map(|(p, e)| match e {
