@@ -28,6 +28,11 @@
 //! 7. Regression tests for bugs these tests found (now fixed): a rendezvous-sized send
 //!    against an eager-sized receive, `sendrecv` with a bad `to`, and sequential jobs of
 //!    different sizes on one store.
+//! 8. The verbs transport (tests named `verbs_*`): 1, 2, 5 and 6 over RDMA verbs with fewer
+//!    cases and sizes around the verbs slot and staging edges. They need the `verbs` feature
+//!    and a device (`FERROCCL_IB_DEV`, `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets
+//!    them: `tools/softroce/ci.sh`); without one they skip, unless
+//!    `FERROCCL_VERBS_REQUIRED=1`, which makes them fail instead.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -181,6 +186,7 @@ fn ty() -> impl Strategy<Value = Ty> {
 enum Wiring {
     Shm,
     Tcp,
+    Verbs,
     /// `auto`, with rank r on host `hosts[r]`: shm inside a host, tcp across.
     Mixed(Vec<u8>),
 }
@@ -199,9 +205,10 @@ impl Knobs {
         let (transport, host_id) = match &self.wiring {
             Wiring::Shm => (TransportChoice::Shm, None),
             Wiring::Tcp => (TransportChoice::Tcp, None),
+            Wiring::Verbs => (TransportChoice::Verbs, None),
             Wiring::Mixed(hosts) => (TransportChoice::Auto, Some(format!("p2p-props-host-{}", hosts[rank]))),
         };
-        Params {
+        with_ib_env(Params {
             transport,
             host_id,
             timeout: PROP_TIMEOUT,
@@ -210,7 +217,7 @@ impl Knobs {
             shm_cma: self.cma,
             eager_max: self.eager_max,
             ..Params::default()
-        }
+        })
     }
 
     /// The transport two ranks must end up with.
@@ -218,6 +225,7 @@ impl Knobs {
         match &self.wiring {
             Wiring::Shm => "shm",
             Wiring::Tcp => "tcp",
+            Wiring::Verbs => "verbs",
             Wiring::Mixed(h) if h[a] == h[b] => "shm",
             Wiring::Mixed(_) => "tcp",
         }
@@ -231,6 +239,9 @@ impl Knobs {
 
     /// Byte sizes at the protocol edges for these knobs.
     fn edges(&self) -> Vec<usize> {
+        if let Wiring::Verbs = self.wiring {
+            return verbs_edges(self.eager_max);
+        }
         let ms = self.shm_max_send();
         let e = self.eager_max;
         let mut v = vec![
@@ -354,27 +365,37 @@ proptest! {
 
     #[test]
     fn random_schedules_deliver_exactly((n, k, msgs, seed) in schedule_case()) {
-        let res = run_world(n, |r| k.params(r), |comm| {
-            let me = comm.rank();
-            for p in (0..n).filter(|&p| p != me) {
-                let want = k.transport_between(me, p);
-                if comm.transport_to(p) != Some(want) {
-                    return Err(format!("rank {me}: transport to {p} is {:?}, expected {want}", comm.transport_to(p)));
-                }
-            }
-            for (i, m) in msgs.iter().enumerate() {
-                let cnt = elems(m.ty, m.bytes);
-                if m.from == me {
-                    send_any(&comm, m.ty, m.to, seed, i as u64, cnt)?;
-                } else if m.to == me {
-                    recv_any(&comm, m.ty, m.from, seed, i as u64, cnt)?;
-                }
-            }
-            finalize(comm)
-        });
-        if let Err(e) = all_ok(res) {
+        if let Err(e) = check_schedule(n, &k, &msgs, seed) {
             prop_assert!(false, "{}", e);
         }
+    }
+}
+
+fn check_schedule(n: usize, k: &Knobs, msgs: &[Msg], seed: u64) -> std::result::Result<(), String> {
+    {
+        let res = run_world(
+            n,
+            |r| k.params(r),
+            |comm| {
+                let me = comm.rank();
+                for p in (0..n).filter(|&p| p != me) {
+                    let want = k.transport_between(me, p);
+                    if comm.transport_to(p) != Some(want) {
+                        return Err(format!("rank {me}: transport to {p} is {:?}, expected {want}", comm.transport_to(p)));
+                    }
+                }
+                for (i, m) in msgs.iter().enumerate() {
+                    let cnt = elems(m.ty, m.bytes);
+                    if m.from == me {
+                        send_any(&comm, m.ty, m.to, seed, i as u64, cnt)?;
+                    } else if m.to == me {
+                        recv_any(&comm, m.ty, m.from, seed, i as u64, cnt)?;
+                    }
+                }
+                finalize(comm)
+            },
+        );
+        all_ok(res).map(|_| ())
     }
 }
 
@@ -406,43 +427,53 @@ proptest! {
 
     #[test]
     fn sendrecv_permutations_deliver((n, k, rounds, ty, seed) in perm_case()) {
-        let res = run_world(n, |r| k.params(r), |comm| {
-            let me = comm.rank();
-            for (round, perm) in rounds.iter().enumerate() {
-                let to = perm[me];
-                let from = perm.iter().position(|&p| p == me).unwrap();
-                let out_n = elems(ty, pair_bytes(&k, seed, round, me));
-                let in_n = elems(ty, pair_bytes(&k, seed, round, from));
-                let tag_out = ((round as u64) << 8) | me as u64;
-                let tag_in = ((round as u64) << 8) | from as u64;
-                let ctx = |e: Error| format!("rank {me}: round {round}: sendrecv {out_n} to {to}, {in_n} from {from}: {e}");
-                let check = |got: &[u8], want: &[u8]| match diff(got, want) {
-                    Some(d) => Err(format!("rank {me}: round {round}: from {from}: {d}")),
-                    None => Ok(()),
-                };
-                match ty {
-                    Ty::U8 => {
-                        let (data, mut buf) = (payload::<u8>(seed, tag_out, out_n), recv_buf::<u8>(in_n));
-                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
-                        check(as_bytes(&buf), as_bytes(&payload::<u8>(seed, tag_in, in_n)))?;
-                    }
-                    Ty::F32 => {
-                        let (data, mut buf) = (payload::<f32>(seed, tag_out, out_n), recv_buf::<f32>(in_n));
-                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
-                        check(as_bytes(&buf), as_bytes(&payload::<f32>(seed, tag_in, in_n)))?;
-                    }
-                    Ty::Bf16 => {
-                        let (data, mut buf) = (payload::<bf16>(seed, tag_out, out_n), recv_buf::<bf16>(in_n));
-                        comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
-                        check(as_bytes(&buf), as_bytes(&payload::<bf16>(seed, tag_in, in_n)))?;
-                    }
-                }
-            }
-            finalize(comm)
-        });
-        if let Err(e) = all_ok(res) {
+        if let Err(e) = check_perm(n, &k, &rounds, ty, seed) {
             prop_assert!(false, "{}", e);
         }
+    }
+}
+
+fn check_perm(n: usize, k: &Knobs, rounds: &[Vec<usize>], ty: Ty, seed: u64) -> std::result::Result<(), String> {
+    {
+        let res = run_world(
+            n,
+            |r| k.params(r),
+            |comm| {
+                let me = comm.rank();
+                for (round, perm) in rounds.iter().enumerate() {
+                    let to = perm[me];
+                    let from = perm.iter().position(|&p| p == me).unwrap();
+                    let out_n = elems(ty, pair_bytes(k, seed, round, me));
+                    let in_n = elems(ty, pair_bytes(k, seed, round, from));
+                    let tag_out = ((round as u64) << 8) | me as u64;
+                    let tag_in = ((round as u64) << 8) | from as u64;
+                    let ctx = |e: Error| format!("rank {me}: round {round}: sendrecv {out_n} to {to}, {in_n} from {from}: {e}");
+                    let check = |got: &[u8], want: &[u8]| match diff(got, want) {
+                        Some(d) => Err(format!("rank {me}: round {round}: from {from}: {d}")),
+                        None => Ok(()),
+                    };
+                    match ty {
+                        Ty::U8 => {
+                            let (data, mut buf) = (payload::<u8>(seed, tag_out, out_n), recv_buf::<u8>(in_n));
+                            comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                            check(as_bytes(&buf), as_bytes(&payload::<u8>(seed, tag_in, in_n)))?;
+                        }
+                        Ty::F32 => {
+                            let (data, mut buf) = (payload::<f32>(seed, tag_out, out_n), recv_buf::<f32>(in_n));
+                            comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                            check(as_bytes(&buf), as_bytes(&payload::<f32>(seed, tag_in, in_n)))?;
+                        }
+                        Ty::Bf16 => {
+                            let (data, mut buf) = (payload::<bf16>(seed, tag_out, out_n), recv_buf::<bf16>(in_n));
+                            comm.sendrecv(&data, to, &mut buf, from).map_err(ctx)?;
+                            check(as_bytes(&buf), as_bytes(&payload::<bf16>(seed, tag_in, in_n)))?;
+                        }
+                    }
+                }
+                finalize(comm)
+            },
+        );
+        all_ok(res).map(|_| ())
     }
 }
 
@@ -628,7 +659,7 @@ fn world_ring(comm: &Communicator, seed: u64) -> RankResult<()> {
 // ---------------------------------------------------------------------------------------
 
 fn small_params(t: TransportChoice) -> Params {
-    Params { transport: t, timeout: Duration::from_secs(5), eager_max: 1024, ..Params::default() }
+    with_ib_env(Params { transport: t, timeout: Duration::from_secs(5), eager_max: 1024, ..Params::default() })
 }
 
 const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];
@@ -636,6 +667,12 @@ const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];
 #[test]
 fn bad_peers_are_invalid_arguments_and_do_not_poison() {
     for t in BOTH {
+        bad_peers(t);
+    }
+}
+
+fn bad_peers(t: TransportChoice) {
+    {
         let res = run_world(
             3,
             |_| small_params(t),
@@ -856,5 +893,134 @@ fn dropped_peer_fails_a_blocked_recv_promptly() {
     for t in BOTH {
         drop_while_peer_waits(t, 100); // eager: waiting for data
         drop_while_peer_waits(t, 100_000); // rendezvous: clear-to-send posted, waiting for the write
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. The verbs transport
+// ---------------------------------------------------------------------------------------
+
+/// Whether the verbs tests run here: the `verbs` feature and a device named by the
+/// environment (the soft-RoCE VM sets `FERROCCL_IB_DEV`). `FERROCCL_VERBS_REQUIRED=1` turns
+/// a skip into a failure.
+fn verbs_here(test: &str) -> bool {
+    let required = std::env::var("FERROCCL_VERBS_REQUIRED").is_ok_and(|v| v == "1");
+    let here = cfg!(feature = "verbs") && std::env::var("FERROCCL_IB_DEV").is_ok_and(|v| !v.is_empty());
+    assert!(here || !required, "{test}: FERROCCL_VERBS_REQUIRED=1 but no verbs here (feature `verbs` and FERROCCL_IB_DEV needed)");
+    if !here {
+        eprintln!("{test}: skipped (needs the `verbs` feature and FERROCCL_IB_DEV; see tools/softroce)");
+    }
+    here
+}
+
+/// `p` with the environment's RDMA device and GID index (how the VM names them).
+fn with_ib_env(mut p: Params) -> Params {
+    p.ib_dev = std::env::var("FERROCCL_IB_DEV").ok().filter(|v| !v.is_empty());
+    p.ib_gid_index = std::env::var("FERROCCL_IB_GID_INDEX").ok().and_then(|v| v.trim().parse().ok());
+    p
+}
+
+/// The verbs transport's edges: its eager slot (68 KiB, 12 bytes of eager header), its
+/// staging slot (256 KiB pieces of a one-sided write) and the eager threshold.
+fn verbs_edges(e: usize) -> Vec<usize> {
+    const SLOT: usize = 68 << 10;
+    const STAGE: usize = 256 << 10;
+    let mut v = vec![0, 1, 3, e.saturating_sub(1), e, e + 1, SLOT - 12, SLOT - 11, STAGE - 1, STAGE, STAGE + 1, 2 * STAGE + 3];
+    v.retain(|&b| b < 600_000);
+    v
+}
+
+fn verbs_knobs() -> impl Strategy<Value = Knobs> {
+    select(vec![0usize, 100, 4096, 65536]).prop_map(|eager_max| Knobs {
+        wiring: Wiring::Verbs,
+        ring: 1 << 20,
+        inline_max: 16384,
+        cma: false,
+        eager_max,
+    })
+}
+
+fn verbs_schedule_case() -> impl Strategy<Value = (usize, Knobs, Vec<Msg>, u64)> {
+    (2usize..=4).prop_flat_map(|n| {
+        verbs_knobs().prop_flat_map(move |k| {
+            let msg = (0..n, 1..n, ty(), len_bytes(&k)).prop_map(move |(from, d, ty, bytes)| Msg { from, to: (from + d) % n, ty, bytes });
+            (Just(n), Just(k), proptest::collection::vec(msg, 0..=10), any::<u64>())
+        })
+    })
+}
+
+fn verbs_perm_case() -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty, u64)> {
+    (2usize..=4).prop_flat_map(|n| {
+        let perm = Just((0..n).collect::<Vec<usize>>()).prop_shuffle();
+        (Just(n), verbs_knobs(), proptest::collection::vec(perm, 1..=3), ty(), any::<u64>())
+    })
+}
+
+proptest! {
+    #![proptest_config(config(24))]
+
+    #[test]
+    fn verbs_random_schedules_deliver_exactly((n, k, msgs, seed) in verbs_schedule_case()) {
+        if verbs_here("verbs_random_schedules_deliver_exactly") {
+            if let Err(e) = check_schedule(n, &k, &msgs, seed) {
+                prop_assert!(false, "{}", e);
+            }
+        }
+    }
+
+    #[test]
+    fn verbs_sendrecv_permutations_deliver((n, k, rounds, ty, seed) in verbs_perm_case()) {
+        if verbs_here("verbs_sendrecv_permutations_deliver") {
+            if let Err(e) = check_perm(n, &k, &rounds, ty, seed) {
+                prop_assert!(false, "{}", e);
+            }
+        }
+    }
+}
+
+#[test]
+fn verbs_bad_peers_and_mismatches_fail_cleanly() {
+    if !verbs_here("verbs_bad_peers_and_mismatches_fail_cleanly") {
+        return;
+    }
+    let t = TransportChoice::Verbs;
+    bad_peers(t);
+    for len in [100, 100_000] {
+        sendrecv_bad_to_keeps_stream(t, len).unwrap();
+    }
+    for (send, recv) in [(100, 200), (200, 100), (100_000, 200_000), (200_000, 100_000), (100, 200_000), (200_000, 100)] {
+        check_mismatch(t, send, recv);
+    }
+}
+
+#[test]
+fn verbs_dropped_peer_fails_a_blocked_recv_promptly() {
+    if !verbs_here("verbs_dropped_peer_fails_a_blocked_recv_promptly") {
+        return;
+    }
+    drop_while_peer_waits(TransportChoice::Verbs, 100);
+    drop_while_peer_waits(TransportChoice::Verbs, 100_000);
+}
+
+/// Without a usable device (or without the feature), asking for verbs is a clear error
+/// at init, not a panic or a hang.
+#[test]
+fn verbs_without_a_device_is_a_clear_error() {
+    let res = run_world(
+        2,
+        |_| Params { ib_dev: Some("no-such-rdma-device".into()), ..small_params(TransportChoice::Verbs) },
+        |comm| {
+            let r = comm.rank();
+            Ok(format!("rank {r} initialised"))
+        },
+    );
+    for r in res {
+        let e = r.expect_err("init with FERROCCL_TRANSPORT=verbs and a missing device must fail");
+        assert!(e.contains("verbs"), "{e}");
+        if cfg!(feature = "verbs") {
+            assert!(e.contains("no-such-rdma-device") || e.contains("no RDMA device"), "{e}");
+        } else {
+            assert!(e.contains("`verbs` cargo feature"), "{e}");
+        }
     }
 }
