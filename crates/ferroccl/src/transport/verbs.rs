@@ -74,6 +74,8 @@ pub(crate) const STAGE_SLOTS: usize = 8;
 /// Bytes per staging slot: the largest piece one RDMA WRITE carries.
 pub(crate) const STAGE_BYTES: usize = 256 << 10;
 const SQ_DEPTH: u32 = 128;
+/// How long the completion thread sleeps before it looks at its stop flag.
+const WAKER_NAP: Duration = Duration::from_millis(50);
 const RQ_DEPTH: u32 = 256;
 
 const IMM_CTRL: u32 = 1 << 31;
@@ -197,6 +199,34 @@ pub(crate) struct VerbsNet {
     polled: Mutex<Vec<Completion>>,
     credits_owed: AtomicBool,
     shared: Arc<Shared>,
+    /// The thread that sleeps on the completion channel and rings the fabric's doorbell.
+    waker_stop: Arc<AtomicBool>,
+    waker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for VerbsNet {
+    fn drop(&mut self) {
+        self.waker_stop.store(true, Ordering::Release);
+        if let Some(h) = lock(&self.waker).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Sleeps until the completion queue has news and then rings the fabric's doorbell, so a
+/// waiter parked on it (the wait loop's last backoff stage) wakes for verbs completions as
+/// it does for shm and tcp traffic. Arm, ring, sleep: a completion that arrived before the
+/// arming is covered by the ring after it (the woken waiter polls the queue itself).
+fn wake_loop(chan: &ferroccl_verbs::CompletionChannel, cq: &CompletionQueue, shared: &Shared, stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        if cq.req_notify().is_err() {
+            return;
+        }
+        shared.notify();
+        if chan.wait(cq, WAKER_NAP).is_err() {
+            return;
+        }
+    }
 }
 
 /// One queue pair before it is connected.
@@ -226,7 +256,8 @@ impl VerbsNet {
         let ctx = &dev.ctx;
         let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
         let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
-        let cq = ctx.create_cq(cq_cap).map_err(verr(rank, "ibv_create_cq"))?;
+        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
+        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
         let stage = pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
         let options = QpOptions {
             gid_index: dev.gid_index,
@@ -284,7 +315,17 @@ impl VerbsNet {
         store.set(&format!("{key_prefix}/verbs-ready/{rank}"), &[1])?;
         let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs-ready/{p}")).collect();
         store.wait(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let waker = {
+            let (cq, shared, stop) = (cq.clone(), shared.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("ferroccl-verbs-cq".into())
+                .spawn(move || wake_loop(&chan, &cq, &shared, &stop))
+                .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
+        };
         Ok(Arc::new(VerbsNet {
+            waker_stop: stop,
+            waker: Mutex::new(Some(waker)),
             rank,
             pd,
             cq,
