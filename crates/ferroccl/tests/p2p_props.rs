@@ -957,7 +957,7 @@ fn verbs_perm_case() -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty
 }
 
 proptest! {
-    #![proptest_config(config(24))]
+    #![proptest_config(config(16))]
 
     #[test]
     fn verbs_random_schedules_deliver_exactly((n, k, msgs, seed) in verbs_schedule_case()) {

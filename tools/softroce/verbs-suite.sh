@@ -1,0 +1,58 @@
+#!/bin/bash
+# Runs inside the soft-RoCE VM (via ci.sh): the whole verbs suite in one boot.
+#   verbs-suite.sh BIN_DIR TEST_BINARY...
+# 1. every TEST_BINARY (ferroccl-verbs' tests, then ferroccl's p2p_props filtered to its
+#    verbs_* tests), --test-threads=1;
+# 2. multi-process collectives over verbs (ferroccl-run + ferroccl-selftest coll from
+#    BIN_DIR), 2, 3 and 4 ranks, checked against the reference by every rank;
+# 3. a rank SIGKILLed mid-barrier and mid-transfer: every survivor must report an error
+#    naming it, and the launcher must exit with the victim's status.
+# Exits 1 if anything failed, after running everything.
+set -u
+bin_dir=$1
+shift
+rc=0
+fail() { echo "=== FAILED: $*"; rc=1; }
+secs() { echo "$(( $(date +%s%N) / 1000000 - $1 ))"; }
+
+for t in "$@"; do
+    filter=()
+    case "$(basename "$t")" in p2p_props-*) filter=(verbs) ;; esac
+    echo "=== $t ${filter[*]}"
+    "$t" "${filter[@]}" --test-threads=1 || fail "$t"
+done
+
+run=("$bin_dir/ferroccl-run" --transport verbs --timeout 120)
+selftest="$bin_dir/ferroccl-selftest"
+
+coll() { # coll N COUNTS
+    local n=$1 counts=$2 t0 out
+    t0=$(( $(date +%s%N) / 1000000 ))
+    out=$("${run[@]}" -n "$n" -- "$selftest" coll --counts "$counts" 2>&1)
+    local st=$?
+    echo "=== collectives over verbs, $n ranks, counts $counts: exit $st in $(secs "$t0") ms"
+    [ "$st" -eq 0 ] || { echo "$out" | tail -20; fail "collectives, $n ranks"; return; }
+    [ "$(grep -c 'collectives ok' <<< "$out")" -eq "$n" ] || { echo "$out" | tail -20; fail "collectives, $n ranks: not every rank checked"; }
+}
+coll 2 0,1,7,1000,65537,300000
+coll 3 0,1,7,1000,65537,300000
+coll 4 0,1,7,1000,65537,300000
+coll 2 524288   # 2 MiB of f32 per rank (allgather: 4 MiB out)
+
+killed() { # killed DURING
+    local n=3 victim=1 t0 out
+    t0=$(( $(date +%s%N) / 1000000 ))
+    out=$("${run[@]}" -n "$n" -- "$selftest" kill --victim "$victim" --during "$1" 2>&1)
+    local st=$?
+    echo "=== rank $victim killed during $1 over verbs: launcher exit $st in $(secs "$t0") ms"
+    echo "$out" | grep -E 'saw the failure|killed by signal'
+    [ "$st" -eq 137 ] || fail "kill during $1: launcher exit $st, expected 137 (the victim's SIGKILL)"
+    for r in $(seq 0 $((n - 1))); do
+        [ "$r" -eq "$victim" ] && continue
+        grep -E "^\[$r\] selftest: rank $r saw the failure after .*rank $victim" <<< "$out" >/dev/null \
+            || { echo "$out" | tail -20; fail "kill during $1: rank $r did not report an error naming rank $victim"; }
+    done
+}
+killed barrier
+killed transfer
+exit $rc
