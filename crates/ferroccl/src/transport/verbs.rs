@@ -13,6 +13,7 @@
 //! | `100` + 29-bit length | a two-sided message of that length landed in the next eager slot |
 //! | `101` + 29-bit count | the peer consumed that many more of our messages (credits back) |
 //! | `110` | the peer closes cleanly (goodbye) |
+//! | `111` | keepalive: nothing to do (its failure is what counts) |
 //!
 //! # Memory
 //!
@@ -45,8 +46,13 @@
 //! (every round of every wait); polling allocates nothing unless a message arrives
 //! (delivered as a `Vec`). A failed completion (the peer's QP is gone: retry exceeded,
 //! remote access error, flush) fails the peer with the verbs status named. A peer
-//! process that dies on the same host is also seen by the fabric's process watch; on
-//! another host a dead peer is seen when a work request to it fails, or at the deadline.
+//! process that dies on the same host is also seen by the fabric's process watch. On
+//! another host nothing but traffic can tell: so every [`PING_EVERY`] the completion
+//! thread posts a zero-length keepalive to each peer with nothing in flight, and a dead
+//! peer's queue pair, gone with its process, makes that keepalive fail after the
+//! transport's retries (about half a second with the default ACK timeout) instead of
+//! leaving a waiter to its deadline. A stopped (not dead) peer still ACKs (the NIC or the
+//! kernel answers), so it is caught by the deadline, as with tcp.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -76,6 +82,8 @@ pub(crate) const STAGE_BYTES: usize = 256 << 10;
 const SQ_DEPTH: u32 = 128;
 /// How long the completion thread sleeps before it looks at its stop flag.
 const WAKER_NAP: Duration = Duration::from_millis(50);
+/// How often idle peers get a keepalive (see the module docs).
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
 const RQ_DEPTH: u32 = 256;
 
 const IMM_CTRL: u32 = 1 << 31;
@@ -84,6 +92,7 @@ const IMM_LOW: u32 = (1 << IMM_KIND_SHIFT) - 1;
 const KIND_MSG: u32 = 0;
 const KIND_CREDIT: u32 = 1;
 const KIND_BYE: u32 = 2;
+const KIND_PING: u32 = 3;
 
 const WR_RECV: u64 = 1;
 const WR_MSG: u64 = 2;
@@ -172,6 +181,8 @@ struct PeerState {
     sq_used: u32,
     /// Set by `cut` or a failed completion: nothing more is posted.
     dead: bool,
+    /// The peer said goodbye: no keepalives any more.
+    bye: bool,
 }
 
 #[derive(Debug)]
@@ -208,7 +219,11 @@ impl Drop for VerbsNet {
     fn drop(&mut self) {
         self.waker_stop.store(true, Ordering::Release);
         if let Some(h) = lock(&self.waker).take() {
-            let _ = h.join();
+            // The completion thread may hold the last reference for a moment (keepalive):
+            // then it is the one dropping, and it ends by itself.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }
@@ -217,7 +232,15 @@ impl Drop for VerbsNet {
 /// waiter parked on it (the wait loop's last backoff stage) wakes for verbs completions as
 /// it does for shm and tcp traffic. Arm, ring, sleep: a completion that arrived before the
 /// arming is covered by the ring after it (the woken waiter polls the queue itself).
-fn wake_loop(chan: &ferroccl_verbs::CompletionChannel, cq: &CompletionQueue, shared: &Shared, stop: &AtomicBool) {
+/// It also sends the keepalives, through a weak reference (the mesh owns the thread).
+fn wake_loop(
+    chan: &ferroccl_verbs::CompletionChannel,
+    cq: &CompletionQueue,
+    shared: &Shared,
+    stop: &AtomicBool,
+    net: &std::sync::Weak<VerbsNet>,
+) {
+    let mut pinged = Instant::now();
     while !stop.load(Ordering::Acquire) {
         if cq.req_notify().is_err() {
             return;
@@ -225,6 +248,13 @@ fn wake_loop(chan: &ferroccl_verbs::CompletionChannel, cq: &CompletionQueue, sha
         shared.notify();
         if chan.wait(cq, WAKER_NAP).is_err() {
             return;
+        }
+        if pinged.elapsed() >= PING_EVERY {
+            pinged = Instant::now();
+            match net.upgrade() {
+                Some(n) => n.ping_idle(),
+                None => return,
+            }
         }
     }
 }
@@ -265,8 +295,10 @@ impl VerbsNet {
             max_recv_wr: RQ_DEPTH,
             remote_access: Access::REMOTE_WRITE,
             // Dead peers must be noticed: retry transport errors a bounded number of
-            // times; receiver-not-ready (a busy peer) forever.
-            retry_cnt: 7,
+            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
+            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
+            // keepalive to a dead peer then never fails.
+            retry_cnt: 6,
             rnr_retry: 7,
             ..QpOptions::default()
         };
@@ -316,16 +348,9 @@ impl VerbsNet {
         let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs-ready/{p}")).collect();
         store.wait(&keys, deadline.saturating_duration_since(Instant::now()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let waker = {
-            let (cq, shared, stop) = (cq.clone(), shared.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("ferroccl-verbs-cq".into())
-                .spawn(move || wake_loop(&chan, &cq, &shared, &stop))
-                .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
-        };
-        Ok(Arc::new(VerbsNet {
-            waker_stop: stop,
-            waker: Mutex::new(Some(waker)),
+        let net = Arc::new(VerbsNet {
+            waker_stop: stop.clone(),
+            waker: Mutex::new(None),
             rank,
             pd,
             cq,
@@ -334,8 +359,30 @@ impl VerbsNet {
             peers: slots,
             polled: Mutex::new(Vec::with_capacity(256)),
             credits_owed: AtomicBool::new(false),
-            shared,
-        }))
+            shared: shared.clone(),
+        });
+        let waker = {
+            let (cq, weak) = (net.cq.clone(), Arc::downgrade(&net));
+            std::thread::Builder::new()
+                .name("ferroccl-verbs-cq".into())
+                .spawn(move || wake_loop(&chan, &cq, &shared, &stop, &weak))
+                .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
+        };
+        *lock(&net.waker) = Some(waker);
+        Ok(net)
+    }
+
+    /// Posts a keepalive to every peer with nothing in flight (see the module docs).
+    fn ping_idle(&self) {
+        for pe in self.peers.iter().flatten() {
+            let mut st = lock(&pe.st);
+            if st.dead || st.bye || st.sq_used > 0 {
+                continue;
+            }
+            if post_ctrl(pe, IMM_CTRL | (KIND_PING << IMM_KIND_SHIFT)).is_ok() {
+                st.sq_used += 1;
+            }
+        }
     }
 
     fn peer(&self, p: usize) -> Result<&Peer> {
@@ -446,7 +493,11 @@ impl VerbsNet {
                 self.return_credits(pe, false);
             }
             KIND_CREDIT => lock(&pe.st).credits += u64::from(low),
-            KIND_BYE => self.shared.peer_closed(p),
+            KIND_BYE => {
+                lock(&pe.st).bye = true;
+                self.shared.peer_closed(p);
+            }
+            KIND_PING => {}
             k => self.fail(p, format!("sent an unknown verbs control kind {k}")),
         }
         true
