@@ -710,6 +710,13 @@ impl VerbsEndpoint {
                 free_slot();
                 return Err(self.dead_err());
             }
+            if st.sq_used >= SQ_DEPTH {
+                // Another thread filled the send queue meanwhile: try this piece again.
+                drop(st);
+                free_slot();
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, poll)?;
+                continue;
+            }
             let id = wr_id(WR_STAGE, self.peer, slot);
             // The staging slot is not written again until this work request's completion
             // has been polled (which frees it).
