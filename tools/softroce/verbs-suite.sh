@@ -67,6 +67,12 @@ if two_hosts_setup; then
     echo "=== two hosts: rxe0 (GID $FERROCCL_TWO_HOSTS_GID_A) and rxe1 (GID $FERROCCL_TWO_HOSTS_GID_B)"
     run=("$bin_dir/ferroccl-run" --transport auto --timeout 120)
     wrap=("$here/two-hosts-rank.sh")
+    # auto must pick shm inside a host and verbs across: rank 0 (host A) lists its peers.
+    out=$("${run[@]}" -n 4 -- "${wrap[@]}" "$selftest" exchange --sizes 0,1,70000,1M 2>&1)
+    st=$?
+    echo "=== exchange over auto (two hosts), 4 ranks: exit $st; $(grep '^\[0\] .*exchanged' <<< "$out")"
+    [ "$st" -eq 0 ] && grep -q '^\[0\] .*exchanged.*(1:shm 2:verbs 3:verbs)' <<< "$out" \
+        || { echo "$out" | tail -20; fail "two hosts: exchange, or the transports auto chose"; }
     coll 4 0,1,7,1000,65537
     killed barrier 2 1
     killed transfer 4 3

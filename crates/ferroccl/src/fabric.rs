@@ -343,10 +343,15 @@ impl Fabric {
             None
         };
         // verbs: FERROCCL_TRANSPORT=verbs needs a usable device; auto uses one if there is.
-        let ib = match params.transport {
-            TransportChoice::Verbs if size > 1 => Some(VerbsDevice::open(rank, &params)?),
-            TransportChoice::Auto if size > 1 && ferroccl_verbs::ENABLED => VerbsDevice::open(rank, &params).ok(),
-            _ => None,
+        // Without one, this rank still publishes its descriptor (with no device) before it
+        // fails, so that its peers fail at once too, instead of waiting for it.
+        let (ib, ib_err) = match params.transport {
+            TransportChoice::Verbs if size > 1 => match VerbsDevice::open(rank, &params) {
+                Ok(d) => (Some(d), None),
+                Err(e) => (None, Some(e)),
+            },
+            TransportChoice::Auto if size > 1 && ferroccl_verbs::ENABLED => (VerbsDevice::open(rank, &params).ok(), None),
+            _ => (None, None),
         };
         let me = Descriptor {
             pid: std::process::id(),
@@ -373,6 +378,9 @@ impl Fabric {
                 )));
             }
             descs.push(d);
+        }
+        if let Some(e) = ib_err {
+            return Err(e);
         }
 
         // Pick a transport per peer; both sides decide from the same facts.
@@ -408,7 +416,7 @@ impl Fabric {
                         peer: p,
                         transport: "verbs",
                         what: format!(
-                            "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device, or FERROCCL_TRANSPORT differs between ranks",
+                            "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device (its own error says why), or FERROCCL_TRANSPORT differs between ranks",
                             d.hostname
                         ),
                     })

@@ -1003,24 +1003,36 @@ fn verbs_dropped_peer_fails_a_blocked_recv_promptly() {
 }
 
 /// Without a usable device (or without the feature), asking for verbs is a clear error
-/// at init, not a panic or a hang.
+/// at init, not a panic or a hang: on the rank without one, and (where the others have a
+/// device) on every other rank too, naming that rank, not a timeout.
 #[test]
 fn verbs_without_a_device_is_a_clear_error() {
+    let here = cfg!(feature = "verbs") && std::env::var("FERROCCL_IB_DEV").is_ok_and(|v| !v.is_empty());
     let res = run_world(
-        2,
-        |_| Params { ib_dev: Some("no-such-rdma-device".into()), ..small_params(TransportChoice::Verbs) },
+        3,
+        |r| {
+            let p = small_params(TransportChoice::Verbs);
+            if r == 1 {
+                Params { ib_dev: Some("no-such-rdma-device".into()), ..p }
+            } else {
+                p
+            }
+        },
         |comm| {
             let r = comm.rank();
             Ok(format!("rank {r} initialised"))
         },
     );
-    for r in res {
-        let e = r.expect_err("init with FERROCCL_TRANSPORT=verbs and a missing device must fail");
-        assert!(e.contains("verbs"), "{e}");
-        if cfg!(feature = "verbs") {
-            assert!(e.contains("no-such-rdma-device") || e.contains("no RDMA device"), "{e}");
+    for (r, res) in res.into_iter().enumerate() {
+        let e = res.expect_err("init with FERROCCL_TRANSPORT=verbs and a missing device must fail");
+        assert!(e.contains("verbs"), "rank {r}: {e}");
+        assert!(!e.contains("timed out"), "rank {r} waited for the rank without a device: {e}");
+        if !cfg!(feature = "verbs") {
+            assert!(e.contains("`verbs` cargo feature"), "rank {r}: {e}");
+        } else if r == 1 || !here {
+            assert!(e.contains("no-such-rdma-device") || e.contains("no RDMA device"), "rank {r}: {e}");
         } else {
-            assert!(e.contains("`verbs` cargo feature"), "{e}");
+            assert!(e.contains("rank 1") && e.contains("no usable RDMA device"), "rank {r}: {e}");
         }
     }
 }

@@ -283,70 +283,40 @@ impl VerbsNet {
         deadline: Instant,
         shared: Arc<Shared>,
     ) -> Result<Arc<VerbsNet>> {
-        let ctx = &dev.ctx;
-        let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
-        let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
-        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
-        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
-        let stage = pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
-        let options = QpOptions {
-            gid_index: dev.gid_index,
-            max_send_wr: SQ_DEPTH,
-            max_recv_wr: RQ_DEPTH,
-            remote_access: Access::REMOTE_WRITE,
-            // Dead peers must be noticed: retry transport errors a bounded number of
-            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
-            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
-            // keepalive to a dead peer then never fails.
-            retry_cnt: 6,
-            rnr_retry: 7,
-            ..QpOptions::default()
+        // A rank that fails here publishes why (in place of its connect info, or of its
+        // ready mark), so that its peers fail at once with the reason instead of waiting.
+        let info_key = format!("{key_prefix}/verbs/{rank}");
+        let ready_key = format!("{key_prefix}/verbs-ready/{rank}");
+        let publish_err = |key: &str, e: &Error| {
+            let mut w = Writer::new();
+            w.u8(TAG_ERR).str(&e.to_string());
+            let _ = store.set(key, &w.finish());
         };
-        let mut prepared = Vec::with_capacity(peers.len());
-        let mut blob = Writer::new();
-        for &p in peers {
-            let qp = pd.create_rc_qp(&cq, &cq, &options).map_err(verr(rank, format!("create a queue pair for rank {p}")))?;
-            let send_ring =
-                pd.alloc_region(SLOTS * SLOT_BYTES, Access::empty()).map_err(verr(rank, format!("register send slots for rank {p}")))?;
-            let recv_ring = pd
-                .alloc_region(SLOTS * SLOT_BYTES, Access::REMOTE_WRITE)
-                .map_err(verr(rank, format!("register receive slots for rank {p}")))?;
-            for _ in 0..RQ_DEPTH {
-                qp.post_recv_empty(wr_id(WR_RECV, p, 0)).map_err(verr(rank, format!("post receives for rank {p}")))?;
+        let (pd, cq, chan, stage, prepared, blob) = match Self::prepare(&dev, rank, peers) {
+            Ok(x) => x,
+            Err(e) => {
+                publish_err(&info_key, &e);
+                return Err(e);
             }
-            let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
-            let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
-            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey);
-            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring });
-        }
-        store.set(&format!("{key_prefix}/verbs/{rank}"), &blob.finish())?;
+        };
+        store.set(&info_key, &blob)?;
         let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs/{p}")).collect();
         let blobs = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
-
-        let mut slots: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
-        for (prep, b) in prepared.into_iter().zip(&blobs) {
-            let p = prep.peer;
-            let bad = |what: String| Error::protocol(format!("rank {p}"), format!("verbs connect info: {what}"));
-            let (info, remote) = find_entry(b, rank)
-                .map_err(|e| bad(e.to_string()))?
-                .ok_or_else(|| bad(format!("no queue pair for rank {rank} (FERROCCL_TRANSPORT differs between ranks?)")))?;
-            let qp = prep
-                .qp
-                .ready_to_receive(&info)
-                .and_then(|q| q.ready_to_send())
-                .map_err(verr(rank, format!("connect the queue pair to rank {p}")))?;
-            slots[p] = Some(Peer {
-                peer: p,
-                qp,
-                send_ring: prep.send_ring,
-                recv_ring: prep.recv_ring,
-                remote,
-                st: Mutex::new(PeerState::default()),
-            });
-        }
-        store.set(&format!("{key_prefix}/verbs-ready/{rank}"), &[1])?;
+        let slots = match Self::connect_qps(rank, size, prepared, &blobs) {
+            Ok(s) => s,
+            Err(e) => {
+                publish_err(&ready_key, &e);
+                return Err(e);
+            }
+        };
+        store.set(&ready_key, &[TAG_OK])?;
         let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs-ready/{p}")).collect();
-        store.wait(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        let readies = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        for (&p, b) in peers.iter().zip(&readies) {
+            if let Some(why) = peer_error(b) {
+                return Err(Error::Transport { rank, peer: p, transport: "verbs", what: format!("rank {p} could not connect: {why}") });
+            }
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let net = Arc::new(VerbsNet {
             waker_stop: stop.clone(),
@@ -370,6 +340,89 @@ impl VerbsNet {
         };
         *lock(&net.waker) = Some(waker);
         Ok(net)
+    }
+
+    /// Creates the protection domain, the completion queue and channel, the staging slots,
+    /// and per peer a queue pair (receives posted) with its eager slots; returns them and
+    /// this rank's connect blob.
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        dev: &VerbsDevice,
+        rank: usize,
+        peers: &[usize],
+    ) -> Result<(ProtectionDomain, CompletionQueue, ferroccl_verbs::CompletionChannel, MemoryRegion, Vec<Prepared>, Vec<u8>)> {
+        let ctx = &dev.ctx;
+        let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
+        let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
+        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
+        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
+        let stage = pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
+        let options = QpOptions {
+            gid_index: dev.gid_index,
+            max_send_wr: SQ_DEPTH,
+            max_recv_wr: RQ_DEPTH,
+            remote_access: Access::REMOTE_WRITE,
+            // Dead peers must be noticed: retry transport errors a bounded number of
+            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
+            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
+            // keepalive to a dead peer then never fails.
+            retry_cnt: 6,
+            rnr_retry: 7,
+            ..QpOptions::default()
+        };
+        let mut prepared = Vec::with_capacity(peers.len());
+        let mut blob = Writer::new();
+        blob.u8(TAG_OK);
+        for &p in peers {
+            let qp = pd.create_rc_qp(&cq, &cq, &options).map_err(verr(rank, format!("create a queue pair for rank {p}")))?;
+            let send_ring =
+                pd.alloc_region(SLOTS * SLOT_BYTES, Access::empty()).map_err(verr(rank, format!("register send slots for rank {p}")))?;
+            let recv_ring = pd
+                .alloc_region(SLOTS * SLOT_BYTES, Access::REMOTE_WRITE)
+                .map_err(verr(rank, format!("register receive slots for rank {p}")))?;
+            for _ in 0..RQ_DEPTH {
+                qp.post_recv_empty(wr_id(WR_RECV, p, 0)).map_err(verr(rank, format!("post receives for rank {p}")))?;
+            }
+            let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
+            let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
+            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey);
+            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring });
+        }
+        Ok((pd, cq, chan, stage, prepared, blob.finish()))
+    }
+
+    /// Connects every prepared queue pair to its peer's (RTR, then RTS).
+    fn connect_qps(rank: usize, size: usize, prepared: Vec<Prepared>, blobs: &[Vec<u8>]) -> Result<Vec<Option<Peer>>> {
+        let mut slots: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
+        for (prep, b) in prepared.into_iter().zip(blobs) {
+            let p = prep.peer;
+            if let Some(why) = peer_error(b) {
+                return Err(Error::Transport {
+                    rank,
+                    peer: p,
+                    transport: "verbs",
+                    what: format!("rank {p} could not set up verbs: {why}"),
+                });
+            }
+            let bad = |what: String| Error::protocol(format!("rank {p}"), format!("verbs connect info: {what}"));
+            let (info, remote) = find_entry(b, rank)
+                .map_err(|e| bad(e.to_string()))?
+                .ok_or_else(|| bad(format!("no queue pair for rank {rank} (FERROCCL_TRANSPORT differs between ranks?)")))?;
+            let qp = prep
+                .qp
+                .ready_to_receive(&info)
+                .and_then(|q| q.ready_to_send())
+                .map_err(verr(rank, format!("connect the queue pair to rank {p}")))?;
+            slots[p] = Some(Peer {
+                peer: p,
+                qp,
+                send_ring: prep.send_ring,
+                recv_ring: prep.recv_ring,
+                remote,
+                st: Mutex::new(PeerState::default()),
+            });
+        }
+        Ok(slots)
     }
 
     /// Posts a keepalive to every peer with nothing in flight (see the module docs).
@@ -566,9 +619,26 @@ fn post_ctrl(pe: &Peer, imm: u32) -> ferroccl_verbs::Result<()> {
     pe.qp.post_write_imm_empty(wr_id(WR_CTRL, pe.peer, 0), target, imm)
 }
 
+/// First byte of a published connect blob or ready mark: the rest is the data, or the
+/// reason the rank could not go on.
+const TAG_OK: u8 = 1;
+const TAG_ERR: u8 = 2;
+
+/// The reason a peer published instead of its data, if it did.
+fn peer_error(b: &[u8]) -> Option<String> {
+    let mut r = Reader::new(b);
+    match r.u8() {
+        Ok(TAG_ERR) => Some(r.str().map(str::to_string).unwrap_or_else(|_| "(unreadable reason)".into())),
+        _ => None,
+    }
+}
+
 /// Decodes a peer's connect blob and picks the entry for `me`.
 fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, RemoteRing)>> {
     let mut r = Reader::new(b);
+    if r.u8()? != TAG_OK {
+        return Err(crate::wire::DecodeError("unknown verbs connect blob tag".into()));
+    }
     let mut found = None;
     while r.remaining() > 0 {
         let p = r.u32()? as usize;
