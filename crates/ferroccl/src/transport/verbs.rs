@@ -468,7 +468,7 @@ impl VerbsNet {
         drop(out);
         if self.credits_owed.swap(false, Ordering::AcqRel) {
             for pe in self.peers.iter().flatten() {
-                self.return_credits(pe, false);
+                self.return_credits(pe);
             }
         }
         if delivered {
@@ -543,7 +543,7 @@ impl VerbsNet {
                     st.consumed += 1;
                 }
                 self.shared.deliver_msg(p, msg);
-                self.return_credits(pe, false);
+                self.return_credits(pe);
             }
             KIND_CREDIT => lock(&pe.st).credits += u64::from(low),
             KIND_BYE => {
@@ -556,12 +556,13 @@ impl VerbsNet {
         true
     }
 
-    /// Hands consumed slots back to the peer, in batches (`force`: any at all). If the
+    /// Hands consumed slots back to the peer, in batches of `SLOTS / 2` (a sender that
+    /// waits for credits has all `SLOTS` messages in flight, so every batch fills). If the
     /// send queue is full now, the next poll tries again.
-    fn return_credits(&self, pe: &Peer, force: bool) {
+    fn return_credits(&self, pe: &Peer) {
         let mut st = lock(&pe.st);
         let owed = st.consumed - st.returned;
-        if st.dead || owed == 0 || (!force && owed < (SLOTS / 2) as u64) {
+        if st.dead || owed < (SLOTS / 2) as u64 {
             return;
         }
         if st.sq_used >= SQ_DEPTH {
@@ -690,9 +691,6 @@ impl VerbsEndpoint {
 
     /// Sends a message through the next eager slot, waiting (polling) for a credit.
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        if msg.len() > SLOT_BYTES {
-            return Err(Error::invalid(format!("verbs message of {} bytes exceeds the {SLOT_BYTES}-byte slot", msg.len())));
-        }
         let pe = self.net.peer(self.peer)?;
         let start = Instant::now();
         loop {
@@ -705,6 +703,9 @@ impl VerbsEndpoint {
 
     /// Posts `msg` if a slot and a send-queue entry are free now.
     fn try_send(&self, pe: &Peer, msg: &[u8]) -> Result<bool> {
+        if msg.len() > SLOT_BYTES {
+            return Err(Error::invalid(format!("verbs message of {} bytes exceeds the {SLOT_BYTES}-byte slot", msg.len())));
+        }
         let mut st = lock(&pe.st);
         if st.dead {
             return Err(self.dead_err());
