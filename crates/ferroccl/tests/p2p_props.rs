@@ -28,8 +28,9 @@
 //! 7. Regression tests for bugs these tests found (now fixed): a rendezvous-sized send
 //!    against an eager-sized receive, `sendrecv` with a bad `to`, and sequential jobs of
 //!    different sizes on one store.
-//! 8. The verbs transport (tests named `verbs_*`): 1, 2, 5 and 6 over RDMA verbs with fewer
-//!    cases and sizes around the verbs slot and staging edges. They need the `verbs` feature
+//! 8. The verbs transport (tests named `verbs_*`): 1, 2, 4, 5 and 6 over RDMA verbs with
+//!    fewer cases and sizes around the verbs slot and staging edges, and two communicators
+//!    sharing the mesh from two threads of each rank. They need the `verbs` feature
 //!    and a device (`FERROCCL_IB_DEV`, `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets
 //!    them: `tools/softroce/ci.sh`); without one they skip, unless
 //!    `FERROCCL_VERBS_REQUIRED=1`, which makes them fail instead.
@@ -565,78 +566,92 @@ proptest! {
 
     #[test]
     fn split_matches_model_and_subgroups_work((n, wiring, colors, keys, seed) in split_case()) {
-        let model = split_model(&colors, &keys);
-        let k = Knobs { wiring, ring: 8192, inline_max: 1000, cma: true, eager_max: 1024 };
-        let res = run_world(n, |r| k.params(r), |comm| {
-            let me = comm.rank();
-            let sub = comm.split(colors[me], keys[me]).map_err(|e| format!("rank {me}: split: {e}"))?;
-            let Some(group) = &model[me] else {
-                if sub.is_some() {
-                    return Err(format!("rank {me}: color None but split returned a communicator"));
-                }
-                // Still take part in world traffic after the split.
-                return world_ring(&comm, seed).and_then(|()| finalize(comm));
-            };
-            let Some(sub) = sub else {
-                return Err(format!("rank {me}: color {:?} but split returned None", colors[me]));
-            };
-            let m = group.len();
-            let pos = group.iter().position(|&p| p == me).unwrap();
-            if sub.size() != m || sub.rank() != pos {
-                return Err(format!("rank {me}: sub-communicator is rank {} of {}, model says {pos} of {m} ({group:?})", sub.rank(), sub.size()));
-            }
-            let members: Vec<Option<usize>> = (0..m + 1).map(|i| sub.world_rank(i)).collect();
-            let want: Vec<Option<usize>> = group.iter().map(|&p| Some(p)).chain([None]).collect();
-            if members != want {
-                return Err(format!("rank {me}: sub-communicator members {members:?}, model {want:?}"));
-            }
-            // Traffic inside the group: a ring shift (eager and rendezvous sizes), then
-            // point-to-point from the group's rank 0 to every other member, then a barrier;
-            // world traffic in between, so sub and world streams interleave.
-            let color = u64::from(colors[me].unwrap());
-            for (i, bytes) in [7usize, 5000].into_iter().enumerate() {
-                let to = (pos + 1) % m;
-                let from = (pos + m - 1) % m;
-                let tag = |p: usize| (color << 40) | ((i as u64) << 32) | group[p] as u64;
-                let data = payload::<u8>(seed, tag(pos), bytes);
-                let mut buf = recv_buf::<u8>(bytes);
-                sub.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: sub shift: {e}"))?;
-                if let Some(d) = diff(&buf, &payload::<u8>(seed, tag(from), bytes)) {
-                    return Err(format!("rank {me}: sub shift of {bytes} from sub rank {from}: {d}"));
-                }
-                if i == 0 {
-                    world_ring(&comm, seed)?;
-                }
-            }
-            for p in 1..m {
-                let tag = (color << 40) | (1 << 36) | p as u64;
-                if pos == 0 {
-                    send_any(&sub, Ty::Bf16, p, seed, tag, 3000)?;
-                } else if pos == p {
-                    recv_any(&sub, Ty::Bf16, 0, seed, tag, 3000)?;
-                }
-            }
-            sub.barrier().map_err(|e| format!("rank {me}: sub barrier: {e}"))?;
-            // Split the sub-communicator again (parity of the sub rank, reversed order): the
-            // grandchild maps its ranks through the child's members to world ranks.
-            let parity = pos % 2;
-            let grand = sub
-                .split(Some(parity as u32), -(pos as i64))
-                .map_err(|e| format!("rank {me}: nested split: {e}"))?
-                .ok_or_else(|| format!("rank {me}: nested split returned None"))?;
-            let want: Vec<usize> = (0..m).rev().filter(|p| p % 2 == parity).map(|p| group[p]).collect();
-            let got: Vec<usize> = (0..grand.size()).filter_map(|i| grand.world_rank(i)).collect();
-            if got != want || grand.world_rank(grand.rank()) != Some(me) {
-                return Err(format!("rank {me}: nested split members {got:?} (rank {}), model {want:?}", grand.rank()));
-            }
-            world_ring(&grand, seed ^ 0x5151)?;
-            grand.finalize().map_err(|e| format!("rank {me}: nested finalize: {e}"))?;
-            sub.finalize().map_err(|e| format!("rank {me}: sub finalize: {e}"))?;
-            finalize(comm)
-        });
-        if let Err(e) = all_ok(res) {
+        if let Err(e) = check_split(n, wiring, &colors, &keys, seed) {
             prop_assert!(false, "{}", e);
         }
+    }
+}
+
+fn check_split(n: usize, wiring: Wiring, colors: &[Option<u32>], keys: &[i64], seed: u64) -> std::result::Result<(), String> {
+    {
+        let model = split_model(colors, keys);
+        let k = Knobs { wiring, ring: 8192, inline_max: 1000, cma: true, eager_max: 1024 };
+        let res = run_world(
+            n,
+            |r| k.params(r),
+            |comm| {
+                let me = comm.rank();
+                let sub = comm.split(colors[me], keys[me]).map_err(|e| format!("rank {me}: split: {e}"))?;
+                let Some(group) = &model[me] else {
+                    if sub.is_some() {
+                        return Err(format!("rank {me}: color None but split returned a communicator"));
+                    }
+                    // Still take part in world traffic after the split.
+                    return world_ring(&comm, seed).and_then(|()| finalize(comm));
+                };
+                let Some(sub) = sub else {
+                    return Err(format!("rank {me}: color {:?} but split returned None", colors[me]));
+                };
+                let m = group.len();
+                let pos = group.iter().position(|&p| p == me).unwrap();
+                if sub.size() != m || sub.rank() != pos {
+                    return Err(format!(
+                        "rank {me}: sub-communicator is rank {} of {}, model says {pos} of {m} ({group:?})",
+                        sub.rank(),
+                        sub.size()
+                    ));
+                }
+                let members: Vec<Option<usize>> = (0..m + 1).map(|i| sub.world_rank(i)).collect();
+                let want: Vec<Option<usize>> = group.iter().map(|&p| Some(p)).chain([None]).collect();
+                if members != want {
+                    return Err(format!("rank {me}: sub-communicator members {members:?}, model {want:?}"));
+                }
+                // Traffic inside the group: a ring shift (eager and rendezvous sizes), then
+                // point-to-point from the group's rank 0 to every other member, then a barrier;
+                // world traffic in between, so sub and world streams interleave.
+                let color = u64::from(colors[me].unwrap());
+                for (i, bytes) in [7usize, 5000].into_iter().enumerate() {
+                    let to = (pos + 1) % m;
+                    let from = (pos + m - 1) % m;
+                    let tag = |p: usize| (color << 40) | ((i as u64) << 32) | group[p] as u64;
+                    let data = payload::<u8>(seed, tag(pos), bytes);
+                    let mut buf = recv_buf::<u8>(bytes);
+                    sub.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: sub shift: {e}"))?;
+                    if let Some(d) = diff(&buf, &payload::<u8>(seed, tag(from), bytes)) {
+                        return Err(format!("rank {me}: sub shift of {bytes} from sub rank {from}: {d}"));
+                    }
+                    if i == 0 {
+                        world_ring(&comm, seed)?;
+                    }
+                }
+                for p in 1..m {
+                    let tag = (color << 40) | (1 << 36) | p as u64;
+                    if pos == 0 {
+                        send_any(&sub, Ty::Bf16, p, seed, tag, 3000)?;
+                    } else if pos == p {
+                        recv_any(&sub, Ty::Bf16, 0, seed, tag, 3000)?;
+                    }
+                }
+                sub.barrier().map_err(|e| format!("rank {me}: sub barrier: {e}"))?;
+                // Split the sub-communicator again (parity of the sub rank, reversed order): the
+                // grandchild maps its ranks through the child's members to world ranks.
+                let parity = pos % 2;
+                let grand = sub
+                    .split(Some(parity as u32), -(pos as i64))
+                    .map_err(|e| format!("rank {me}: nested split: {e}"))?
+                    .ok_or_else(|| format!("rank {me}: nested split returned None"))?;
+                let want: Vec<usize> = (0..m).rev().filter(|p| p % 2 == parity).map(|p| group[p]).collect();
+                let got: Vec<usize> = (0..grand.size()).filter_map(|i| grand.world_rank(i)).collect();
+                if got != want || grand.world_rank(grand.rank()) != Some(me) {
+                    return Err(format!("rank {me}: nested split members {got:?} (rank {}), model {want:?}", grand.rank()));
+                }
+                world_ring(&grand, seed ^ 0x5151)?;
+                grand.finalize().map_err(|e| format!("rank {me}: nested finalize: {e}"))?;
+                sub.finalize().map_err(|e| format!("rank {me}: sub finalize: {e}"))?;
+                finalize(comm)
+            },
+        );
+        all_ok(res).map(|_| ())
     }
 }
 
@@ -976,6 +991,67 @@ proptest! {
             }
         }
     }
+}
+
+fn verbs_split_case() -> impl Strategy<Value = (usize, Vec<Option<u32>>, Vec<i64>, u64)> {
+    (2usize..=4).prop_flat_map(|n| {
+        let color = prop_oneof![1 => Just(None), 4 => (0u32..3).prop_map(Some)];
+        (Just(n), proptest::collection::vec(color, n), proptest::collection::vec(-2i64..3, n), any::<u64>())
+    })
+}
+
+proptest! {
+    #![proptest_config(config(8))]
+
+    #[test]
+    fn verbs_split_matches_model_and_subgroups_work((n, colors, keys, seed) in verbs_split_case()) {
+        if verbs_here("verbs_split_matches_model_and_subgroups_work") {
+            if let Err(e) = check_split(n, Wiring::Verbs, &colors, &keys, seed) {
+                prop_assert!(false, "{}", e);
+            }
+        }
+    }
+}
+
+/// Two communicators sharing the verbs mesh (the world and a split of it), driven from two
+/// threads of each rank at once: eager and rendezvous transfers of both interleave on the
+/// same queue pairs, slots, credits and staging slots.
+#[test]
+fn verbs_communicators_on_two_threads_share_the_mesh() {
+    if !verbs_here("verbs_communicators_on_two_threads_share_the_mesh") {
+        return;
+    }
+    let res = run_world(
+        3,
+        |_| small_params(TransportChoice::Verbs),
+        |comm| {
+            let me = comm.rank();
+            let sub = comm.split(Some(0), -(me as i64)).map_err(|e| format!("rank {me}: split: {e}"))?.ok_or("no sub-communicator")?;
+            let traffic = |c: &Communicator, seed: u64| -> RankResult<()> {
+                let (r, n) = (c.rank(), c.size());
+                let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+                for (i, bytes) in [100usize, 70_000, 300_000, 5, 600_000].into_iter().enumerate() {
+                    let tag = |p: usize| ((i as u64) << 32) | p as u64;
+                    let data = payload::<u8>(seed, tag(r), bytes);
+                    let mut buf = recv_buf::<u8>(bytes);
+                    c.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me} (seed {seed}): round {i}: {e}"))?;
+                    if let Some(d) = diff(&buf, &payload::<u8>(seed, tag(from), bytes)) {
+                        return Err(format!("rank {me} (seed {seed}): round {i} from {from}: {d}"));
+                    }
+                }
+                Ok(())
+            };
+            std::thread::scope(|s| {
+                let other = s.spawn(|| traffic(&sub, 2));
+                let mine = traffic(&comm, 1);
+                let theirs = other.join().unwrap_or_else(|_| Err(format!("rank {me}: the second thread panicked")));
+                mine.and(theirs)
+            })?;
+            sub.finalize().map_err(|e| format!("rank {me}: sub finalize: {e}"))?;
+            finalize(comm)
+        },
+    );
+    all_ok(res).unwrap();
 }
 
 #[test]
