@@ -146,8 +146,15 @@ impl VerbsDevice {
         let gid_index = match params.ib_gid_index {
             Some(i) => i,
             None => {
+                // RoCE: an IPv4-mapped GID, RoCE v2 if the port says which (NICs list a v1
+                // and a v2 entry per address); InfiniBand: index 0.
                 let n = u8::try_from(port.gid_table_len.clamp(0, 255)).unwrap_or(u8::MAX);
-                (0..n).find(|&i| ctx.query_gid(1, i).is_ok_and(|g| g.ipv4().is_some())).unwrap_or(0)
+                let ipv4: Vec<u8> = (0..n).filter(|&i| ctx.query_gid(1, i).is_ok_and(|g| g.ipv4().is_some())).collect();
+                let v2 = |i: &&u8| {
+                    std::fs::read_to_string(format!("/sys/class/infiniband/{name}/ports/1/gid_attrs/types/{i}"))
+                        .is_ok_and(|t| t.trim().eq_ignore_ascii_case("RoCE v2"))
+                };
+                ipv4.iter().find(v2).or(ipv4.first()).copied().unwrap_or(0)
             }
         };
         Ok(VerbsDevice { ctx, gid_index })
