@@ -304,6 +304,11 @@ impl Mtu {
     pub fn bytes(self) -> u32 {
         128 << self.0
     }
+
+    /// The MTU of `bytes` (256, 512, 1024, 2048 or 4096), or `None`.
+    pub fn from_bytes(bytes: u32) -> Option<Mtu> {
+        (1..=5).map(|raw| Mtu(raw as sys::ibv_mtu::Type)).find(|m| m.bytes() == bytes)
+    }
 }
 
 /// A 128-bit global identifier: a port's address on RoCE.

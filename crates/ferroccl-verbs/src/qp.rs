@@ -269,8 +269,16 @@ impl QueuePair<Init> {
 
     /// Moves to RTR, connected to the peer described by `remote`.
     pub fn ready_to_receive(self, remote: &ConnectInfo) -> Result<QueuePair<ReadyToReceive>> {
+        let mtu = self.inner.options.path_mtu;
+        self.ready_to_receive_with_mtu(remote, mtu)
+    }
+
+    /// As [`ready_to_receive`](Self::ready_to_receive), with the path MTU given (both ends
+    /// must use the same one: the smaller of their ports' active MTUs); `None` uses the
+    /// port's active MTU.
+    pub fn ready_to_receive_with_mtu(self, remote: &ConnectInfo, path_mtu: Option<Mtu>) -> Result<QueuePair<ReadyToReceive>> {
         let o = &self.inner.options;
-        let path_mtu = match o.path_mtu {
+        let path_mtu = match path_mtu {
             Some(m) => m,
             None => self.inner.pd.context().query_port(o.port)?.active_mtu,
         };
@@ -548,6 +556,15 @@ mod tests {
         let info = ConnectInfo { qpn: 0x12345, psn: 0xabcdef, lid: 7, gid: Gid([9; 16]) };
         assert_eq!(ConnectInfo::from_bytes(&info.to_bytes()).unwrap(), info);
         assert!(matches!(ConnectInfo::from_bytes(&[0; 3]), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn mtu_from_bytes() {
+        assert_eq!(Mtu::from_bytes(1024), Some(Mtu::MTU_1024));
+        assert_eq!(Mtu::from_bytes(4096).map(Mtu::bytes), Some(4096));
+        assert_eq!(Mtu::from_bytes(256).map(Mtu::bytes), Some(256));
+        assert_eq!(Mtu::from_bytes(1500), None);
+        assert_eq!(Mtu::from_bytes(8192), None);
     }
 
     #[test]

@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 
 use ferroccl_mem::region::RegionHandle;
 use ferroccl_verbs::{
-    Access, Completion, CompletionQueue, ConnectInfo, Context, DeviceList, MemoryRegion, ProtectionDomain, QpOptions, QueuePair,
+    Access, Completion, CompletionQueue, ConnectInfo, Context, DeviceList, MemoryRegion, Mtu, ProtectionDomain, QpOptions, QueuePair,
     ReadyToSend, RemoteSlice, WcOpcode,
 };
 
@@ -82,6 +82,8 @@ pub(crate) const STAGE_BYTES: usize = 256 << 10;
 const SQ_DEPTH: u32 = 128;
 /// How long the completion thread sleeps before it looks at its stop flag.
 const WAKER_NAP: Duration = Duration::from_millis(50);
+/// How long `cut` waits for the peer to acknowledge the fabric's last word.
+const CUT_WAIT: Duration = Duration::from_millis(100);
 /// How often idle peers get a keepalive (see the module docs).
 pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
 const RQ_DEPTH: u32 = 256;
@@ -190,6 +192,8 @@ struct PeerState {
     dead: bool,
     /// The peer said goodbye: no keepalives any more.
     bye: bool,
+    /// `cut` waits until `msg_done` reaches this (the `ERR` it follows).
+    flush_until: u64,
 }
 
 #[derive(Debug)]
@@ -272,6 +276,8 @@ struct Prepared {
     qp: QueuePair<ferroccl_verbs::Init>,
     send_ring: MemoryRegion,
     recv_ring: MemoryRegion,
+    /// This port's active MTU.
+    mtu: Mtu,
 }
 
 impl VerbsNet {
@@ -377,6 +383,9 @@ impl VerbsNet {
             rnr_retry: 7,
             ..QpOptions::default()
         };
+        // Both ends of a queue pair must use one path MTU: each publishes its port's, and
+        // each uses the smaller of the two.
+        let mtu = ctx.query_port(1).map_err(verr(rank, "query port 1"))?.active_mtu;
         let mut prepared = Vec::with_capacity(peers.len());
         let mut blob = Writer::new();
         blob.u8(TAG_OK);
@@ -392,8 +401,8 @@ impl VerbsNet {
             }
             let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
             let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
-            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey);
-            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring });
+            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey).u32(mtu.bytes());
+            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring, mtu });
         }
         Ok((pd, cq, chan, stage, prepared, blob.finish()))
     }
@@ -412,12 +421,14 @@ impl VerbsNet {
                 });
             }
             let bad = |what: String| Error::protocol(format!("rank {p}"), format!("verbs connect info: {what}"));
-            let (info, remote) = find_entry(b, rank)
+            let (info, remote, their_mtu) = find_entry(b, rank)
                 .map_err(|e| bad(e.to_string()))?
                 .ok_or_else(|| bad(format!("no queue pair for rank {rank} (FERROCCL_TRANSPORT differs between ranks?)")))?;
+            let their_mtu = Mtu::from_bytes(their_mtu).ok_or_else(|| bad(format!("path MTU {their_mtu}")))?;
+            let mtu = if their_mtu.bytes() < prep.mtu.bytes() { their_mtu } else { prep.mtu };
             let qp = prep
                 .qp
-                .ready_to_receive(&info)
+                .ready_to_receive_with_mtu(&info, Some(mtu))
                 .and_then(|q| q.ready_to_send())
                 .map_err(verr(rank, format!("connect the queue pair to rank {p}")))?;
             slots[p] = Some(Peer {
@@ -642,7 +653,7 @@ fn peer_error(b: &[u8]) -> Option<String> {
 }
 
 /// Decodes a peer's connect blob and picks the entry for `me`.
-fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, RemoteRing)>> {
+fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, RemoteRing, u32)>> {
     let mut r = Reader::new(b);
     if r.u8()? != TAG_OK {
         return Err(crate::wire::DecodeError("unknown verbs connect blob tag".into()));
@@ -651,10 +662,10 @@ fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, 
     while r.remaining() > 0 {
         let p = r.u32()? as usize;
         let info = r.raw(ConnectInfo::LEN)?;
-        let (addr, rkey) = (r.u64()?, r.u32()?);
+        let (addr, rkey, mtu) = (r.u64()?, r.u32()?, r.u32()?);
         if p == me {
             let info = ConnectInfo::from_bytes(info).map_err(|e| crate::wire::DecodeError(e.to_string()))?;
-            found = Some((info, RemoteRing { addr, rkey }));
+            found = Some((info, RemoteRing { addr, rkey }, mtu));
         }
     }
     Ok(found)
@@ -737,10 +748,16 @@ impl VerbsEndpoint {
     }
 
     /// Sends only if a slot is free now (telling a peer why we give up).
+    /// The message is the fabric's `ERR` before it cuts: [`cut`](Self::cut) waits for it to
+    /// be acknowledged.
     pub(crate) fn try_post_send_now(&self, msg: &[u8]) -> Result<()> {
         let pe = self.net.peer(self.peer)?;
         match self.try_send(pe, msg)? {
-            true => Ok(()),
+            true => {
+                let mut st = lock(&pe.st);
+                st.flush_until = st.sent;
+                Ok(())
+            }
             false => Err(Error::invalid("no verbs slot free")),
         }
     }
@@ -814,10 +831,27 @@ impl VerbsEndpoint {
     }
 
     /// Stops posting to the peer (after a fatal error).
+    ///
+    /// First it waits (polling, at most [`CUT_WAIT`]) until the peer has acknowledged the
+    /// message [`try_post_send_now`](Self::try_post_send_now) just posted (the fabric's
+    /// `ERR` with the root cause): once acknowledged, it sits in the peer's completion queue
+    /// ahead of anything our giving up causes there later (a write of theirs refused because
+    /// we deregistered its target puts their queue pair in the error state, and an `ERR`
+    /// arriving after that would be lost), so the peer reports the root cause, not us.
     pub(crate) fn cut(&self) {
-        if let Ok(pe) = self.net.peer(self.peer) {
-            lock(&pe.st).dead = true;
+        let Ok(pe) = self.net.peer(self.peer) else { return };
+        let until = Instant::now() + CUT_WAIT;
+        loop {
+            {
+                let st = lock(&pe.st);
+                if st.dead || st.msg_done >= st.flush_until || Instant::now() >= until {
+                    break;
+                }
+            }
+            let _ = self.net.poll();
+            std::thread::yield_now();
         }
+        lock(&pe.st).dead = true;
     }
 
     /// Says goodbye and waits (polling, until `deadline`) for our sends to the peer to
