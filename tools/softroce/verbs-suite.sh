@@ -46,7 +46,9 @@ coll 2 524288   # 2 MiB of f32 per rank (allgather: 4 MiB out)
 killed() { # killed DURING [N VICTIM]
     local n=${2:-3} victim=${3:-1} t0 out
     t0=$(( $(date +%s%N) / 1000000 ))
-    out=$("${run[@]}" -n "$n" -- "${wrap[@]}" "$selftest" kill --victim "$victim" --during "$1" 2>&1)
+    # --grace 30: a dead peer on another host is seen only when the transport gives up
+    # retrying (FERROCCL_IB_TIMEOUT), seconds; the launcher must not kill the survivors first.
+    out=$("${run[@]}" --grace 30 -n "$n" -- "${wrap[@]}" "$selftest" kill --victim "$victim" --during "$1" 2>&1)
     local st=$?
     echo "=== rank $victim of $n killed during $1 over ${run[2]}${wrap:+ (two hosts)}: launcher exit $st in $(secs "$t0") ms"
     echo "$out" | grep -E 'saw the failure|killed by signal'

@@ -31,6 +31,7 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_LAUNCHER_PID", default: "", doc: "Pid of the launcher (set by ferroccl-run); ranks fail promptly if it dies." },
     Param { name: "FERROCCL_TRANSPORT", default: "auto", doc: "auto, shm, tcp or verbs. auto: shm between ranks on the same host; verbs to other hosts when both ends have a usable RDMA device (and the build has the `verbs` feature), tcp otherwise. shm: fail if a peer is on another host. verbs: RDMA verbs to every peer (same host too); an error if there is no device or the build lacks the `verbs` feature." },
     Param { name: "FERROCCL_IB_DEV", default: "", doc: "RDMA device the verbs transport opens (e.g. mlx5_0, rxe0). Default: the first device that libibverbs lists." },
+    Param { name: "FERROCCL_IB_TIMEOUT", default: "18", doc: "Verbs ACK timeout exponent (as NCCL_IB_TIMEOUT): a work request is retried after 4.096 us x 2^T without an acknowledgement, 7 tries in all, then fails; so a dead peer on another host is noticed after about 7 x 4.096 us x 2^T (18: about 7.5 s). 1 to 31." },
     Param { name: "FERROCCL_IB_GID_INDEX", default: "", doc: "GID table index of port 1 used as the source address (RoCE v2: the entry holding the netdev's IPv4 address). Default: the first IPv4-mapped GID of the port, else index 0 (InfiniBand)." },
     Param { name: "FERROCCL_TIMEOUT", default: "300", doc: "Seconds any blocking call may wait (store, connect, send, recv, barrier) before it fails with a timeout error." },
     Param { name: "FERROCCL_HOST_ID", default: "", doc: "Overrides this host's identity used to find ranks on the same host (as NCCL_HOSTID). Default: boot id + mount and pid namespaces." },
@@ -121,6 +122,8 @@ pub struct Params {
     pub ib_dev: Option<String>,
     /// `FERROCCL_IB_GID_INDEX`: `None` for the first IPv4-mapped GID (else 0).
     pub ib_gid_index: Option<u8>,
+    /// `FERROCCL_IB_TIMEOUT`: the verbs ACK timeout exponent.
+    pub ib_timeout: u8,
 }
 
 /// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
@@ -146,6 +149,7 @@ impl Default for Params {
             slots: 4,
             ib_dev: None,
             ib_gid_index: None,
+            ib_timeout: 18,
         }
     }
 }
@@ -173,6 +177,12 @@ impl Params {
         p.ib_dev = get("FERROCCL_IB_DEV").map(|v| v.trim().to_string());
         if let Some(v) = get("FERROCCL_IB_GID_INDEX") {
             p.ib_gid_index = Some(parse_num("FERROCCL_IB_GID_INDEX", &v)?);
+        }
+        if let Some(v) = get("FERROCCL_IB_TIMEOUT") {
+            p.ib_timeout = parse_num("FERROCCL_IB_TIMEOUT", &v)?;
+            if !(1..=31).contains(&p.ib_timeout) {
+                return Err(Error::Env { var: "FERROCCL_IB_TIMEOUT".into(), problem: format!("{v:?} must be between 1 and 31") });
+            }
         }
         if let Some(v) = get("FERROCCL_TIMEOUT") {
             let secs: f64 = parse_num("FERROCCL_TIMEOUT", &v)?;
@@ -282,6 +292,9 @@ impl Params {
         if !(1..=64).contains(&self.slots) {
             return bad(format!("slots {} must be between 1 and 64", self.slots));
         }
+        if !(1..=31).contains(&self.ib_timeout) {
+            return bad(format!("ib_timeout {} must be between 1 and 31", self.ib_timeout));
+        }
         if let Some(a) = &self.algo {
             if !ALGO_NAMES.contains(&a.as_str()) {
                 return bad(format!("algo {a:?} is not one of {}", ALGO_NAMES.join(", ")));
@@ -327,6 +340,7 @@ mod tests {
         assert_eq!(p.slots.to_string(), d("FERROCCL_SLOTS"));
         assert_eq!(p.transport, TransportChoice::Auto);
         assert_eq!((p.ib_dev, p.ib_gid_index), (None, None));
+        assert_eq!(p.ib_timeout.to_string(), d("FERROCCL_IB_TIMEOUT"));
         let p = with(&[("FERROCCL_TRANSPORT", "Verbs"), ("FERROCCL_IB_DEV", "rxe0"), ("FERROCCL_IB_GID_INDEX", "1")]).unwrap();
         assert_eq!((p.transport, p.ib_dev.as_deref(), p.ib_gid_index), (TransportChoice::Verbs, Some("rxe0"), Some(1)));
     }
@@ -344,6 +358,7 @@ mod tests {
             ("FERROCCL_PROTO", "pigeon"),
             ("FERROCCL_CHUNK_BYTES", "1000"),
             ("FERROCCL_IB_GID_INDEX", "300"),
+            ("FERROCCL_IB_TIMEOUT", "32"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{e}");

@@ -50,7 +50,8 @@
 //! another host nothing but traffic can tell: so every [`PING_EVERY`] the completion
 //! thread posts a zero-length keepalive to each peer with nothing in flight, and a dead
 //! peer's queue pair, gone with its process, makes that keepalive fail after the
-//! transport's retries (about half a second with the default ACK timeout) instead of
+//! transport's retries (7 tries of 4.096 us x 2^`FERROCCL_IB_TIMEOUT`: about 7.5 s at the
+//! default 18, NCCL's default too; shorter ones fail live peers behind a stalled link) instead of
 //! leaving a waiter to its deadline. A stopped (not dead) peer still ACKs (the NIC or the
 //! kernel answers), so it is caught by the deadline, as with tcp.
 
@@ -123,6 +124,8 @@ fn verr(rank: usize, what: impl Into<String>) -> impl FnOnce(ferroccl_verbs::Err
 pub(crate) struct VerbsDevice {
     ctx: Context,
     gid_index: u8,
+    /// `FERROCCL_IB_TIMEOUT`.
+    ack_timeout: u8,
 }
 
 impl VerbsDevice {
@@ -159,7 +162,7 @@ impl VerbsDevice {
                 ipv4.iter().find(v2).or(ipv4.first()).copied().unwrap_or(0)
             }
         };
-        Ok(VerbsDevice { ctx, gid_index })
+        Ok(VerbsDevice { ctx, gid_index, ack_timeout: params.ib_timeout })
     }
 
     /// The device's name, advertised in the rank's descriptor.
@@ -380,6 +383,7 @@ impl VerbsNet {
             // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
             // keepalive to a dead peer then never fails.
             retry_cnt: 6,
+            timeout: dev.ack_timeout,
             rnr_retry: 7,
             ..QpOptions::default()
         };
