@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# CI step for the verbs layer: install what is missing (VM packages and the rdma-sys
-# build dependencies, via `run.sh setup`), build ferroccl-verbs' tests with the `verbs`
-# feature on the host, and run every test binary inside the soft-RoCE VM (one boot).
+# CI step for verbs: install what is missing (VM packages and the rdma-sys build
+# dependencies, via `run.sh setup`), build with the `verbs` feature on the host
+# (ferroccl-verbs' tests, ferroccl's p2p_props, ferroccl-run and ferroccl-selftest), and run
+# the whole verbs suite inside the soft-RoCE VM in one boot (`verbs-suite.sh`): the
+# wrapper's loopback tests, the point-to-point properties over verbs, multi-process
+# collectives checked against the reference, and a rank killed mid-collective; then one
+# job across two VMs joined by a private link (`run.sh pair`, `pair-suite.sh`).
 # Exits non-zero when anything fails.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -12,15 +16,29 @@ log() { printf '[softroce-ci %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 bash "$HERE/run.sh" setup
 
 # Default target CPU only: the VM's CPU has AVX2 but no AVX-512 (no target-cpu=native).
-json=$(cargo test -p ferroccl-verbs --features verbs --release --no-run --message-format=json) \
-    || { log "FAILED: building the ferroccl-verbs tests with --features verbs"; exit 1; }
-mapfile -t bins < <(grep -o '"executable":"[^"]*"' <<< "$json" | sed 's/^"executable":"//; s/"$//')
+# The dev profile (opt-level 2) shares its dependencies with scripts/test.sh's build.
+json=$(cargo test -p ferroccl-verbs -p ferroccl --features ferroccl/verbs --lib --test loopback --test p2p_props --no-run \
+    --message-format=json) || { log "FAILED: building the verbs tests with --features verbs"; exit 1; }
+mapfile -t bins < <(grep -o '"executable":"[^"]*"' <<< "$json" | grep -v '/ferroccl-[0-9a-f]*"' \
+    | sed 's/^"executable":"//; s/"$//')
 [ ${#bins[@]} -gt 0 ] || { log "FAILED: cargo built no test binary"; exit 1; }
-log "built ${#bins[@]} test binaries in $(( $(date +%s) - t0 )) s"
+json=$(cargo build -p ferroccl-run --features verbs --bins --message-format=json) \
+    || { log "FAILED: building ferroccl-run with --features verbs"; exit 1; }
+run_bin=$(grep -o '"executable":"[^"]*/ferroccl-run"' <<< "$json" | sed 's/^"executable":"//; s/"$//')
+[ -n "$run_bin" ] || { log "FAILED: no ferroccl-run binary"; exit 1; }
+log "built ${#bins[@]} test binaries and ferroccl-run in $(( $(date +%s) - t0 )) s"
 
 # Inside the VM the tests must not skip for want of a device.
 export FERROCCL_VERBS_REQUIRED=1
 rc=0
-bash "$HERE/run.sh" test "$HERE/run-each.sh" "${bins[@]}" || rc=$?
-log "verbs tests in the VM: exit status $rc; total $(( $(date +%s) - t0 )) s"
-exit "$rc"
+bash "$HERE/run.sh" test "$HERE/verbs-suite.sh" "$(dirname "$run_bin")" "${bins[@]}" || rc=$?
+log "verbs tests in the VM: exit status $rc; $(( $(date +%s) - t0 )) s so far"
+
+# Two hosts for real: two VMs whose NICs are joined to each other only, one 4-rank job
+# across them (shm inside a VM, verbs between them), started by hand with a fresh token.
+prc=0
+FERROCCL_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n') \
+    bash "$HERE/run.sh" pair "$HERE/pair-suite.sh" "$(dirname "$run_bin")" || prc=$?
+log "two VMs: exit status $prc; total $(( $(date +%s) - t0 )) s"
+[ "$rc" -ne 0 ] && exit "$rc"
+exit "$prc"

@@ -7,6 +7,8 @@
 set -u
 fail() { echo "softroce guest: FAILED: $*" >&2; exit 125; }
 IP=192.0.2.1   # documentation range; exists only inside the guest (the VM has no NIC)
+# Loopback for multi-process jobs (ferroccl-run's bootstrap store listens on 127.0.0.1).
+ip link set lo up || fail "ip link set lo up"
 ip link add veth0 type veth peer name veth1 || fail "ip link add veth0 type veth peer name veth1"
 ip addr add "$IP/24" dev veth0 || fail "ip addr add $IP/24 dev veth0"
 ip link set veth0 up && ip link set veth1 up || fail "ip link set veth0/veth1 up"

@@ -26,7 +26,8 @@ TIMEOUT="${FERROCCL_SOFTROCE_TIMEOUT:-600}"
 # Kernel modules the guest loads (their dependencies are added by modprobe --show-depends).
 # crc32_generic: rxe's ICRC needs the "crc32" crypto hash; without it `rdma link add`
 # fails with "No such file or directory".
-MODULES=(virtio_pci 9pnet_virtio 9p overlay crc32_generic veth rdma_rxe ib_uverbs rdma_ucm)
+# virtio_net: the NIC of `pair` mode.
+MODULES=(virtio_pci 9pnet_virtio 9p overlay crc32_generic veth virtio_net rdma_rxe ib_uverbs rdma_ucm)
 HOST_PKGS=(qemu-system-x86 busybox-static kmod cpio xz-utils zstd iproute2 rdma-core
     ibverbs-providers ibverbs-utils perftest)
 BUILD_PKGS=(libibverbs-dev librdmacm-dev libclang-dev pkg-config)
@@ -57,7 +58,10 @@ ensure_pkgs() {
 # The cache holds only what a boot needs: vmlinuz, the guest's modules (decompressed,
 # in load order) and a stamp naming the kernel. The initramfs is packed per run (<1 s),
 # so edits to guest-init.sh take effect without a new setup.
-cache_ready() { [ -f "$CACHE/kernel-version" ] && [ -f "$CACHE/vmlinuz" ] && [ -f "$CACHE/modules/load-order" ]; }
+cache_ready() {
+    [ -f "$CACHE/kernel-version" ] && [ -f "$CACHE/vmlinuz" ] && [ -f "$CACHE/modules/load-order" ] \
+        && [ "$(cat "$CACHE/modules/wanted" 2>/dev/null)" = "${MODULES[*]}" ]
+}
 
 do_setup() {
     local t0; t0=$(date +%s)
@@ -107,6 +111,7 @@ do_setup() {
             echo "$base $args" >> "$CACHE/modules/load-order"
         done <<< "$deps"
     done
+    echo "${MODULES[*]}" > "$CACHE/modules/wanted"
     cp "$tmp/root/boot/vmlinuz-$kv" "$CACHE/vmlinuz" || die "no vmlinuz-$kv in $deb"
     echo "$kv" > "$CACHE/kernel-version"
     log "cached kernel $kv + $(wc -l < "$CACHE/modules/load-order") modules in $CACHE ($(du -sh "$CACHE" | cut -f1)); setup took $(secs "$t0") s"
@@ -126,31 +131,27 @@ pick_accel() {
     ACCEL_NAME=$accel
 }
 
-do_test() {
-    if [ "${1:-}" = --timeout ]; then TIMEOUT="${2:?--timeout needs seconds}"; shift 2; fi
-    [ $# -ge 1 ] || die "usage: run.sh test [--timeout SECS] BINARY [ARGS...]"
-    local bin=$1; shift
-    if [[ "$bin" == */* ]]; then
-        [ -x "$bin" ] || die "$bin is not an executable file"
-        bin="$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")"   # absolute, symlinks kept
-    fi
-    cache_ready || { log "no VM cache in $CACHE: running setup first"; do_setup; }
+# prepare_run: checks the tools, packs the initramfs (static busybox, our /init, the cached
+# modules) into a fresh run directory, whose path it prints.
+prepare_run() {
+    cache_ready || { log "no VM cache in $CACHE (or an older module list): running setup first"; do_setup >&2; }
     command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found: run 'bash tools/softroce/run.sh setup'"
     [ -x /bin/busybox ] || die "/bin/busybox not found: run 'bash tools/softroce/run.sh setup'"
-    pick_accel
-
-    local t0; t0=$(date +%s)
     mkdir -p "$CACHE/runs"
     local run; run=$(mktemp -d "$CACHE/runs/run.XXXXXX")
-    CLEANUP+=("$run")
-    # initramfs: static busybox, our /init, the cached modules
     mkdir -p "$run/initramfs"/{bin,dev,proc,sys,tmp}
     cp /bin/busybox "$run/initramfs/bin/busybox"
     cp -r "$CACHE/modules" "$run/initramfs/modules"
     install -m 755 "$HERE/guest-init.sh" "$run/initramfs/init"
     (cd "$run/initramfs" && find . -print0 | cpio --null -o -H newc --quiet | gzip -1 > "$run/initramfs.gz") \
         || die "packing the initramfs"
-    # The command the guest runs: the host's environment knobs, the cwd, then guest.sh.
+    echo "$run"
+}
+
+# write_cmd FILE GUEST_SCRIPT BINARY [ARGS...]: the command a guest runs: the host's
+# environment knobs, the cwd, then GUEST_SCRIPT (guest.sh or guest-pair.sh) with BINARY.
+write_cmd() {
+    local file=$1 guest=$2; shift 2
     {
         echo '#!/bin/bash'
         local v
@@ -158,23 +159,27 @@ do_test() {
             printf 'export %s=%q\n' "$v" "${!v}"
         done
         printf 'cd %q 2>/dev/null || cd /\n' "$PWD"
-        printf 'exec /bin/bash %q %q' "$HERE/guest.sh" "$bin"; [ $# -eq 0 ] || printf ' %q' "$@"; echo
-    } > "$run/cmd.sh"
-    chmod 755 "$run/cmd.sh"
+        printf 'exec /bin/bash %q' "$HERE/$guest"; printf ' %q' "$@"; echo
+    } > "$file"
+    chmod 755 "$file"
+}
 
-    log "booting $(cat "$CACHE/kernel-version") ($ACCEL_NAME, timeout ${TIMEOUT} s): $bin $*"
-    local rc=0
+# boot RUN CMD_FILE CONSOLE_LOG SMP [QEMU_ARGS...]: boots one VM running CMD_FILE; prints
+# the console; returns the command's exit status (124 on timeout, 125 if none reported).
+boot() {
+    local run=$1 cmd=$2 console=$3 smp=$4; shift 4
+    local rc=0 qrc grc
     set +e
     timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 "${ACCEL[@]}" \
-        -m "${FERROCCL_SOFTROCE_MEM:-2G}" -smp "${FERROCCL_SOFTROCE_SMP:-$(nproc)}" \
+        -m "${FERROCCL_SOFTROCE_MEM:-2G}" -smp "$smp" \
         -nodefaults -no-reboot -display none -monitor none -serial stdio \
         -kernel "$CACHE/vmlinuz" -initrd "$run/initramfs.gz" \
-        -append "console=ttyS0 panic=-1 quiet loglevel=3 softroce.cmd=$run/cmd.sh" \
+        -append "console=ttyS0 panic=-1 quiet loglevel=3 softroce.cmd=$cmd" \
         -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
-        </dev/null 2>&1 | tr -d '\r' | tee "$run/console.log"
-    local qrc=${PIPESTATUS[0]}
+        "$@" </dev/null 2>&1 | tr -d '\r' > "$console"
+    qrc=${PIPESTATUS[0]}
     set -e
-    local grc; grc=$(sed -n 's/^FERROCCL-SOFTROCE-EXIT=\([0-9][0-9]*\)$/\1/p' "$run/console.log" | tail -1)
+    grc=$(sed -n 's/^FERROCCL-SOFTROCE-EXIT=\([0-9][0-9]*\)$/\1/p' "$console" | tail -1)
     if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
         log "TIMEOUT: the VM was killed after ${TIMEOUT} s"; rc=124
     elif [ -z "$grc" ]; then
@@ -182,12 +187,80 @@ do_test() {
     else
         rc=$grc
     fi
+    return "$rc"
+}
+
+# abs_bin BINARY: an absolute path for a BINARY given with a directory part.
+abs_bin() {
+    local bin=$1
+    if [[ "$bin" == */* ]]; then
+        [ -x "$bin" ] || die "$bin is not an executable file"
+        bin="$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")"   # absolute, symlinks kept
+    fi
+    echo "$bin"
+}
+
+do_test() {
+    if [ "${1:-}" = --timeout ]; then TIMEOUT="${2:?--timeout needs seconds}"; shift 2; fi
+    [ $# -ge 1 ] || die "usage: run.sh test [--timeout SECS] BINARY [ARGS...]"
+    local bin; bin=$(abs_bin "$1"); shift
+    pick_accel
+    local t0; t0=$(date +%s)
+    local run; run=$(prepare_run)
+    CLEANUP+=("$run")
+    write_cmd "$run/cmd.sh" guest.sh "$bin" "$@"
+    log "booting $(cat "$CACHE/kernel-version") ($ACCEL_NAME, timeout ${TIMEOUT} s): $bin $*"
+    local rc=0
+    (boot "$run" "$run/cmd.sh" "$run/console.log" "${FERROCCL_SOFTROCE_SMP:-$(nproc)}") & local pid=$!
+    tail -n +1 -s 0.1 -F --pid="$pid" "$run/console.log" 2>/dev/null & local tpid=$!
+    wait "$pid" || rc=$?
+    wait "$tpid" 2>/dev/null || true
     log "exit status $rc after $(secs "$t0") s"
     return "$rc"
+}
+
+# do_pair [--timeout SECS] BINARY [ARGS...]: two VMs, "a" (192.0.2.1) and "b" (192.0.2.2),
+# each with one virtio NIC; the two NICs are joined by qemu's UDP socket netdev on the
+# host's 127.0.0.1 and to nothing else. Each guest runs guest-pair.sh (rxe0 on its NIC),
+# then BINARY with FERROCCL_SOFTROCE_ROLE=a|b and FERROCCL_SOFTROCE_PEER_IP. The exit
+# status is a's if it failed, else b's.
+do_pair() {
+    if [ "${1:-}" = --timeout ]; then TIMEOUT="${2:?--timeout needs seconds}"; shift 2; fi
+    [ $# -ge 1 ] || die "usage: run.sh pair [--timeout SECS] BINARY [ARGS...]"
+    local bin; bin=$(abs_bin "$1"); shift
+    pick_accel
+    local t0; t0=$(date +%s)
+    local run; run=$(prepare_run)
+    CLEANUP+=("$run")
+    FERROCCL_SOFTROCE_ROLE=a FERROCCL_SOFTROCE_IP=192.0.2.1 FERROCCL_SOFTROCE_PEER_IP=192.0.2.2 \
+        write_cmd "$run/cmd-a.sh" guest-pair.sh "$bin" "$@"
+    FERROCCL_SOFTROCE_ROLE=b FERROCCL_SOFTROCE_IP=192.0.2.2 FERROCCL_SOFTROCE_PEER_IP=192.0.2.1 \
+        write_cmd "$run/cmd-b.sh" guest-pair.sh "$bin" "$@"
+    local pa pb; pa=$(( 20000 + RANDOM % 20000 )); pb=$(( pa + 1 ))
+    # Two emulated machines on the host's cores: one vCPU each.
+    local smp="${FERROCCL_SOFTROCE_SMP:-1}"
+    log "pair: booting VM a (192.0.2.1) and VM b (192.0.2.2), NICs joined over udp 127.0.0.1:$pa <-> :$pb ($ACCEL_NAME, timeout ${TIMEOUT} s): $bin $*"
+    touch "$run/console-a.log" "$run/console-b.log"
+    (boot "$run" "$run/cmd-a.sh" "$run/console-a.log" "$smp" \
+        -netdev "socket,id=n0,udp=127.0.0.1:$pb,localaddr=127.0.0.1:$pa" \
+        -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:01) & local pid_a=$!
+    (boot "$run" "$run/cmd-b.sh" "$run/console-b.log" "$smp" \
+        -netdev "socket,id=n0,udp=127.0.0.1:$pa,localaddr=127.0.0.1:$pb" \
+        -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:02) & local pid_b=$!
+    tail -n +1 -s 0.1 -F --pid="$pid_a" "$run/console-a.log" 2>/dev/null | sed -u 's/^/[a] /' & local ta=$!
+    tail -n +1 -s 0.1 -F --pid="$pid_b" "$run/console-b.log" 2>/dev/null | sed -u 's/^/[b] /' & local tb=$!
+    local ra=0 rb=0
+    wait "$pid_a" || ra=$?
+    wait "$pid_b" || rb=$?
+    wait "$ta" "$tb" 2>/dev/null || true
+    log "pair: VM a exit status $ra, VM b exit status $rb, after $(secs "$t0") s"
+    [ "$ra" -ne 0 ] && return "$ra"
+    return "$rb"
 }
 
 case "${1:-}" in
     setup) do_setup ;;
     test) shift; do_test "$@" ;;
-    *) echo "usage: bash tools/softroce/run.sh setup | test [--timeout SECS] BINARY [ARGS...]" >&2; exit 2 ;;
+    pair) shift; do_pair "$@" ;;
+    *) echo "usage: bash tools/softroce/run.sh setup | test|pair [--timeout SECS] BINARY [ARGS...]" >&2; exit 2 ;;
 esac

@@ -62,6 +62,8 @@ pub mod segment;
 pub use futex::{futex_wait, futex_wake, WaitOutcome};
 #[cfg(target_os = "linux")]
 pub use process::{can_read_process, read_process_memory, wait_any_exited, ProcessWatch};
-pub use region::{region_scope, region_scope_with, with_region, with_region_ro, RegionError, RegionHandle, RegionScope, Registration};
+pub use region::{
+    region_scope, region_scope_with, with_region, with_region_ro, RegionError, RegionHandle, RegionLease, RegionScope, Registration,
+};
 #[cfg(target_os = "linux")]
 pub use segment::ShmSegment;

@@ -134,6 +134,8 @@ struct State {
     valid: bool,
     active: Vec<Active>,
     next_ticket: u64,
+    /// Live [`RegionLease`]s: the scope's end waits for them as for `active`.
+    leases: usize,
     /// Threads blocked on `changed`. A notification costs a system call even with nobody
     /// waiting, so releases notify only when this is non-zero (it is read and changed
     /// under the same mutex the waiters sleep on, so no wake-up is lost).
@@ -234,7 +236,7 @@ impl Drop for EndRegistration<'_> {
         if st.waiters > 0 {
             self.0.changed.notify_all();
         }
-        while !st.active.is_empty() {
+        while !st.active.is_empty() || st.leases > 0 {
             st.waiters += 1;
             st = self.0.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
             st.waiters -= 1;
@@ -255,7 +257,7 @@ impl RegionHandle {
                 len,
                 writable,
                 owned,
-                state: Mutex::new(State { valid, active: Vec::new(), next_ticket: 0, waiters: 0 }),
+                state: Mutex::new(State { valid, active: Vec::new(), next_ticket: 0, leases: 0, waiters: 0 }),
                 changed: Condvar::new(),
             }),
         }
@@ -396,6 +398,87 @@ impl RegionHandle {
     /// Copies `dst.len()` bytes out of the region, starting at `offset`.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
         self.with_slice(offset, dst.len(), |src| dst.copy_from_slice(src))
+    }
+}
+
+/// A lease on a byte range of a region for a device (an RDMA memory registration): while
+/// it lives, the region's scope cannot end (a [`with_region`] call waits for every lease
+/// to drop before it returns), so the memory stays allocated and borrowed by that call.
+///
+/// It does not take the range lock: the device writes the bytes behind the CPU's back, and
+/// the code around it (a collective's local steps, which view whole buffers) keeps off the
+/// leased bytes by construction (a receive's range is not read or written until the
+/// receive has completed, when its memory registration, and with it the lease, is gone).
+/// The holder must drop the lease (deregistering the device's access first) inside the
+/// scope; a leaked lease makes that `with_region` call wait forever, which is a hang,
+/// never unsoundness.
+pub struct RegionLease {
+    inner: Arc<Inner>,
+    offset: usize,
+    len: usize,
+}
+
+impl fmt::Debug for RegionLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionLease").field("region", &self.inner.id).field("offset", &self.offset).field("len", &self.len).finish()
+    }
+}
+
+impl RegionLease {
+    /// Start of the leased bytes in this process; valid for [`len`](Self::len) bytes for
+    /// as long as `self` lives.
+    pub fn as_ptr(&self) -> NonNull<u8> {
+        // SAFETY: `offset + len <= inner.len` and `len > 0` were checked when the lease was
+        // taken, so the result lies inside the region's (non-null) allocation.
+        unsafe { NonNull::new_unchecked(self.inner.base.as_ptr().add(self.offset)) }
+    }
+
+    /// Length of the leased range in bytes (never zero).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: [`RegionHandle::lease_mut`] refuses empty ranges.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Offset of the leased range in its region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+}
+
+impl Drop for RegionLease {
+    fn drop(&mut self) {
+        let mut st = lock(&self.inner.state);
+        st.leases -= 1;
+        let notify = st.waiters > 0;
+        drop(st);
+        if notify {
+            self.inner.changed.notify_all();
+        }
+    }
+}
+
+impl RegionHandle {
+    /// Leases `[offset, offset + len)` for a device that will write it (see
+    /// [`RegionLease`]). Fails with [`RegionError::Gone`] once the scope has ended,
+    /// [`RegionError::ReadOnly`] on a read-only registration, and
+    /// [`RegionError::OutOfBounds`] for a range outside the region or an empty one.
+    pub fn lease_mut(&self, offset: usize, len: usize) -> Result<RegionLease, RegionError> {
+        let mut st = lock(&self.inner.state);
+        if !st.valid {
+            return Err(RegionError::Gone);
+        }
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.inner.len) {
+            return Err(RegionError::OutOfBounds { offset, len, region_len: self.inner.len });
+        }
+        if !self.inner.writable {
+            return Err(RegionError::ReadOnly);
+        }
+        st.leases += 1;
+        Ok(RegionLease { inner: Arc::clone(&self.inner), offset, len })
     }
 }
 
@@ -854,6 +937,37 @@ mod tests {
         assert_eq!(r, Err(RegionError::Reentrant { offset: 7, len: 1 }));
         // Disjoint nested access is fine.
         h.with_slice_mut(0, 8, |_| h.write_at(8, &[1; 8]).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn lease_keeps_the_scope_open_without_locking_bytes() {
+        let mut buf = vec![0u8; 64];
+        let (tx, rx) = mpsc::channel();
+        let ended = with_region(&mut buf, |h| {
+            let lease = h.lease_mut(16, 16).unwrap();
+            assert_eq!(lease.as_ptr().as_ptr() as u64, h.addr() + 16);
+            assert_eq!((lease.offset(), lease.len()), (16, 16));
+            // No byte-range lock: whole-buffer access still works.
+            h.with_slice_mut(0, 64, |s| s[..16].fill(1)).unwrap();
+            assert!(matches!(h.lease_mut(0, 0), Err(RegionError::OutOfBounds { .. })));
+            assert!(matches!(h.lease_mut(60, 8), Err(RegionError::OutOfBounds { .. })));
+            // The scope's end waits for the holder (another thread) to let go.
+            let t = thread::spawn(move || {
+                rx.recv().unwrap();
+                thread::sleep(Duration::from_millis(30));
+                drop(lease);
+                Instant::now()
+            });
+            tx.send(()).unwrap();
+            t
+        });
+        let returned = Instant::now();
+        let released = ended.join().unwrap();
+        assert!(returned >= released, "with_region returned before the lease was dropped");
+        assert_eq!(&buf[..16], &[1; 16]);
+        with_region_ro(&[0u8; 4], |ro| assert_eq!(ro.lease_mut(0, 4).map(|_| ()), Err(RegionError::ReadOnly)));
+        let kept = with_region(&mut buf, |h| h.clone());
+        assert_eq!(kept.lease_mut(0, 4).map(|_| ()), Err(RegionError::Gone));
     }
 
     #[test]

@@ -20,6 +20,9 @@ pub struct CompletionQueue {
 pub(crate) struct CqInner {
     cq: NonNull<sys::ibv_cq>,
     capacity: u32,
+    /// The channel its events go to, if any: destroyed after the CQ (fields drop after
+    /// `Drop::drop`).
+    channel: Option<CompletionChannel>,
     _ctx: Context,
 }
 
@@ -46,15 +49,17 @@ impl fmt::Debug for CompletionQueue {
 const POLL_BATCH: usize = 32;
 
 impl CompletionQueue {
-    pub(crate) fn new(ctx: &Context, capacity: u32) -> Result<Self> {
+    pub(crate) fn new(ctx: &Context, capacity: u32, channel: Option<&CompletionChannel>) -> Result<Self> {
         let cqe = i32::try_from(capacity.max(1))
             .map_err(|_| Error::InvalidArgument(format!("completion queue capacity {capacity} is too large")))?;
-        // SAFETY: the context is open; no channel, no context pointer; destroyed in `Drop`.
-        let raw = unsafe { sys::ibv_create_cq(ctx.as_ptr(), cqe, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        let chan = channel.map_or(std::ptr::null_mut(), |c| c.inner.chan.as_ptr());
+        // SAFETY: the context is open; the channel (if any) is alive and kept alive by
+        // the CQ; no context pointer; destroyed in `Drop`.
+        let raw = unsafe { sys::ibv_create_cq(ctx.as_ptr(), cqe, std::ptr::null_mut(), chan, 0) };
         let cq = NonNull::new(raw).ok_or_else(|| Error::Verb { verb: "ibv_create_cq", source: io::Error::last_os_error() })?;
         // SAFETY: `cq` was just created; `cqe` is the capacity the provider granted.
         let capacity = u32::try_from(unsafe { (*cq.as_ptr()).cqe }).unwrap_or(capacity);
-        Ok(Self { inner: Arc::new(CqInner { cq, capacity, _ctx: ctx.clone() }) })
+        Ok(Self { inner: Arc::new(CqInner { cq, capacity, channel: channel.cloned(), _ctx: ctx.clone() }) })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::ibv_cq {
@@ -88,6 +93,21 @@ impl CompletionQueue {
             }
         }
         Ok(got)
+    }
+
+    /// Arms the queue: the next completion added to it sends one event to its
+    /// [`CompletionChannel`] (`ibv_req_notify_cq`). Completions already queued send none:
+    /// arm, then poll, then wait for the event.
+    pub fn req_notify(&self) -> Result<()> {
+        if self.inner.channel.is_none() {
+            return Err(Error::InvalidArgument("the completion queue has no completion channel".into()));
+        }
+        // SAFETY: the CQ is alive; arming is thread safe.
+        let rc = unsafe { sys::ibv_req_notify_cq(self.as_ptr(), 0) };
+        match rc {
+            0 => Ok(()),
+            rc => Err(Error::Verb { verb: "ibv_req_notify_cq", source: io::Error::from_raw_os_error(rc.abs()) }),
+        }
     }
 
     /// Polls until `count` completions have arrived or `timeout` has passed
@@ -254,5 +274,79 @@ impl WcOpcode {
             o::IBV_WC_RECV_RDMA_WITH_IMM => Self::RecvRdmaWithImm,
             other => Self::Other(other),
         }
+    }
+}
+
+/// A completion channel (`ibv_comp_channel`): a file descriptor that becomes readable
+/// when an armed [`CompletionQueue`] using it gets a completion, so a thread can sleep
+/// until there is work instead of spinning. Clones share it.
+#[derive(Clone)]
+pub struct CompletionChannel {
+    inner: Arc<ChannelInner>,
+}
+
+struct ChannelInner {
+    chan: NonNull<sys::ibv_comp_channel>,
+    _ctx: Context,
+}
+
+// SAFETY: the channel is a file descriptor plus libibverbs bookkeeping; waiting on and
+// reading events from it are thread safe, and it is destroyed only in `Drop`, after every
+// CQ using it (CQs hold clones).
+unsafe impl Send for ChannelInner {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for ChannelInner {}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        // SAFETY: no CQ uses the channel any more (each holds a clone).
+        unsafe { sys::ibv_destroy_comp_channel(self.chan.as_ptr()) };
+    }
+}
+
+impl fmt::Debug for CompletionChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionChannel").finish_non_exhaustive()
+    }
+}
+
+impl CompletionChannel {
+    pub(crate) fn new(ctx: &Context) -> Result<Self> {
+        // SAFETY: the context is open; the channel is destroyed in `Drop`.
+        let raw = unsafe { sys::ibv_create_comp_channel(ctx.as_ptr()) };
+        let chan = NonNull::new(raw).ok_or_else(|| Error::Verb { verb: "ibv_create_comp_channel", source: io::Error::last_os_error() })?;
+        Ok(Self { inner: Arc::new(ChannelInner { chan, _ctx: ctx.clone() }) })
+    }
+
+    /// Waits up to `timeout` for an event from an armed completion queue; returns
+    /// whether one came (and acknowledges it). The queue needs arming again
+    /// ([`CompletionQueue::req_notify`]) for the next event.
+    pub fn wait(&self, cq: &CompletionQueue, timeout: Duration) -> Result<bool> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        // SAFETY: the channel is alive while `self` is; `fd` is its descriptor, borrowed
+        // only for this call.
+        let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw((*self.inner.chan.as_ptr()).fd) };
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        let ts = Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: i64::from(timeout.subsec_nanos()) };
+        match poll(&mut fds, Some(&ts)) {
+            Ok(0) => return Ok(false),
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => return Ok(false),
+            Err(e) => return Err(Error::Verb { verb: "poll(completion channel)", source: e.into() }),
+        }
+        let mut ev_cq: *mut sys::ibv_cq = std::ptr::null_mut();
+        let mut ev_ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is alive and readable; both out-pointers are valid.
+        let rc = unsafe { sys::ibv_get_cq_event(self.inner.chan.as_ptr(), &mut ev_cq, &mut ev_ctx) };
+        if rc != 0 {
+            return Err(Error::Verb { verb: "ibv_get_cq_event", source: io::Error::last_os_error() });
+        }
+        if ev_cq != cq.as_ptr() {
+            return Err(Error::InvalidArgument("an event for another completion queue arrived on this channel".into()));
+        }
+        // SAFETY: one event of this (live) CQ was just read; acknowledging it lets the CQ
+        // be destroyed later.
+        unsafe { sys::ibv_ack_cq_events(cq.as_ptr(), 1) };
+        Ok(true)
     }
 }

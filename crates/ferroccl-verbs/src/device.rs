@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use rdma_sys as sys;
 
-use crate::cq::CompletionQueue;
+use crate::cq::{CompletionChannel, CompletionQueue};
 use crate::mr::ProtectionDomain;
 use crate::{Error, Result};
 
@@ -214,7 +214,18 @@ impl Context {
 
     /// Creates a completion queue with room for at least `capacity` completions.
     pub fn create_cq(&self, capacity: u32) -> Result<CompletionQueue> {
-        CompletionQueue::new(self, capacity)
+        CompletionQueue::new(self, capacity, None)
+    }
+
+    /// Creates a completion channel, for completion queues whose waiters sleep.
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        CompletionChannel::new(self)
+    }
+
+    /// Creates a completion queue that reports to `channel` when armed
+    /// ([`CompletionQueue::req_notify`]).
+    pub fn create_cq_with_channel(&self, capacity: u32, channel: &CompletionChannel) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, capacity, Some(channel))
     }
 }
 
@@ -292,6 +303,11 @@ impl Mtu {
     /// The MTU in bytes (256 to 4096).
     pub fn bytes(self) -> u32 {
         128 << self.0
+    }
+
+    /// The MTU of `bytes` (256, 512, 1024, 2048 or 4096), or `None`.
+    pub fn from_bytes(bytes: u32) -> Option<Mtu> {
+        (1..=5).map(|raw| Mtu(raw as sys::ibv_mtu::Type)).find(|m| m.bytes() == bytes)
     }
 }
 

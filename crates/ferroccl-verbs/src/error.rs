@@ -90,6 +90,33 @@ pub enum Error {
     },
 }
 
+fn copy_io(e: &io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(code) => io::Error::from_raw_os_error(code),
+        None => io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+impl Error {
+    /// A copy, for reporting one failure to several waiters (an OS error keeps its code).
+    pub fn duplicate(&self) -> Error {
+        match self {
+            Error::FeatureDisabled => Error::FeatureDisabled,
+            Error::NoDevice => Error::NoDevice,
+            Error::DeviceNotFound { name, available } => Error::DeviceNotFound { name: name.clone(), available: available.clone() },
+            Error::Verb { verb, source } => Error::Verb { verb, source: copy_io(source) },
+            Error::MemlockLimit { requested, limit, source } => {
+                Error::MemlockLimit { requested: *requested, limit: *limit, source: copy_io(source) }
+            }
+            Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::WorkCompletion { wr_id, qp_num, status, vendor_err } => {
+                Error::WorkCompletion { wr_id: *wr_id, qp_num: *qp_num, status, vendor_err: *vendor_err }
+            }
+            Error::Timeout { waited, wanted, got } => Error::Timeout { waited: *waited, wanted: *wanted, got: *got },
+        }
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

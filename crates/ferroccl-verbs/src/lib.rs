@@ -77,7 +77,7 @@ mod mr;
 mod qp;
 
 #[cfg(feature = "verbs")]
-pub use cq::{Completion, CompletionQueue, WcOpcode, WcStatus};
+pub use cq::{Completion, CompletionChannel, CompletionQueue, WcOpcode, WcStatus};
 #[cfg(feature = "verbs")]
 pub use device::{Context, Device, DeviceList, Gid, Mtu, PortAttr, PortState};
 #[cfg(feature = "verbs")]

@@ -7,6 +7,7 @@ use std::ops::{BitOr, BitOrAssign, Range};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use ferroccl_mem::RegionLease;
 use rdma_sys as sys;
 
 use crate::cq::CompletionQueue;
@@ -76,7 +77,7 @@ impl ProtectionDomain {
         let Some(ptr) = NonNull::new(ptr) else { alloc::handle_alloc_error(layout) };
         // SAFETY: `ptr` is a fresh allocation of `len` bytes that the region owns and
         // frees after deregistering it.
-        match unsafe { self.register_inner(ptr, len, access, Some(layout)) } {
+        match unsafe { self.register_inner(ptr, len, access, Some(layout), None) } {
             Ok(mr) => Ok(mr),
             Err(e) => {
                 // SAFETY: registration failed, so nothing else refers to the allocation.
@@ -99,13 +100,37 @@ impl ProtectionDomain {
             return Err(Error::InvalidArgument("a memory region needs at least one byte".into()));
         }
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.register_inner(addr, len, access, None) }
+        unsafe { self.register_inner(addr, len, access, None, None) }
+    }
+
+    /// Registers the bytes of a [`RegionLease`] (a range of a FerroCCL registered region)
+    /// and keeps the lease for the memory region's life.
+    ///
+    /// Safe, because the lease guarantees the allocation part of what
+    /// [`register_raw`](Self::register_raw) asks: while it lives the memory stays
+    /// allocated (its `with_region` scope cannot end), and the memory region is
+    /// deregistered before the lease is released (when its last clone drops). Leases are
+    /// only given on writable registrations, so the device writing the bytes never
+    /// breaks a shared borrow. Keeping the CPU off the leased bytes while the device may
+    /// write them is the protocol's part: see [`RegionLease`].
+    pub fn register_lease(&self, lease: RegionLease, access: Access) -> Result<MemoryRegion> {
+        let (addr, len) = (lease.as_ptr(), lease.len());
+        // SAFETY: see above: `lease` keeps the `len` bytes at `addr` allocated and mutably
+        // borrowed by its scope, and the region keeps `lease` until after `ibv_dereg_mr`.
+        unsafe { self.register_inner(addr, len, access, None, Some(lease)) }
     }
 
     /// # Safety
     /// `addr..addr+len` is allocated memory that outlives the region; if `owned` is set
     /// the region owns it and frees it with that layout.
-    unsafe fn register_inner(&self, addr: NonNull<u8>, len: usize, access: Access, owned: Option<Layout>) -> Result<MemoryRegion> {
+    unsafe fn register_inner(
+        &self,
+        addr: NonNull<u8>,
+        len: usize,
+        access: Access,
+        owned: Option<Layout>,
+        lease: Option<RegionLease>,
+    ) -> Result<MemoryRegion> {
         let access = access.normalized();
         // SAFETY: the PD is alive; the memory is valid for `len` bytes (caller contract).
         let raw = unsafe { sys::ibv_reg_mr(self.as_ptr(), addr.as_ptr().cast(), len, access.0 as i32) };
@@ -114,7 +139,7 @@ impl ProtectionDomain {
         };
         // SAFETY: `mr` is a valid MR just returned by `ibv_reg_mr`.
         let (lkey, rkey) = unsafe { ((*mr.as_ptr()).lkey, (*mr.as_ptr()).rkey) };
-        Ok(MemoryRegion { inner: Arc::new(MrInner { mr, addr, len, lkey, rkey, access, owned, _pd: self.clone() }) })
+        Ok(MemoryRegion { inner: Arc::new(MrInner { mr, addr, len, lkey, rkey, access, owned, _lease: lease, _pd: self.clone() }) })
     }
 
     /// Creates an RC queue pair in the INIT state; see [`QueuePair`].
@@ -220,6 +245,9 @@ struct MrInner {
     rkey: u32,
     access: Access,
     owned: Option<Layout>,
+    /// The lease on caller memory ([`ProtectionDomain::register_lease`]); released after
+    /// `ibv_dereg_mr` (fields drop after `Drop::drop`).
+    _lease: Option<RegionLease>,
     _pd: ProtectionDomain,
 }
 

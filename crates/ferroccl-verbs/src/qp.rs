@@ -5,6 +5,7 @@ use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use rdma_sys as sys;
 
 use crate::cq::CompletionQueue;
 use crate::device::{Gid, Mtu};
-use crate::mr::{Access, LocalSlice, ProtectionDomain, RemoteSlice};
+use crate::mr::{Access, LocalSlice, MemoryRegion, ProtectionDomain, RemoteSlice};
 use crate::{Error, Result};
 
 /// What a peer needs to connect its queue pair to ours: exchange these out of band
@@ -268,8 +269,16 @@ impl QueuePair<Init> {
 
     /// Moves to RTR, connected to the peer described by `remote`.
     pub fn ready_to_receive(self, remote: &ConnectInfo) -> Result<QueuePair<ReadyToReceive>> {
+        let mtu = self.inner.options.path_mtu;
+        self.ready_to_receive_with_mtu(remote, mtu)
+    }
+
+    /// As [`ready_to_receive`](Self::ready_to_receive), with the path MTU given (both ends
+    /// must use the same one: the smaller of their ports' active MTUs); `None` uses the
+    /// port's active MTU.
+    pub fn ready_to_receive_with_mtu(self, remote: &ConnectInfo, path_mtu: Option<Mtu>) -> Result<QueuePair<ReadyToReceive>> {
         let o = &self.inner.options;
-        let path_mtu = match o.path_mtu {
+        let path_mtu = match path_mtu {
             Some(m) => m,
             None => self.inner.pd.context().query_port(o.port)?.active_mtu,
         };
@@ -384,6 +393,16 @@ impl<S: QpState> QueuePair<S> {
     }
 }
 
+impl<S: QpState> QueuePair<S> {
+    /// Posts a zero-length receive: enough to catch one RDMA WRITE with immediate (the
+    /// data goes where the writer says; the receive only carries the immediate). Safe,
+    /// because it names no local memory.
+    pub fn post_recv_empty(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: no memory is handed to the device.
+        unsafe { self.post_recv(wr_id, None) }
+    }
+}
+
 /// The send-queue operations, with their immediate data.
 #[derive(Debug, Clone, Copy)]
 enum SendOp {
@@ -478,6 +497,43 @@ impl QueuePair<ReadyToSend> {
         unsafe { self.post(wr_id, SendOp::WriteImm(imm), local, Some(remote), signaled) }
     }
 
+    /// Posts an RDMA WRITE of `src[range]` into the peer's `remote` (its first
+    /// `range.len()` bytes), WITH IMMEDIATE `imm` when one is given.
+    ///
+    /// Safe, unlike [`post_write`](Self::post_write): the source is a range of a live
+    /// [`MemoryRegion`], whose memory Rust code never references (the region hands out no
+    /// references, only copies), stays allocated until after `ibv_dereg_mr`, and cannot be
+    /// reached by the device once deregistered (a request still in flight then fails with
+    /// a protection error). What is left is a logic rule, not a memory-safety one: bytes
+    /// rewritten before the completion is polled may be the ones the peer receives.
+    pub fn post_write_from(
+        &self,
+        wr_id: u64,
+        src: &MemoryRegion,
+        range: Range<usize>,
+        remote: RemoteSlice,
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> Result<()> {
+        let local = src.local(range)?;
+        let op = match imm {
+            Some(i) => SendOp::WriteImm(i),
+            None => SendOp::Write,
+        };
+        // SAFETY: see above: `local` lies in a live registered region that no Rust
+        // reference aliases and that stays allocated while registered.
+        unsafe { self.post(wr_id, op, local, Some(remote), signaled) }
+    }
+
+    /// Posts a signaled zero-length RDMA WRITE with immediate into `remote`: a
+    /// notification that consumes one of the peer's receives and carries only `imm`.
+    /// Safe, because it names no local memory (and writes no remote bytes).
+    pub fn post_write_imm_empty(&self, wr_id: u64, remote: RemoteSlice, imm: u32) -> Result<()> {
+        let local = LocalSlice { addr: 0, len: 0, lkey: 0 };
+        // SAFETY: a zero-length local slice: the device reads no local memory.
+        unsafe { self.post(wr_id, SendOp::WriteImm(imm), local, Some(remote), true) }
+    }
+
     /// Posts an RDMA READ of the peer's `remote` (its first `local.len` bytes) into
     /// `local`, whose region needs [`Access::LOCAL_WRITE`].
     ///
@@ -500,6 +556,15 @@ mod tests {
         let info = ConnectInfo { qpn: 0x12345, psn: 0xabcdef, lid: 7, gid: Gid([9; 16]) };
         assert_eq!(ConnectInfo::from_bytes(&info.to_bytes()).unwrap(), info);
         assert!(matches!(ConnectInfo::from_bytes(&[0; 3]), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn mtu_from_bytes() {
+        assert_eq!(Mtu::from_bytes(1024), Some(Mtu::MTU_1024));
+        assert_eq!(Mtu::from_bytes(4096).map(Mtu::bytes), Some(4096));
+        assert_eq!(Mtu::from_bytes(256).map(Mtu::bytes), Some(256));
+        assert_eq!(Mtu::from_bytes(1500), None);
+        assert_eq!(Mtu::from_bytes(8192), None);
     }
 
     #[test]

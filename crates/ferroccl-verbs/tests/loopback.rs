@@ -288,3 +288,43 @@ fn registering_past_the_memlock_limit_says_so() {
     // With the limit back, the same registration works.
     pd.alloc_region(4 * MIB, Access::LOCAL_WRITE).unwrap();
 }
+
+#[test]
+fn completion_channel_wakes_a_sleeper_and_leases_register_user_memory() {
+    let Some((dev, gid_index)) = device() else { return };
+    let ctx = Context::open(&dev).expect("open device");
+    let pd = ctx.alloc_pd().expect("alloc pd");
+    let chan = ctx.create_comp_channel().expect("completion channel");
+    let cq_b = ctx.create_cq_with_channel(64, &chan).expect("cq with channel");
+    let cq_a = ctx.create_cq(64).expect("cq a");
+    assert!(cq_a.req_notify().is_err(), "arming a CQ without a channel must fail");
+    let options = QpOptions { gid_index, ..QpOptions::default() };
+    let a = pd.create_rc_qp(&cq_a, &cq_a, &options).expect("qp a");
+    let b = pd.create_rc_qp(&cq_b, &cq_b, &options).expect("qp b");
+    let (ia, ib) = (a.info().expect("info a"), b.info().expect("info b"));
+    let a = a.ready_to_receive(&ib).expect("a RTR").ready_to_send().expect("a RTS");
+    let b = b.ready_to_receive(&ia).expect("b RTR").ready_to_send().expect("b RTS");
+    b.post_recv_empty(9).expect("post empty receive");
+    cq_b.req_notify().expect("arm");
+    // Nothing yet: the wait times out.
+    assert!(!chan.wait(&cq_b, Duration::from_millis(10)).expect("wait"));
+
+    // The target is a user buffer registered through a lease on its region.
+    let src = pd.alloc_region(4096, Access::empty()).expect("src");
+    src.write(0, &pattern(4096, 3));
+    let mut user = vec![0u8; 8192];
+    ferroccl_mem::with_region(&mut user, |h| {
+        let lease = h.lease_mut(4096, 4096).expect("lease");
+        let mr = pd.register_lease(lease, Access::REMOTE_WRITE).expect("register lease");
+        let remote = mr.remote(0..4096).expect("remote");
+        a.post_write_from(1, &src, 0..4096, remote, Some(77), true).expect("post write with imm");
+        assert!(chan.wait(&cq_b, DEADLINE).expect("wait for the event"), "no completion event");
+        let c = wait_one(&cq_b);
+        assert_eq!((c.wr_id, c.imm, c.status), (9, Some(77), WcStatus::SUCCESS));
+        wait_one(&cq_a).into_result().expect("write completion");
+        // Dropping the region deregisters it, then releases the lease: the scope can end.
+        drop(mr);
+    });
+    assert_eq!(&user[4096..], &pattern(4096, 3)[..]);
+    assert!(user[..4096].iter().all(|&x| x == 0));
+}

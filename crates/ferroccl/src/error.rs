@@ -101,6 +101,19 @@ pub enum Error {
         what: String,
     },
 
+    /// An RDMA verbs call failed (setting up the device, registering memory, posting work):
+    /// `source` names the verb and carries the OS error.
+    #[error("rank {rank}: verbs: {what}: {source}")]
+    Verbs {
+        /// The rank reporting.
+        rank: usize,
+        /// What it was doing ("register a 1048576-byte receive buffer", ...).
+        what: String,
+        /// The verbs error (the failing verb and its OS error, or the memlock limit).
+        #[source]
+        source: ferroccl_verbs::Error,
+    },
+
     /// Two ranks called matching operations with arguments that do not match.
     #[error("rank {rank}: {op} with rank {peer} does not match: {what}")]
     Mismatch {
@@ -175,6 +188,7 @@ impl Error {
             }
             Error::Mismatch { rank, peer, op, what } => Error::Mismatch { rank: *rank, peer: *peer, op: op.clone(), what: what.clone() },
             Error::Aborted { rank, op, by } => Error::Aborted { rank: *rank, op: op.clone(), by: *by },
+            Error::Verbs { rank, what, source } => Error::Verbs { rank: *rank, what: what.clone(), source: source.duplicate() },
             Error::Poisoned(s) => Error::Poisoned(s.clone()),
         }
     }

@@ -29,7 +29,8 @@ use crate::params::{Params, TransportChoice};
 use crate::proto::{self, Cts, ProtoMsg, StreamKey};
 use crate::transport::shm::{LocalShm, ShmEndpoint};
 use crate::transport::tcp::TcpEndpoint;
-use crate::transport::{Endpoint, RemoteBuf};
+use crate::transport::verbs::{self, VerbsDevice, VerbsEndpoint, VerbsNet};
+use crate::transport::{Endpoint, Registration, RemoteBuf};
 use crate::wire::{Reader, Writer};
 
 /// The text of the `ERR` message a rank sends its peers when its communicator is aborted.
@@ -304,6 +305,8 @@ struct Descriptor {
     probe_addr: u64,
     ring_bytes: u64,
     eager_max: u64,
+    /// The RDMA device this rank can use for verbs ("" when none).
+    ib_dev: String,
 }
 
 impl Descriptor {
@@ -316,7 +319,8 @@ impl Descriptor {
             .str(&self.tcp_addr)
             .u64(self.probe_addr)
             .u64(self.ring_bytes)
-            .u64(self.eager_max);
+            .u64(self.eager_max)
+            .str(&self.ib_dev);
         w.finish()
     }
     fn decode(b: &[u8]) -> crate::wire::DResult<Descriptor> {
@@ -330,6 +334,7 @@ impl Descriptor {
             probe_addr: r.u64()?,
             ring_bytes: r.u64()?,
             eager_max: r.u64()?,
+            ib_dev: r.str()?.to_string(),
         };
         r.end()?;
         Ok(d)
@@ -379,6 +384,8 @@ pub(crate) struct Fabric {
     pub(crate) shared: Arc<Shared>,
     endpoints: Vec<Option<Endpoint>>,
     local_shm: Option<Arc<LocalShm>>,
+    /// The verbs mesh (polled in `progress`), when any peer uses verbs.
+    verbs: Option<Arc<VerbsNet>>,
     /// (world rank, watch) for every shm peer, plus the launcher as usize::MAX.
     watches: Vec<(usize, ProcessWatch)>,
     pub(crate) peers: Vec<PeerInfo>,
@@ -414,7 +421,7 @@ impl Fabric {
         let probe = Box::new([0x5au8; 64]);
 
         // This rank's inbox segment (unless shm is switched off or unavailable).
-        let local_shm = if params.transport != TransportChoice::Tcp && size > 1 {
+        let local_shm = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Shm) && size > 1 {
             let name = format!("/ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
             match LocalShm::create(&name, rank, size, params.shm_ring_bytes) {
                 Ok(s) => Some(Arc::new(s)),
@@ -441,12 +448,23 @@ impl Fabric {
         });
 
         // A listener for tcp peers.
-        let listener = if params.transport != TransportChoice::Shm && size > 1 {
+        let listener = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Tcp) && size > 1 {
             let ip: IpAddr = params.socket_addr.unwrap_or_else(|| store.local_addr().ip());
             let l = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
             Some(l)
         } else {
             None
+        };
+        // verbs: FERROCCL_TRANSPORT=verbs needs a usable device; auto uses one if there is.
+        // Without one, this rank still publishes its descriptor (with no device) before it
+        // fails, so that its peers fail at once too, instead of waiting for it.
+        let (ib, ib_err) = match params.transport {
+            TransportChoice::Verbs if size > 1 => match VerbsDevice::open(rank, &params) {
+                Ok(d) => (Some(d), None),
+                Err(e) => (None, Some(e)),
+            },
+            TransportChoice::Auto if size > 1 && ferroccl_verbs::ENABLED => (VerbsDevice::open(rank, &params).ok(), None),
+            _ => (None, None),
         };
         let me = Descriptor {
             pid: std::process::id(),
@@ -457,6 +475,7 @@ impl Fabric {
             probe_addr: probe.as_ptr() as u64,
             ring_bytes: params.shm_ring_bytes as u64,
             eager_max: params.eager_max as u64,
+            ib_dev: ib.as_ref().map(|d| d.name()).unwrap_or_default(),
         };
         store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
         let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
@@ -472,6 +491,9 @@ impl Fabric {
                 )));
             }
             descs.push(d);
+        }
+        if let Some(e) = ib_err {
+            return Err(e);
         }
 
         // Pick a transport per peer; both sides decide from the same facts.
@@ -498,7 +520,20 @@ impl Fabric {
                     })
                 }
                 TransportChoice::Auto if shm_ok => "shm",
+                TransportChoice::Auto if !same_host && !me.ib_dev.is_empty() && !d.ib_dev.is_empty() => "verbs",
                 TransportChoice::Auto => "tcp",
+                TransportChoice::Verbs if !d.ib_dev.is_empty() => "verbs",
+                TransportChoice::Verbs => {
+                    return Err(Error::Transport {
+                        rank,
+                        peer: p,
+                        transport: "verbs",
+                        what: format!(
+                            "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device (its own error says why), or FERROCCL_TRANSPORT differs between ranks",
+                            d.hostname
+                        ),
+                    })
+                }
             };
             if kinds[p] == "shm" && d.ring_bytes != me.ring_bytes {
                 return Err(Error::invalid(format!(
@@ -543,6 +578,25 @@ impl Fabric {
             hellos.push((p, can_pull));
             endpoints[p] = Some(Endpoint::Shm(ep));
         }
+        // verbs: one RC queue pair per peer. Peers on this host are watched like shm peers,
+        // so that a dead one is noticed without waiting for a work request to fail.
+        let verbs_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == "verbs").collect();
+        let verbs = match ib {
+            Some(dev) if !verbs_peers.is_empty() => {
+                Some(VerbsNet::connect(dev, rank, &verbs_peers, &store, &key_prefix, size, deadline, shared.clone())?)
+            }
+            _ => None,
+        };
+        if let Some(net) = &verbs {
+            for &p in &verbs_peers {
+                endpoints[p] = Some(Endpoint::Verbs(VerbsEndpoint::new(net.clone(), p)));
+                if descs[p].host_id == host_id {
+                    if let Ok(w) = ProcessWatch::new(descs[p].pid as i32) {
+                        watches.push((p, w));
+                    }
+                }
+            }
+        }
         if let Some(pid) = params.launcher_pid {
             if let Ok(w) = ProcessWatch::new(pid) {
                 watches.push((usize::MAX, w));
@@ -578,6 +632,7 @@ impl Fabric {
             shared,
             endpoints,
             local_shm,
+            verbs,
             watches,
             peers,
             engine: Arc::default(),
@@ -637,15 +692,33 @@ impl Fabric {
         }
     }
 
-    /// Registers a region for remote writes through the registration cache; returns its
-    /// descriptor.
+    /// Registers `[offset, offset + len)` of a region for a remote write by world rank
+    /// `peer`; returns the descriptor to advertise and what the receiver holds until the
+    /// write has landed (for a verbs peer: the memory region, see [`Registration`]).
+    ///
+    /// shm and tcp peers go through the registration cache ([`Fabric::register_cached`]). A
+    /// verbs peer gets a memory region over exactly that range, held by the receive until
+    /// the write lands (inside the call's scope): user memory is not cached in verbs
+    /// registrations, because nothing tells the library when it is freed and remapped.
+    /// Those registrations count as misses in the statistics.
+    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: usize) -> Result<(RemoteBuf, Registration)> {
+        if let (Some(Endpoint::Verbs(ep)), true) = (self.endpoints.get(peer).and_then(|e| e.as_ref()), len > 0) {
+            let (buf, mr) = verbs::register_user(ep.net(), h, offset, len)?;
+            self.reg_cache.lock().unwrap_or_else(|e| e.into_inner()).stats.registrations += 1;
+            return Ok((buf, Registration::verbs(mr)));
+        }
+        let key = self.register_cached(h);
+        Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key }, Registration::default()))
+    }
+
+    /// Registers a region for remote writes through the registration cache; returns its key.
     ///
     /// The cache is keyed by address range: a region over a range registered before (the
     /// same buffer in a later call) reuses that registration's key, rebound to the new
     /// handle, instead of registering again. Nothing is pinned for shm and tcp, and a key
     /// only ever reaches memory through the handle bound to it, which is valid only while
     /// its call runs: a stale entry can never misdirect a write, it can only fail it.
-    pub(crate) fn register(&self, h: &RegionHandle) -> RemoteBuf {
+    pub(crate) fn register_cached(&self, h: &RegionHandle) -> u64 {
         let range = (h.addr(), h.len());
         let mut guard = self.reg_cache.lock().unwrap_or_else(|e| e.into_inner());
         let cache = &mut *guard;
@@ -689,7 +762,7 @@ impl Fabric {
                 key
             }
         };
-        RemoteBuf { addr: h.addr(), len: h.len() as u64, key }
+        key
     }
 
     /// Drops the registration of `h`'s address range (a plan's buffers, when it is dropped).
@@ -707,8 +780,10 @@ impl Fabric {
         RegStats { entries: cache.entries.len(), ..cache.stats }
     }
 
+    /// A fresh immediate for a rendezvous write: 31 bits (verbs keeps the top bit for its
+    /// own control messages).
     pub(crate) fn next_imm(&self) -> u32 {
-        self.next_imm.fetch_add(1, Ordering::Relaxed)
+        self.next_imm.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff
     }
 
     pub(crate) fn local_shm(&self) -> Option<&Arc<LocalShm>> {
@@ -718,6 +793,10 @@ impl Fabric {
     /// Drains the shm inbox, handing records to the event state. An error here is fatal
     /// for the fabric.
     pub(crate) fn progress(&self) -> Result<()> {
+        if let Some(v) = &self.verbs {
+            // Completions: lands messages and immediates; a failed one fails its peer.
+            v.poll()?;
+        }
         if let Some(shm) = &self.local_shm {
             // Called on every round of every wait: no allocation here.
             let peers = self.endpoints.iter().enumerate().filter_map(|(p, e)| match e {

@@ -1,7 +1,7 @@
 //! FerroCCL: collective communication for Rust.
 //!
 //! A job of N processes (ranks) builds a [`Communicator`] and moves data between ranks over
-//! shared memory (same host) or TCP. Ranks are normally started by `ferroccl-run` (or
+//! shared memory (same host), RDMA verbs (cargo feature `verbs`) or TCP. Ranks are normally started by `ferroccl-run` (or
 //! torchrun, Slurm, mpirun) and call [`Communicator::init`]; this example builds a one-rank
 //! job by hand, so it runs anywhere:
 //!

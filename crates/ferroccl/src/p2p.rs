@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::fabric::{Fabric, Incoming};
 use crate::proto::{self, Cts, Desc};
 use crate::transport::shm::LocalShm;
-use crate::transport::{WriteReq, WriteTicket};
+use crate::transport::{Registration, WriteReq, WriteTicket};
 
 /// Which ordered stream a transfer belongs to, and what is reported in errors.
 #[derive(Clone, Copy, Debug)]
@@ -212,11 +212,13 @@ pub(crate) struct RecvOp {
     len: usize,
     imm: u32,
     state: RecvState,
+    /// Held while the sender may write into our range (verbs: the memory region).
+    reg: Registration,
 }
 
 impl RecvOp {
     pub(crate) fn new(peer: usize, wpeer: usize, seq: u32, dst: RegionHandle, offset: usize, len: usize) -> RecvOp {
-        RecvOp { peer, wpeer, seq, dst, offset, len, imm: 0, state: RecvState::Start }
+        RecvOp { peer, wpeer, seq, dst, offset, len, imm: 0, state: RecvState::Start, reg: Registration::default() }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -244,9 +246,8 @@ impl RecvOp {
                 if cx.eager(self.wpeer, self.len)? {
                     self.state = RecvState::WaitEager;
                 } else {
-                    let mut remote = cx.fabric.register(&self.dst);
-                    remote.addr += self.offset as u64;
-                    remote.len = self.len as u64;
+                    let (remote, reg) = cx.fabric.register(&self.dst, self.offset, self.len, self.wpeer)?;
+                    self.reg = reg;
                     self.imm = cx.fabric.next_imm();
                     let cts = Cts { seq: self.seq, desc: cx.desc, len: self.len as u64, buf: remote, imm: self.imm };
                     cx.fabric.endpoint(self.wpeer)?.post_send(&proto::encode_cts(cx.comm, cx.chan, &cts), cx.deadline, &|| cx.pump())?;
@@ -302,6 +303,9 @@ impl RecvOp {
                     }
                 }
                 if announced && ev.imms.remove(&(self.wpeer, self.imm)) {
+                    drop(ev);
+                    // Every byte has landed: end the peer's access before anyone reads.
+                    self.reg = Registration::default();
                     self.state = RecvState::Done;
                     return Ok(true);
                 }

@@ -29,7 +29,10 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_STORE", default: "", doc: "host:port of the bootstrap store (set by ferroccl-run). Under torchrun, Slurm or Open MPI it is served by rank 0 at this address, or else at MASTER_ADDR:(MASTER_PORT+1) (torchrun's own store holds MASTER_PORT)." },
     Param { name: "FERROCCL_TOKEN", default: "", doc: "The job's secret token; every store and mesh connection proves it knows it. ferroccl-run makes a fresh one per job." },
     Param { name: "FERROCCL_LAUNCHER_PID", default: "", doc: "Pid of the launcher (set by ferroccl-run); ranks fail promptly if it dies." },
-    Param { name: "FERROCCL_TRANSPORT", default: "auto", doc: "auto, shm or tcp. auto: shm between ranks on the same host, tcp otherwise. shm: fail if a peer is on another host." },
+    Param { name: "FERROCCL_TRANSPORT", default: "auto", doc: "auto, shm, tcp or verbs. auto: shm between ranks on the same host; verbs to other hosts when both ends have a usable RDMA device (and the build has the `verbs` feature), tcp otherwise. shm: fail if a peer is on another host. verbs: RDMA verbs to every peer (same host too); an error if there is no device or the build lacks the `verbs` feature." },
+    Param { name: "FERROCCL_IB_DEV", default: "", doc: "RDMA device the verbs transport opens (e.g. mlx5_0, rxe0). Default: the first device that libibverbs lists." },
+    Param { name: "FERROCCL_IB_TIMEOUT", default: "18", doc: "Verbs ACK timeout exponent (as NCCL_IB_TIMEOUT): a work request is retried after 4.096 us x 2^T without an acknowledgement, 7 tries in all, then fails; so a dead peer on another host is noticed after about 7 x 4.096 us x 2^T (18: about 7.5 s). 1 to 31." },
+    Param { name: "FERROCCL_IB_GID_INDEX", default: "", doc: "GID table index of port 1 used as the source address (RoCE v2: the entry holding the netdev's IPv4 address). Default: the first IPv4-mapped GID of the port, else index 0 (InfiniBand)." },
     Param { name: "FERROCCL_TIMEOUT", default: "300", doc: "Seconds any blocking call may wait (store, connect, send, recv, barrier) before it fails with a timeout error." },
     Param { name: "FERROCCL_HOST_ID", default: "", doc: "Overrides this host's identity used to find ranks on the same host (as NCCL_HOSTID). Default: boot id + mount and pid namespaces." },
     Param { name: "FERROCCL_SOCKET_ADDR", default: "", doc: "IP address the TCP transport listens on and advertises. Default: the local address of the connection to the store." },
@@ -66,15 +69,18 @@ pub enum TransportChoice {
     Shm,
     /// tcp for every peer.
     Tcp,
+    /// RDMA verbs for every peer (an error without a device or the `verbs` feature).
+    Verbs,
 }
 
 impl TransportChoice {
-    /// Parses `auto`, `shm` or `tcp`.
+    /// Parses `auto`, `shm`, `tcp` or `verbs`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Some(TransportChoice::Auto),
             "shm" => Some(TransportChoice::Shm),
             "tcp" => Some(TransportChoice::Tcp),
+            "verbs" | "ib" | "rdma" => Some(TransportChoice::Verbs),
             _ => None,
         }
     }
@@ -115,6 +121,12 @@ pub struct Params {
     pub slots: usize,
     /// `FERROCCL_REG_CACHE_ENTRIES`.
     pub reg_cache_entries: usize,
+    /// `FERROCCL_IB_DEV`: `None` for the first device.
+    pub ib_dev: Option<String>,
+    /// `FERROCCL_IB_GID_INDEX`: `None` for the first IPv4-mapped GID (else 0).
+    pub ib_gid_index: Option<u8>,
+    /// `FERROCCL_IB_TIMEOUT`: the verbs ACK timeout exponent.
+    pub ib_timeout: u8,
 }
 
 /// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
@@ -139,6 +151,9 @@ impl Default for Params {
             chunk_bytes: 512 << 10,
             slots: 4,
             reg_cache_entries: 256,
+            ib_dev: None,
+            ib_gid_index: None,
+            ib_timeout: 18,
         }
     }
 }
@@ -158,8 +173,20 @@ impl Params {
         let mut p = Params::default();
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         if let Some(v) = get("FERROCCL_TRANSPORT") {
-            p.transport = TransportChoice::parse(&v)
-                .ok_or_else(|| Error::Env { var: "FERROCCL_TRANSPORT".into(), problem: format!("{v:?} is not one of auto, shm, tcp") })?;
+            p.transport = TransportChoice::parse(&v).ok_or_else(|| Error::Env {
+                var: "FERROCCL_TRANSPORT".into(),
+                problem: format!("{v:?} is not one of auto, shm, tcp, verbs"),
+            })?;
+        }
+        p.ib_dev = get("FERROCCL_IB_DEV").map(|v| v.trim().to_string());
+        if let Some(v) = get("FERROCCL_IB_GID_INDEX") {
+            p.ib_gid_index = Some(parse_num("FERROCCL_IB_GID_INDEX", &v)?);
+        }
+        if let Some(v) = get("FERROCCL_IB_TIMEOUT") {
+            p.ib_timeout = parse_num("FERROCCL_IB_TIMEOUT", &v)?;
+            if !(1..=31).contains(&p.ib_timeout) {
+                return Err(Error::Env { var: "FERROCCL_IB_TIMEOUT".into(), problem: format!("{v:?} must be between 1 and 31") });
+            }
         }
         if let Some(v) = get("FERROCCL_TIMEOUT") {
             let secs: f64 = parse_num("FERROCCL_TIMEOUT", &v)?;
@@ -275,6 +302,9 @@ impl Params {
         if !(1..=64).contains(&self.slots) {
             return bad(format!("slots {} must be between 1 and 64", self.slots));
         }
+        if !(1..=31).contains(&self.ib_timeout) {
+            return bad(format!("ib_timeout {} must be between 1 and 31", self.ib_timeout));
+        }
         if let Some(a) = &self.algo {
             if !ALGO_NAMES.contains(&a.as_str()) {
                 return bad(format!("algo {a:?} is not one of {}", ALGO_NAMES.join(", ")));
@@ -319,6 +349,10 @@ mod tests {
         assert_eq!(p.chunk_bytes.to_string(), d("FERROCCL_CHUNK_BYTES"));
         assert_eq!(p.slots.to_string(), d("FERROCCL_SLOTS"));
         assert_eq!(p.transport, TransportChoice::Auto);
+        assert_eq!((p.ib_dev, p.ib_gid_index), (None, None));
+        assert_eq!(p.ib_timeout.to_string(), d("FERROCCL_IB_TIMEOUT"));
+        let p = with(&[("FERROCCL_TRANSPORT", "Verbs"), ("FERROCCL_IB_DEV", "rxe0"), ("FERROCCL_IB_GID_INDEX", "1")]).unwrap();
+        assert_eq!((p.transport, p.ib_dev.as_deref(), p.ib_gid_index), (TransportChoice::Verbs, Some("rxe0"), Some(1)));
     }
 
     #[test]
@@ -333,6 +367,8 @@ mod tests {
             ("FERROCCL_ALGO", "bubble"),
             ("FERROCCL_PROTO", "pigeon"),
             ("FERROCCL_CHUNK_BYTES", "1000"),
+            ("FERROCCL_IB_GID_INDEX", "300"),
+            ("FERROCCL_IB_TIMEOUT", "32"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{e}");

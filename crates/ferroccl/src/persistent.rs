@@ -72,8 +72,8 @@ impl<'a, T: Element> Plan<'a, T> {
         // write into an input.
         let inp = input.map(|i| Registration::new(as_bytes_mut(i)));
         let fabric = comm.fabric();
-        fabric.register(out.handle());
-        fabric.register(&scratch);
+        fabric.register_cached(out.handle());
+        fabric.register_cached(&scratch);
         let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
         let job = Job::new(comm.job_body(vec![part]));
         Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, _t: PhantomData })

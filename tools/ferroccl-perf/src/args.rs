@@ -41,7 +41,7 @@ options:
   --inplace              run the in-place variant only
   --no-inplace           run the out-of-place variant only (default: both)
   --algo A               auto, ring, mesh, oneshot, chain (FERROCCL_ALGO for this run)
-  --transport T          auto, shm, tcp (FERROCCL_TRANSPORT for this run)
+  --transport T          auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
   --ranks N              start N local ranks (no launcher needed)
   --json FILE            write every row and the run's metadata as JSON
   --plot FILE.svg        draw busbw and time vs size as an SVG
@@ -302,7 +302,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
             }
             "--transport" => {
                 let v = value(&mut i)?;
-                o.transport = Some(TransportChoice::parse(&v).ok_or_else(|| bad(flag, &v, "must be one of auto, shm, tcp"))?);
+                o.transport = Some(TransportChoice::parse(&v).ok_or_else(|| bad(flag, &v, "must be one of auto, shm, tcp, verbs"))?);
             }
             "--ranks" => {
                 o.ranks = Some(count(&value(&mut i)?, 1, "must be a whole number of ranks, 1 to 1024").and_then(|n| {

@@ -27,7 +27,7 @@
 //! | `-r`, `--root` | root of broadcast and reduce | 0 |
 //! | `--inplace` / `--no-inplace` | run only the in-place / only the out-of-place variant | both |
 //! | `--algo` | auto, ring, mesh, oneshot, chain: `FERROCCL_ALGO` for this run | environment |
-//! | `--transport` | auto, shm, tcp: `FERROCCL_TRANSPORT` for this run | environment |
+//! | `--transport` | auto, shm, tcp, verbs: `FERROCCL_TRANSPORT` for this run | environment |
 //! | `--ranks N` | start N local ranks (the store, token and environment of `ferroccl-run`, from its library) | under a launcher |
 //! | `--json FILE` | every row, plus the run's metadata (ranks, transports, dtype, op, machine) | |
 //! | `--plot FILE.svg` | busbw and time vs size, one line per collective and variant | |

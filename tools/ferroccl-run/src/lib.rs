@@ -6,14 +6,14 @@
 //! their rank, and takes the whole job down when one rank fails.
 //!
 //! ```text
-//! ferroccl-run -n N [--transport auto|shm|tcp] [--timeout S] [--grace S]
+//! ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S]
 //!              [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]
 //! ```
 //!
 //! | option | meaning |
 //! | --- | --- |
 //! | `-n N` (`-nN`, `--nproc N`, `--nproc=N`) | number of ranks, 1 to 1024 (required) |
-//! | `--transport auto\|shm\|tcp` | sets `FERROCCL_TRANSPORT` for every rank (otherwise the ranks inherit the runner's environment) |
+//! | `--transport auto\|shm\|tcp\|verbs` | sets `FERROCCL_TRANSPORT` for every rank (otherwise the ranks inherit the runner's environment) |
 //! | `--timeout S` | wall-clock limit for the whole job, in seconds (a decimal number); none by default |
 //! | `--grace S` | after the first rank fails, how long the others may take to exit by themselves (default 5) |
 //! | `--no-prefix` | pass the ranks' output through without the `[R] ` prefix |
@@ -84,7 +84,7 @@
 //! | `FERROCCL_STORE` | `ip:port` of the bootstrap store, e.g. `127.0.0.1:40321` |
 //! | `FERROCCL_TOKEN` | the job's secret: 64 hex digits; every store and mesh connection proves it knows it |
 //! | `FERROCCL_LAUNCHER_PID` | the runner's pid; FerroCCL ranks fail promptly if it dies |
-//! | `FERROCCL_TRANSPORT` | only with `--transport`: `auto`, `shm` or `tcp` |
+//! | `FERROCCL_TRANSPORT` | only with `--transport`: `auto`, `shm`, `tcp` or `verbs` |
 //!
 //! Everything else in the runner's environment is passed on unchanged.
 //!
@@ -118,7 +118,7 @@ use signal_hook::iterator::Signals;
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str =
-    "usage: ferroccl-run -n N [--transport auto|shm|tcp] [--timeout S] [--grace S] [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]";
+    "usage: ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S] [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]";
 
 /// The most ranks one job may have.
 pub const MAX_RANKS: usize = 1024;
@@ -151,7 +151,7 @@ usage: ferroccl-run -n N [OPTIONS] -- PROGRAM [ARGS...]
 
 options:
   -n N, --nproc N          number of ranks (1 to 1024), required
-  --transport auto|shm|tcp set FERROCCL_TRANSPORT for every rank
+  --transport auto|shm|tcp|verbs set FERROCCL_TRANSPORT for every rank
   --timeout S              kill the job after S seconds (exit 124)
   --grace S                after a rank fails, let the others exit on their own for
                            S seconds before SIGTERM/SIGKILL (default 5)
@@ -189,7 +189,7 @@ pub enum ArgError {
         expected: &'static str,
     },
     /// `--transport` names no known transport.
-    #[error("--transport {0:?}: must be one of auto, shm, tcp")]
+    #[error("--transport {0:?}: must be one of auto, shm, tcp, verbs")]
     BadTransport(String),
     /// An option that takes a value came last.
     #[error("{0} needs a value")]
@@ -210,7 +210,7 @@ pub enum ArgError {
 pub struct Options {
     /// Number of ranks.
     pub nranks: usize,
-    /// `--transport`, lower-cased (`auto`, `shm` or `tcp`).
+    /// `--transport`, lower-cased (`auto`, `shm`, `tcp` or `verbs`).
     pub transport: Option<String>,
     /// `--timeout`.
     pub timeout: Option<Duration>,
@@ -294,7 +294,7 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
             "--transport" => {
                 let v = value(&mut i)?;
                 let t = v.trim().to_ascii_lowercase();
-                if !matches!(t.as_str(), "auto" | "shm" | "tcp") {
+                if !matches!(t.as_str(), "auto" | "shm" | "tcp" | "verbs") {
                     return Err(ArgError::BadTransport(v));
                 }
                 transport = Some(t);

@@ -17,11 +17,18 @@
 //! implementations, and all the protocol layer relies on).
 //!
 //! Implementations: [`shm`] (same host: rings in shared memory for messages and small
-//! writes, single-copy `process_vm_readv` pulls for large ones) and [`tcp`] (one socket per
-//! peer, a reader thread landing writes straight into registered memory).
+//! writes, single-copy `process_vm_readv` pulls for large ones), [`tcp`] (one socket per
+//! peer, a reader thread landing writes straight into registered memory) and [`verbs`]
+//! (one RC queue pair per peer, RDMA WRITE WITH IMMEDIATE into registered memory; only
+//! with the `verbs` cargo feature, otherwise its types are uninhabited).
 
 pub(crate) mod shm;
 pub(crate) mod tcp;
+#[cfg(feature = "verbs")]
+pub(crate) mod verbs;
+#[cfg(not(feature = "verbs"))]
+#[path = "verbs_off.rs"]
+pub(crate) mod verbs;
 
 use std::time::Instant;
 
@@ -30,7 +37,8 @@ use ferroccl_mem::region::RegionHandle;
 use crate::error::Result;
 
 /// What a peer needs to write into one of our registered regions: the verbs (addr, len,
-/// rkey) triple. `key` names the registration in the owning process.
+/// rkey) triple. `key` names the registration in the owning process (for a verbs peer it
+/// is the memory region's rkey).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RemoteBuf {
     pub(crate) addr: u64,
@@ -43,14 +51,16 @@ pub(crate) struct RemoteBuf {
 pub(crate) enum Endpoint {
     Shm(shm::ShmEndpoint),
     Tcp(tcp::TcpEndpoint),
+    Verbs(verbs::VerbsEndpoint),
 }
 
 impl Endpoint {
-    /// `shm` or `tcp`.
+    /// `shm`, `tcp` or `verbs`.
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Endpoint::Shm(_) => "shm",
             Endpoint::Tcp(_) => "tcp",
+            Endpoint::Verbs(_) => "verbs",
         }
     }
 
@@ -59,6 +69,7 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.max_send(),
             Endpoint::Tcp(e) => e.max_send(),
+            Endpoint::Verbs(e) => e.max_send(),
         }
     }
 
@@ -68,6 +79,7 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.post_send(msg, deadline, poll),
             Endpoint::Tcp(e) => e.post_send(msg, deadline),
+            Endpoint::Verbs(e) => e.post_send(msg, deadline, poll),
         }
     }
 
@@ -77,6 +89,7 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.post_send2(head, body, deadline, poll),
             Endpoint::Tcp(e) => e.post_send2(head, body, deadline),
+            Endpoint::Verbs(e) => e.post_send2(head, body, deadline, poll),
         }
     }
 
@@ -88,6 +101,8 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.post_write(w, deadline, poll),
             Endpoint::Tcp(e) => e.post_write(w, deadline).map(|()| WriteTicket::Done),
+            // The source is copied into staging slots while posting.
+            Endpoint::Verbs(e) => e.post_write(w, deadline, poll).map(|()| WriteTicket::Done),
         }
     }
 
@@ -97,6 +112,7 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::invalid("ring full"))),
             Endpoint::Tcp(e) => e.try_post_send_now(msg, deadline),
+            Endpoint::Verbs(e) => e.try_post_send_now(msg),
         }
     }
 
@@ -105,6 +121,7 @@ impl Endpoint {
         match self {
             Endpoint::Shm(_) => {}
             Endpoint::Tcp(e) => e.cut(),
+            Endpoint::Verbs(e) => e.cut(),
         }
     }
 
@@ -113,7 +130,24 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.close(deadline, poll),
             Endpoint::Tcp(e) => e.close(deadline),
+            Endpoint::Verbs(e) => e.close(deadline, poll),
         }
+    }
+}
+
+/// What a receiver holds while a peer may write into its advertised range: nothing for
+/// shm and tcp (their writes are landed by this process, through the region's checks); for
+/// verbs, the memory region over that range, whose drop deregisters it and releases the
+/// range. It must be dropped inside the region's scope (it is: receive operations live
+/// inside `with_region`, and a leaked one makes the scope wait, never unsound).
+#[derive(Debug, Default)]
+pub(crate) struct Registration {
+    _mr: Option<verbs::UserMr>,
+}
+
+impl Registration {
+    pub(crate) fn verbs(mr: verbs::UserMr) -> Registration {
+        Registration { _mr: Some(mr) }
     }
 }
 

@@ -38,7 +38,7 @@ fn main() {
 /// One measured pair: (rank, peer, size, seconds per one-way transfer, transport code).
 type Row = (usize, usize, usize, f64, usize);
 
-const TRANSPORTS: [&str; 3] = ["shm", "tcp", "?"];
+const TRANSPORTS: [&str; 4] = ["shm", "tcp", "verbs", "?"];
 
 /// Times `iters` ping-pongs of `size` bytes with `p` and returns the one-way time.
 fn pingpong(comm: &Communicator, p: usize, size: usize, iters: usize, seed: u64) -> R<f64> {
@@ -109,7 +109,7 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
         for round in 0..rounds(n) {
             if let Some(p) = partner(n, round, me) {
                 let t = pingpong(comm, p, size, iters, 100 + si as u64)?;
-                let code = TRANSPORTS.iter().position(|&x| Some(x) == comm.transport_to(p)).unwrap_or(2);
+                let code = TRANSPORTS.iter().position(|&x| Some(x) == comm.transport_to(p)).unwrap_or(3);
                 rows.push((me, p, size, t, code));
             }
             comm.barrier()?;
@@ -144,7 +144,7 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
     for a in 0..n {
         for b in (a + 1)..n {
             let pair = |c: &&[f64]| (c[0] as usize, c[1] as usize) == (a, b) || (c[0] as usize, c[1] as usize) == (b, a);
-            let transport = all.chunks_exact(5).find(pair).map(|c| TRANSPORTS[(c[4] as usize).min(2)]).unwrap_or("?");
+            let transport = all.chunks_exact(5).find(pair).map(|c| TRANSPORTS[(c[4] as usize).min(3)]).unwrap_or("?");
             print!("{:<16} {:<10}", format!("rank {a} <-> {b}"), transport);
             for &s in &sizes {
                 let ts: Vec<f64> = all.chunks_exact(5).filter(|c| c[2] as usize == s && pair(c)).map(|c| c[3]).collect();

@@ -1,0 +1,894 @@
+//! RDMA verbs transport: one reliable-connected queue pair per peer (the QP mesh), data
+//! and notification in one RDMA WRITE WITH IMMEDIATE.
+//!
+//! # Wire
+//!
+//! Every work request that the peer must notice is an RDMA WRITE WITH IMMEDIATE; the
+//! receiver keeps zero-length receives posted (one is consumed per immediate) and learns
+//! what arrived from the 32-bit immediate:
+//!
+//! | immediate | meaning |
+//! | --- | --- |
+//! | `0xxx...` (top bit clear) | a one-sided write ([`VerbsEndpoint::post_write`]) has landed; the value is the caller's immediate (31 bits: the fabric's immediates are) |
+//! | `100` + 29-bit length | a two-sided message of that length landed in the next eager slot |
+//! | `101` + 29-bit count | the peer consumed that many more of our messages (credits back) |
+//! | `110` | the peer closes cleanly (goodbye) |
+//! | `111` | keepalive: nothing to do (its failure is what counts) |
+//!
+//! # Memory
+//!
+//! * **Eager slots.** Each side of each connection has [`SLOTS`] receive slots of
+//!   [`SLOT_BYTES`] in one registered region, advertised to the peer at setup; the
+//!   sender copies a message into its own registered send slot and writes it into the
+//!   peer's slot of the same index (slots are used in order, so the index is implicit).
+//!   **Credits:** a sender posts message `k` only when message `k - SLOTS` has completed
+//!   locally (its send slot is free) and the receiver has handed the slot back; the
+//!   receiver copies each message out as soon as it polls it and returns credits in
+//!   batches of `SLOTS / 2`. A sender can never overrun the receiver's slots.
+//! * **Rendezvous targets (zero copy).** The receiver registers exactly the range it
+//!   advertises in its clear-to-send ([`register_user`]): the memory region holds a
+//!   [`RegionLease`](ferroccl_mem::RegionLease) on the caller's region, which keeps the
+//!   region's scope (`with_region`) from ending while the device may write the bytes.
+//!   The receive operation drops the memory region (deregistering it, then releasing the
+//!   lease) as soon as the write's immediate is seen, or when it is dropped on an error
+//!   path, always inside the scope. The lease takes no byte-range lock (local steps view
+//!   whole buffers); the schedule leaves a receive's bytes alone until it has completed.
+//! * **Write sources (one copy).** The sender copies the source through registered
+//!   staging slots ([`STAGE_SLOTS`] x [`STAGE_BYTES`] per process) and writes from there.
+//!   So `post_write` returns with the source free to reuse, and the call's scope never has
+//!   to wait for a send completion; the cost is one memcpy on the sending side, and no
+//!   `ibv_reg_mr` per transfer. (Registering sources, with a registration cache, is the
+//!   zero-copy follow-up.)
+//!
+//! # Progress and failures
+//!
+//! One completion queue per process, polled by [`VerbsNet::poll`] from `Fabric::progress`
+//! (every round of every wait); polling allocates nothing unless a message arrives
+//! (delivered as a `Vec`). A failed completion (the peer's QP is gone: retry exceeded,
+//! remote access error, flush) fails the peer with the verbs status named. A peer
+//! process that dies on the same host is also seen by the fabric's process watch. On
+//! another host nothing but traffic can tell: so every [`PING_EVERY`] the completion
+//! thread posts a zero-length keepalive to each peer with nothing in flight, and a dead
+//! peer's queue pair, gone with its process, makes that keepalive fail after the
+//! transport's retries (7 tries of 4.096 us x 2^`FERROCCL_IB_TIMEOUT`: about 7.5 s at the
+//! default 18, NCCL's default too; shorter ones fail live peers behind a stalled link) instead of
+//! leaving a waiter to its deadline. A stopped (not dead) peer still ACKs (the NIC or the
+//! kernel answers), so it is caught by the deadline, as with tcp.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use ferroccl_mem::region::RegionHandle;
+use ferroccl_verbs::{
+    Access, Completion, CompletionQueue, ConnectInfo, Context, DeviceList, MemoryRegion, Mtu, ProtectionDomain, QpOptions, QueuePair,
+    ReadyToSend, RemoteSlice, WcOpcode,
+};
+
+use crate::bootstrap::StoreClient;
+use crate::error::{Error, Result};
+use crate::fabric::Shared;
+use crate::params::Params;
+use crate::transport::{RemoteBuf, WriteReq};
+use crate::wire::{Reader, Writer};
+
+/// Eager receive slots per peer (and send slots: one each).
+pub(crate) const SLOTS: usize = 8;
+/// Bytes per eager slot: a 64 KiB eager message plus its protocol header fits.
+pub(crate) const SLOT_BYTES: usize = 68 << 10;
+/// Staging slots for write sources, shared by all peers of the process.
+pub(crate) const STAGE_SLOTS: usize = 8;
+/// Bytes per staging slot: the largest piece one RDMA WRITE carries.
+pub(crate) const STAGE_BYTES: usize = 256 << 10;
+const SQ_DEPTH: u32 = 128;
+/// How long the completion thread sleeps before it looks at its stop flag.
+const WAKER_NAP: Duration = Duration::from_millis(50);
+/// How long `cut` waits for the peer to acknowledge the fabric's last word.
+const CUT_WAIT: Duration = Duration::from_millis(100);
+/// How often idle peers get a keepalive (see the module docs).
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
+const RQ_DEPTH: u32 = 256;
+
+const IMM_CTRL: u32 = 1 << 31;
+const IMM_KIND_SHIFT: u32 = 29;
+const IMM_LOW: u32 = (1 << IMM_KIND_SHIFT) - 1;
+const KIND_MSG: u32 = 0;
+const KIND_CREDIT: u32 = 1;
+const KIND_BYE: u32 = 2;
+const KIND_PING: u32 = 3;
+
+const WR_RECV: u64 = 1;
+const WR_MSG: u64 = 2;
+const WR_STAGE: u64 = 3;
+const WR_CTRL: u64 = 4;
+
+fn wr_id(kind: u64, peer: usize, extra: u32) -> u64 {
+    (kind << 56) | ((peer as u64 & 0xff_ffff) << 32) | u64::from(extra)
+}
+
+fn wr_parts(id: u64) -> (u64, usize, u32) {
+    (id >> 56, ((id >> 32) & 0xff_ffff) as usize, id as u32)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn verr(rank: usize, what: impl Into<String>) -> impl FnOnce(ferroccl_verbs::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Verbs { rank, what, source }
+}
+
+/// An opened, usable device: what a rank advertises before the mesh is built.
+#[derive(Debug)]
+pub(crate) struct VerbsDevice {
+    ctx: Context,
+    gid_index: u8,
+    /// `FERROCCL_IB_TIMEOUT`.
+    ack_timeout: u8,
+}
+
+impl VerbsDevice {
+    /// Opens `FERROCCL_IB_DEV` (or the first device) and checks that port 1 is active
+    /// and has a usable GID. Every failure says why verbs cannot be used here.
+    pub(crate) fn open(rank: usize, params: &Params) -> Result<VerbsDevice> {
+        let list = DeviceList::new().map_err(verr(rank, "list RDMA devices"))?;
+        let dev = match &params.ib_dev {
+            Some(name) => list.find(name).map_err(verr(rank, "FERROCCL_IB_DEV"))?,
+            None => list.iter().next().ok_or(ferroccl_verbs::Error::NoDevice).map_err(verr(rank, "find an RDMA device"))?,
+        };
+        let name = dev.name();
+        let ctx = dev.open().map_err(verr(rank, format!("open RDMA device {name}")))?;
+        let port = ctx.query_port(1).map_err(verr(rank, format!("query port 1 of {name}")))?;
+        if port.state != ferroccl_verbs::PortState::Active {
+            return Err(Error::Transport {
+                rank,
+                peer: usize::MAX,
+                transport: "verbs",
+                what: format!("port 1 of RDMA device {name} is not active ({:?})", port.state),
+            });
+        }
+        let gid_index = match params.ib_gid_index {
+            Some(i) => i,
+            None => {
+                // RoCE: an IPv4-mapped GID, RoCE v2 if the port says which (NICs list a v1
+                // and a v2 entry per address); InfiniBand: index 0.
+                let n = u8::try_from(port.gid_table_len.clamp(0, 255)).unwrap_or(u8::MAX);
+                let ipv4: Vec<u8> = (0..n).filter(|&i| ctx.query_gid(1, i).is_ok_and(|g| g.ipv4().is_some())).collect();
+                let v2 = |i: &&u8| {
+                    std::fs::read_to_string(format!("/sys/class/infiniband/{name}/ports/1/gid_attrs/types/{i}"))
+                        .is_ok_and(|t| t.trim().eq_ignore_ascii_case("RoCE v2"))
+                };
+                ipv4.iter().find(v2).or(ipv4.first()).copied().unwrap_or(0)
+            }
+        };
+        Ok(VerbsDevice { ctx, gid_index, ack_timeout: params.ib_timeout })
+    }
+
+    /// The device's name, advertised in the rank's descriptor.
+    pub(crate) fn name(&self) -> String {
+        self.ctx.name().to_string()
+    }
+}
+
+/// The remote side of one peer's eager ring.
+#[derive(Debug, Clone, Copy)]
+struct RemoteRing {
+    addr: u64,
+    rkey: u32,
+}
+
+#[derive(Debug, Default)]
+struct PeerState {
+    /// Messages posted to the peer.
+    sent: u64,
+    /// Of those, how many completed locally (their send slot is free again).
+    msg_done: u64,
+    /// How many of our messages the peer has consumed (credits it returned).
+    credits: u64,
+    /// Messages consumed from the peer, and how many of those we have credited back.
+    consumed: u64,
+    returned: u64,
+    /// Send work requests outstanding on the QP.
+    sq_used: u32,
+    /// Set by `cut` or a failed completion: nothing more is posted.
+    dead: bool,
+    /// The peer said goodbye: no keepalives any more.
+    bye: bool,
+    /// `cut` waits until `msg_done` reaches this (the `ERR` it follows).
+    flush_until: u64,
+}
+
+#[derive(Debug)]
+struct Peer {
+    peer: usize,
+    qp: QueuePair<ReadyToSend>,
+    send_ring: MemoryRegion,
+    recv_ring: MemoryRegion,
+    remote: RemoteRing,
+    st: Mutex<PeerState>,
+}
+
+/// The process's verbs resources: device, protection domain, one completion queue, the
+/// staging slots and every peer's queue pair and eager rings.
+#[derive(Debug)]
+pub(crate) struct VerbsNet {
+    rank: usize,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    stage: MemoryRegion,
+    /// Bit i set: staging slot i is free.
+    stage_free: Mutex<u64>,
+    peers: Vec<Option<Peer>>,
+    /// Completions polled in one go; preallocated so that polling does not allocate.
+    polled: Mutex<Vec<Completion>>,
+    credits_owed: AtomicBool,
+    shared: Arc<Shared>,
+    /// The thread that sleeps on the completion channel and rings the fabric's doorbell.
+    waker_stop: Arc<AtomicBool>,
+    waker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for VerbsNet {
+    fn drop(&mut self) {
+        self.waker_stop.store(true, Ordering::Release);
+        if let Some(h) = lock(&self.waker).take() {
+            // The completion thread may hold the last reference for a moment (keepalive):
+            // then it is the one dropping, and it ends by itself.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// Sleeps until the completion queue has news and then rings the fabric's doorbell, so a
+/// waiter parked on it (the wait loop's last backoff stage) wakes for verbs completions as
+/// it does for shm and tcp traffic. Arm, ring, sleep: a completion that arrived before the
+/// arming is covered by the ring after it (the woken waiter polls the queue itself).
+/// It also sends the keepalives, through a weak reference (the mesh owns the thread).
+fn wake_loop(
+    chan: &ferroccl_verbs::CompletionChannel,
+    cq: &CompletionQueue,
+    shared: &Shared,
+    stop: &AtomicBool,
+    net: &std::sync::Weak<VerbsNet>,
+) {
+    let mut pinged = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        if cq.req_notify().is_err() {
+            return;
+        }
+        shared.notify();
+        if chan.wait(cq, WAKER_NAP).is_err() {
+            return;
+        }
+        if pinged.elapsed() >= PING_EVERY {
+            pinged = Instant::now();
+            match net.upgrade() {
+                Some(n) => n.ping_idle(),
+                None => return,
+            }
+        }
+    }
+}
+
+/// One queue pair before it is connected.
+struct Prepared {
+    peer: usize,
+    qp: QueuePair<ferroccl_verbs::Init>,
+    send_ring: MemoryRegion,
+    recv_ring: MemoryRegion,
+    /// This port's active MTU.
+    mtu: Mtu,
+}
+
+impl VerbsNet {
+    /// Builds the QP mesh to `peers` (world ranks): creates a queue pair and eager rings
+    /// per peer, exchanges (QPN, PSN, LID, GID, ring address and key) through the store,
+    /// connects, and waits until every peer is connected too, so that no work request
+    /// reaches a queue pair that is not ready.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        dev: VerbsDevice,
+        rank: usize,
+        peers: &[usize],
+        store: &StoreClient,
+        key_prefix: &str,
+        size: usize,
+        deadline: Instant,
+        shared: Arc<Shared>,
+    ) -> Result<Arc<VerbsNet>> {
+        // A rank that fails here publishes why (in place of its connect info, or of its
+        // ready mark), so that its peers fail at once with the reason instead of waiting.
+        let info_key = format!("{key_prefix}/verbs/{rank}");
+        let ready_key = format!("{key_prefix}/verbs-ready/{rank}");
+        let publish_err = |key: &str, e: &Error| {
+            let mut w = Writer::new();
+            w.u8(TAG_ERR).str(&e.to_string());
+            let _ = store.set(key, &w.finish());
+        };
+        let (pd, cq, chan, stage, prepared, blob) = match Self::prepare(&dev, rank, peers) {
+            Ok(x) => x,
+            Err(e) => {
+                publish_err(&info_key, &e);
+                return Err(e);
+            }
+        };
+        store.set(&info_key, &blob)?;
+        let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs/{p}")).collect();
+        let blobs = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        let slots = match Self::connect_qps(rank, size, prepared, &blobs) {
+            Ok(s) => s,
+            Err(e) => {
+                publish_err(&ready_key, &e);
+                return Err(e);
+            }
+        };
+        store.set(&ready_key, &[TAG_OK])?;
+        let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs-ready/{p}")).collect();
+        let readies = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        for (&p, b) in peers.iter().zip(&readies) {
+            if let Some(why) = peer_error(b) {
+                return Err(Error::Transport { rank, peer: p, transport: "verbs", what: format!("rank {p} could not connect: {why}") });
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let net = Arc::new(VerbsNet {
+            waker_stop: stop.clone(),
+            waker: Mutex::new(None),
+            rank,
+            pd,
+            cq,
+            stage,
+            stage_free: Mutex::new(if STAGE_SLOTS == 64 { u64::MAX } else { (1u64 << STAGE_SLOTS) - 1 }),
+            peers: slots,
+            polled: Mutex::new(Vec::with_capacity(256)),
+            credits_owed: AtomicBool::new(false),
+            shared: shared.clone(),
+        });
+        let waker = {
+            let (cq, weak) = (net.cq.clone(), Arc::downgrade(&net));
+            std::thread::Builder::new()
+                .name("ferroccl-verbs-cq".into())
+                .spawn(move || wake_loop(&chan, &cq, &shared, &stop, &weak))
+                .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
+        };
+        *lock(&net.waker) = Some(waker);
+        Ok(net)
+    }
+
+    /// Creates the protection domain, the completion queue and channel, the staging slots,
+    /// and per peer a queue pair (receives posted) with its eager slots; returns them and
+    /// this rank's connect blob.
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        dev: &VerbsDevice,
+        rank: usize,
+        peers: &[usize],
+    ) -> Result<(ProtectionDomain, CompletionQueue, ferroccl_verbs::CompletionChannel, MemoryRegion, Vec<Prepared>, Vec<u8>)> {
+        let ctx = &dev.ctx;
+        let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
+        let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
+        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
+        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
+        let stage = pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
+        let options = QpOptions {
+            gid_index: dev.gid_index,
+            max_send_wr: SQ_DEPTH,
+            max_recv_wr: RQ_DEPTH,
+            remote_access: Access::REMOTE_WRITE,
+            // Dead peers must be noticed: retry transport errors a bounded number of
+            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
+            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
+            // keepalive to a dead peer then never fails.
+            retry_cnt: 6,
+            timeout: dev.ack_timeout,
+            rnr_retry: 7,
+            ..QpOptions::default()
+        };
+        // Both ends of a queue pair must use one path MTU: each publishes its port's, and
+        // each uses the smaller of the two.
+        let mtu = ctx.query_port(1).map_err(verr(rank, "query port 1"))?.active_mtu;
+        let mut prepared = Vec::with_capacity(peers.len());
+        let mut blob = Writer::new();
+        blob.u8(TAG_OK);
+        for &p in peers {
+            let qp = pd.create_rc_qp(&cq, &cq, &options).map_err(verr(rank, format!("create a queue pair for rank {p}")))?;
+            let send_ring =
+                pd.alloc_region(SLOTS * SLOT_BYTES, Access::empty()).map_err(verr(rank, format!("register send slots for rank {p}")))?;
+            let recv_ring = pd
+                .alloc_region(SLOTS * SLOT_BYTES, Access::REMOTE_WRITE)
+                .map_err(verr(rank, format!("register receive slots for rank {p}")))?;
+            for _ in 0..RQ_DEPTH {
+                qp.post_recv_empty(wr_id(WR_RECV, p, 0)).map_err(verr(rank, format!("post receives for rank {p}")))?;
+            }
+            let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
+            let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
+            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey).u32(mtu.bytes());
+            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring, mtu });
+        }
+        Ok((pd, cq, chan, stage, prepared, blob.finish()))
+    }
+
+    /// Connects every prepared queue pair to its peer's (RTR, then RTS).
+    fn connect_qps(rank: usize, size: usize, prepared: Vec<Prepared>, blobs: &[Vec<u8>]) -> Result<Vec<Option<Peer>>> {
+        let mut slots: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
+        for (prep, b) in prepared.into_iter().zip(blobs) {
+            let p = prep.peer;
+            if let Some(why) = peer_error(b) {
+                return Err(Error::Transport {
+                    rank,
+                    peer: p,
+                    transport: "verbs",
+                    what: format!("rank {p} could not set up verbs: {why}"),
+                });
+            }
+            let bad = |what: String| Error::protocol(format!("rank {p}"), format!("verbs connect info: {what}"));
+            let (info, remote, their_mtu) = find_entry(b, rank)
+                .map_err(|e| bad(e.to_string()))?
+                .ok_or_else(|| bad(format!("no queue pair for rank {rank} (FERROCCL_TRANSPORT differs between ranks?)")))?;
+            let their_mtu = Mtu::from_bytes(their_mtu).ok_or_else(|| bad(format!("path MTU {their_mtu}")))?;
+            let mtu = if their_mtu.bytes() < prep.mtu.bytes() { their_mtu } else { prep.mtu };
+            let qp = prep
+                .qp
+                .ready_to_receive_with_mtu(&info, Some(mtu))
+                .and_then(|q| q.ready_to_send())
+                .map_err(verr(rank, format!("connect the queue pair to rank {p}")))?;
+            slots[p] = Some(Peer {
+                peer: p,
+                qp,
+                send_ring: prep.send_ring,
+                recv_ring: prep.recv_ring,
+                remote,
+                st: Mutex::new(PeerState::default()),
+            });
+        }
+        Ok(slots)
+    }
+
+    /// Posts a keepalive to every peer with nothing in flight (see the module docs).
+    fn ping_idle(&self) {
+        for pe in self.peers.iter().flatten() {
+            let mut st = lock(&pe.st);
+            if st.dead || st.bye || st.sq_used > 0 {
+                continue;
+            }
+            if post_ctrl(pe, IMM_CTRL | (KIND_PING << IMM_KIND_SHIFT)).is_ok() {
+                st.sq_used += 1;
+            }
+        }
+    }
+
+    fn peer(&self, p: usize) -> Result<&Peer> {
+        self.peers
+            .get(p)
+            .and_then(|x| x.as_ref())
+            .ok_or_else(|| Error::invalid(format!("rank {}: internal: no verbs queue pair to rank {p}", self.rank)))
+    }
+
+    fn fail(&self, peer: usize, what: String) {
+        if let Some(Some(pe)) = self.peers.get(peer) {
+            lock(&pe.st).dead = true;
+        }
+        self.shared.peer_failed(peer, what);
+    }
+
+    /// Drains the completion queue: lands messages, immediates, credits and goodbyes in
+    /// the fabric's event state, frees slots whose sends completed. Returns whether
+    /// anything happened. A failed completion fails its peer (the fabric's fatal state).
+    pub(crate) fn poll(&self) -> Result<bool> {
+        // One poller at a time; a thread that finds another polling has nothing to do.
+        let Ok(mut out) = self.polled.try_lock() else { return Ok(false) };
+        out.clear();
+        let cap = out.capacity();
+        let n = self.cq.poll(&mut out, cap).map_err(verr(self.rank, "poll the completion queue"))?;
+        let mut delivered = false;
+        for c in out.drain(..) {
+            delivered |= self.complete(c);
+        }
+        drop(out);
+        if self.credits_owed.swap(false, Ordering::AcqRel) {
+            for pe in self.peers.iter().flatten() {
+                self.return_credits(pe);
+            }
+        }
+        if delivered {
+            self.shared.notify();
+        }
+        Ok(n > 0)
+    }
+
+    /// Handles one completion; returns whether an event was delivered.
+    fn complete(&self, c: Completion) -> bool {
+        let (kind, p, extra) = wr_parts(c.wr_id);
+        let Some(Some(pe)) = self.peers.get(p) else { return false };
+        if kind != WR_RECV {
+            let mut st = lock(&pe.st);
+            st.sq_used = st.sq_used.saturating_sub(1);
+            match kind {
+                WR_MSG => st.msg_done += 1,
+                WR_STAGE => {
+                    drop(st);
+                    *lock(&self.stage_free) |= 1u64 << extra;
+                }
+                _ => {}
+            }
+        }
+        if !c.status.is_success() {
+            let what = match kind {
+                WR_RECV => "a receive",
+                WR_MSG => "an RDMA WRITE WITH IMMEDIATE (message)",
+                WR_STAGE => "an RDMA WRITE (one-sided data)",
+                _ => "an RDMA WRITE WITH IMMEDIATE (control)",
+            };
+            self.fail(
+                p,
+                format!(
+                    "is unreachable over verbs: {what} completed with {} (vendor error {:#x}; peer died or its queue pair is gone?)",
+                    c.status, c.vendor_err
+                ),
+            );
+            return true;
+        }
+        if kind != WR_RECV {
+            return false;
+        }
+        if let Err(e) = pe.qp.post_recv_empty(wr_id(WR_RECV, p, 0)) {
+            self.fail(p, format!("could not be received from: ibv_post_recv failed: {e}"));
+            return true;
+        }
+        let Some(imm) = c.imm.filter(|_| c.opcode == WcOpcode::RecvRdmaWithImm) else {
+            self.fail(p, "sent a work request without an immediate".into());
+            return true;
+        };
+        if imm & IMM_CTRL == 0 {
+            self.shared.write_imm(p, imm);
+            return true;
+        }
+        let low = imm & IMM_LOW;
+        match (imm & !IMM_CTRL) >> IMM_KIND_SHIFT {
+            KIND_MSG => {
+                let len = low as usize;
+                let slot = {
+                    let st = lock(&pe.st);
+                    (st.consumed % SLOTS as u64) as usize
+                };
+                if len > SLOT_BYTES {
+                    self.fail(p, format!("sent a {len}-byte message, over the {SLOT_BYTES}-byte slot"));
+                    return true;
+                }
+                let mut msg = vec![0u8; len];
+                pe.recv_ring.read(slot * SLOT_BYTES, &mut msg);
+                {
+                    let mut st = lock(&pe.st);
+                    st.consumed += 1;
+                }
+                self.shared.deliver_msg(p, msg);
+                self.return_credits(pe);
+            }
+            KIND_CREDIT => lock(&pe.st).credits += u64::from(low),
+            KIND_BYE => {
+                lock(&pe.st).bye = true;
+                self.shared.peer_closed(p);
+            }
+            KIND_PING => {}
+            k => self.fail(p, format!("sent an unknown verbs control kind {k}")),
+        }
+        true
+    }
+
+    /// Hands consumed slots back to the peer, in batches of `SLOTS / 2` (a sender that
+    /// waits for credits has all `SLOTS` messages in flight, so every batch fills). If the
+    /// send queue is full now, the next poll tries again.
+    fn return_credits(&self, pe: &Peer) {
+        let mut st = lock(&pe.st);
+        let owed = st.consumed - st.returned;
+        if st.dead || owed < (SLOTS / 2) as u64 {
+            return;
+        }
+        if st.sq_used >= SQ_DEPTH {
+            self.credits_owed.store(true, Ordering::Release);
+            return;
+        }
+        let imm = IMM_CTRL | (KIND_CREDIT << IMM_KIND_SHIFT) | (owed as u32 & IMM_LOW);
+        match post_ctrl(pe, imm) {
+            Ok(()) => {
+                st.returned += owed;
+                st.sq_used += 1;
+            }
+            Err(e) => {
+                drop(st);
+                self.fail(pe.peer, format!("could not be sent credits: {e}"));
+            }
+        }
+    }
+
+    /// Takes a free staging slot, polling while none is free.
+    fn take_stage(&self, peer: usize, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<u32> {
+        let start = Instant::now();
+        loop {
+            {
+                let mut free = lock(&self.stage_free);
+                if *free != 0 {
+                    let i = free.trailing_zeros();
+                    *free &= !(1u64 << i);
+                    return Ok(i);
+                }
+            }
+            self.wait_round(peer, "verbs write (waiting for a staging slot)", start, deadline, poll)?;
+        }
+    }
+
+    fn wait_round(&self, peer: usize, op: &str, start: Instant, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        poll()?;
+        self.poll()?;
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                rank: self.rank,
+                op: op.into(),
+                after: start.elapsed(),
+                waiting_for: vec![format!("rank {peer}")],
+            });
+        }
+        std::thread::yield_now();
+        Ok(())
+    }
+}
+
+/// Posts a zero-length WRITE WITH IMMEDIATE carrying control information.
+fn post_ctrl(pe: &Peer, imm: u32) -> ferroccl_verbs::Result<()> {
+    let target = RemoteSlice { addr: pe.remote.addr, len: 0, rkey: pe.remote.rkey };
+    pe.qp.post_write_imm_empty(wr_id(WR_CTRL, pe.peer, 0), target, imm)
+}
+
+/// First byte of a published connect blob or ready mark: the rest is the data, or the
+/// reason the rank could not go on.
+const TAG_OK: u8 = 1;
+const TAG_ERR: u8 = 2;
+
+/// The reason a peer published instead of its data, if it did.
+fn peer_error(b: &[u8]) -> Option<String> {
+    let mut r = Reader::new(b);
+    match r.u8() {
+        Ok(TAG_ERR) => Some(r.str().map(str::to_string).unwrap_or_else(|_| "(unreadable reason)".into())),
+        _ => None,
+    }
+}
+
+/// Decodes a peer's connect blob and picks the entry for `me`.
+fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, RemoteRing, u32)>> {
+    let mut r = Reader::new(b);
+    if r.u8()? != TAG_OK {
+        return Err(crate::wire::DecodeError("unknown verbs connect blob tag".into()));
+    }
+    let mut found = None;
+    while r.remaining() > 0 {
+        let p = r.u32()? as usize;
+        let info = r.raw(ConnectInfo::LEN)?;
+        let (addr, rkey, mtu) = (r.u64()?, r.u32()?, r.u32()?);
+        if p == me {
+            let info = ConnectInfo::from_bytes(info).map_err(|e| crate::wire::DecodeError(e.to_string()))?;
+            found = Some((info, RemoteRing { addr, rkey }, mtu));
+        }
+    }
+    Ok(found)
+}
+
+/// A memory region over a receive target: the rendezvous registration of a verbs peer.
+pub(crate) type UserMr = MemoryRegion;
+
+/// Registers `[offset, offset + len)` of `h` for a peer's RDMA WRITE, leasing the range
+/// (see the module docs) until the returned region drops.
+pub(crate) fn register_user(net: &VerbsNet, h: &RegionHandle, offset: usize, len: usize) -> Result<(RemoteBuf, UserMr)> {
+    let lease = h.lease_mut(offset, len).map_err(|e| Error::invalid(format!("rank {}: verbs receive buffer: {e}", net.rank)))?;
+    let mr = net.pd.register_lease(lease, Access::REMOTE_WRITE).map_err(verr(net.rank, format!("register a {len}-byte receive buffer")))?;
+    Ok((RemoteBuf { addr: mr.as_ptr() as u64, len: len as u64, key: u64::from(mr.rkey()) }, mr))
+}
+
+/// This rank's connection to one peer over verbs.
+#[derive(Debug)]
+pub(crate) struct VerbsEndpoint {
+    rank: usize,
+    peer: usize,
+    net: Arc<VerbsNet>,
+}
+
+impl VerbsEndpoint {
+    pub(crate) fn new(net: Arc<VerbsNet>, peer: usize) -> VerbsEndpoint {
+        VerbsEndpoint { rank: net.rank, peer, net }
+    }
+
+    pub(crate) fn net(&self) -> &Arc<VerbsNet> {
+        &self.net
+    }
+
+    pub(crate) fn max_send(&self) -> usize {
+        SLOT_BYTES
+    }
+
+    fn dead_err(&self) -> Error {
+        Error::Transport { rank: self.rank, peer: self.peer, transport: "verbs", what: "the queue pair is cut or failed".into() }
+    }
+
+    /// Sends a message through the next eager slot, waiting (polling) for a credit.
+    pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        self.post_send2(msg, &[], deadline, poll)
+    }
+
+    /// One message, `head` then `body`, copied straight into a send slot.
+    pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        let pe = self.net.peer(self.peer)?;
+        let start = Instant::now();
+        loop {
+            match self.try_send(pe, head, body)? {
+                true => return Ok(()),
+                false => self.net.wait_round(self.peer, "verbs send (waiting for a credit)", start, deadline, poll)?,
+            }
+        }
+    }
+
+    /// Posts `msg` if a slot and a send-queue entry are free now.
+    fn try_send(&self, pe: &Peer, head: &[u8], body: &[u8]) -> Result<bool> {
+        let len = head.len() + body.len();
+        if len > SLOT_BYTES {
+            return Err(Error::invalid(format!("verbs message of {len} bytes exceeds the {SLOT_BYTES}-byte slot")));
+        }
+        let mut st = lock(&pe.st);
+        if st.dead {
+            return Err(self.dead_err());
+        }
+        let free_from = st.msg_done.min(st.credits);
+        if st.sent - free_from >= SLOTS as u64 || st.sq_used >= SQ_DEPTH {
+            return Ok(false);
+        }
+        let slot = (st.sent % SLOTS as u64) as usize;
+        let off = slot * SLOT_BYTES;
+        pe.send_ring.write(off, head);
+        pe.send_ring.write(off + head.len(), body);
+        let remote = RemoteSlice { addr: pe.remote.addr + off as u64, len: len as u32, rkey: pe.remote.rkey };
+        let imm = IMM_CTRL | (KIND_MSG << IMM_KIND_SHIFT) | len as u32;
+        // The send slot is not written again until this work request has completed
+        // (`msg_done` counts it) and the peer has handed the slot back (credits).
+        pe.qp
+            .post_write_from(wr_id(WR_MSG, self.peer, slot as u32), &pe.send_ring, off..off + len, remote, Some(imm), true)
+            .map_err(verr(self.rank, format!("send a message to rank {}", self.peer)))?;
+        st.sent += 1;
+        st.sq_used += 1;
+        Ok(true)
+    }
+
+    /// Sends only if a slot is free now (telling a peer why we give up).
+    /// The message is the fabric's `ERR` before it cuts: [`cut`](Self::cut) waits for it to
+    /// be acknowledged.
+    pub(crate) fn try_post_send_now(&self, msg: &[u8]) -> Result<()> {
+        let pe = self.net.peer(self.peer)?;
+        match self.try_send(pe, msg, &[])? {
+            true => {
+                let mut st = lock(&pe.st);
+                st.flush_until = st.sent;
+                Ok(())
+            }
+            false => Err(Error::invalid("no verbs slot free")),
+        }
+    }
+
+    /// Writes `w` into the peer's registered memory: the source is copied through staging
+    /// slots, each piece an RDMA WRITE, the last one WITH IMMEDIATE (RC delivers them in
+    /// order, so the immediate means every byte has landed). The source may be reused when
+    /// this returns.
+    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        if w.imm & IMM_CTRL != 0 {
+            return Err(Error::invalid(format!("internal: verbs write immediate {:#x} uses the control bit", w.imm)));
+        }
+        let rkey =
+            u32::try_from(w.dst.key).map_err(|_| Error::invalid(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
+        let pe = self.net.peer(self.peer)?;
+        let start = Instant::now();
+        let mut pos = 0usize;
+        loop {
+            let piece = (w.len - pos).min(STAGE_BYTES);
+            let last = pos + piece == w.len;
+            // Room in the send queue first, so that a taken staging slot is always posted.
+            loop {
+                let st = lock(&pe.st);
+                if st.dead {
+                    return Err(self.dead_err());
+                }
+                if st.sq_used < SQ_DEPTH {
+                    break;
+                }
+                drop(st);
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, poll)?;
+            }
+            let slot = self.net.take_stage(self.peer, deadline, poll)?;
+            let free_slot = || *lock(&self.net.stage_free) |= 1u64 << slot;
+            let off = slot as usize * STAGE_BYTES;
+            let copied = w.src.with_slice(w.offset + pos, piece, |b| self.net.stage.write(off, b));
+            if let Err(e) = copied {
+                free_slot();
+                return Err(Error::invalid(format!("verbs write source: {e}")));
+            }
+            let remote = RemoteSlice { addr: w.dst_addr(pos), len: piece as u32, rkey };
+            let mut st = lock(&pe.st);
+            if st.dead {
+                drop(st);
+                free_slot();
+                return Err(self.dead_err());
+            }
+            if st.sq_used >= SQ_DEPTH {
+                // Another thread filled the send queue meanwhile: try this piece again.
+                drop(st);
+                free_slot();
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, poll)?;
+                continue;
+            }
+            let id = wr_id(WR_STAGE, self.peer, slot);
+            // The staging slot is not written again until this work request's completion
+            // has been polled (which frees it).
+            let posted = pe.qp.post_write_from(id, &self.net.stage, off..off + piece, remote, last.then_some(w.imm), true);
+            if let Err(e) = posted {
+                drop(st);
+                free_slot();
+                return Err(verr(self.rank, format!("write {piece} bytes to rank {}", self.peer))(e));
+            }
+            st.sq_used += 1;
+            drop(st);
+            pos += piece;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Stops posting to the peer (after a fatal error).
+    ///
+    /// First it waits (polling, at most [`CUT_WAIT`]) until the peer has acknowledged the
+    /// message [`try_post_send_now`](Self::try_post_send_now) just posted (the fabric's
+    /// `ERR` with the root cause): once acknowledged, it sits in the peer's completion queue
+    /// ahead of anything our giving up causes there later (a write of theirs refused because
+    /// we deregistered its target puts their queue pair in the error state, and an `ERR`
+    /// arriving after that would be lost), so the peer reports the root cause, not us.
+    pub(crate) fn cut(&self) {
+        let Ok(pe) = self.net.peer(self.peer) else { return };
+        let until = Instant::now() + CUT_WAIT;
+        loop {
+            {
+                let st = lock(&pe.st);
+                if st.dead || st.msg_done >= st.flush_until || Instant::now() >= until {
+                    break;
+                }
+            }
+            let _ = self.net.poll();
+            std::thread::yield_now();
+        }
+        lock(&pe.st).dead = true;
+    }
+
+    /// Says goodbye and waits (polling, until `deadline`) for our sends to the peer to
+    /// complete, so that nothing is in flight when the queue pair goes.
+    pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
+        let Ok(pe) = self.net.peer(self.peer) else { return };
+        {
+            let mut st = lock(&pe.st);
+            if st.dead || st.sq_used >= SQ_DEPTH {
+                return;
+            }
+            if post_ctrl(pe, IMM_CTRL | (KIND_BYE << IMM_KIND_SHIFT)).is_err() {
+                return;
+            }
+            st.sq_used += 1;
+        }
+        let deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+        while Instant::now() < deadline {
+            let _ = poll();
+            let _ = self.net.poll();
+            let st = lock(&pe.st);
+            if st.sq_used == 0 || st.dead {
+                return;
+            }
+            drop(st);
+            std::thread::yield_now();
+        }
+    }
+}
