@@ -5,6 +5,8 @@
 #    verbs_* tests), --test-threads=1;
 # 2. multi-process collectives over verbs (ferroccl-run + ferroccl-selftest coll from
 #    BIN_DIR), 2, 3 and 4 ranks, checked against the reference by every rank;
+#    then the progress engine (non-blocking collectives, plans, groups; ferroccl-selftest
+#    engine) and abort over verbs;
 # 3. a rank SIGKILLed mid-barrier and mid-transfer: every survivor must report an error
 #    naming it, and the launcher must exit with the victim's status;
 # 4. two "hosts" in the VM (rxe0 and rxe1, two-hosts.sh): collectives over a mixed mesh
@@ -42,6 +44,23 @@ coll 2 0,1,7,1000,65537,300000
 coll 3 0,1,7,1000,65537
 coll 4 0,1,7,1000,65537,300000
 coll 2 524288   # 2 MiB of f32 per rank (allgather: 4 MiB out)
+
+# The progress engine over verbs: non-blocking collectives in flight together, persistent
+# plans run many times, a fused group; and abort telling the peer.
+engine() { # engine N
+    local n=$1 t0 out
+    t0=$(( $(date +%s%N) / 1000000 ))
+    out=$("${run[@]}" -n "$n" -- "$selftest" engine --runs 50 2>&1)
+    local st=$?
+    echo "=== engine (non-blocking, plans, groups) over ${run[2]}, $n ranks: exit $st in $(secs "$t0") ms"
+    [ "$st" -eq 0 ] && [ "$(grep -c 'engine ok' <<< "$out")" -eq "$n" ] || { echo "$out" | tail -20; fail "engine, $n ranks"; }
+}
+engine 2
+engine 3
+out=$("${run[@]}" -n 2 -- "$selftest" abort 2>&1)
+st=$?
+echo "=== abort over ${run[2]}: exit $st; $(grep -c 'aborted after' <<< "$out") ranks aborted"
+[ "$st" -eq 0 ] && grep -q 'rank 1 aborted after .*by rank 0' <<< "$out" || { echo "$out" | tail -20; fail "abort over verbs"; }
 
 killed() { # killed DURING [N VICTIM]
     local n=${2:-3} victim=${3:-1} t0 out
