@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S]
-//!              [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]
+//!              [--no-prefix] [--bind] [-v|--verbose] -- PROGRAM [ARGS...]
 //! ```
 //!
 //! | option | meaning |
@@ -17,6 +17,7 @@
 //! | `--timeout S` | wall-clock limit for the whole job, in seconds (a decimal number); none by default |
 //! | `--grace S` | after the first rank fails, how long the others may take to exit by themselves (default 5) |
 //! | `--no-prefix` | pass the ranks' output through without the `[R] ` prefix |
+//! | `--bind` | pin rank r to the (r mod k)-th of the k CPUs the runner may use (as `mpirun --bind-to core`) |
 //! | `-v`, `--verbose` | print the store address, the ranks' pids and the wall time to stderr |
 //! | `-h`, `--help` | print the help and exit 0 |
 //!
@@ -118,7 +119,7 @@ use signal_hook::iterator::Signals;
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str =
-    "usage: ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S] [--no-prefix] [-v|--verbose] -- PROGRAM [ARGS...]";
+    "usage: ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S] [--no-prefix] [--bind] [-v|--verbose] -- PROGRAM [ARGS...]";
 
 /// The most ranks one job may have.
 pub const MAX_RANKS: usize = 1024;
@@ -156,6 +157,9 @@ options:
   --grace S                after a rank fails, let the others exit on their own for
                            S seconds before SIGTERM/SIGKILL (default 5)
   --no-prefix              do not prefix output lines with [RANK]
+  --bind                   pin rank r to the (r mod k)-th of the k CPUs this runner may
+                           use (as mpirun --bind-to core); unpinned, the kernel may keep
+                           two ranks on one core for a whole run
   -v, --verbose            print store address, pids and wall time to stderr
   -h, --help               print this help
 
@@ -218,6 +222,8 @@ pub struct Options {
     pub grace: Duration,
     /// False with `--no-prefix`.
     pub prefix: bool,
+    /// `--bind`: pin rank r to the (r mod k)-th of the k CPUs the runner may use.
+    pub bind: bool,
     /// `-v`.
     pub verbose: bool,
     /// The program each rank runs.
@@ -242,6 +248,7 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
     let mut timeout = None;
     let mut grace = DEFAULT_GRACE;
     let mut prefix = true;
+    let mut bind = false;
     let mut verbose = false;
     let mut program: Option<&[S]> = None;
 
@@ -284,6 +291,7 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
             "-h" | "--help" if inline.is_none() => return Ok(Invocation::Help),
             "-v" | "--verbose" if inline.is_none() => verbose = true,
             "--no-prefix" if inline.is_none() => prefix = false,
+            "--bind" if inline.is_none() => bind = true,
             "-n" | "--nproc" => {
                 let v = value(&mut i)?;
                 match v.trim().parse::<usize>() {
@@ -326,7 +334,7 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
         Some([program, args @ ..]) => (program.as_ref().to_os_string(), args.iter().map(|a| a.as_ref().to_os_string()).collect()),
         _ => return Err(ArgError::MissingProgram),
     };
-    Ok(Invocation::Run(Options { nranks, transport, timeout, grace, prefix, verbose, program, args }))
+    Ok(Invocation::Run(Options { nranks, transport, timeout, grace, prefix, bind, verbose, program, args }))
 }
 
 /// Parses a non-negative, finite number of seconds ("5", "0.25", "1e3").
@@ -452,14 +460,15 @@ fn resolve_program(program: &OsStr) -> io::Result<PathBuf> {
     }
 }
 
-/// The per-rank exec shim: `ferroccl-run __ferroccl-run-exec-rank PARENT_PID PATH ARGV0 ARGS...`.
+/// The per-rank exec shim: `ferroccl-run __ferroccl-run-exec-rank PARENT_PID CPU PATH ARGV0 ARGS...`
+/// (`CPU` is `-` for no binding).
 ///
 /// Asks the kernel to `SIGKILL` this process when its parent (the runner) dies, checks the
-/// runner is still the parent (it may have died before the request), and then replaces
-/// itself with the program. The parent-death signal survives `execve`, so the rank itself
+/// runner is still the parent (it may have died before the request), pins itself to `CPU`
+/// (`--bind`), and then replaces itself with the program. The parent-death signal survives `execve`, so the rank itself
 /// carries it. This keeps `unsafe` out of the runner: no `pre_exec` hook is needed.
 fn exec_rank(args: &[OsString]) -> i32 {
-    let [parent, path, argv @ ..] = args else {
+    let [parent, cpu, path, argv @ ..] = args else {
         eprintln!("ferroccl-run: internal error: bad exec-shim arguments");
         return 1;
     };
@@ -477,6 +486,16 @@ fn exec_rank(args: &[OsString]) -> i32 {
     if parent.is_some_and(|p| nix::unistd::getppid().as_raw() != p) {
         // The runner died before we asked to follow it.
         return 1;
+    }
+    if let Some(cpu) = cpu.to_str().and_then(|c| c.parse::<usize>().ok()) {
+        #[cfg(target_os = "linux")]
+        {
+            let mut set = nix::sched::CpuSet::new();
+            let pinned = set.set(cpu).and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+            if let Err(e) = pinned {
+                eprintln!("ferroccl-run: warning: cannot pin to CPU {cpu}: {e}");
+            }
+        }
     }
     let to_c = |s: &OsStr| CString::new(s.as_bytes()).unwrap_or_default();
     let path_c = to_c(path);
@@ -647,11 +666,12 @@ impl Job {
 
 /// Builds the command for one rank: through the exec shim when this binary can be found
 /// (so the rank dies with the runner), else directly.
-fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>) -> Command {
+fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>, cpu: Option<usize>) -> Command {
     let mut cmd = match shim {
         Some(exe) => {
             let mut c = Command::new(exe);
-            c.arg(EXEC_SHIM_ARG).arg(std::process::id().to_string()).arg(path).arg(&opts.program);
+            c.arg(EXEC_SHIM_ARG).arg(std::process::id().to_string());
+            c.arg(cpu.map_or_else(|| "-".to_string(), |c| c.to_string())).arg(path).arg(&opts.program);
             c
         }
         None => {
@@ -662,6 +682,17 @@ fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>) -> Command {
     };
     cmd.args(&opts.args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     cmd
+}
+
+/// The CPUs this process may run on, in order (for `--bind`).
+fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        if let Ok(set) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
+            return (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect();
+        }
+    }
+    Vec::new()
 }
 
 /// The exec shim is this very binary; only used when it is the `ferroccl-run` launcher
@@ -742,8 +773,13 @@ fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketAddr, job: &
     let shim = shim_exe();
     let launcher_pid = std::process::id().to_string();
     let n = opts.nranks.to_string();
+    let cpus = if opts.bind { allowed_cpus() } else { Vec::new() };
+    if opts.bind && (cpus.is_empty() || shim.is_none()) {
+        eprintln!("ferroccl-run: warning: --bind: cannot pin the ranks here (no CPU list, or not started as ferroccl-run)");
+    }
     for rank in 0..opts.nranks {
-        let mut cmd = rank_command(opts, path, shim.as_deref());
+        let cpu = (!cpus.is_empty()).then(|| cpus[rank % cpus.len()]);
+        let mut cmd = rank_command(opts, path, shim.as_deref(), cpu);
         cmd.env("FERROCCL_RANK", rank.to_string())
             .env("FERROCCL_WORLD_SIZE", &n)
             .env("FERROCCL_LOCAL_RANK", rank.to_string())

@@ -306,3 +306,27 @@ fn ranks_can_reach_the_store_with_the_token() {
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(143));
 }
+
+#[test]
+fn bind_pins_each_rank_to_one_cpu_round_robin() {
+    let (out, _) = launch(&["-n", "3", "--bind", "--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let cpu_of = |r: usize| -> String {
+        let line = stdout.lines().find(|l| l.starts_with(&format!("[{r}] "))).unwrap_or_else(|| panic!("rank {r}: {stdout}"));
+        line.rsplit(['\t', ' ']).next().unwrap().to_string()
+    };
+    let allowed: Vec<usize> = {
+        let me = std::fs::read_to_string("/proc/self/status").unwrap();
+        let list = me.lines().find(|l| l.starts_with("Cpus_allowed_list")).unwrap().rsplit(['\t', ' ']).next().unwrap().to_string();
+        list.split(',')
+            .flat_map(|part| match part.split_once('-') {
+                Some((a, b)) => (a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()).collect::<Vec<_>>(),
+                None => vec![part.parse().unwrap()],
+            })
+            .collect()
+    };
+    for r in 0..3 {
+        assert_eq!(cpu_of(r), allowed[r % allowed.len()].to_string(), "rank {r}: {stdout}");
+    }
+}
