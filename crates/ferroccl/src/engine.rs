@@ -432,7 +432,12 @@ impl Engine {
         if jobs.is_empty() {
             return false;
         }
-        let _ = fabric.progress();
+        if let Err(e) = fabric.progress() {
+            // A transport that failed without recording why (its poll itself failed).
+            if !fabric.shared.has_fatal() {
+                let _ = fabric.poison(e);
+            }
+        }
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);

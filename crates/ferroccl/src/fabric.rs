@@ -71,7 +71,17 @@ pub(crate) struct Events {
     pub(crate) aborted: Option<Option<usize>>,
     /// Raised with `fatal`, readable without the lock (the driver looks every round).
     pub(crate) fatal_flag: Arc<AtomicBool>,
+    /// Connections that broke without a reason (peer, what, when), not yet fatal: a
+    /// peer that gives up because a third rank died closes its connections right after
+    /// telling us why, and its close can overtake the reason (or the reason was skipped).
+    /// So a broken connection becomes the fatal error only after [`SUSPECT_GRACE`], unless
+    /// a reported cause (an `ERR`, a watched process's death) comes first; and then the
+    /// earliest one.
+    pub(crate) suspects: Vec<(usize, String, Instant)>,
 }
+
+/// How long a connection that broke without a reason waits for a better explanation.
+pub(crate) const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 
 impl Events {
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
@@ -252,14 +262,52 @@ impl Shared {
         self.lock().closed.insert(peer);
     }
 
-    /// `peer`'s connection broke.
+    /// `peer`'s connection broke (a suspect until [`SUSPECT_GRACE`] passes: see
+    /// [`Events::suspects`]).
     pub(crate) fn peer_failed(&self, peer: usize, reason: String) {
         let mut ev = self.lock();
-        if !ev.closed.contains(&peer) {
-            ev.set_fatal(peer, reason);
+        if !ev.closed.contains(&peer) && ev.fatal.is_none() && !ev.suspects.iter().any(|s| s.0 == peer) {
+            ev.suspects.push((peer, reason, Instant::now()));
         }
         drop(ev);
         self.notify();
+    }
+
+    /// Makes the earliest suspect fatal once it is [`SUSPECT_GRACE`] old (and nothing else
+    /// became fatal meanwhile).
+    pub(crate) fn promote_suspects(&self, now: Instant) {
+        let mut ev = self.lock();
+        if ev.fatal.is_some() || ev.suspects.is_empty() {
+            return;
+        }
+        if let Some((peer, what, at)) = ev.suspects.iter().min_by_key(|s| s.2).cloned() {
+            if now.saturating_duration_since(at) >= SUSPECT_GRACE {
+                ev.set_fatal(peer, what);
+                drop(ev);
+                self.notify();
+            }
+        }
+    }
+
+    /// The root cause to report for a connection that broke under a write: a reported
+    /// cause if there is one; else, if connections broke without a reason, the earliest of
+    /// them once its grace has passed (a reported cause may still arrive meanwhile; at most
+    /// until `until`); else `None` at once.
+    pub(crate) fn root_cause(&self, until: Instant) -> Option<(usize, String)> {
+        loop {
+            let now = Instant::now();
+            self.promote_suspects(now);
+            let ev = self.lock();
+            if let Some((p, what)) = ev.fatal.clone().filter(|(p, _)| *p != usize::MAX) {
+                return Some((p, what));
+            }
+            let earliest = ev.suspects.iter().min_by_key(|s| s.2)?;
+            if now >= until {
+                return Some((earliest.0, earliest.1.clone()));
+            }
+            drop(ev);
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 }
 
@@ -834,6 +882,7 @@ impl Fabric {
     /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
     /// caller's clock reading, so a wait loop reads the clock once per round.
     pub(crate) fn check_health(&self, now: Instant) {
+        self.shared.promote_suspects(now);
         {
             let mut at = self.health_at.lock().unwrap_or_else(|e| e.into_inner());
             if now.saturating_duration_since(*at) < Duration::from_millis(2) {
