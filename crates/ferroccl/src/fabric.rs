@@ -1,9 +1,11 @@
 //! The fabric: this process's endpoints to every other rank (the mesh), the event state the
-//! transports fill, the registration table, and the one wait loop every blocking call uses.
+//! transports fill, the registration table (and its cache), the progress engine that runs
+//! every operation (`crate::engine`), and the wait loop of mesh setup and shutdown.
 //!
 //! Communicators (the world one and every `split` of it) share one fabric. Threading: any
-//! thread may call into a fabric; transports deliver into [`Shared`] under a mutex, and the
-//! waiting thread drains the shm rings itself (there is no progress thread yet).
+//! thread may call into a fabric; transports deliver into [`Shared`] under a mutex, and
+//! whoever drives the engine (a waiting thread, or the engine's own thread) drains the shm
+//! rings.
 //!
 //! Waiting: a waiter polls (spin), then yields, then sleeps on its doorbell (a futex word
 //! that producers bump) for at most a few milliseconds at a time, checking every peer's
