@@ -100,8 +100,9 @@ pub(crate) struct ScratchCache {
     empty: Mutex<Option<RegionHandle>>,
 }
 
-/// Buffers kept in the pool at most.
+/// Buffers kept in the pool at most, and their total size at most (beyond the largest).
 const POOL: usize = 8;
+const POOL_BYTES: usize = 256 << 20;
 
 impl ScratchCache {
     /// A scratch region of at least `len` bytes, owned by the caller until [`Self::put`].
@@ -130,6 +131,13 @@ impl ScratchCache {
             if let Some(i) = pool.iter().enumerate().min_by_key(|(_, h)| h.len()).map(|(i, _)| i) {
                 pool.swap_remove(i);
             }
+        }
+        // Keep at most POOL_BYTES (but always the largest, as before there was a pool): drop
+        // the largest of the others.
+        while pool.len() > 1 && pool.iter().map(|h| h.len()).sum::<usize>() > POOL_BYTES {
+            let mut by_len: Vec<usize> = (0..pool.len()).collect();
+            by_len.sort_by_key(|&i| std::cmp::Reverse(pool[i].len()));
+            pool.swap_remove(by_len[1]);
         }
     }
 
