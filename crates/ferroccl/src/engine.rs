@@ -491,7 +491,7 @@ impl Engine {
 }
 
 /// Spin, yield, then sleep on the doorbell (at most 5 ms, or until `until`).
-fn backoff(fabric: &Fabric, idle: &mut u32, seen: u32, until: Option<Instant>) {
+pub(crate) fn backoff(fabric: &Fabric, idle: &mut u32, seen: u32, until: Option<Instant>) {
     if *idle < SPINS {
         std::hint::spin_loop();
     } else if *idle < SPINS + YIELDS {

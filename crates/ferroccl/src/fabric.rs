@@ -884,7 +884,6 @@ impl Fabric {
     /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
     /// caller's clock reading, so a wait loop reads the clock once per round.
     pub(crate) fn check_health(&self, now: Instant) {
-        self.shared.promote_suspects(now);
         {
             let mut at = self.health_at.lock().unwrap_or_else(|e| e.into_inner());
             if now.saturating_duration_since(*at) < Duration::from_millis(2) {
@@ -892,6 +891,7 @@ impl Fabric {
             }
             *at = now;
         }
+        self.shared.promote_suspects(now);
         // One zero-timeout poll per watch: no allocation on this path (it runs every 2 ms
         // of every wait).
         if !self.watches.iter().any(|(_, w)| w.has_exited()) {
@@ -1047,14 +1047,7 @@ impl Fabric {
                 return Err(self.poison(e));
             }
             idle += 1;
-            if idle < 64 {
-                std::hint::spin_loop();
-            } else if idle < 96 {
-                std::thread::yield_now();
-            } else {
-                self.sleep_on_bell(seen, deadline);
-                idle = 32;
-            }
+            crate::engine::backoff(self, &mut idle, seen, Some(deadline));
         }
     }
 

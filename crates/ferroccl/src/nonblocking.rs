@@ -175,11 +175,6 @@ struct Fusable<'s> {
     buf: &'s mut [u8],
 }
 
-/// The typed view of bytes that came from a `&mut [T]`.
-fn bytemuck_cast<T: Element>(b: &mut [u8]) -> &mut [T] {
-    bytemuck::cast_slice_mut(b)
-}
-
 /// Waits for a scope's jobs when dropped (on unwind); [`WaitAll::finish`] does it on the
 /// normal path and reports errors nobody looked at.
 struct WaitAll<'s, 'env>(Scope<'s, 'env>);
@@ -421,12 +416,12 @@ impl<'s> Group<'s, '_> {
     /// with the same element type and op are fused: packed into one buffer and reduced by
     /// one allreduce, so a group of many small reductions costs about one.
     pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
-        let bytes = as_bytes_mut(buf);
-        if bytes.len() <= self.scope.comm.fabric().params.eager_max && !bytes.is_empty() {
-            self.fusable.lock().unwrap_or_else(|e| e.into_inner()).push(Fusable { dtype: T::DTYPE, op, buf: bytes });
-            return Ok(());
+        let bytes = std::mem::size_of_val(buf);
+        if bytes == 0 || bytes > self.scope.comm.fabric().params.eager_max {
+            return self.add_call(Ok(self.scope.comm.allreduce_call(buf, op)));
         }
-        self.add_call(Ok(self.scope.comm.allreduce_call(bytemuck_cast::<T>(bytes), op)))
+        self.fusable.lock().unwrap_or_else(|e| e.into_inner()).push(Fusable { dtype: T::DTYPE, op, buf: as_bytes_mut(buf) });
+        Ok(())
     }
 
     /// Adds an [`Communicator::allreduce_into`].

@@ -10,30 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
-use ferroccl::{Communicator, Error, InitConfig, Params, ReduceOp, Request, TransportChoice};
+use ferroccl::{Communicator, Error, Params, ReduceOp, Request, TransportChoice};
 use ferroccl_kernels::bf16;
 use proptest::prelude::*;
 
-fn world<R: Send>(n: usize, params: &Params, f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-    let token = new_token();
-    let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20).unwrap();
-    let addr = store.addr().to_string();
-    let out = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|rank| {
-                let (token, addr, f, params) = (token.clone(), addr.clone(), &f, params.clone());
-                s.spawn(move || {
-                    let cfg = InitConfig { rank, world_size: n, store: StoreRole::Connect(addr), token };
-                    f(Communicator::init_with(cfg, params).expect("init"))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
-    });
-    store.shutdown();
-    out
-}
+mod common;
+use common::world;
 
 fn params(transport: TransportChoice) -> Params {
     Params { transport, timeout: Duration::from_secs(60), ..Params::default() }

@@ -207,11 +207,7 @@ pub fn run(o: &IdleOptions) -> Result<(), Failure> {
         println!("# after the idle period: allreduce {}", if wrong == 0 { "OK" } else { "WRONG" });
         let _ = std::io::Write::flush(&mut std::io::stdout());
     }
-    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: e })?;
-    if wrong > 0 {
-        return Err(Failure::Wrong(wrong));
-    }
-    Ok(())
+    sub::finish(comm, wrong)
 }
 
 #[cfg(test)]

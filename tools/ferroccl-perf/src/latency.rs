@@ -132,11 +132,7 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
         }
         println!("# wrong elements: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" });
     }
-    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: e })?;
-    if wrong > 0 {
-        return Err(Failure::Wrong(wrong as u64));
-    }
-    Ok(())
+    sub::finish(comm, wrong as u64)
 }
 
 /// Checks, warms up and times one size; returns wrong elements (this rank) and the medians

@@ -238,11 +238,7 @@ pub fn run(o: &OverlapOptions) -> Result<(), Failure> {
         );
         println!("# checked iterations: {}", if wrong == 0 { "OK" } else { "WRONG" });
     }
-    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: e })?;
-    if wrong > 0 {
-        return Err(Failure::Wrong(wrong));
-    }
-    Ok(())
+    sub::finish(comm, wrong)
 }
 
 #[cfg(test)]

@@ -106,6 +106,16 @@ pub fn fail(comm: &Communicator, what: impl Into<String>) -> impl FnOnce(ferrocc
     move |source| Failure::Collective { rank, what, source }
 }
 
+/// The end of a subcommand on one rank: finalize, then fail if any checked element was wrong.
+pub fn finish(comm: Communicator, wrong: u64) -> Result<(), Failure> {
+    let rank = comm.rank();
+    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: e })?;
+    if wrong > 0 {
+        return Err(Failure::Wrong(wrong));
+    }
+    Ok(())
+}
+
 /// The largest of every rank's `v` (on every rank).
 pub fn max_over_ranks(comm: &Communicator, v: f64) -> Result<f64, Failure> {
     let mut x = [v];
