@@ -38,7 +38,12 @@ fn coll_code(c: Collective) -> u8 {
     }
 }
 
-const COLL_NAMES: [&str; 7] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall"];
+const COLL_NAMES: [&str; 9] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split"];
+
+/// The descriptor of a barrier (a call every member makes, on the collective channel).
+pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+/// The descriptor of a split.
+pub(crate) const SPLIT_DESC: Desc = [8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
 const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 const PROTOS: [&str; 3] = ["auto", "eager", "rendezvous"];
 
@@ -71,6 +76,9 @@ fn encode_desc(shape: &Shape, algo: Algo, proto: ProtoChoice) -> Desc {
 pub(crate) fn describe(d: &Desc) -> String {
     if *d == NO_DESC {
         return "point-to-point send/recv".into();
+    }
+    if *d == BARRIER_DESC || *d == SPLIT_DESC {
+        return COLL_NAMES[usize::from(d[0])].into();
     }
     let coll = COLL_NAMES.get(usize::from(d[0])).copied().unwrap_or("?");
     let dtype = DType::from_tag(d[1]).map(|t| t.name()).unwrap_or("?");

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::ToSocketAddrs;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,12 +13,12 @@ use crate::algo::{Buf, Op, Schedule, Slice, Step};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::coll::ScratchCache;
-use crate::engine::{Job, JobBody, Part};
-use crate::error::{Error, Result};
+use crate::engine::{Job, JobBody, Part, Streams};
+use crate::error::{Departure, Error, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig, Poll};
 use crate::params::{Params, ProtoChoice};
-use crate::proto::{Desc, CHAN_COLL, CHAN_INTERNAL, CHAN_USER, NO_DESC};
+use crate::proto::{self, Desc, Leave, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC};
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -35,26 +36,6 @@ pub struct InitConfig {
 impl From<LaunchEnv> for InitConfig {
     fn from(e: LaunchEnv) -> Self {
         InitConfig { rank: e.rank, world_size: e.world_size, store: e.store, token: e.token }
-    }
-}
-
-/// Next sequence number of each ordered stream of one communicator: (channel, direction,
-/// peer), flattened.
-#[derive(Debug)]
-pub(crate) struct Seqs(Vec<u32>);
-
-impl Seqs {
-    fn new(n: usize) -> Seqs {
-        Seqs(vec![0; 3 * 2 * n])
-    }
-
-    /// Takes the next number of the stream (`chan`, send or receive, `peer`).
-    pub(crate) fn next(&mut self, chan: u8, send: bool, peer: usize) -> u32 {
-        let n = self.0.len() / 6;
-        let i = (usize::from(chan.min(2)) * 2 + usize::from(send)) * n + peer.min(n.saturating_sub(1));
-        let v = self.0[i];
-        self.0[i] = v.wrapping_add(1);
-        v
     }
 }
 
@@ -79,7 +60,7 @@ pub struct Communicator {
     members: Arc<[usize]>,
     /// Stream positions; held while a job is numbered and submitted, so that jobs enter the
     /// engine in the order their sequence numbers say.
-    seqs: Mutex<Seqs>,
+    seqs: Arc<Mutex<Streams>>,
     splits: Mutex<u32>,
     scratch: ScratchCache,
     /// Schedules of recent calls, so that a repeated call does not build its schedule again.
@@ -87,6 +68,9 @@ pub struct Communicator {
     /// Whether any member is reached over tcp (fixed with the membership; the cost model
     /// reads it on every collective).
     any_tcp: bool,
+    /// Set once this rank has told the members it leaves (finalize), so that the drop that
+    /// follows does not tell them again.
+    departed: AtomicBool,
 }
 
 /// Counts inits per (store, job token, world size, rank) so that several communicators in
@@ -178,16 +162,18 @@ impl Communicator {
         }
         let members: Arc<[usize]> = (0..cfg.world_size).collect();
         let any_tcp = members.iter().any(|&w| fabric.transport_name(w) == "tcp");
+        let seqs = fabric.engine.streams(0, members.clone(), cfg.rank);
         Ok(Communicator {
             any_tcp,
             fabric: Arc::new(fabric),
             id: 0,
             rank: cfg.rank,
-            seqs: Mutex::new(Seqs::new(members.len())),
+            seqs,
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
+            departed: AtomicBool::new(false),
         })
     }
 
@@ -264,8 +250,15 @@ impl Communicator {
         Ok(wpeer)
     }
 
-    /// The fabric's fatal error (or abort), as seen by a new call `op`.
+    /// The fabric's fatal error (or abort), or the world's finalize, as seen by a new call
+    /// `op`.
     pub(crate) fn check_usable(&self, op: &str) -> Result<()> {
+        if let Some(e) = self.fabric.finalized_error(self.rank, op, self.id != 0) {
+            return Err(e);
+        }
+        if !self.fabric.shared.has_fatal() {
+            return Ok(());
+        }
         match self.fabric.fatal_error(op) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -286,6 +279,7 @@ impl Communicator {
             name,
             chan,
             desc,
+            call: 0,
             eager_max,
             seqs: Vec::with_capacity(sched.steps.len()),
             sched,
@@ -303,14 +297,18 @@ impl Communicator {
     /// A job of `parts`, with the call deadline (`FERROCCL_TIMEOUT` from now).
     pub(crate) fn job_body(&self, parts: Vec<Part>) -> JobBody {
         let now = Instant::now();
-        JobBody {
+        let mut body = JobBody {
             comm: self.id,
             rank: self.rank,
             members: self.members.clone(),
             parts,
-            deadline: now + self.fabric.params.timeout,
+            deadline: now,
             started: now,
-        }
+            probe_at: now,
+            probe_gap: Duration::ZERO,
+        };
+        body.start_clock(now, self.fabric.params.timeout);
+        body
     }
 
     /// Numbers the transfers of `job` on this communicator's streams and hands it to the
@@ -321,19 +319,18 @@ impl Communicator {
         {
             let mut body = job.body();
             if restart {
-                let now = Instant::now();
-                body.started = now;
-                body.deadline = now + self.fabric.params.timeout;
+                body.start_clock(Instant::now(), self.fabric.params.timeout);
                 let n = self.size();
                 for p in &mut body.parts {
                     p.reset(n);
                 }
             }
-            if let Some(e) = self.fabric.fatal_error(body.parts.first().map(|p| &*p.name).unwrap_or("operation")) {
-                return Err(e);
-            }
+            self.check_usable(body.parts.first().map(|p| &*p.name).unwrap_or("operation"))?;
             for p in &mut body.parts {
-                let Part { sched, seqs: out, chan, .. } = p;
+                let Part { sched, seqs: out, chan, call, desc, .. } = p;
+                if *chan == CHAN_COLL {
+                    *call = seqs.next_call(desc);
+                }
                 assign_seqs(sched, &mut |send, peer| seqs.next(*chan, send, peer), out);
             }
         }
@@ -378,8 +375,12 @@ impl Communicator {
     /// A point-to-point part: `output` is the buffer its steps address as `Output`, `input`
     /// the one they address as `Input` (sendrecv's source).
     pub(crate) fn p2p_part(&self, name: String, chan: u8, sched: Schedule, input: Option<RegionHandle>, output: RegionHandle) -> Part {
-        let bufs = PartBufs { dtype: DType::U8, op: ReduceOp::Sum, input, output, scratch: self.scratch.empty() };
-        self.part(name.into(), chan, NO_DESC, Arc::new(sched), bufs)
+        self.part(name.into(), chan, NO_DESC, Arc::new(sched), self.bytes_part(input, output))
+    }
+
+    /// The buffers of a part that moves bytes without reducing them.
+    fn bytes_part(&self, input: Option<RegionHandle>, output: RegionHandle) -> PartBufs {
+        PartBufs { dtype: DType::U8, op: ReduceOp::Sum, input, output, scratch: self.scratch.empty() }
     }
 
     /// Sends `data` to member `to` and receives `buf` from member `from` in one call, which
@@ -411,7 +412,11 @@ impl Communicator {
     pub fn barrier(&self) -> Result<()> {
         self.check_usable("barrier")?;
         let empty = self.scratch.empty();
-        self.run_part(self.p2p_part("barrier".into(), CHAN_INTERNAL, barrier_schedule(self.rank, self.size()), None, empty))
+        let sched = barrier_schedule(self.rank, self.size());
+        let mut part = self.part("barrier".into(), CHAN_COLL, crate::coll::BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
+        // Empty messages: eager whatever FERROCCL_PROTO says for collectives' data.
+        part.eager_max = self.fabric.params.eager_max;
+        self.run_part(part)
     }
 
     /// Aborts the communicator: every pending operation (on any thread) and every later one
@@ -447,7 +452,12 @@ impl Communicator {
         }
         let sched = Schedule { steps, scratch_bytes: 0 };
         with_region_ro(&mine, |src| {
-            with_region(&mut all, |dst| self.run_part(self.p2p_part("split".into(), CHAN_INTERNAL, sched, Some(src.clone()), dst.clone())))
+            with_region(&mut all, |dst| {
+                let bufs = self.bytes_part(Some(src.clone()), dst.clone());
+                let mut part = self.part("split".into(), CHAN_COLL, crate::coll::SPLIT_DESC, Arc::new(sched), bufs);
+                part.eager_max = self.fabric.params.eager_max;
+                self.run_part(part)
+            })
         })?;
         let count = {
             let mut s = self.splits.lock().unwrap_or_else(|e| e.into_inner());
@@ -475,22 +485,178 @@ impl Communicator {
             fabric: self.fabric.clone(),
             id,
             rank,
-            seqs: Mutex::new(Seqs::new(members.len())),
+            seqs: self.fabric.engine.streams(id, members.clone(), rank),
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
+            departed: AtomicBool::new(false),
         }))
     }
 
-    /// Ends this rank's part: a barrier (so no member is still talking to it), then goodbye
-    /// to every peer. Dropping a communicator without `finalize` skips the barrier.
+    /// Ends this rank's part in the communicator, as an agreement with every member: this
+    /// rank tells each member where it stopped (how many calls it made, how many messages it
+    /// sent to and received from that member), waits for the same from every member, and
+    /// compares. It fails, naming the members and what went unmatched, if a message sent to
+    /// this rank or by it was never received, or if the members made different numbers of
+    /// calls; a member still waiting for this rank in a call it never made fails at once
+    /// (see [`Error::PeerLeft`]) instead of at its timeout.
+    ///
+    /// Finalizing the world communicator (the one [`Communicator::init`] returned) then
+    /// closes the connections: every later call on a communicator split from it returns
+    /// [`Error::Finalized`]. Dropping a communicator without `finalize` still tells the
+    /// members where this rank stopped, but does not wait for them or compare.
     pub fn finalize(self) -> Result<()> {
-        let r = self.barrier();
+        self.departed.store(true, Ordering::Release);
+        let r = self.agree_to_leave();
         if self.id == 0 {
+            self.fabric.set_finalized();
             self.fabric.close();
         }
         r
+    }
+
+    /// The `LEAVE` record this rank gives member `peer`.
+    fn leave_record(&self, how: Departure, peer: usize) -> Leave {
+        self.seqs.lock().unwrap_or_else(|e| e.into_inner()).leave(how, peer)
+    }
+
+    fn agree_to_leave(&self) -> Result<()> {
+        let op = "finalize";
+        self.check_usable(op)?;
+        let n = self.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.fabric.params.timeout;
+        let peers: Vec<usize> = (0..n).filter(|&p| p != self.rank).collect();
+        for &p in &peers {
+            let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Finalized, p));
+            let r = self.fabric.endpoint(self.members[p])?.post_send(&msg, deadline, &|| self.fabric.pump(op));
+            r.map_err(|e| self.fabric.poison(e))?;
+        }
+        // Every member's record (each follows everything that member sent us).
+        let waiting = || -> Vec<usize> {
+            let ev = self.fabric.shared.lock();
+            peers.iter().map(|&p| self.members[p]).filter(|w| !ev.left.contains_key(&(self.id, *w))).collect()
+        };
+        let theirs: Vec<Leave> = self.fabric.run_until(op, deadline, &waiting, || {
+            let ev = self.fabric.shared.lock();
+            let mut got = Vec::with_capacity(peers.len());
+            for &p in &peers {
+                let w = self.members[p];
+                match ev.left.get(&(self.id, w)) {
+                    Some(l) => got.push(*l),
+                    // Said goodbye to the whole job without leaving this communicator.
+                    None if ev.closed.contains(&w) => {
+                        return Err(Error::PeerFailed {
+                            rank: self.fabric.rank,
+                            peer: w,
+                            op: op.into(),
+                            reason: "closed its connections (finalized the world communicator) without finalizing or dropping this one"
+                                .into(),
+                        })
+                    }
+                    None => return Ok(Poll::Idle),
+                }
+            }
+            Ok(Poll::Ready(got))
+        })?;
+        let problems = self.compare_leave(&peers, &theirs);
+        // This communicator's traffic is over: forget what is left of it.
+        {
+            let mut ev = self.fabric.shared.lock();
+            let id = self.id;
+            ev.data.retain(|k, _| k.0 != id);
+            ev.cts.retain(|k, _| k.0 != id);
+            ev.left.retain(|k, _| k.0 != id);
+        }
+        match problems.first() {
+            None => Ok(()),
+            Some(&(peer, _)) => Err(Error::Mismatch {
+                rank: self.rank,
+                peer,
+                op: op.into(),
+                what: problems.iter().map(|(_, w)| w.as_str()).collect::<Vec<_>>().join("; "),
+            }),
+        }
+    }
+
+    /// What does not match between this rank's streams and the members' `LEAVE` records:
+    /// (member, description) for each problem.
+    fn compare_leave(&self, peers: &[usize], theirs: &[Leave]) -> Vec<(usize, String)> {
+        let me = self.rank;
+        let chan_name = |c: usize| ["point-to-point", "internal", "collective"][c.min(2)];
+        let seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        let ev = self.fabric.shared.lock();
+        let mut out = Vec::new();
+        for (&p, l) in peers.iter().zip(theirs) {
+            let mine = seqs.leave(Departure::Finalized, p);
+            if l.calls != mine.calls {
+                out.push((p, format!("rank {p} {} after call #{}, rank {me} finalized after call #{}", l.how, l.calls, mine.calls)));
+            }
+            for c in 0..CHANNELS {
+                let (they_sent, i_got) = (l.sent[c], mine.recv[c]);
+                if they_sent > i_got {
+                    // Unmatched messages are still in our queue: say what they were.
+                    let key = (self.id, c as u8, self.members[p]);
+                    let first = ev.data.get(&key).and_then(|q| q.iter().filter(|m| m.seq >= i_got).min_by_key(|m| m.seq));
+                    let what = match first {
+                        Some(m) if m.call != 0 => format!(": the first, {} as call #{}", crate::coll::describe(&m.desc), m.call),
+                        Some(m) => format!(": the first, {} bytes", m.rts.unwrap_or(m.data.len() as u64)),
+                        None => String::new(),
+                    };
+                    out.push((
+                        p,
+                        format!(
+                            "rank {p} sent rank {me} {} {} message(s) that rank {me} never received{what}",
+                            they_sent - i_got,
+                            chan_name(c)
+                        ),
+                    ));
+                } else if they_sent < i_got {
+                    out.push((
+                        p,
+                        format!("rank {me} received {} {} messages from rank {p}, which says it sent {they_sent}", i_got, chan_name(c)),
+                    ));
+                }
+                let (i_sent, they_got) = (mine.sent[c], l.recv[c]);
+                if i_sent > they_got {
+                    out.push((
+                        p,
+                        format!(
+                            "rank {me} sent rank {p} {} {} message(s) that rank {p} never received (stream positions {they_got} to {})",
+                            i_sent - they_got,
+                            chan_name(c),
+                            i_sent - 1
+                        ),
+                    ));
+                } else if i_sent < they_got {
+                    out.push((p, format!("rank {p} waited for {} {} message(s) rank {me} never sent", they_got - i_sent, chan_name(c))));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Communicator {
+    /// Tells the members where this rank stopped (without waiting for them), so that a
+    /// member waiting for this rank in a call it will never make fails at once.
+    fn drop(&mut self) {
+        if self.departed.swap(true, Ordering::AcqRel) || self.size() == 1 {
+            return;
+        }
+        if self.fabric.finalized_error(self.rank, "drop", false).is_some() || self.fabric.shared.has_fatal() {
+            return;
+        }
+        let deadline = Instant::now() + self.fabric.params.timeout.min(Duration::from_secs(1));
+        for p in (0..self.size()).filter(|&p| p != self.rank) {
+            let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Dropped, p));
+            if let Ok(ep) = self.fabric.endpoint(self.members[p]) {
+                let _ = ep.post_send(&msg, deadline, &|| self.fabric.pump("drop"));
+            }
+        }
     }
 }
 

@@ -33,14 +33,71 @@ use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::Schedule;
-use crate::error::{Error, Result};
+use crate::error::{Departure, Error, Fault, FaultKind, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, Poll};
 use crate::p2p::Ctx;
-use crate::proto::Desc;
+use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where one communicator's ordered streams stand: the next sequence number of each
+/// (channel, direction, peer), flattened, the number of calls every member makes
+/// (collectives, barriers, splits) submitted so far, and the descriptors of the last few of
+/// them (to answer a peer's probe). Owned by the communicator, known to the engine (which
+/// answers probes) through a weak reference.
+#[derive(Debug)]
+pub(crate) struct Streams {
+    /// The communicator's id, its members' world ranks and this rank in it.
+    id: u32,
+    members: Arc<[usize]>,
+    rank: usize,
+    next: Vec<u32>,
+    calls: u32,
+    /// (call number, descriptor) of the last [`RECENT_CALLS`] calls, by call number modulo.
+    recent: [(u32, Desc); RECENT_CALLS],
+}
+
+/// Calls whose descriptors a communicator remembers for probes.
+const RECENT_CALLS: usize = 16;
+
+impl Streams {
+    fn new(id: u32, members: Arc<[usize]>, rank: usize) -> Streams {
+        let n = members.len();
+        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, recent: [(0, NO_DESC); RECENT_CALLS] }
+    }
+
+    fn index(&self, chan: u8, send: bool, peer: usize) -> usize {
+        let n = self.next.len() / (CHANNELS * 2);
+        (usize::from(chan).min(CHANNELS - 1) * 2 + usize::from(send)) * n + peer.min(n.saturating_sub(1))
+    }
+
+    /// Takes the next number of the stream (`chan`, send or receive, `peer`).
+    pub(crate) fn next(&mut self, chan: u8, send: bool, peer: usize) -> u32 {
+        let i = self.index(chan, send, peer);
+        let v = self.next[i];
+        self.next[i] = v.wrapping_add(1);
+        v
+    }
+
+    /// Numbers the next call every member makes (from 1), with descriptor `desc`.
+    pub(crate) fn next_call(&mut self, desc: &Desc) -> u32 {
+        self.calls = self.calls.wrapping_add(1);
+        self.recent[self.calls as usize % RECENT_CALLS] = (self.calls, *desc);
+        self.calls
+    }
+
+    /// What this rank tells member `peer` when it leaves.
+    pub(crate) fn leave(&self, how: Departure, peer: usize) -> Leave {
+        let mut l = Leave { how, calls: self.calls, sent: [0; CHANNELS], recv: [0; CHANNELS] };
+        for c in 0..CHANNELS {
+            l.sent[c] = self.next[self.index(c as u8, true, peer)];
+            l.recv[c] = self.next[self.index(c as u8, false, peer)];
+        }
+        l
+    }
 }
 
 /// One schedule of a job, with its buffers and its stream positions. A group job has
@@ -51,6 +108,9 @@ pub(crate) struct Part {
     pub(crate) name: Arc<str>,
     pub(crate) chan: u8,
     pub(crate) desc: Desc,
+    /// The call's number among the calls every member makes (collective channel; assigned
+    /// at submission), 0 for point-to-point.
+    pub(crate) call: u32,
     pub(crate) eager_max: usize,
     pub(crate) sched: Arc<Schedule>,
     /// Sequence number of every transfer step.
@@ -84,11 +144,50 @@ pub(crate) struct JobBody {
     pub(crate) parts: Vec<Part>,
     pub(crate) deadline: Instant,
     pub(crate) started: Instant,
+    /// When to probe the peers this job waits for next (see [`ProtoMsg::Probe`]), and the
+    /// gap before the one after.
+    ///
+    /// [`ProtoMsg::Probe`]: crate::proto::ProtoMsg::Probe
+    pub(crate) probe_at: Instant,
+    pub(crate) probe_gap: Duration,
 }
 
+/// A collective call that has waited this long tells the peers it waits for which call it
+/// is in; then again after twice as long, up to [`PROBE_GAP_MAX`].
+pub(crate) const PROBE_AFTER: Duration = Duration::from_millis(50);
+const PROBE_GAP_MAX: Duration = Duration::from_secs(1);
+
 impl JobBody {
+    /// Starts the job's clocks at `now`, with `timeout` to its deadline.
+    pub(crate) fn start_clock(&mut self, now: Instant, timeout: Duration) {
+        self.started = now;
+        self.deadline = now + timeout;
+        self.probe_at = now + PROBE_AFTER;
+        self.probe_gap = PROBE_AFTER;
+    }
+
+    /// Tells each peer a waiting collective part waits for which call it is in (best
+    /// effort, nothing waits), once the job has waited long enough.
+    fn probe(&mut self, fabric: &Fabric, now: Instant) {
+        if now < self.probe_at {
+            return;
+        }
+        self.probe_at = now + self.probe_gap;
+        self.probe_gap = (self.probe_gap * 2).min(PROBE_GAP_MAX);
+        for p in self.parts.iter().filter(|p| !p.finished && p.call != 0) {
+            let msg = proto::encode_probe(self.comm, p.call, &p.desc);
+            for w in p.exec.waiting_for() {
+                fabric.try_send_now(w, &msg);
+            }
+        }
+    }
     fn label(&self) -> &str {
         self.parts.first().map(|p| &*p.name).unwrap_or("operation")
+    }
+
+    /// The world rank of member `r` (`r` itself if out of range: errors only).
+    fn world(&self, r: usize) -> usize {
+        self.members.get(r).copied().unwrap_or(r)
     }
 
     /// One round: advance every unfinished part.
@@ -108,6 +207,7 @@ impl JobBody {
                 op: &p.name,
                 deadline: *deadline,
                 desc: p.desc,
+                call: p.call,
                 describe: crate::coll::describe,
                 eager_max: p.eager_max,
             };
@@ -269,6 +369,8 @@ pub(crate) struct Engine {
     rounds: AtomicU32,
     park: Mutex<Park>,
     wake: Condvar,
+    /// The stream state of every communicator on this fabric, to answer probes.
+    comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
 }
 
 /// Backoff of an idle driver (also the old wait loop's numbers: see `Fabric::run_until`).
@@ -278,6 +380,44 @@ const YIELDS: u32 = 32;
 const CLOCK_EVERY: u32 = 16;
 
 impl Engine {
+    /// The stream state of a new communicator (`id`, its members' world ranks, this rank
+    /// in it), known to the engine from now on.
+    pub(crate) fn streams(&self, id: u32, members: Arc<[usize]>, rank: usize) -> Arc<Mutex<Streams>> {
+        let st = Arc::new(Mutex::new(Streams::new(id, members, rank)));
+        let mut comms = lock(&self.comms);
+        comms.retain(|w| w.strong_count() > 0);
+        comms.push(Arc::downgrade(&st));
+        st
+    }
+
+    /// Answers the peers' probes: a peer in call `k` of a communicator whose call `k` here
+    /// had another descriptor is a mismatch, fatal at once, even if neither side ever sends
+    /// the other data (both only receive, as in a reduce where each thinks itself the root).
+    fn answer_probes(&self, fabric: &Fabric) {
+        let probes = fabric.shared.take_probes();
+        for (peer, comm, call, theirs) in probes {
+            let st = lock(&self.comms).iter().filter_map(Weak::upgrade).find(|s| lock(s).id == comm);
+            let Some(st) = st else { continue };
+            let fault = {
+                let st = lock(&st);
+                let (k, mine) = st.recent[call as usize % RECENT_CALLS];
+                if k != call || mine == theirs {
+                    continue;
+                }
+                let p = st.members.iter().position(|&w| w == peer).unwrap_or(peer);
+                let d = crate::coll::describe;
+                Fault {
+                    kind: FaultKind::Mismatch,
+                    culprit: Some(peer),
+                    reporter: None,
+                    op: format!("{} call #{call}", d(&mine)),
+                    what: format!("rank {} called {} as call #{call}, rank {p} called {} as call #{call}", st.rank, d(&mine), d(&theirs)),
+                }
+            };
+            fabric.poison_fault(fault);
+        }
+    }
+
     /// Hands `job` to the engine. With `will_wait`, the caller is about to wait for it (and
     /// drive); otherwise the background thread is woken to drive it.
     pub(crate) fn submit(self: &Arc<Self>, fabric: &Arc<Fabric>, job: Arc<Job>, will_wait: bool) {
@@ -445,6 +585,9 @@ impl Engine {
         if let Some(now) = now {
             fabric.check_health(now);
         }
+        if now.is_some() {
+            self.answer_probes(fabric);
+        }
         let fatal = fabric.shared.has_fatal();
         let mut moved = false;
         let mut i = 0;
@@ -469,8 +612,13 @@ impl Engine {
                             };
                             Err(fabric.poison(e))
                         }
-                        Ok(Poll::Idle) => Ok(false),
-                        Err(e) => Err(fabric.poison(e)),
+                        Ok(Poll::Idle) => {
+                            if let Some(now) = now {
+                                body.probe(fabric, now);
+                            }
+                            Ok(false)
+                        }
+                        Err(e) => Err(fabric.poison_in(e, &|r| body.world(r))),
                     },
                 }
             };

@@ -26,17 +26,14 @@ use ferroccl_mem::region::RegionHandle;
 use crate::bootstrap::auth;
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::Engine;
-use crate::error::{Error, Result};
+use crate::error::{Error, Fault, FaultKind, Result};
 use crate::params::{Params, TransportChoice};
-use crate::proto::{self, Cts, ProtoMsg, StreamKey};
+use crate::proto::{self, Cts, Leave, ProtoMsg, StreamKey};
 use crate::transport::shm::{LocalShm, ShmEndpoint};
 use crate::transport::tcp::TcpEndpoint;
 use crate::transport::verbs::{self, VerbsDevice, VerbsEndpoint, VerbsNet};
 use crate::transport::{Endpoint, Registration, RemoteBuf};
 use crate::wire::{Reader, Writer};
-
-/// The text of the `ERR` message a rank sends its peers when its communicator is aborted.
-const ABORT_MARK: &str = "\u{0}abort";
 
 /// What one round of a wait loop's step found.
 #[derive(Debug)]
@@ -53,6 +50,8 @@ pub(crate) enum Poll<T> {
 #[derive(Debug)]
 pub(crate) struct Incoming {
     pub(crate) seq: u32,
+    /// The sender's call number (0 for point-to-point).
+    pub(crate) call: u32,
     pub(crate) desc: proto::Desc,
     pub(crate) data: Vec<u8>,
     /// `Some(len)` for a rendezvous sender's ready-to-send (no data).
@@ -65,10 +64,16 @@ pub(crate) struct Events {
     pub(crate) data: HashMap<StreamKey, VecDeque<Incoming>>,
     pub(crate) cts: HashMap<StreamKey, VecDeque<Cts>>,
     pub(crate) imms: HashSet<(usize, u32)>,
-    /// The first fatal error: (peer or usize::MAX, description). Poisons the fabric.
-    pub(crate) fatal: Option<(usize, String)>,
+    /// The first fatal fault. Poisons the fabric.
+    pub(crate) fatal: Option<Fault>,
     /// Peers that said goodbye.
     pub(crate) closed: HashSet<usize>,
+    /// Where peers stopped on communicators they left: (communicator id, peer world
+    /// rank) -> its `LEAVE` record.
+    pub(crate) left: HashMap<(u32, usize), Leave>,
+    /// Probes from peers, not yet answered: (peer world rank, communicator id, call
+    /// number, descriptor). At most [`MAX_PROBES`]; more are dropped (peers probe again).
+    pub(crate) probes: Vec<(usize, u32, u32, proto::Desc)>,
     /// Set by an abort: `Some(None)` by this rank, `Some(Some(r))` by rank `r`.
     pub(crate) aborted: Option<Option<usize>>,
     /// Raised with `fatal`, readable without the lock (the driver looks every round).
@@ -82,13 +87,24 @@ pub(crate) struct Events {
     pub(crate) suspects: Vec<(usize, String, Instant)>,
 }
 
+/// Probes kept for the engine at most.
+const MAX_PROBES: usize = 256;
+
 /// How long a connection that broke without a reason waits for a better explanation.
 pub(crate) const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 
 impl Events {
+    /// Makes `peer` (a world rank; `usize::MAX` for none) the cause of a fatal failure found
+    /// by this rank, unless something is fatal already.
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
+        let culprit = (peer != usize::MAX).then_some(peer);
+        self.set_fault(Fault { kind: FaultKind::Failed, culprit, reporter: None, op: String::new(), what });
+    }
+
+    /// Makes `f` the fabric's fatal fault, unless something is fatal already.
+    pub(crate) fn set_fault(&mut self, f: Fault) {
         if self.fatal.is_none() {
-            self.fatal = Some((peer, what));
+            self.fatal = Some(f);
             self.fatal_flag.store(true, Ordering::SeqCst);
         }
     }
@@ -131,6 +147,10 @@ pub(crate) struct Shared {
     regions: RwLock<HashMap<u64, RegionHandle>>,
     bell: Bell,
     fatal_flag: Arc<AtomicBool>,
+    /// Raised when the first `LEAVE` arrives: until then a send need not look for one.
+    any_left: AtomicBool,
+    /// Raised while probes wait in [`Events::probes`].
+    any_probe: AtomicBool,
     /// Message buffers for reuse, so that receiving an eager message allocates nothing once
     /// the pool is warm.
     bufs: Mutex<Vec<Vec<u8>>>,
@@ -208,20 +228,50 @@ impl Shared {
         };
         let mut ev = self.lock();
         match decoded {
-            Ok(ProtoMsg::Eager { comm, chan, seq, desc, data }) => {
-                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, desc, data, rts: None })
+            Ok(ProtoMsg::Eager { comm, chan, seq, call, desc, data }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data, rts: None })
             }
             Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
-            Ok(ProtoMsg::Rts { comm, chan, seq, desc, len }) => {
-                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, desc, data: Vec::new(), rts: Some(len) })
+            Ok(ProtoMsg::Rts { comm, chan, seq, call, desc, len }) => {
+                ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data: Vec::new(), rts: Some(len) })
             }
-            Ok(ProtoMsg::Err { what }) if what == ABORT_MARK => {
-                ev.aborted.get_or_insert(Some(peer));
-                ev.set_fatal(peer, "aborted its communicator".into());
+            Ok(ProtoMsg::Err(mut f)) => {
+                // A report carries the rank that found the fault; a peer that relays one
+                // keeps it. Never trust a report to speak for this rank.
+                if f.reporter.is_none_or(|r| r == self.rank) {
+                    f.reporter = Some(peer);
+                }
+                if f.kind == FaultKind::Aborted {
+                    ev.aborted.get_or_insert(f.reporter);
+                }
+                ev.set_fault(f);
             }
-            Ok(ProtoMsg::Err { what }) => ev.set_fatal(peer, format!("reported an error: {what}")),
+            Ok(ProtoMsg::Leave { comm, leave }) => {
+                ev.left.insert((comm, peer), leave);
+                self.any_left.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Probe { comm, call, desc }) => {
+                if ev.probes.len() < MAX_PROBES {
+                    ev.probes.push((peer, comm, call, desc));
+                    self.any_probe.store(true, Ordering::Release);
+                }
+            }
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
         }
+    }
+
+    /// The probes that arrived since the last call (see [`ProtoMsg::Probe`]); no lock when
+    /// there are none.
+    pub(crate) fn take_probes(&self) -> Vec<(usize, u32, u32, proto::Desc)> {
+        if !self.any_probe.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        std::mem::take(&mut self.lock().probes)
+    }
+
+    /// Whether any peer has left a communicator (a `LEAVE` arrived); no lock.
+    pub(crate) fn any_left(&self) -> bool {
+        self.any_left.load(Ordering::Acquire)
     }
 
     /// Lands `len` bytes of a one-sided write at `addr` in registration `key`, using `fill`
@@ -295,17 +345,18 @@ impl Shared {
     /// cause if there is one; else, if connections broke without a reason, the earliest of
     /// them once its grace has passed (a reported cause may still arrive meanwhile; at most
     /// until `until`); else `None` at once.
-    pub(crate) fn root_cause(&self, until: Instant) -> Option<(usize, String)> {
+    pub(crate) fn root_cause(&self, until: Instant) -> Option<Fault> {
         loop {
             let now = Instant::now();
             self.promote_suspects(now);
             let ev = self.lock();
-            if let Some((p, what)) = ev.fatal.clone().filter(|(p, _)| *p != usize::MAX) {
-                return Some((p, what));
+            if let Some(f) = ev.fatal.as_ref().filter(|f| f.culprit.is_some() || f.reporter.is_some()) {
+                return Some(f.clone());
             }
             let earliest = ev.suspects.iter().min_by_key(|s| s.2)?;
             if now >= until {
-                return Some((earliest.0, earliest.1.clone()));
+                let (culprit, what) = (Some(earliest.0), earliest.1.clone());
+                return Some(Fault { kind: FaultKind::Failed, culprit, reporter: None, op: String::new(), what });
             }
             drop(ev);
             std::thread::sleep(Duration::from_millis(2));
@@ -448,6 +499,8 @@ pub(crate) struct Fabric {
     next_imm: AtomicU32,
     health_at: Mutex<Instant>,
     closed: AtomicBool,
+    /// Set when the world communicator is finalized: every later call fails.
+    finalized: AtomicBool,
     told_peers: AtomicBool,
     /// Kept alive: peers probe cross-memory attach by reading it.
     _probe: Box<[u8; 64]>,
@@ -492,6 +545,8 @@ impl Fabric {
             rank,
             events: Mutex::new(Events { fatal_flag: fatal_flag.clone(), ..Events::default() }),
             fatal_flag,
+            any_left: AtomicBool::new(false),
+            any_probe: AtomicBool::new(false),
             regions: RwLock::new(HashMap::new()),
             bell,
             bufs: Mutex::new((0..BUF_POOL_START).map(|_| Vec::with_capacity(BUF_MIN_BYTES)).collect()),
@@ -693,6 +748,7 @@ impl Fabric {
             next_imm: AtomicU32::new(1),
             health_at: Mutex::new(Instant::now()),
             closed: AtomicBool::new(false),
+            finalized: AtomicBool::new(false),
             told_peers: AtomicBool::new(false),
             _probe: probe,
             setup_time: Duration::ZERO,
@@ -858,11 +914,7 @@ impl Fabric {
                 Ok(true) => self.shared.notify(),
                 Ok(false) => {}
                 Err(e) => {
-                    let peer = match &e {
-                        Error::Transport { peer, .. } => *peer,
-                        _ => usize::MAX,
-                    };
-                    self.shared.lock().set_fatal(peer, e.to_string());
+                    self.shared.lock().set_fault(Fault::from_error(&e, &|r| r));
                     return Err(e);
                 }
             }
@@ -915,30 +967,52 @@ impl Fabric {
         if let Some(by) = ev.aborted {
             return Some(Error::Aborted { rank: self.rank, op: op.to_string(), by });
         }
-        ev.fatal.as_ref().map(|(peer, what)| {
-            if *peer == usize::MAX {
-                Error::Poisoned(format!("rank {}: {op}: {what}", self.rank))
-            } else {
-                Error::PeerFailed { rank: self.rank, peer: *peer, op: op.to_string(), reason: what.clone() }
-            }
-        })
+        ev.fatal.as_ref().map(|f| f.to_error(self.rank, op))
+    }
+
+    /// The error for a call `op` on a fabric whose world communicator was finalized (`world`:
+    /// the call is on a split of it), if it was.
+    pub(crate) fn finalized_error(&self, rank: usize, op: &str, world: bool) -> Option<Error> {
+        self.finalized.load(Ordering::Acquire).then(|| Error::Finalized { rank, op: op.to_string(), world })
+    }
+
+    /// Marks the world communicator finalized: every later call on it or its splits fails.
+    pub(crate) fn set_finalized(&self) {
+        self.finalized.store(true, Ordering::Release);
     }
 
     /// Makes `err` fatal for the fabric (unless an earlier error already is), tells every
     /// peer the root cause, and shuts the tcp sockets down so that no reader thread can keep
-    /// a registered buffer busy. Returns `err` for the caller to report.
+    /// a registered buffer busy. Returns `err` for the caller to report. The ranks in `err`
+    /// are world ranks (see [`Fabric::poison_in`]).
     pub(crate) fn poison(&self, err: Error) -> Error {
-        if matches!(err, Error::InvalidArgument(_)) {
+        self.poison_in(err, &|r| r)
+    }
+
+    /// [`Fabric::poison`] for an error of a call on a communicator whose rank `r` is world
+    /// rank `world(r)`.
+    pub(crate) fn poison_in(&self, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
+        if matches!(err, Error::InvalidArgument(_) | Error::Finalized { .. }) {
             // Found before anything went on the wire: nothing to clean up.
             return err;
         }
-        let peer = match &err {
-            Error::PeerFailed { peer, .. } => *peer,
-            _ => usize::MAX,
-        };
-        self.shared.lock().set_fatal(peer, err.to_string());
+        self.shared.lock().set_fault(Fault::from_error(&err, world));
         self.tell_peers_and_cut();
         err
+    }
+
+    /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.
+    pub(crate) fn poison_fault(&self, fault: Fault) {
+        self.shared.lock().set_fault(fault);
+        self.tell_peers_and_cut();
+        self.shared.notify();
+    }
+
+    /// Sends `msg` to world rank `peer` if that needs no waiting (a probe: best effort).
+    pub(crate) fn try_send_now(&self, peer: usize, msg: &[u8]) {
+        if let Some(Some(e)) = self.endpoints.get(peer) {
+            let _ = e.try_post_send_now(msg, Instant::now() + Duration::from_millis(10));
+        }
     }
 
     /// Aborts every operation on this fabric, pending and later, with [`Error::Aborted`], and
@@ -948,17 +1022,11 @@ impl Fabric {
         {
             let mut ev = self.shared.lock();
             ev.aborted.get_or_insert(None);
-            ev.set_fatal(usize::MAX, "aborted".into());
+            ev.set_fault(Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() });
         }
         if !self.told_peers.swap(true, Ordering::AcqRel) {
-            let msg = proto::encode_err(0, proto::CHAN_INTERNAL, 0, ABORT_MARK);
-            let deadline = Instant::now() + Duration::from_millis(200);
-            for e in self.endpoints.iter().flatten() {
-                let _ = e.try_post_send_now(&msg, deadline);
-            }
-            for e in self.endpoints.iter().flatten() {
-                e.cut();
-            }
+            let f = Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
+            self.send_fault_and_cut(&f);
         }
         self.shared.notify();
     }
@@ -966,16 +1034,15 @@ impl Fabric {
     /// Once: sends every peer an `ERR` with the fatal cause (without waiting: a full ring
     /// or a busy socket is skipped), then shuts the tcp sockets down.
     fn tell_peers_and_cut(&self) {
-        let Some((peer, what)) = self.shared.lock().fatal.clone() else { return };
+        let Some(fault) = self.shared.lock().fatal.clone() else { return };
         if self.told_peers.swap(true, Ordering::AcqRel) {
             return;
         }
-        let why = if peer == usize::MAX {
-            format!("rank {} gave up: {what}", self.rank)
-        } else {
-            format!("rank {} gave up because rank {peer} {what}", self.rank)
-        };
-        let msg = proto::encode_err(0, proto::CHAN_INTERNAL, 0, &why);
+        self.send_fault_and_cut(&fault);
+    }
+
+    fn send_fault_and_cut(&self, fault: &Fault) {
+        let msg = proto::encode_err(fault, self.rank);
         let deadline = Instant::now() + Duration::from_millis(200);
         for e in self.endpoints.iter().flatten() {
             let _ = e.try_post_send_now(&msg, deadline);

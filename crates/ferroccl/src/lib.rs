@@ -54,7 +54,7 @@ pub(crate) mod transport;
 pub(crate) mod wire;
 
 pub use comm::{Communicator, InitConfig};
-pub use error::{Error, Result};
+pub use error::{Departure, Error, Result};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};
 pub use nonblocking::{Group, Request, Scope};
 pub use params::{Params, ProtoChoice, TransportChoice};

@@ -12,8 +12,8 @@ use std::time::Instant;
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{Error, Result};
-use crate::fabric::{Fabric, Incoming};
-use crate::proto::{self, Cts, Desc};
+use crate::fabric::{Events, Fabric, Incoming};
+use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
 use crate::transport::shm::LocalShm;
 use crate::transport::{Registration, WriteReq, WriteTicket};
 
@@ -31,6 +31,8 @@ pub(crate) struct Ctx<'a> {
     pub(crate) deadline: Instant,
     /// The call's descriptor (zero for point-to-point).
     pub(crate) desc: Desc,
+    /// The call's number among the calls every member makes (0 for point-to-point).
+    pub(crate) call: u32,
     /// Renders a descriptor for mismatch errors.
     pub(crate) describe: fn(&Desc) -> String,
     /// Largest transfer sent eagerly (both sides must agree: it is part of the call).
@@ -56,16 +58,96 @@ impl Ctx<'_> {
         }
     }
 
-    fn check_desc(&self, peer: usize, theirs: &Desc) -> Result<()> {
-        if *theirs == self.desc {
+    /// The operation as errors name it: with its call number, if it has one.
+    pub(crate) fn op_named(&self) -> String {
+        if self.call == 0 {
+            self.op.to_string()
+        } else {
+            format!("{} call #{}", self.op, self.call)
+        }
+    }
+
+    fn head(&self, seq: u32) -> Head {
+        Head { comm: self.comm, chan: self.chan, seq, call: self.call, desc: self.desc }
+    }
+
+    fn call_text(&self, call: u32, desc: &Desc) -> String {
+        if call == 0 {
+            (self.describe)(desc)
+        } else {
+            format!("{} as call #{call}", (self.describe)(desc))
+        }
+    }
+
+    /// A message of `peer`'s (a rank of the communicator) for its call `call` / `theirs`
+    /// against ours. The text names both ranks, so that it reads the same on every rank it
+    /// is relayed to.
+    fn check_call(&self, peer: usize, call: u32, theirs: &Desc) -> Result<()> {
+        if *theirs == self.desc && call == self.call {
             return Ok(());
         }
-        Err(Error::Mismatch {
+        let what = if *theirs == self.desc {
+            format!(
+                "rank {} is in call #{}, rank {peer} sent for its call #{call}, both {}: one of them made a call the other did not",
+                self.rank,
+                self.call,
+                (self.describe)(theirs)
+            )
+        } else {
+            format!(
+                "rank {} called {}, rank {peer} called {}",
+                self.rank,
+                self.call_text(self.call, &self.desc),
+                self.call_text(call, theirs)
+            )
+        };
+        Err(Error::Mismatch { rank: self.rank, peer, op: self.op_named(), what })
+    }
+
+    /// A message or clear-to-send from `wpeer` for this very call whose descriptor
+    /// differs: the peer called something else, and whatever we wait for will never come.
+    /// Looks only while waiting; collective calls only.
+    fn conflict(&self, ev: &Events, peer: usize, wpeer: usize) -> Result<()> {
+        if self.call == 0 {
+            return Ok(());
+        }
+        let key = (self.comm, self.chan, wpeer);
+        let data = ev.data.get(&key).and_then(|q| q.iter().find(|m| m.call == self.call && m.desc != self.desc)).map(|m| m.desc);
+        let cts = || ev.cts.get(&key).and_then(|q| q.iter().find(|c| c.call == self.call && c.desc != self.desc)).map(|c| c.desc);
+        match data.or_else(cts) {
+            Some(theirs) => self.check_call(peer, self.call, &theirs),
+            None => Ok(()),
+        }
+    }
+
+    /// The error for waiting on `peer` (world rank `wpeer`), which left the communicator
+    /// as `l` says.
+    fn left(&self, peer: usize, l: &Leave) -> Error {
+        let c = usize::from(CHAN_USER);
+        Error::PeerLeft {
             rank: self.rank,
             peer,
-            op: self.op.to_string(),
-            what: format!("this rank called {} but rank {peer} called {}", (self.describe)(&self.desc), (self.describe)(theirs)),
-        })
+            op: self.op_named(),
+            how: l.how,
+            peer_calls: u64::from(l.calls),
+            p2p: (self.chan == CHAN_USER).then(|| (u64::from(l.sent[c]), u64::from(l.recv[c]))),
+        }
+    }
+
+    /// Whether the peer left before receiving our message `seq` on this stream.
+    fn left_before_receiving(&self, ev: &Events, peer: usize, wpeer: usize, seq: u32) -> Result<()> {
+        match ev.left.get(&(self.comm, wpeer)) {
+            Some(l) if seq >= l.recv[usize::from(self.chan)] => Err(self.left(peer, l)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the peer left before sending its message `seq` on this stream.
+    fn left_before_sending(&self, ev: &Events, peer: usize, wpeer: usize, seq: u32) -> Result<()> {
+        match ev.left.get(&(self.comm, wpeer)) {
+            Some(l) if seq >= l.sent[usize::from(self.chan)] => Err(self.left(peer, l)),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -120,15 +202,22 @@ impl SendOp {
         match self.state {
             SendState::Start => {
                 let ep = cx.fabric.endpoint(self.wpeer)?;
+                if cx.fabric.shared.any_left() {
+                    // The receiver may have left already: then this message would be lost
+                    // (and if it sent us something for this very call, the calls differ).
+                    let ev = cx.fabric.shared.lock();
+                    cx.conflict(&ev, self.peer, self.wpeer)?;
+                    cx.left_before_receiving(&ev, self.peer, self.wpeer, self.seq)?;
+                }
                 if cx.eager(self.wpeer, self.len)? {
                     // Header on the stack, data straight from the source: nothing allocated.
-                    let head = proto::eager_header(cx.comm, cx.chan, self.seq, &cx.desc);
+                    let head = proto::eager_header(&cx.head(self.seq));
                     self.src
                         .with_slice(self.offset, self.len, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
                         .map_err(|e| Error::invalid(format!("{}: send source: {e}", cx.op)))??;
                     self.state = SendState::Done;
                 } else {
-                    ep.post_send(&proto::encode_rts(cx.comm, cx.chan, self.seq, &cx.desc, self.len as u64), cx.deadline, &|| cx.pump())?;
+                    ep.post_send(&proto::encode_rts(&cx.head(self.seq), self.len as u64), cx.deadline, &|| cx.pump())?;
                     self.state = SendState::WaitCts;
                 }
                 Ok(true)
@@ -142,18 +231,24 @@ impl SendOp {
                     let q = ev.cts.entry(key).or_default();
                     match q.iter().position(|c| c.seq == self.seq) {
                         Some(i) => q.remove(i),
-                        None if closed => return Err(cx.closed(self.peer)),
-                        None => None,
+                        None => {
+                            cx.conflict(&ev, self.peer, self.wpeer)?;
+                            cx.left_before_receiving(&ev, self.peer, self.wpeer, self.seq)?;
+                            if closed {
+                                return Err(cx.closed(self.peer));
+                            }
+                            None
+                        }
                     }
                 };
                 let Some(cts) = cts else { return Ok(false) };
-                cx.check_desc(self.peer, &cts.desc)?;
+                cx.check_call(self.peer, cts.call, &cts.desc)?;
                 if cts.len != self.len as u64 {
                     return Err(Error::Mismatch {
                         rank: cx.rank,
                         peer: self.peer,
-                        op: cx.op.to_string(),
-                        what: format!("this rank sends {} bytes, rank {} receives {}", self.len, self.peer, cts.len),
+                        op: cx.op_named(),
+                        what: format!("rank {} sends {} bytes, rank {} receives {}", cx.rank, self.len, self.peer, cts.len),
                     });
                 }
                 let ep = cx.fabric.endpoint(self.wpeer)?;
@@ -233,8 +328,8 @@ impl RecvOp {
         Error::Mismatch {
             rank: cx.rank,
             peer: self.peer,
-            op: cx.op.to_string(),
-            what: format!("this rank receives {} bytes, rank {} sends {sent}", self.len, self.peer),
+            op: cx.op_named(),
+            what: format!("rank {} receives {} bytes, rank {} sends {sent}", cx.rank, self.len, self.peer),
         }
     }
 
@@ -249,7 +344,7 @@ impl RecvOp {
                     let (remote, reg) = cx.fabric.register(&self.dst, self.offset, self.len, self.wpeer)?;
                     self.reg = reg;
                     self.imm = cx.fabric.next_imm();
-                    let cts = Cts { seq: self.seq, desc: cx.desc, len: self.len as u64, buf: remote, imm: self.imm };
+                    let cts = Cts { seq: self.seq, call: cx.call, desc: cx.desc, len: self.len as u64, buf: remote, imm: self.imm };
                     cx.fabric.endpoint(self.wpeer)?.post_send(&proto::encode_cts(cx.comm, cx.chan, &cts), cx.deadline, &|| cx.pump())?;
                     self.state = RecvState::WaitImm { announced: false };
                 }
@@ -262,12 +357,21 @@ impl RecvOp {
                     let q = ev.data.entry(key).or_default();
                     match q.iter().position(|m| m.seq == self.seq) {
                         Some(i) => q.remove(i),
-                        None if closed => return Err(cx.closed(self.peer)),
-                        None => None,
+                        None => {
+                            cx.conflict(&ev, self.peer, self.wpeer)?;
+                            cx.left_before_sending(&ev, self.peer, self.wpeer, self.seq)?;
+                            if closed {
+                                return Err(cx.closed(self.peer));
+                            }
+                            None
+                        }
                     }
                 };
                 let Some(msg) = msg else { return Ok(false) };
-                cx.check_desc(self.peer, &msg.desc)?;
+                if let Err(e) = cx.check_call(self.peer, msg.call, &msg.desc) {
+                    cx.fabric.shared.give_buf(msg.data);
+                    return Err(e);
+                }
                 if let Some(sent) = msg.rts {
                     return Err(self.mismatch(cx, sent));
                 }
@@ -289,8 +393,8 @@ impl RecvOp {
                     // data itself) comes first on the stream.
                     let q = ev.data.entry(key).or_default();
                     if let Some(i) = q.iter().position(|m| m.seq == self.seq) {
-                        let (desc, rts, dlen) = (q[i].desc, q[i].rts, q[i].data.len());
-                        cx.check_desc(self.peer, &desc)?;
+                        let (call, desc, rts, dlen) = (q[i].call, q[i].desc, q[i].rts, q[i].data.len());
+                        cx.check_call(self.peer, call, &desc)?;
                         match rts {
                             Some(sent) if sent == self.len as u64 => {
                                 q.remove(i);
@@ -308,6 +412,12 @@ impl RecvOp {
                     self.reg = Registration::default();
                     self.state = RecvState::Done;
                     return Ok(true);
+                }
+                if !moved {
+                    cx.conflict(&ev, self.peer, self.wpeer)?;
+                    if !announced {
+                        cx.left_before_sending(&ev, self.peer, self.wpeer, self.seq)?;
+                    }
                 }
                 if ev.closed.contains(&self.wpeer) {
                     return Err(cx.closed(self.peer));

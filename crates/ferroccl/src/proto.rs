@@ -1,11 +1,14 @@
-//! Point-to-point protocols over the transport contract: eager and rendezvous.
+//! Point-to-point protocols over the transport contract: eager and rendezvous, and the
+//! control messages that keep ranks honest with each other (`ERR`, `LEAVE`).
 //!
-//! Every message carries a small header: the communicator id, a channel (user
-//! point-to-point, collectives, or internal traffic such as barriers and splits, so they
-//! never mix), a kind, a per-(communicator, channel, peer, direction) sequence number, and
-//! a 16-byte descriptor of the call it belongs to (collective, dtype, op, algorithm, root,
-//! count; zero for point-to-point), so that ranks that call a collective differently fail
-//! with an error that says how, instead of exchanging garbage.
+//! Every message carries a 32-byte header: the communicator id, a channel (user
+//! point-to-point, collectives, or internal traffic, so they never mix), a kind, a
+//! per-(communicator, channel, peer, direction) sequence number, the *call number* (the
+//! position of the call among the calls every member of the communicator makes in the same
+//! order: collectives, barriers, splits; 0 for point-to-point), and a 16-byte descriptor of
+//! the call (collective, dtype, op, algorithm, root, count; zero for point-to-point). A
+//! receiver compares both with its own, so ranks that call differently, or that are one
+//! call apart, fail with an error that says how, instead of exchanging garbage.
 //!
 //! * **Eager** (`len <= FERROCCL_EAGER_MAX`): the sender posts one message holding the data;
 //!   the receiver copies it out of its queue. One trip.
@@ -16,20 +19,30 @@
 //!   write-with-immediate (zero copy on tcp's receive side, a single `process_vm_readv` on
 //!   shm) and the receiver completes on the immediate. The receiver can send the CTS before
 //!   the sender arrives, so the data moves as soon as both are there.
+//! * **`ERR`**: a rank that gives up tells its peers why, as a [`Fault`] (kind, the rank at
+//!   fault, the rank that found it, what happened), so that every rank builds its own error
+//!   from the same facts.
+//! * **`LEAVE`**: a rank that finalizes or drops a communicator tells each member where it
+//!   stopped: its call count and, for each channel, how many messages it sent to and
+//!   received from that member. A member waiting for something the leaver will never send
+//!   fails at once; `finalize` compares the counts both ways (nothing sent and lost).
 //!
 //! Both sides know the length (typed buffers), so both pick the same protocol. A length
 //! mismatch is found on the wire: the side that sees it fails and sends `ERR` so the other
 //! side fails too, instead of hanging or truncating.
 
+use crate::error::{Departure, Fault, FaultKind};
 use crate::transport::RemoteBuf;
 use crate::wire::{DResult, DecodeError, Reader, Writer};
 
 /// Channels: separate ordered streams inside one communicator.
 pub(crate) const CHAN_USER: u8 = 0;
-/// Internal traffic (barrier, split, setup).
+/// Internal traffic.
 pub(crate) const CHAN_INTERNAL: u8 = 1;
-/// Collectives.
+/// Collectives, barriers and splits: the calls every member makes in the same order.
 pub(crate) const CHAN_COLL: u8 = 2;
+/// Number of channels.
+pub(crate) const CHANNELS: usize = 3;
 
 /// What call a message belongs to; compared by the receiver.
 pub(crate) type Desc = [u8; 16];
@@ -40,6 +53,8 @@ const K_EAGER: u8 = 1;
 const K_CTS: u8 = 2;
 const K_ERR: u8 = 3;
 const K_RTS: u8 = 4;
+const K_LEAVE: u8 = 5;
+const K_PROBE: u8 = 6;
 
 /// Where a message belongs: (communicator id, channel, peer world rank).
 pub(crate) type StreamKey = (u32, u8, usize);
@@ -48,10 +63,23 @@ pub(crate) type StreamKey = (u32, u8, usize);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cts {
     pub(crate) seq: u32,
+    pub(crate) call: u32,
     pub(crate) desc: Desc,
     pub(crate) len: u64,
     pub(crate) buf: RemoteBuf,
     pub(crate) imm: u32,
+}
+
+/// Where a rank stopped on a communicator, as it tells each member when it leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Leave {
+    pub(crate) how: Departure,
+    /// Calls every member makes (collectives, barriers, splits) it had made.
+    pub(crate) calls: u32,
+    /// Per channel: messages it had sent to the member it tells.
+    pub(crate) sent: [u32; CHANNELS],
+    /// Per channel: messages it had received (receives submitted) from that member.
+    pub(crate) recv: [u32; CHANNELS],
 }
 
 /// A decoded protocol message.
@@ -61,6 +89,7 @@ pub(crate) enum ProtoMsg {
         comm: u32,
         chan: u8,
         seq: u32,
+        call: u32,
         desc: Desc,
         data: Vec<u8>,
     },
@@ -69,55 +98,81 @@ pub(crate) enum ProtoMsg {
         chan: u8,
         cts: Cts,
     },
-    Err {
-        what: String,
-    },
+    /// Why the sender gave up (`reporter` is filled with the sender when it found the
+    /// fault itself).
+    Err(Fault),
     /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
     Rts {
         comm: u32,
         chan: u8,
         seq: u32,
+        call: u32,
         desc: Desc,
         len: u64,
     },
+    Leave {
+        comm: u32,
+        leave: Leave,
+    },
+    /// "I am in call `call` of communicator `comm`, described by `desc`, and wait for
+    /// you": sent by a collective call that has waited a while, so that a peer in a
+    /// different call with the same number says so even when neither sends the other data.
+    Probe {
+        comm: u32,
+        call: u32,
+        desc: Desc,
+    },
 }
 
-/// Bytes of the eager header (data follows it).
-pub(crate) const EAGER_HEADER: usize = 28;
+/// Bytes of the header every message starts with (eager data follows it).
+pub(crate) const EAGER_HEADER: usize = 32;
 
-fn head(w: &mut Writer, comm: u32, chan: u8, kind: u8, seq: u32, desc: &Desc) {
-    w.u32(comm).u8(chan).u8(kind).u8(0).u8(0).u32(seq).raw(desc);
+/// The header fields of a message.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Head {
+    pub(crate) comm: u32,
+    pub(crate) chan: u8,
+    pub(crate) seq: u32,
+    pub(crate) call: u32,
+    pub(crate) desc: Desc,
+}
+
+fn put_head(b: &mut [u8], kind: u8, h: &Head) {
+    b[0..4].copy_from_slice(&h.comm.to_le_bytes());
+    b[4] = h.chan;
+    b[5] = kind;
+    b[6] = 0;
+    b[7] = 0;
+    b[8..12].copy_from_slice(&h.seq.to_le_bytes());
+    b[12..16].copy_from_slice(&h.call.to_le_bytes());
+    b[16..32].copy_from_slice(&h.desc);
+}
+
+fn head_vec(kind: u8, h: &Head, extra: usize) -> Writer {
+    let mut w = Writer { buf: Vec::with_capacity(EAGER_HEADER + extra) };
+    w.buf.resize(EAGER_HEADER, 0);
+    put_head(&mut w.buf, kind, h);
+    w
 }
 
 /// An eager message: the header, then `fill` appends `len` bytes of data.
 #[cfg(test)]
-pub(crate) fn encode_eager_with(comm: u32, chan: u8, seq: u32, desc: &Desc, len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
-    let mut w = Writer { buf: Vec::with_capacity(EAGER_HEADER + len) };
-    head(&mut w, comm, chan, K_EAGER, seq, desc);
+pub(crate) fn encode_eager_with(h: &Head, len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut w = head_vec(K_EAGER, h, len);
     fill(&mut w.buf);
     w.finish()
 }
 
 #[cfg(test)]
 pub(crate) fn encode_eager(comm: u32, chan: u8, seq: u32, data: &[u8]) -> Vec<u8> {
-    encode_eager_with(comm, chan, seq, &NO_DESC, data.len(), |b| b.extend_from_slice(data))
+    encode_eager_with(&Head { comm, chan, seq, call: 0, desc: NO_DESC }, data.len(), |b| b.extend_from_slice(data))
 }
 
 /// The header of an eager message, on the stack (the data follows it on the wire).
-pub(crate) fn eager_header(comm: u32, chan: u8, seq: u32, desc: &Desc) -> [u8; EAGER_HEADER] {
+pub(crate) fn eager_header(h: &Head) -> [u8; EAGER_HEADER] {
     let mut b = [0u8; EAGER_HEADER];
-    put_head(&mut b, comm, chan, K_EAGER, seq, desc);
+    put_head(&mut b, K_EAGER, h);
     b
-}
-
-fn put_head(b: &mut [u8], comm: u32, chan: u8, kind: u8, seq: u32, desc: &Desc) {
-    b[0..4].copy_from_slice(&comm.to_le_bytes());
-    b[4] = chan;
-    b[5] = kind;
-    b[6] = 0;
-    b[7] = 0;
-    b[8..12].copy_from_slice(&seq.to_le_bytes());
-    b[12..28].copy_from_slice(desc);
 }
 
 /// Bytes of a clear-to-send.
@@ -127,7 +182,7 @@ pub(crate) const RTS_LEN: usize = EAGER_HEADER + 8;
 
 pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> [u8; CTS_LEN] {
     let mut b = [0u8; CTS_LEN];
-    put_head(&mut b, comm, chan, K_CTS, cts.seq, &cts.desc);
+    put_head(&mut b, K_CTS, &Head { comm, chan, seq: cts.seq, call: cts.call, desc: cts.desc });
     let mut o = EAGER_HEADER;
     for v in [cts.len, cts.buf.addr, cts.buf.len, cts.buf.key] {
         b[o..o + 8].copy_from_slice(&v.to_le_bytes());
@@ -137,18 +192,58 @@ pub(crate) fn encode_cts(comm: u32, chan: u8, cts: &Cts) -> [u8; CTS_LEN] {
     b
 }
 
-pub(crate) fn encode_rts(comm: u32, chan: u8, seq: u32, desc: &Desc, len: u64) -> [u8; RTS_LEN] {
+pub(crate) fn encode_rts(h: &Head, len: u64) -> [u8; RTS_LEN] {
     let mut b = [0u8; RTS_LEN];
-    put_head(&mut b, comm, chan, K_RTS, seq, desc);
+    put_head(&mut b, K_RTS, h);
     b[EAGER_HEADER..].copy_from_slice(&len.to_le_bytes());
     b
 }
 
-pub(crate) fn encode_err(comm: u32, chan: u8, seq: u32, what: &str) -> Vec<u8> {
-    let mut w = Writer::new();
-    head(&mut w, comm, chan, K_ERR, seq, &NO_DESC);
-    w.str(what);
+const NO_RANK: u32 = u32::MAX;
+
+fn rank_u32(r: Option<usize>) -> u32 {
+    r.and_then(|r| u32::try_from(r).ok()).filter(|&r| r != NO_RANK).unwrap_or(NO_RANK)
+}
+
+fn rank_opt(r: u32) -> Option<usize> {
+    (r != NO_RANK).then_some(r as usize)
+}
+
+/// An `ERR` telling a peer why `sender` gives up. A fault this rank found itself goes out
+/// with `sender` as its reporter; a relayed one keeps the rank that found it.
+pub(crate) fn encode_err(fault: &Fault, sender: usize) -> Vec<u8> {
+    let h = Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC };
+    let mut w = head_vec(K_ERR, &h, 64 + fault.op.len() + fault.what.len());
+    w.u8(fault.kind.code())
+        .u32(rank_u32(fault.culprit))
+        .u32(rank_u32(Some(fault.reporter.unwrap_or(sender))))
+        .str(&fault.op)
+        .str(&fault.what);
     w.finish()
+}
+
+/// Bytes of a `LEAVE`.
+pub(crate) const LEAVE_LEN: usize = EAGER_HEADER + 1 + 4 + 8 * CHANNELS;
+
+pub(crate) fn encode_leave(comm: u32, l: &Leave) -> Vec<u8> {
+    let h = Head { comm, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC };
+    let mut w = head_vec(K_LEAVE, &h, LEAVE_LEN - EAGER_HEADER);
+    w.u8(match l.how {
+        Departure::Finalized => 1,
+        Departure::Dropped => 2,
+    })
+    .u32(l.calls);
+    for c in 0..CHANNELS {
+        w.u32(l.sent[c]).u32(l.recv[c]);
+    }
+    w.finish()
+}
+
+/// A probe (see [`ProtoMsg::Probe`]).
+pub(crate) fn encode_probe(comm: u32, call: u32, desc: &Desc) -> [u8; EAGER_HEADER] {
+    let mut b = [0u8; EAGER_HEADER];
+    put_head(&mut b, K_PROBE, &Head { comm, chan: CHAN_COLL, seq: 0, call, desc: *desc });
+    b
 }
 
 #[cfg(test)]
@@ -166,6 +261,7 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
         let kind = r.u8()?;
         r.raw(2)?;
         let seq = r.u32()?;
+        let call = r.u32()?;
         let mut desc = NO_DESC;
         desc.copy_from_slice(r.raw(16)?);
         match kind {
@@ -175,26 +271,51 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
                 let imm = r.u32()?;
                 r.end()?;
-                Some(ProtoMsg::Cts { comm, chan, cts: Cts { seq, desc, len, buf, imm } })
+                Some(ProtoMsg::Cts { comm, chan, cts: Cts { seq, call, desc, len, buf, imm } })
             }
             K_RTS => {
                 let len = r.u64()?;
                 r.end()?;
-                Some(ProtoMsg::Rts { comm, chan, seq, desc, len })
+                Some(ProtoMsg::Rts { comm, chan, seq, call, desc, len })
             }
             K_ERR => {
+                let code = r.u8()?;
+                let kind = FaultKind::from_code(code).ok_or_else(|| DecodeError(format!("unknown fault kind {code}")))?;
+                let culprit = rank_opt(r.u32()?);
+                let reporter = rank_opt(r.u32()?);
+                let op = r.str()?.to_string();
                 let what = r.str()?.to_string();
-                Some(ProtoMsg::Err { what })
+                r.end()?;
+                Some(ProtoMsg::Err(Fault { kind, culprit, reporter, op, what }))
+            }
+            K_LEAVE => {
+                let how = match r.u8()? {
+                    1 => Departure::Finalized,
+                    2 => Departure::Dropped,
+                    h => return Err(DecodeError(format!("unknown departure {h}"))),
+                };
+                let calls = r.u32()?;
+                let (mut sent, mut recv) = ([0u32; CHANNELS], [0u32; CHANNELS]);
+                for c in 0..CHANNELS {
+                    sent[c] = r.u32()?;
+                    recv[c] = r.u32()?;
+                }
+                r.end()?;
+                Some(ProtoMsg::Leave { comm, leave: Leave { how, calls, sent, recv } })
+            }
+            K_PROBE => {
+                r.end()?;
+                Some(ProtoMsg::Probe { comm, call, desc })
             }
             k => return Err(DecodeError(format!("unknown message kind {k}"))),
         }
-        .ok_or((comm, chan, seq, desc))
+        .ok_or((comm, chan, seq, call, desc))
     };
     match m {
         Ok(m) => Ok((m, Some(msg))),
-        Err((comm, chan, seq, desc)) => {
+        Err((comm, chan, seq, call, desc)) => {
             msg.drain(..EAGER_HEADER);
-            Ok((ProtoMsg::Eager { comm, chan, seq, desc, data: msg }, None))
+            Ok((ProtoMsg::Eager { comm, chan, seq, call, desc, data: msg }, None))
         }
     }
 }
@@ -206,25 +327,59 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         match decode(encode_eager(7, CHAN_USER, 3, b"abc")).unwrap() {
-            ProtoMsg::Eager { comm: 7, chan: CHAN_USER, seq: 3, data, desc } => assert_eq!((data, desc), (b"abc".to_vec(), NO_DESC)),
-            m => panic!("{m:?}"),
-        }
-        let cts = Cts { seq: 9, desc: [7; 16], len: 100, buf: RemoteBuf { addr: 1, len: 2, key: 3 }, imm: 4 };
-        match decode(encode_cts(1, CHAN_INTERNAL, &cts).to_vec()).unwrap() {
-            ProtoMsg::Cts { comm: 1, chan: CHAN_INTERNAL, cts: c } => {
-                assert_eq!((c.seq, c.desc, c.len, c.buf, c.imm), (9, [7; 16], 100, cts.buf, 4))
+            ProtoMsg::Eager { comm: 7, chan: CHAN_USER, seq: 3, call: 0, data, desc } => {
+                assert_eq!((data, desc), (b"abc".to_vec(), NO_DESC))
             }
             m => panic!("{m:?}"),
         }
-        match decode(encode_err(1, 0, 2, "bad")).unwrap() {
-            ProtoMsg::Err { what, .. } => assert_eq!(what, "bad"),
+        let h = Head { comm: 7, chan: CHAN_COLL, seq: 3, call: 41, desc: [9; 16] };
+        let mut b = eager_header(&h).to_vec();
+        b.extend_from_slice(b"xy");
+        match decode(b).unwrap() {
+            ProtoMsg::Eager { call: 41, desc, data, .. } => assert_eq!((desc, data), ([9; 16], b"xy".to_vec())),
             m => panic!("{m:?}"),
         }
-        match decode(encode_rts(2, 1, 5, &[1; 16], 1 << 40).to_vec()).unwrap() {
-            ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, len, desc } => assert_eq!((len, desc), (1 << 40, [1; 16])),
+        let cts = Cts { seq: 9, call: 5, desc: [7; 16], len: 100, buf: RemoteBuf { addr: 1, len: 2, key: 3 }, imm: 4 };
+        match decode(encode_cts(1, CHAN_INTERNAL, &cts).to_vec()).unwrap() {
+            ProtoMsg::Cts { comm: 1, chan: CHAN_INTERNAL, cts: c } => {
+                assert_eq!((c.seq, c.call, c.desc, c.len, c.buf, c.imm), (9, 5, [7; 16], 100, cts.buf, 4))
+            }
+            m => panic!("{m:?}"),
+        }
+        let f = Fault { kind: FaultKind::Mismatch, culprit: Some(2), reporter: None, op: "allreduce".into(), what: "bad".into() };
+        match decode(encode_err(&f, 1)).unwrap() {
+            ProtoMsg::Err(g) => assert_eq!(g, Fault { reporter: Some(1), ..f.clone() }),
+            m => panic!("{m:?}"),
+        }
+        // A relayed fault keeps the rank that found it.
+        let relayed = Fault { reporter: Some(3), culprit: None, ..f };
+        match decode(encode_err(&relayed, 1)).unwrap() {
+            ProtoMsg::Err(g) => assert_eq!(g, relayed),
+            m => panic!("{m:?}"),
+        }
+        match decode(encode_rts(&Head { comm: 2, chan: 1, seq: 5, call: 6, desc: [1; 16] }, 1 << 40).to_vec()).unwrap() {
+            ProtoMsg::Rts { comm: 2, chan: 1, seq: 5, call: 6, len, desc } => assert_eq!((len, desc), (1 << 40, [1; 16])),
+            m => panic!("{m:?}"),
+        }
+        let l = Leave { how: Departure::Dropped, calls: 12, sent: [1, 2, 3], recv: [4, 5, 6] };
+        let e = encode_leave(9, &l);
+        assert_eq!(e.len(), LEAVE_LEN);
+        match decode(e).unwrap() {
+            ProtoMsg::Leave { comm: 9, leave } => assert_eq!(leave, l),
+            m => panic!("{m:?}"),
+        }
+        match decode(encode_probe(4, 8, &[3; 16]).to_vec()).unwrap() {
+            ProtoMsg::Probe { comm: 4, call: 8, desc } => assert_eq!(desc, [3; 16]),
             m => panic!("{m:?}"),
         }
         assert!(decode(vec![1, 2, 3]).is_err());
-        assert!(decode(vec![0; 28].into_iter().chain([0]).collect()).is_err());
+        assert!(decode(vec![0; EAGER_HEADER].into_iter().chain([0]).collect()).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn garbage_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..128)) {
+            let _ = decode(data);
+        }
     }
 }

@@ -137,9 +137,9 @@ impl TcpEndpoint {
                 // A broken connection is only a suspect for a moment (see `Events::suspects`):
                 // wait for its grace too, then report the best-known cause.
                 let settle = Instant::now() + crate::fabric::SUSPECT_GRACE + Duration::from_millis(20);
-                if let Some((peer, reason)) = self.shared.root_cause(settle) {
+                if let Some(fault) = self.shared.root_cause(settle) {
                     let _ = self.ctl.shutdown(Shutdown::Both);
-                    return Error::PeerFailed { rank: self.rank, peer, op: format!("tcp {what} to rank {}", self.peer), reason };
+                    return fault.to_error(self.rank, &format!("tcp {what} to rank {}", self.peer));
                 }
             }
             let _ = self.ctl.shutdown(Shutdown::Both);
