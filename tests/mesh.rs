@@ -397,3 +397,115 @@ fn collectives_over_processes() {
         }
     }
 }
+
+/// Runs `ferroccl-selftest fault --case CASE --count COUNT` on `n` ranks and returns, per
+/// rank, its `fault` line (None: the rank printed none). The timeout is long (60 s): a rank
+/// that waited for it instead of failing at once reports "timed out".
+fn fault(n: usize, transport: &str, case: &str, count: usize) -> (Job, Vec<Option<String>>) {
+    let j = job(n, transport, &["fault", "--case", case, "--count", &count.to_string()], &[("FERROCCL_TIMEOUT", "60")]);
+    let lines = (0..n)
+        .map(|r| {
+            let head = format!("[{r}] selftest: rank {r} fault {case}: ");
+            j.stdout.lines().filter(|l| l.starts_with(&head)).map(|l| &l[head.len()..]).find(|l| l.contains(" after ")).map(str::to_string)
+        })
+        .collect();
+    (j, lines)
+}
+
+/// Each rank in `must_fail` failed, and not by waiting out its deadline; every error reads
+/// as one chain (no rank's prefix twice, no nested "failed because ... failed because").
+fn assert_fails(j: &Job, lines: &[Option<String>], must_fail: &[usize], ctx: &str) {
+    for (r, l) in lines.iter().enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("{ctx}: rank {r} printed no fault line\n{}", j.all()));
+        if must_fail.contains(&r) {
+            assert!(l.starts_with("failed after"), "{ctx}: rank {r} did not notice: {l}\n{}", j.all());
+        }
+        assert!(!l.contains("timed out"), "{ctx}: rank {r} waited for its deadline: {l}\n{}", j.all());
+        let secs: f64 = l.split("after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap();
+        assert!(secs < 30.0, "{ctx}: rank {r} took {secs} s: {l}");
+        for q in 0..lines.len() {
+            assert!(l.matches(&format!("rank {q}: ")).count() <= 1, "{ctx}: rank {r}'s error repeats itself: {l}");
+        }
+        assert!(l.matches("failed because").count() <= 1, "{ctx}: rank {r}'s error nests another: {l}");
+    }
+}
+
+/// Calls that do not match fail on every rank of the call, eager (1,000 f32) and
+/// rendezvous (100,000 f32), at the latest in finalize, never by the deadline: different
+/// broadcast roots (both sides only send when eager), an extra call on one rank, and a
+/// reduce where every rank thinks itself the root (nobody sends anything).
+#[test]
+fn mismatched_collectives_fail_on_every_rank() {
+    for transport in ["shm", "tcp"] {
+        for count in [1000, 100_000] {
+            for n in [2, 4] {
+                let all: Vec<usize> = (0..n).collect();
+                for case in ["bcast-root", "extra-call", "reduce-root"] {
+                    let ctx = format!("{case} on {n} ranks, {transport}, {count} f32");
+                    let (j, lines) = fault(n, transport, case, count);
+                    assert_fails(&j, &lines, &all, &ctx);
+                }
+            }
+        }
+    }
+}
+
+/// A message nobody receives is an error on both sides (the send itself, or both
+/// finalizes); a point-to-point length mismatch fails both sides, the eager sender at its
+/// next call.
+#[test]
+fn unmatched_and_mismatched_point_to_point_fail_both_sides() {
+    for transport in ["shm", "tcp"] {
+        for count in [1000, 100_000] {
+            for n in [2, 3] {
+                for case in ["unmatched-send", "p2p-len"] {
+                    let ctx = format!("{case} on {n} ranks, {transport}, {count} f32");
+                    let (j, lines) = fault(n, transport, case, count);
+                    assert_fails(&j, &lines, &[0, 1], &ctx);
+                    if case == "p2p-len" {
+                        for (r, l) in lines.iter().take(2).enumerate() {
+                            let l = l.as_deref().unwrap_or_default();
+                            assert!(l.contains("does not match") && l.contains("bytes"), "{ctx}: rank {r}: {l}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A rank that skips a collective and finalizes tells the others where it stopped: they
+/// fail at once naming it ("rank 3 finalized the communicator after call #1"), and its own
+/// finalize fails too.
+#[test]
+fn a_rank_that_left_is_not_waited_for() {
+    for transport in ["shm", "tcp"] {
+        for count in [1000, 100_000] {
+            for n in [2, 4] {
+                let ctx = format!("skip on {n} ranks, {transport}, {count} f32");
+                let (j, lines) = fault(n, transport, "skip", count);
+                let all: Vec<usize> = (0..n).collect();
+                assert_fails(&j, &lines, &all, &ctx);
+                let named =
+                    lines.iter().flatten().filter(|l| l.contains(&format!("rank {} finalized the communicator after call #1", n - 1)));
+                assert!(named.count() >= 1, "{ctx}: nobody names the rank that left\n{}", j.all());
+            }
+        }
+    }
+}
+
+/// After the world's finalize, every call on a communicator split from it fails, saying
+/// so, on every rank, every time.
+#[test]
+fn calls_after_the_world_finalized_fail_every_time() {
+    for transport in ["shm", "tcp"] {
+        for _ in 0..3 {
+            let (j, lines) = fault(3, transport, "after-finalize", 1000);
+            for (r, l) in lines.iter().enumerate() {
+                let l = l.as_deref().unwrap_or_default();
+                assert!(l.contains("the world communicator was finalized"), "{transport}: rank {r}: {l}\n{}", j.all());
+                assert!(j.stdout.contains(&format!("[{r}] selftest: rank {r} fault after-finalize: refused 3 of 3 calls")), "{}", j.all());
+            }
+        }
+    }
+}

@@ -14,6 +14,7 @@
 //! ferroccl-selftest flood                                              rank 0 floods rank 1 with messages; rank 1 never reads, then dies
 //! ferroccl-selftest engine [--runs N]                                  non-blocking collectives in flight together, plans run N times, groups, checked
 //! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
+//! ferroccl-selftest fault --case C [--count N]                         a deliberate misuse; every rank must report an error (see `fault`)
 //! ```
 //! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
 //! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
@@ -70,6 +71,7 @@ fn main() {
         "coll" => coll(&comm, rest),
         "engine" => engine(&comm, rest),
         "abort" => abort(comm),
+        "fault" => fault(comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
@@ -542,4 +544,99 @@ fn abort(comm: Communicator) -> ! {
             std::process::exit(1)
         }
     }
+}
+
+/// A deliberate misuse, after a barrier (so that every rank starts its faulty step at about
+/// the same time).
+/// Every rank prints `selftest: rank R fault CASE: failed after S s: ERROR` (and exits 1) or
+/// `selftest: rank R fault CASE: no error` (exit 0: the misuse went unnoticed on that rank).
+/// The time counts from the start of the faulty step to the error, finalize included.
+///
+/// Cases (`--count N` elements of f32, default 1000: eager; 100000: rendezvous):
+/// * `bcast-root`: rank 0 broadcasts from root 0, every other rank from root 1;
+/// * `unmatched-send`: rank 0 sends rank 1 a message rank 1 never receives;
+/// * `extra-call`: rank 0 makes a broadcast the others do not, then all allreduce;
+/// * `skip`: the last rank skips an allreduce and goes on to finalize;
+/// * `p2p-len`: rank 0 sends N elements, rank 1 receives N + 1, then both barrier;
+/// * `reduce-root`: every rank calls reduce with itself as the root (nobody sends);
+/// * `after-finalize`: every rank finalizes the world, then calls allreduce three times on
+///   a communicator split from it (each call must fail, saying so).
+fn fault(comm: Communicator, args: &[String]) -> ! {
+    use ferroccl::ReduceOp;
+    let case = flag(args, "--case").unwrap_or("").to_string();
+    let count: usize = flag(args, "--count").and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let (n, r) = (comm.size(), comm.rank());
+    let report = |t: Instant, res: ferroccl::Result<()>| -> ! {
+        match res {
+            Err(e) => {
+                println!("selftest: rank {r} fault {case}: failed after {:.3}s: {e}", t.elapsed().as_secs_f64());
+                std::process::exit(1)
+            }
+            Ok(()) => {
+                println!("selftest: rank {r} fault {case}: no error after {:.3}s", t.elapsed().as_secs_f64());
+                std::process::exit(0)
+            }
+        }
+    };
+    // A fast rank may find the fault while a slow one is still in this barrier: its
+    // barrier then fails with the fault, which counts.
+    let t = Instant::now();
+    if let Err(e) = comm.barrier() {
+        report(t, Err(e));
+    }
+    let mut buf = vec![r as f32; count];
+    let t = Instant::now();
+    let res: ferroccl::Result<()> = match case.as_str() {
+        "bcast-root" => comm.broadcast(&mut buf, usize::from(r != 0).min(n - 1)),
+        "unmatched-send" => match r {
+            0 => comm.send(&buf, 1),
+            _ => Ok(()),
+        },
+        "extra-call" => {
+            let first = if r == 0 { comm.broadcast(&mut buf, 0) } else { Ok(()) };
+            first.and_then(|()| comm.allreduce(&mut buf, ReduceOp::Sum))
+        }
+        "skip" => {
+            if r == n - 1 {
+                Ok(())
+            } else {
+                comm.allreduce(&mut buf, ReduceOp::Sum)
+            }
+        }
+        "p2p-len" => match r {
+            0 => comm.send(&buf, 1).and_then(|()| comm.barrier()),
+            1 => comm.recv(&mut vec![0f32; count + 1], 0).and_then(|()| comm.barrier()),
+            _ => comm.barrier(),
+        },
+        "reduce-root" => {
+            let mut out = vec![0f32; count];
+            comm.reduce(&buf, &mut out, ReduceOp::Sum, r)
+        }
+        "after-finalize" => {
+            let sub = match comm.split(Some(0), r as i64) {
+                Ok(Some(s)) => s,
+                Ok(None) => report(t, Err(ferroccl::Error::InvalidArgument("split left this rank out".into()))),
+                Err(e) => report(t, Err(e)),
+            };
+            if let Err(e) = comm.finalize() {
+                report(t, Err(e));
+            }
+            let t = Instant::now();
+            let mut refused = Vec::new();
+            for _ in 0..3 {
+                match sub.allreduce(&mut buf, ReduceOp::Sum) {
+                    Err(e @ ferroccl::Error::Finalized { .. }) => refused.push(e),
+                    Err(e) => report(t, Err(e)),
+                    Ok(()) => report(t, Ok(())),
+                }
+            }
+            println!("selftest: rank {r} fault {case}: refused {} of 3 calls", refused.len());
+            report(t, Err(refused.remove(0)))
+        }
+        other => {
+            eprintln!("selftest: rank {r} error: unknown fault case {other:?}");
+            std::process::exit(2)
+        }
+    };
+    report(t, res.and_then(|()| comm.finalize()))
 }
