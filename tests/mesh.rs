@@ -269,6 +269,33 @@ fn no_shared_memory_segment_is_left_behind() {
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
 
+/// A rank SIGKILLed at any moment of `Communicator::init` (before or after it made its
+/// shared-memory segment and published it, while the others are still starting) leaves
+/// nothing behind, and the job ends promptly with the launcher naming the dead rank.
+#[test]
+fn a_rank_killed_during_init_leaves_nothing_behind() {
+    for after_ms in ["0", "5", "20", "60", "150", "280"] {
+        let j = job_with_grace(3, "shm", &["die-in-init", "--victim", "1", "--after-ms", after_ms, "--delay-ms", "300"], &[], "2");
+        assert_eq!(j.code, Some(137), "killed {after_ms} ms into init\n{}", j.all());
+        assert!(j.stderr.contains("rank 1 was killed by signal SIGKILL"), "{}", j.all());
+        assert!(j.wall < Duration::from_secs(30), "took {:?}\n{}", j.wall, j.all());
+        // Every survivor that got as far as the victim's segment names it.
+        for l in j.stdout.lines().filter(|l| l.contains("cannot map its segment")) {
+            assert!(l.contains("does not exist (the process or its descriptor is gone)"), "{l}");
+        }
+        let pids: Vec<String> =
+            j.stdout.lines().filter_map(|l| l.split(" pid ").nth(1)).map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect();
+        assert_eq!(pids.len(), 3, "{}", j.all());
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| pids.iter().any(|p| n.starts_with(&format!("ferroccl-{p}-"))))
+            .collect();
+        assert!(left.is_empty(), "killed {after_ms} ms into init; left in /dev/shm: {left:?}");
+    }
+}
+
 /// Under torchrun's variables (no ferroccl-run), rank 0 serves the store at
 /// MASTER_ADDR:(MASTER_PORT+1) and the ranks still build the full mesh.
 #[test]

@@ -1,10 +1,24 @@
-//! POSIX shared-memory segments (`shm_open` + `mmap(MAP_SHARED)`).
+//! Shared-memory segments: anonymous (`memfd_create`) or named POSIX
+//! (`shm_open`) objects, mapped with `mmap(MAP_SHARED)`.
 //!
-//! A [`ShmSegment`] is one mapping of a named shared-memory object. The rank
-//! that owns a segment [`create`](ShmSegment::create)s it, advertises the name
-//! (through the bootstrap store), and its peers [`open`](ShmSegment::open) it
-//! with the length they were told; the owner [`unlink`](ShmSegment::unlink)s
-//! the name once every peer has mapped it (mappings stay valid after unlink).
+//! A [`ShmSegment`] is one mapping of a shared-memory object. Two kinds:
+//!
+//! - **Anonymous** (what FerroCCL's shm transport uses): the owner
+//!   [`create_anonymous`](ShmSegment::create_anonymous)s a memfd, advertises
+//!   its pid, [`fd`](ShmSegment::fd) number and name (through the bootstrap
+//!   store), and its peers [`open_from`](ShmSegment::open_from) it through
+//!   `/proc/<pid>/fd/<fd>`; once every peer has mapped it the owner
+//!   [`withdraw`](ShmSegment::withdraw)s it (closes the fd, so nobody else can
+//!   open it). The object has no name in any file system: the kernel frees it
+//!   when the last mapping and descriptor are gone, so a process killed at any
+//!   moment (even before its peers mapped the segment) leaves nothing behind.
+//!   Opening needs the same permission as reading `/proc/<pid>/fd` (same user,
+//!   a dumpable process).
+//! - **Named**: the owner [`create`](ShmSegment::create)s `/dev/shm/<name>`,
+//!   its peers [`open`](ShmSegment::open) it with the length they were told,
+//!   and the owner [`unlink`](ShmSegment::unlink)s the name once every peer has
+//!   mapped it (mappings stay valid after unlink). A process that dies before
+//!   unlinking leaves the file behind.
 //!
 //! # Concurrency contract and why the API is sound
 //!
@@ -35,11 +49,12 @@
 
 use std::fmt;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::Mutex;
 
-use rustix::fs::Mode;
+use rustix::fs::{MemfdFlags, Mode, OFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::shm;
 
@@ -52,6 +67,9 @@ pub struct ShmSegment {
     name: String,
     base: NonNull<u8>,
     len: usize,
+    /// An anonymous segment's own descriptor, kept open (so that peers can
+    /// open it through `/proc`) until [`ShmSegment::withdraw`].
+    handle: Mutex<Option<OwnedFd>>,
 }
 
 // SAFETY: `ShmSegment` owns its mapping (a raw pointer that is only
@@ -68,7 +86,12 @@ unsafe impl Sync for ShmSegment {}
 
 impl fmt::Debug for ShmSegment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmSegment").field("name", &self.name).field("len", &self.len).field("addr", &self.base).finish()
+        f.debug_struct("ShmSegment")
+            .field("name", &self.name)
+            .field("len", &self.len)
+            .field("addr", &self.base)
+            .field("fd", &self.fd())
+            .finish()
     }
 }
 
@@ -89,6 +112,17 @@ fn check_name(name: &str) -> io::Result<()> {
         Ok(())
     } else {
         Err(seg_err(name, io::ErrorKind::InvalidInput, "invalid name (must be \"/\" followed by 1 to 254 bytes without '/' or NUL)"))
+    }
+}
+
+/// Checks an anonymous segment's name: 1 to 200 bytes, no `/` or NUL (so that
+/// the `/memfd:<name> (deleted)` link text is unambiguous).
+fn check_anon_name(name: &str) -> io::Result<()> {
+    let ok = !name.is_empty() && name.len() <= 200 && !name.contains('/') && !name.contains('\0');
+    if ok {
+        Ok(())
+    } else {
+        Err(seg_err(name, io::ErrorKind::InvalidInput, "invalid anonymous segment name (1 to 200 bytes without '/' or NUL)"))
     }
 }
 
@@ -142,6 +176,90 @@ impl ShmSegment {
         Self::map(name, &fd, expected_len)
     }
 
+    /// Creates an anonymous shared-memory object (`memfd_create`) of `len`
+    /// bytes (zero-filled), maps it read-write and keeps its descriptor open
+    /// for peers to [`open_from`](Self::open_from) until
+    /// [`withdraw`](Self::withdraw).
+    ///
+    /// `name` (1 to 200 bytes, no `/` or NUL) is what `/proc/<pid>/fd/<fd>`
+    /// shows (`/memfd:<name> (deleted)`); make it unique (e.g. with a random
+    /// part) so that a peer can tell this object from any other. Nothing is
+    /// created in a file system: the kernel frees the memory when the last
+    /// mapping and descriptor are gone, whatever happens to this process.
+    pub fn create_anonymous(name: &str, len: usize) -> io::Result<ShmSegment> {
+        check_anon_name(name)?;
+        if len == 0 {
+            return Err(seg_err(name, io::ErrorKind::InvalidInput, "length must be non-zero"));
+        }
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC).map_err(|e| seg_os_err(name, "memfd_create", e))?;
+        let l = u64::try_from(len).map_err(|_| seg_err(name, io::ErrorKind::InvalidInput, "length too large"))?;
+        rustix::fs::ftruncate(&fd, l).map_err(|e| seg_os_err(name, "ftruncate", e))?;
+        let seg = Self::map(name, &fd, len)?;
+        *seg.handle.lock().unwrap_or_else(|p| p.into_inner()) = Some(fd);
+        Ok(seg)
+    }
+
+    /// Opens and maps the anonymous segment `name` that process `pid` holds
+    /// as descriptor `fd` (see [`create_anonymous`](Self::create_anonymous)),
+    /// which must be exactly `expected_len` bytes long.
+    ///
+    /// The object opened must be a memfd called `name` (checked on the
+    /// descriptor actually opened, so a reused pid or descriptor number is
+    /// refused with [`io::ErrorKind::InvalidData`], never mapped); a process or
+    /// descriptor that no longer exists (its owner withdrew it or died) fails
+    /// with [`io::ErrorKind::NotFound`], a process this one may not inspect
+    /// with [`io::ErrorKind::PermissionDenied`]. Every error message names
+    /// the segment and the path.
+    pub fn open_from(pid: i32, fd: i32, name: &str, expected_len: usize) -> io::Result<ShmSegment> {
+        check_anon_name(name)?;
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let label = |what: &str| format!("{path} ({what})");
+        let want = format!("/memfd:{name} (deleted)");
+        // A first look before opening, so that a reused descriptor number (a
+        // socket, a device) is not even opened.
+        let before = std::fs::read_link(&path).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => {
+                seg_err(name, e.kind(), format_args!("{path} does not exist (the process or its descriptor is gone)"))
+            }
+            _ => seg_err(name, e.kind(), label(&format!("readlink: {e}"))),
+        })?;
+        if before.as_os_str() != want.as_str() {
+            return Err(seg_err(
+                name,
+                io::ErrorKind::InvalidData,
+                label(&format!("is {}, not this segment (the process or descriptor was reused)", before.display())),
+            ));
+        }
+        let file = rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NONBLOCK, Mode::empty())
+            .map_err(|e| seg_os_err(name, &label("open"), e))?;
+        // The decisive check, on the descriptor we hold: nothing can swap it now.
+        let mine = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .map_err(|e| seg_err(name, e.kind(), label(&format!("readlink of the opened descriptor: {e}"))))?;
+        if mine.as_os_str() != want.as_str() {
+            return Err(seg_err(name, io::ErrorKind::InvalidData, label(&format!("opened {}, not this segment", mine.display()))));
+        }
+        let st = rustix::fs::fstat(&file).map_err(|e| seg_os_err(name, "fstat", e))?;
+        let actual = u64::try_from(st.st_size).unwrap_or(0);
+        if usize::try_from(actual).ok() != Some(expected_len) || expected_len == 0 {
+            return Err(seg_err(name, io::ErrorKind::InvalidData, format_args!("size is {actual} bytes, expected {expected_len}")));
+        }
+        Self::map(name, &file, expected_len)
+    }
+
+    /// The descriptor number peers open an anonymous segment through (`None`
+    /// for named segments, segments opened from a peer, and after
+    /// [`withdraw`](Self::withdraw)).
+    pub fn fd(&self) -> Option<i32> {
+        self.handle.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|f| f.as_raw_fd())
+    }
+
+    /// Stops peers from opening this anonymous segment (closes its
+    /// descriptor; the mappings stay valid). Idempotent; a no-op for named
+    /// segments (see [`unlink`](Self::unlink)).
+    pub fn withdraw(&self) {
+        drop(self.handle.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+
     fn map(name: &str, fd: &OwnedFd, len: usize) -> io::Result<ShmSegment> {
         // SAFETY: we ask for a fresh mapping (null hint, no MAP_FIXED), so no
         // existing memory of this process is replaced; `len` is non-zero and
@@ -154,7 +272,7 @@ impl ShmSegment {
             .map_err(|e| seg_os_err(name, "mmap", e))?;
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| seg_err(name, io::ErrorKind::Other, "mmap returned null"))?;
         // The fd can be closed now: the mapping keeps the object alive.
-        Ok(ShmSegment { name: name.to_owned(), base, len })
+        Ok(ShmSegment { name: name.to_owned(), base, len, handle: Mutex::new(None) })
     }
 
     /// Removes the name `name`. Existing mappings (in this and other
@@ -399,6 +517,66 @@ mod tests {
         a.write(56, &[1; 8]);
         a.atomic_u64(56).load(Ordering::Relaxed);
         a.write(64, &[]);
+    }
+
+    fn anon_name(tag: &str) -> String {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        format!("ferroccl-test-{}-{}-{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    }
+
+    #[test]
+    fn anonymous_segment_is_shared_through_proc_and_withdrawn() {
+        let name = anon_name("anon");
+        let a = ShmSegment::create_anonymous(&name, 8192).unwrap();
+        let fd = a.fd().expect("a fresh anonymous segment keeps its descriptor");
+        let pid = std::process::id() as i32;
+        let b = ShmSegment::open_from(pid, fd, &name, 8192).unwrap();
+        b.atomic_u64(64).store(0xfeed, Ordering::Release);
+        assert_eq!(a.atomic_u64(64).load(Ordering::Acquire), 0xfeed);
+        a.write(100, b"hello");
+        let mut got = [0u8; 5];
+        b.read(100, &mut got);
+        assert_eq!(&got, b"hello");
+        // Wrong size, wrong name: refused, naming what was wrong.
+        let e = ShmSegment::open_from(pid, fd, &name, 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("expected 4096"), "{e}");
+        let e = ShmSegment::open_from(pid, fd, &anon_name("other"), 8192).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains(&format!("/proc/{pid}/fd/{fd}")), "{e}");
+        // A descriptor that is not a memfd at all (stdin, whatever it is) is not opened.
+        assert!(ShmSegment::open_from(pid, 0, &name, 8192).is_err());
+        // Withdrawn: nobody can open it any more, the mappings still work.
+        a.withdraw();
+        a.withdraw();
+        assert_eq!(a.fd(), None);
+        let e = ShmSegment::open_from(pid, fd, &name, 8192).unwrap_err();
+        assert!(matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::InvalidData), "{e}");
+        b.atomic_u32(8).store(7, Ordering::Release);
+        assert_eq!(a.atomic_u32(8).load(Ordering::Acquire), 7);
+        assert_eq!(b.fd(), None, "an opened segment has no descriptor to hand out");
+        // Bad names and lengths.
+        assert_eq!(ShmSegment::create_anonymous("a/b", 10).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(ShmSegment::create_anonymous("", 10).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(ShmSegment::create_anonymous(&name, 0).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn anonymous_segment_of_a_dead_process_is_gone() {
+        // A child holds a memfd and is killed: nothing of it can be opened, and nothing
+        // was ever created under /dev/shm.
+        let name = anon_name("dead");
+        let before: Vec<_> = std::fs::read_dir("/dev/shm").map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as i32;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let e = ShmSegment::open_from(pid, 3, &name, 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        let seg = ShmSegment::create_anonymous(&name, 4096).unwrap();
+        let after: Vec<_> = std::fs::read_dir("/dev/shm").map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        assert!(after.iter().all(|f| before.contains(f) || !f.to_string_lossy().contains(&name)), "{after:?}");
+        drop(seg);
     }
 
     #[test]

@@ -401,7 +401,9 @@ struct Descriptor {
     pid: u32,
     host_id: String,
     hostname: String,
+    /// The inbox segment's memfd name and descriptor number ("" / 0 when none).
     shm_name: String,
+    shm_fd: u32,
     tcp_addr: String,
     probe_addr: u64,
     ring_bytes: u64,
@@ -417,6 +419,7 @@ impl Descriptor {
             .str(&self.host_id)
             .str(&self.hostname)
             .str(&self.shm_name)
+            .u32(self.shm_fd)
             .str(&self.tcp_addr)
             .u64(self.probe_addr)
             .u64(self.ring_bytes)
@@ -431,6 +434,7 @@ impl Descriptor {
             host_id: r.str()?.to_string(),
             hostname: r.str()?.to_string(),
             shm_name: r.str()?.to_string(),
+            shm_fd: r.u32()?,
             tcp_addr: r.str()?.to_string(),
             probe_addr: r.u64()?,
             ring_bytes: r.u64()?,
@@ -525,7 +529,7 @@ impl Fabric {
 
         // This rank's inbox segment (unless shm is switched off or unavailable).
         let local_shm = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Shm) && size > 1 {
-            let name = format!("/ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
+            let name = format!("ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
             match LocalShm::create(&name, rank, size, params.shm_ring_bytes) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(e) if params.transport == TransportChoice::Shm => {
@@ -576,6 +580,7 @@ impl Fabric {
             host_id: host_id.clone(),
             hostname: hostname(),
             shm_name: local_shm.as_ref().map(|s| s.name().to_string()).unwrap_or_default(),
+            shm_fd: local_shm.as_ref().and_then(|s| s.fd()).and_then(|f| u32::try_from(f).ok()).unwrap_or(0),
             tcp_addr: listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             probe_addr: probe.as_ptr() as u64,
             ring_bytes: params.shm_ring_bytes as u64,
@@ -669,6 +674,7 @@ impl Fabric {
                 rank,
                 p,
                 d.pid as i32,
+                d.shm_fd as i32,
                 &d.shm_name,
                 size,
                 params.shm_ring_bytes,
@@ -771,7 +777,7 @@ impl Fabric {
             Ok(if missing.is_empty() { Some(()) } else { None })
         })?;
         if let Some(s) = &fabric.local_shm {
-            s.unlink();
+            s.withdraw();
         }
         // Tell rank 0 (which may be serving the store) that we no longer need the store.
         if let Some(st) = fabric.store.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
@@ -1153,7 +1159,7 @@ impl Fabric {
             e.close(deadline, &|| self.pump("close"));
         }
         if let Some(s) = &self.local_shm {
-            s.unlink();
+            s.withdraw();
         }
         // If this rank serves the store, keep it up until every rank has finished with it.
         let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();

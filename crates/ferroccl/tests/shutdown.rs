@@ -11,7 +11,7 @@ fn count(dir: &str) -> usize {
 }
 
 fn shm_maps() -> usize {
-    std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(|l| l.contains("/ferroccl-")).count()
+    std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(|l| l.contains("ferroccl-")).count()
 }
 
 fn job(n: usize, transport: TransportChoice) {

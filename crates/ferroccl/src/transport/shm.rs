@@ -1,11 +1,13 @@
 //! Shared-memory transport for ranks on the same host.
 //!
-//! Each rank creates one POSIX shared-memory segment, its *inbox*: a header (doorbell,
-//! sleep flag, pull-slot table) and one single-producer/single-consumer byte ring per
-//! sender. A peer maps the segment and produces records into its own ring there; the owner
-//! drains every ring when it polls. The segment's name is unlinked as soon as every peer has
-//! mapped it (each peer's HELLO record proves it), so nothing is left in /dev/shm even if the
-//! job is killed afterwards.
+//! Each rank creates one anonymous shared-memory segment (a memfd), its *inbox*: a header
+//! (doorbell, sleep flag, pull-slot table) and one single-producer/single-consumer byte ring
+//! per sender. A peer maps the segment (opening it through `/proc/<pid>/fd/<fd>`, checked to
+//! be that memfd by name and size) and produces records into its own ring there; the owner
+//! drains every ring when it polls. The owner closes the descriptor as soon as every peer has
+//! mapped it (each peer's HELLO record proves it). The segment has no name in any file
+//! system, so a rank killed at any moment, even in the middle of building the mesh, leaves
+//! nothing behind (nothing in /dev/shm): the kernel frees it with the last mapping.
 //!
 //! Records are 64-byte headers followed by the payload padded to 64 bytes:
 //! * `MSG`: a two-sided message (payload inline);
@@ -132,12 +134,12 @@ pub(crate) struct LocalShm {
     heads: Mutex<Vec<u64>>,
     slots_used: Mutex<Vec<bool>>,
     next_gen: AtomicU64,
-    unlinked: AtomicBool,
+    withdrawn: AtomicBool,
 }
 
 impl LocalShm {
     pub(crate) fn create(name: &str, rank: usize, world: usize, ring_bytes: usize) -> std::io::Result<LocalShm> {
-        let seg = ShmSegment::create(name, segment_len(world, ring_bytes))?;
+        let seg = ShmSegment::create_anonymous(name, segment_len(world, ring_bytes))?;
         Ok(LocalShm {
             seg: Arc::new(seg),
             rank,
@@ -145,12 +147,18 @@ impl LocalShm {
             heads: Mutex::new(vec![0; world]),
             slots_used: Mutex::new(vec![false; PULL_SLOTS]),
             next_gen: AtomicU64::new(1),
-            unlinked: AtomicBool::new(false),
+            withdrawn: AtomicBool::new(false),
         })
     }
 
     pub(crate) fn name(&self) -> &str {
         self.seg.name()
+    }
+
+    /// The descriptor number peers open the segment through (`/proc/<pid>/fd/<fd>`), until
+    /// [`LocalShm::withdraw`].
+    pub(crate) fn fd(&self) -> Option<i32> {
+        self.seg.fd()
     }
 
     /// The doorbell word producers bump.
@@ -163,10 +171,11 @@ impl LocalShm {
         self.seg.atomic_u32(SLEEPING_OFF)
     }
 
-    /// Removes the segment's name (the mappings stay); done once every peer mapped it.
-    pub(crate) fn unlink(&self) {
-        if !self.unlinked.swap(true, Ordering::AcqRel) {
-            let _ = ShmSegment::unlink(self.seg.name());
+    /// Closes the descriptor peers open the segment through (the mappings stay); done once
+    /// every peer mapped it.
+    pub(crate) fn withdraw(&self) {
+        if !self.withdrawn.swap(true, Ordering::AcqRel) {
+            self.seg.withdraw();
         }
     }
 
@@ -355,8 +364,8 @@ impl LocalShm {
 
 impl Drop for LocalShm {
     fn drop(&mut self) {
-        // Also on a failed setup: the name must not outlive us.
-        self.unlink();
+        // Also on a failed setup (the descriptor would close with us anyway).
+        self.withdraw();
     }
 }
 
@@ -383,6 +392,7 @@ impl ShmEndpoint {
         rank: usize,
         peer: usize,
         peer_pid: i32,
+        peer_seg_fd: i32,
         peer_seg_name: &str,
         world: usize,
         ring_bytes: usize,
@@ -390,13 +400,15 @@ impl ShmEndpoint {
         cma: bool,
         local: Arc<LocalShm>,
     ) -> Result<ShmEndpoint> {
-        let seg = ShmSegment::open(peer_seg_name, segment_len(world, ring_bytes)).map_err(|e| Error::Transport {
-            rank,
-            peer,
-            transport: "shm",
-            what: format!(
-                "cannot map its segment {peer_seg_name}: {e} (is /dev/shm shared between the ranks? FERROCCL_TRANSPORT=tcp avoids shm)"
-            ),
+        let seg = ShmSegment::open_from(peer_pid, peer_seg_fd, peer_seg_name, segment_len(world, ring_bytes)).map_err(|e| {
+            let hint = match e.kind() {
+                std::io::ErrorKind::NotFound => "that rank exited, or closed the segment, before this rank mapped it",
+                std::io::ErrorKind::PermissionDenied => {
+                    "opening another process's /proc/<pid>/fd needs the same user and a dumpable process; FERROCCL_TRANSPORT=tcp avoids shm"
+                }
+                _ => "FERROCCL_TRANSPORT=tcp avoids shm",
+            };
+            Error::Transport { rank, peer, transport: "shm", what: format!("cannot map its segment: {e} ({hint})") }
         })?;
         Ok(ShmEndpoint {
             rank,

@@ -15,6 +15,7 @@
 //! ferroccl-selftest engine [--runs N]                                  non-blocking collectives in flight together, plans run N times, groups, checked
 //! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
 //! ferroccl-selftest fault --case C [--count N]                         a deliberate misuse; every rank must report an error (see `fault`)
+//! ferroccl-selftest die-in-init --victim R --after-ms D [--delay-ms L] rank R SIGKILLs itself D ms into init; the others start init L ms late
 //! ```
 //! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
 //! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
@@ -39,6 +40,9 @@ fn main() {
         std::process::exit(2);
     };
     let rest = &args[1..];
+    if cmd == "die-in-init" {
+        die_in_init(rest);
+    }
     let init = || -> ferroccl::Result<Communicator> {
         let Some(k) = flag(rest, "--fake-hosts").and_then(|v| v.parse::<usize>().ok()) else {
             return Communicator::init();
@@ -79,6 +83,48 @@ fn main() {
         Err(e) => {
             eprintln!("selftest: rank {rank} error: {e}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// Rank `--victim` SIGKILLs itself `--after-ms` into its `Communicator::init` (with the
+/// others starting theirs `--delay-ms` later, it dies while its own part of the mesh setup
+/// is done and it waits for theirs). Every other rank must fail (init or the barrier after
+/// it) instead of waiting; the test then checks that nothing was left behind.
+fn die_in_init(args: &[String]) -> ! {
+    let num = |f: &str, d: u64| flag(args, f).and_then(|v| v.parse::<u64>().ok()).unwrap_or(d);
+    let launch = match ferroccl::bootstrap::env::detect() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("selftest: init error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let (rank, victim) = (launch.rank, num("--victim", 1) as usize);
+    println!("selftest: rank {rank} pid {}", std::process::id());
+    let t0 = Instant::now();
+    if rank == victim {
+        let after = Duration::from_millis(num("--after-ms", 0));
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+        });
+    } else {
+        std::thread::sleep(Duration::from_millis(num("--delay-ms", 300)));
+    }
+    let res = Communicator::init().and_then(|c| {
+        c.barrier()?;
+        c.finalize()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    match res {
+        Ok(()) => {
+            println!("selftest: rank {rank} no error after {secs:.3} s");
+            std::process::exit(0)
+        }
+        Err(e) => {
+            println!("selftest: rank {rank} saw the failure after {secs:.3} s: {e}");
+            std::process::exit(1)
         }
     }
 }
