@@ -479,16 +479,18 @@ fn mismatched_collectives_fail_on_every_rank() {
 
 /// A message nobody receives is an error on both sides (the send itself, or both
 /// finalizes); a point-to-point length mismatch fails both sides, the eager sender at its
-/// next call.
+/// next call. The ranks not involved fail too (at the latest in finalize, whose second
+/// round makes it fail on every rank when one rank found something wrong).
 #[test]
-fn unmatched_and_mismatched_point_to_point_fail_both_sides() {
+fn unmatched_and_mismatched_point_to_point_fail_every_rank() {
     for transport in ["shm", "tcp"] {
         for count in [1000, 100_000] {
-            for n in [2, 3] {
+            for n in [2, 4] {
                 for case in ["unmatched-send", "p2p-len"] {
                     let ctx = format!("{case} on {n} ranks, {transport}, {count} f32");
                     let (j, lines) = fault(n, transport, case, count);
-                    assert_fails(&j, &lines, &[0, 1], &ctx);
+                    let all: Vec<usize> = (0..n).collect();
+                    assert_fails(&j, &lines, &all, &ctx);
                     if case == "p2p-len" {
                         for (r, l) in lines.iter().take(2).enumerate() {
                             let l = l.as_deref().unwrap_or_default();

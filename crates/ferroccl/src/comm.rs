@@ -563,23 +563,44 @@ impl Communicator {
             Ok(Poll::Ready(got))
         })?;
         let problems = self.compare_leave(&peers, &theirs);
-        // This communicator's traffic is over: forget what is left of it.
-        {
+        let forget = || {
+            // This communicator's traffic is over: forget what is left of it.
             let mut ev = self.fabric.shared.lock();
             let id = self.id;
             ev.data.retain(|k, _| k.0 != id);
             ev.cts.retain(|k, _| k.0 != id);
             ev.left.retain(|k, _| k.0 != id);
-        }
-        match problems.first() {
-            None => Ok(()),
-            Some(&(peer, _)) => Err(Error::Mismatch {
+            ev.agreed.retain(|k| k.0 != id);
+        };
+        if let Some(&(peer, _)) = problems.first() {
+            forget();
+            let err = Error::Mismatch {
                 rank: self.rank,
                 peer,
                 op: op.into(),
                 what: problems.iter().map(|(_, w)| w.as_str()).collect::<Vec<_>>().join("; "),
-            }),
+            };
+            // Fatal, and told to every rank (ERR in place of AGREED): no member's finalize
+            // may return Ok while this one fails.
+            return Err(self.fabric.poison_in(err, &|r| self.members[r]));
         }
+        // Second round: Ok only when every member that finalized found nothing wrong either
+        // (a member that found something sends ERR, which fails this wait). Members that
+        // dropped the communicator take no part.
+        let agreeing: Vec<usize> =
+            peers.iter().zip(&theirs).filter(|(_, l)| l.how == Departure::Finalized).map(|(&p, _)| self.members[p]).collect();
+        let agreed = proto::encode_agreed(self.id);
+        for &w in &agreeing {
+            let r = self.fabric.endpoint(w)?.post_send(&agreed, deadline, &|| self.fabric.pump(op));
+            r.map_err(|e| self.fabric.poison(e))?;
+        }
+        let missing = || -> Vec<usize> {
+            let ev = self.fabric.shared.lock();
+            agreeing.iter().copied().filter(|w| !ev.agreed.contains(&(self.id, *w))).collect()
+        };
+        let r = self.fabric.run_until(op, deadline, &missing, || Ok(if missing().is_empty() { Poll::Ready(()) } else { Poll::Idle }));
+        forget();
+        r
     }
 
     /// What does not match between this rank's streams and the members' `LEAVE` records:

@@ -71,6 +71,9 @@ pub(crate) struct Events {
     /// Where peers stopped on communicators they left: (communicator id, peer world
     /// rank) -> its `LEAVE` record.
     pub(crate) left: HashMap<(u32, usize), Leave>,
+    /// (communicator, world rank) of every member whose `AGREED` arrived (finalize's
+    /// second round).
+    pub(crate) agreed: HashSet<(u32, usize)>,
     /// Probes from peers, not yet answered: (peer world rank, communicator id, call
     /// number, descriptor). At most [`MAX_PROBES`]; more are dropped (peers probe again).
     pub(crate) probes: Vec<(usize, u32, u32, proto::Desc)>,
@@ -249,6 +252,9 @@ impl Shared {
             Ok(ProtoMsg::Leave { comm, leave }) => {
                 ev.left.insert((comm, peer), leave);
                 self.any_left.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Agreed { comm }) => {
+                ev.agreed.insert((comm, peer));
             }
             Ok(ProtoMsg::Probe { comm, call, desc }) => {
                 if ev.probes.len() < MAX_PROBES {

@@ -26,6 +26,9 @@
 //!   stopped: its call count and, for each channel, how many messages it sent to and
 //!   received from that member. A member waiting for something the leaver will never send
 //!   fails at once; `finalize` compares the counts both ways (nothing sent and lost).
+//! * **`AGREED`**: `finalize`'s second round: "I found nothing wrong with anyone's `LEAVE`".
+//!   A rank that found something sends `ERR` instead, so `finalize` returns `Ok` on a rank
+//!   only when every member agreed, and fails on every member otherwise.
 //!
 //! Both sides know the length (typed buffers), so both pick the same protocol. A length
 //! mismatch is found on the wire: the side that sees it fails and sends `ERR` so the other
@@ -55,6 +58,7 @@ const K_ERR: u8 = 3;
 const K_RTS: u8 = 4;
 const K_LEAVE: u8 = 5;
 const K_PROBE: u8 = 6;
+const K_AGREED: u8 = 7;
 
 /// Where a message belongs: (communicator id, channel, peer world rank).
 pub(crate) type StreamKey = (u32, u8, usize);
@@ -113,6 +117,10 @@ pub(crate) enum ProtoMsg {
     Leave {
         comm: u32,
         leave: Leave,
+    },
+    /// `finalize`'s second round: the sender found every member's `LEAVE` in order.
+    Agreed {
+        comm: u32,
     },
     /// "I am in call `call` of communicator `comm`, described by `desc`, and wait for
     /// you": sent by a collective call that has waited a while, so that a peer in a
@@ -240,6 +248,13 @@ pub(crate) fn encode_leave(comm: u32, l: &Leave) -> Vec<u8> {
 }
 
 /// A probe (see [`ProtoMsg::Probe`]).
+/// `finalize`'s "nothing wrong here" for communicator `comm`.
+pub(crate) fn encode_agreed(comm: u32) -> [u8; EAGER_HEADER] {
+    let mut b = [0u8; EAGER_HEADER];
+    put_head(&mut b, K_AGREED, &Head { comm, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    b
+}
+
 pub(crate) fn encode_probe(comm: u32, call: u32, desc: &Desc) -> [u8; EAGER_HEADER] {
     let mut b = [0u8; EAGER_HEADER];
     put_head(&mut b, K_PROBE, &Head { comm, chan: CHAN_COLL, seq: 0, call, desc: *desc });
@@ -307,6 +322,10 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 r.end()?;
                 Some(ProtoMsg::Probe { comm, call, desc })
             }
+            K_AGREED => {
+                r.end()?;
+                Some(ProtoMsg::Agreed { comm })
+            }
             k => return Err(DecodeError(format!("unknown message kind {k}"))),
         }
         .ok_or((comm, chan, seq, call, desc))
@@ -372,6 +391,8 @@ mod tests {
             ProtoMsg::Probe { comm: 4, call: 8, desc } => assert_eq!(desc, [3; 16]),
             m => panic!("{m:?}"),
         }
+        assert!(matches!(decode(encode_agreed(11).to_vec()).unwrap(), ProtoMsg::Agreed { comm: 11 }));
+        assert!(decode(encode_agreed(11).into_iter().chain([0]).collect()).is_err(), "AGREED has no body");
         assert!(decode(vec![1, 2, 3]).is_err());
         assert!(decode(vec![0; EAGER_HEADER].into_iter().chain([0]).collect()).is_err());
     }
