@@ -339,6 +339,71 @@ fn torchrun_environment_with_rank0_serving_the_store() {
     }
 }
 
+/// More idle connections to a job's store than it serves (1,024) do not lock the job out:
+/// the oldest unauthenticated connections are shed as new ones arrive, and a rank whose
+/// own connection was shed connects again.
+#[test]
+fn a_flooded_store_still_lets_the_job_in() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let flood = 1100;
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    if soft < flood + 200 {
+        setrlimit(Resource::RLIMIT_NOFILE, hard.max(soft), hard).unwrap();
+    }
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    assert!(soft >= flood + 200, "this test needs {} open files, the limit is {soft}", flood + 200);
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let n = 3;
+    let spawn = |r: usize| {
+        Command::new(SELFTEST)
+            .args(["barrier", "--iters", "10"])
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", (port - 1).to_string())
+            .env("TORCHELASTIC_RUN_ID", format!("flood-{port}"))
+            .env("FERROCCL_TIMEOUT", "60")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Rank 0 serves the store; once it listens, flood it, then start the others.
+    let mut children = vec![spawn(0)];
+    let t0 = Instant::now();
+    let store = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    while std::net::TcpStream::connect(store).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "rank 0's store never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let idle: Vec<std::net::TcpStream> = (0..flood).filter_map(|_| std::net::TcpStream::connect(store).ok()).collect();
+    assert!(idle.len() > 1024, "opened only {} connections", idle.len());
+    let t1 = Instant::now();
+    children.extend((1..n).map(spawn));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline && children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = t1.elapsed();
+    drop(idle);
+    let mut outs = Vec::new();
+    for mut c in children {
+        let _ = c.kill(); // no-op if it exited; a hang must not leave processes behind
+        let o = c.wait_with_output().unwrap();
+        outs.push((o.status, String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)));
+    }
+    for (r, (status, out)) in outs.iter().enumerate() {
+        assert!(status.success(), "rank {r} ({took:?} after the flood): {status}\n{out}");
+        assert!(out.contains(&format!("selftest: rank {r} ok")), "rank {r}\n{out}");
+    }
+    eprintln!("job done {took:?} after {flood} idle connections");
+}
+
 /// A sender stopped (SIGSTOP) in the middle of a large transfer: the receiver gives up at
 /// its deadline and returns, on tcp with a frame half received (the reader thread must not
 /// keep the receive buffer busy), and the launcher still cleans the stopped rank up.

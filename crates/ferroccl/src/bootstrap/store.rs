@@ -35,8 +35,16 @@
 //! received, never a length a peer announces. Malformed bodies and unknown opcodes are
 //! answered with an error and the connection is closed. Keys over [`MAX_KEY`] bytes and
 //! values over `max_value` are refused with an error reply, and the connection stays usable.
-//! At most [`MAX_CONNECTIONS`] connections are served at once; more are closed at accept.
-//! Nothing a peer sends can make the server panic.
+//! A whole frame (length and body) must arrive within 30 s of its first byte, however it
+//! trickles in; a slower one is cut (and counted as a bad frame).
+//!
+//! Connections that have not passed the handshake yet are bounded by [`MAX_PENDING`]: when
+//! one more arrives, the oldest of them is shed (closed) to make room, so idle or slow
+//! strangers can never lock a job's ranks out (a rank's handshake takes a millisecond; a
+//! rank that was shed all the same connects again until its deadline). At most
+//! [`MAX_CONNECTIONS`] authenticated connections are served at once; one more is told so
+//! (an error frame in place of the info frame) and closed, and its client retries until its
+//! deadline. Nothing a peer sends can make the server panic.
 //!
 //! Blocking requests (get, multi_get, wait) wait on the server with a condition variable,
 //! for the client's timeout; a connection whose client goes away mid-wait is noticed within
@@ -56,8 +64,11 @@ use crate::wire::{DecodeError, Reader, Writer};
 
 /// Longest key the store accepts, in bytes.
 pub const MAX_KEY: usize = 4096;
-/// Most connections one server serves at once; further connections are closed at accept.
+/// Most authenticated connections one server serves at once; one more is refused (with an
+/// error frame) after its handshake.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Most connections waiting for their handshake at once; one more sheds the oldest.
+pub const MAX_PENDING: usize = 256;
 /// How long a new connection has to pass the token handshake before it is dropped.
 pub const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Room for a request's opcode, key and lengths on top of its value.
@@ -110,8 +121,11 @@ pub struct StoreStats {
     /// Malformed frames or handshakes: garbage, truncated frames, unknown opcodes, frames
     /// over the size limit.
     pub bad_frames: u64,
-    /// Connections closed at accept because [`MAX_CONNECTIONS`] were already open.
+    /// Authenticated connections refused because [`MAX_CONNECTIONS`] were already served.
     pub refused_busy: u64,
+    /// Connections closed before their handshake to make room for a newer one
+    /// ([`MAX_PENDING`] were waiting).
+    pub shed_pending: u64,
     /// Well-formed requests refused: keys or values over the limits.
     pub refused_requests: u64,
 }
@@ -122,6 +136,7 @@ struct Counters {
     refused_auth: AtomicU64,
     bad_frames: AtomicU64,
     refused_busy: AtomicU64,
+    shed_pending: AtomicU64,
     refused_requests: AtomicU64,
 }
 
@@ -134,15 +149,48 @@ struct Data {
     shutdown: bool,
 }
 
+/// Where a connection stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for its handshake.
+    Pending,
+    /// Authenticated: a member of the job.
+    Member,
+    /// Closed to make room; its thread is on its way out.
+    Shed,
+}
+
+/// One open connection: a handle on its socket (to shut it down), its thread, its stage.
+struct ConnEntry {
+    sock: TcpStream,
+    thread: JoinHandle<()>,
+    stage: Stage,
+}
+
+/// Limits of a server (tests make them small).
+#[derive(Clone, Copy)]
+pub(crate) struct Limits {
+    pub(crate) max_conns: usize,
+    pub(crate) max_pending: usize,
+    /// How long a whole frame may take from its first byte.
+    pub(crate) frame_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_conns: MAX_CONNECTIONS, max_pending: MAX_PENDING, frame_timeout: BODY_TIMEOUT }
+    }
+}
+
 struct Shared {
     token: String,
     max_value: usize,
-    max_conns: usize,
+    limits: Limits,
     data: Mutex<Data>,
     changed: Condvar,
     stop: AtomicBool,
-    /// Open connections: a handle on each socket (to shut it down) and its thread.
-    conns: Mutex<HashMap<u64, (TcpStream, JoinHandle<()>)>>,
+    /// Open connections by id (ids grow with arrival: the smallest pending one is the oldest).
+    conns: Mutex<HashMap<u64, ConnEntry>>,
     stats: Counters,
 }
 
@@ -178,10 +226,10 @@ impl StoreServer {
     /// Every connection must prove it knows `token`; values over `max_value` bytes are
     /// refused.
     pub fn start(bind: SocketAddr, token: &str, max_value: usize) -> Result<StoreServer> {
-        Self::start_with(bind, token, max_value, MAX_CONNECTIONS)
+        Self::start_with(bind, token, max_value, Limits::default())
     }
 
-    pub(crate) fn start_with(bind: SocketAddr, token: &str, max_value: usize, max_conns: usize) -> Result<StoreServer> {
+    pub(crate) fn start_with(bind: SocketAddr, token: &str, max_value: usize, limits: Limits) -> Result<StoreServer> {
         if token.is_empty() {
             return Err(Error::invalid("the store's job token is empty"));
         }
@@ -197,7 +245,7 @@ impl StoreServer {
         let shared = Arc::new(Shared {
             token: token.to_owned(),
             max_value,
-            max_conns: max_conns.max(1),
+            limits: Limits { max_conns: limits.max_conns.max(1), max_pending: limits.max_pending.max(1), ..limits },
             data: Mutex::new(Data { map: HashMap::new(), shutdown: false }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -226,6 +274,7 @@ impl StoreServer {
             refused_auth: s.refused_auth.load(Ordering::Relaxed),
             bad_frames: s.bad_frames.load(Ordering::Relaxed),
             refused_busy: s.refused_busy.load(Ordering::Relaxed),
+            shed_pending: s.shed_pending.load(Ordering::Relaxed),
             refused_requests: s.refused_requests.load(Ordering::Relaxed),
         }
     }
@@ -251,11 +300,11 @@ impl StoreServer {
         }
         // The acceptor has exited: no connection can be added any more.
         let conns: Vec<_> = lock(&self.shared.conns).drain().map(|(_, c)| c).collect();
-        for (s, _) in &conns {
-            let _ = s.shutdown(Shutdown::Both);
+        for c in &conns {
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
-        for (_, h) in conns {
-            let _ = h.join();
+        for c in conns {
+            let _ = c.thread.join();
         }
     }
 }
@@ -289,20 +338,44 @@ fn admit(shared: &Arc<Shared>, s: TcpStream, peer: SocketAddr, id: u64) {
         return;
     }
     let mut conns = lock(&shared.conns);
-    if conns.len() >= shared.max_conns {
-        bump(&shared.stats.refused_busy);
-        return; // dropping `s` closes it
+    // Room for one more stranger: shed the oldest one still in its handshake.
+    let pending: Vec<u64> = conns.iter().filter(|(_, c)| c.stage == Stage::Pending).map(|(&i, _)| i).collect();
+    if pending.len() >= shared.limits.max_pending {
+        if let Some(oldest) = pending.iter().min().and_then(|i| conns.get_mut(i)) {
+            oldest.stage = Stage::Shed;
+            let _ = oldest.sock.shutdown(Shutdown::Both);
+            bump(&shared.stats.shed_pending);
+        }
     }
     let Ok(handle) = s.try_clone() else { return };
     let sh = Arc::clone(shared);
     let spawned = thread::Builder::new().name("ferroccl-store-conn".into()).spawn(move || {
-        serve(&sh, s, &format!("store client {peer}"));
+        serve(&sh, s, id, &format!("store client {peer}"));
         // Drops our own JoinHandle (the thread is ending anyway).
         lock(&sh.conns).remove(&id);
     });
-    if let Ok(h) = spawned {
-        conns.insert(id, (handle, h));
+    if let Ok(thread) = spawned {
+        conns.insert(id, ConnEntry { sock: handle, thread, stage: Stage::Pending });
     }
+}
+
+/// Moves connection `id` from pending to member, unless that would exceed the limit (or it
+/// was shed meanwhile). Returns whether it may go on.
+fn admit_member(shared: &Shared, id: u64) -> std::result::Result<(), String> {
+    let mut conns = lock(&shared.conns);
+    let members = conns.values().filter(|c| c.stage == Stage::Member).count();
+    let Some(me) = conns.get_mut(&id) else { return Err(String::new()) };
+    if me.stage == Stage::Shed {
+        return Err(String::new());
+    }
+    if members >= shared.limits.max_conns {
+        return Err(format!(
+            "the store is serving its maximum of {} connections (ferroccl store MAX_CONNECTIONS); try again later",
+            shared.limits.max_conns
+        ));
+    }
+    me.stage = Stage::Member;
+    Ok(())
 }
 
 /// What to do after answering a request.
@@ -311,7 +384,7 @@ enum After {
     Close,
 }
 
-fn serve(shared: &Shared, mut s: TcpStream, peer: &str) {
+fn serve(shared: &Shared, mut s: TcpStream, id: u64, peer: &str) {
     let _ = s.set_nodelay(true);
     match auth::server_handshake(&mut s, &shared.token, "store", peer, Instant::now() + AUTH_TIMEOUT) {
         Ok(()) => {}
@@ -320,6 +393,13 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) {
         Err(_) => return,
     }
     if s.set_write_timeout(Some(BODY_TIMEOUT)).is_err() {
+        return;
+    }
+    if let Err(why) = admit_member(shared, id) {
+        if !why.is_empty() {
+            bump(&shared.stats.refused_busy);
+            let _ = send_frame(&mut s, &err_reply(&why));
+        }
         return;
     }
     let mut info = Writer::new();
@@ -356,6 +436,13 @@ fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Optio
     if s.set_read_timeout(None).is_err() {
         return Ok(None);
     }
+    // The whole frame must arrive within `frame_timeout` of its first byte, however slowly
+    // it trickles: before each read, the read timeout is what is left of that.
+    let mut deadline = None;
+    let arm = |s: &TcpStream, deadline: Instant| -> bool {
+        let left = deadline.saturating_duration_since(Instant::now());
+        !left.is_zero() && s.set_read_timeout(Some(left)).is_ok()
+    };
     let mut len = [0u8; 4];
     let mut got = 0;
     while got < 4 {
@@ -364,8 +451,9 @@ fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Optio
             Ok(0) => return Err(None),
             Ok(n) => {
                 got += n;
-                if s.set_read_timeout(Some(BODY_TIMEOUT)).is_err() {
-                    return Ok(None);
+                let d = *deadline.get_or_insert_with(|| Instant::now() + shared.limits.frame_timeout);
+                if !arm(s, d) {
+                    return Err(None);
                 }
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -373,6 +461,7 @@ fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Optio
             Err(_) => return Err(None),
         }
     }
+    let deadline = deadline.unwrap_or_else(|| Instant::now() + shared.limits.frame_timeout);
     let len = u32::from_le_bytes(len) as usize;
     if len == 0 {
         return Err(Some(err_reply("malformed request: empty frame")));
@@ -384,15 +473,22 @@ fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Optio
             shared.max_frame()
         ))));
     }
-    if s.set_read_timeout(Some(BODY_TIMEOUT)).is_err() {
-        return Ok(None);
-    }
     // Grows with the bytes that actually arrive, never to an announced size up front.
     let mut body = Vec::new();
-    match s.take(len as u64).read_to_end(&mut body) {
-        Ok(n) if n == len => Ok(Some(body)),
-        _ => Err(None),
+    let mut chunk = vec![0u8; len.min(64 * 1024)];
+    while body.len() < len {
+        if !arm(s, deadline) {
+            return Err(None);
+        }
+        let want = (len - body.len()).min(chunk.len());
+        match s.read(&mut chunk[..want]) {
+            Ok(0) => return Err(None),
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Err(None),
+        }
     }
+    Ok(Some(body))
 }
 
 fn err_reply(reason: &str) -> Vec<u8> {
@@ -676,8 +772,49 @@ impl StoreClient {
     /// Connects to the store at `addr` (`host:port`), retrying until `timeout` passes (the
     /// server may not be listening yet), then proves the job `token` and checks the
     /// server's proof. `rank` names this process in errors.
+    ///
+    /// A connection the server closes during the handshake (it sheds the oldest
+    /// unauthenticated connections when flooded) or refuses as busy is tried again, with
+    /// backoff, until `timeout`; a wrong token ([`Error::Auth`]) or a peer that is not a
+    /// FerroCCL store fails at once.
     pub fn connect(addr: &str, token: &str, rank: usize, timeout: Duration) -> Result<StoreClient> {
         let start = Instant::now();
+        let deadline = start + timeout;
+        let mut pause = Duration::from_millis(10);
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            match Self::connect_once(addr, token, rank, timeout, start) {
+                Err(e) if Self::worth_retrying(&e) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(Error::Timeout {
+                            rank,
+                            op: "connect to the store".into(),
+                            after: now - start,
+                            waiting_for: vec![format!("store {addr} ({tries} tries; the last ended: {e})")],
+                        });
+                    }
+                    thread::sleep(pause.min(deadline - now));
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Whether a failed connection attempt says "try again" (shed, busy) rather than "never"
+    /// (wrong token, not a store, our own deadline).
+    fn worth_retrying(e: &Error) -> bool {
+        match e {
+            Error::Io { .. } => true,
+            Error::Protocol { what, .. } => what.contains("connection closed"),
+            Error::StoreRefused { reason, .. } => reason.contains("maximum of"),
+            _ => false,
+        }
+    }
+
+    fn connect_once(addr: &str, token: &str, rank: usize, timeout: Duration, start: Instant) -> Result<StoreClient> {
         let deadline = start + timeout;
         let mut pause = Duration::from_millis(10);
         let mut stream = loop {
@@ -717,6 +854,11 @@ impl StoreClient {
         let op_timeout = timeout.max(Duration::from_secs(5));
         let mut conn = Conn { stream, broken: None };
         let info = read_reply(&mut conn.stream, &peer, rank, "connect", op_timeout)?;
+        if info.first() == Some(&ST_ERR) {
+            let mut r = Reader::new(&info[1..]);
+            let reason = r.str().map(str::to_string).unwrap_or_else(|_| "an unreadable reason".into());
+            return Err(Error::StoreRefused { op: "connect", reason });
+        }
         let mut r = Reader::new(&info);
         let max_value = (|| -> std::result::Result<u64, DecodeError> {
             if r.u8()? != ST_OK {
@@ -1125,7 +1267,10 @@ mod tests {
     fn wrong_token_is_refused_and_gets_no_data() {
         let s = server(1024);
         client(&s).set("secret", b"data").unwrap();
+        let t0 = Instant::now();
         let e = StoreClient::connect(&s.addr().to_string(), "wrong", 1, T).unwrap_err();
+        // Not retried until the deadline: a wrong token never becomes right.
+        assert!(t0.elapsed() < Duration::from_secs(2), "took {:?}", t0.elapsed());
         match &e {
             Error::Auth { reason, .. } => assert!(reason.contains("token"), "{reason}"),
             other => panic!("expected Auth, got {other:?}"),
@@ -1308,22 +1453,83 @@ mod tests {
         assert!(matches!(e, Error::Timeout { rank: 7, ref waiting_for, .. } if waiting_for[0].contains(&addr)), "{e}");
     }
 
+    fn limited(limits: Limits) -> StoreServer {
+        StoreServer::start_with("127.0.0.1:0".parse().unwrap(), TOKEN, 64, limits).unwrap()
+    }
+
     #[test]
-    fn connection_cap_is_enforced() {
-        let s = StoreServer::start_with("127.0.0.1:0".parse().unwrap(), TOKEN, 64, 2).unwrap();
+    fn connection_cap_is_enforced_and_named() {
+        let s = limited(Limits { max_conns: 2, ..Limits::default() });
         let a = client(&s);
         let b = client(&s);
-        assert!(StoreClient::connect(&s.addr().to_string(), TOKEN, 0, T).is_err());
-        assert_eq!(s.stats().refused_busy, 1);
+        // Busy: retried until the deadline, then an error that names the cap.
+        let t0 = Instant::now();
+        let e = StoreClient::connect(&s.addr().to_string(), TOKEN, 0, Duration::from_millis(300)).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        assert!(e.to_string().contains("maximum of 2 connections"), "{e}");
+        assert!(s.stats().refused_busy >= 2, "{:?}", s.stats());
+        // A slot frees up while a client is retrying: it gets in.
+        let addr = s.addr().to_string();
+        let waiter = thread::spawn(move || StoreClient::connect(&addr, TOKEN, 0, T));
+        thread::sleep(Duration::from_millis(100));
         drop(a);
-        let deadline = Instant::now() + T;
-        while s.open_connections() >= 2 {
-            assert!(Instant::now() < deadline);
-            thread::sleep(Duration::from_millis(5));
-        }
-        let c = client(&s);
+        let c = waiter.join().unwrap().unwrap();
         c.set("k", b"v").unwrap();
         assert_eq!(b.get("k", T).unwrap(), b"v");
+    }
+
+    /// More idle strangers than the pending cap: the oldest are shed, and a rank still
+    /// gets in at once.
+    #[test]
+    fn idle_strangers_cannot_lock_the_job_out() {
+        let s = limited(Limits { max_pending: 8, ..Limits::default() });
+        let idle: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(s.addr()).unwrap()).collect();
+        let t0 = Instant::now();
+        let c = client(&s);
+        c.set("k", b"v").unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(2), "took {:?}", t0.elapsed());
+        let st = s.stats();
+        assert!(st.shed_pending >= 32, "{st:?}");
+        // The shed ones were closed: reading gives their hello then EOF, never a hang.
+        let mut first = idle.into_iter().next().unwrap();
+        first.set_read_timeout(Some(T)).unwrap();
+        let mut buf = Vec::new();
+        let _ = first.read_to_end(&mut buf);
+        assert!(buf.len() < 256, "{} bytes", buf.len());
+        assert!(s.open_connections() <= 8 + 1, "{}", s.open_connections());
+    }
+
+    /// An authenticated client cannot hold a frame open forever by trickling it.
+    #[test]
+    fn a_trickled_frame_is_cut_at_the_frame_deadline() {
+        let s = limited(Limits { frame_timeout: Duration::from_millis(700), ..Limits::default() });
+        let mut c = raw_authed(&s);
+        let mut w = Writer::new();
+        w.u8(op::SET).str("key").bytes(b"value");
+        let body = w.finish();
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        let t0 = Instant::now();
+        let mut cut = None;
+        for b in &frame {
+            if c.write_all(std::slice::from_ref(b)).is_err() {
+                cut = Some(t0.elapsed());
+                break;
+            }
+            thread::sleep(Duration::from_millis(150));
+            let mut peek = [0u8; 1];
+            c.set_nonblocking(true).unwrap();
+            let r = c.peek(&mut peek);
+            c.set_nonblocking(false).unwrap();
+            if matches!(r, Ok(0)) {
+                cut = Some(t0.elapsed());
+                break;
+            }
+        }
+        let cut = cut.expect("the server never cut the trickling client");
+        assert!(cut >= Duration::from_millis(600) && cut < Duration::from_secs(3), "cut after {cut:?}");
+        assert_eq!(s.stats().bad_frames, 1, "{:?}", s.stats());
+        assert_server_healthy(&s);
     }
 
     #[test]
