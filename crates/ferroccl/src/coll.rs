@@ -8,152 +8,23 @@
 //! differently (another collective, dtype, op, count, root, algorithm or protocol) fail with
 //! an error that shows both calls.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::select::{self, LinkCost};
-use crate::algo::{self, Algo, Collective, Schedule, Shape};
+use crate::algo::{self, Algo, Collective, Shape};
 use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
 use crate::error::{Error, Result};
-use crate::params::ProtoChoice;
-use crate::proto::{Desc, CHAN_COLL, NO_DESC};
+use crate::prepared::Prepared;
+use crate::proto::{encode_desc, CHAN_COLL};
 
 /// Link costs the cost model assumes (rough measurements on one host; see
 /// docs/algorithms.md).
 const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
 const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
-
-fn coll_code(c: Collective) -> u8 {
-    match c {
-        Collective::AllReduce => 1,
-        Collective::AllGather => 2,
-        Collective::ReduceScatter => 3,
-        Collective::Broadcast { .. } => 4,
-        Collective::Reduce { .. } => 5,
-        Collective::AllToAll => 6,
-    }
-}
-
-const COLL_NAMES: [&str; 9] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split"];
-
-/// The descriptor of a barrier (a call every member makes, on the collective channel).
-pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
-/// The descriptor of a split.
-pub(crate) const SPLIT_DESC: Desc = [8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
-const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
-const PROTOS: [&str; 3] = ["auto", "eager", "rendezvous"];
-
-fn proto_code(p: ProtoChoice) -> u8 {
-    match p {
-        ProtoChoice::Auto => 0,
-        ProtoChoice::Eager => 1,
-        ProtoChoice::Rendezvous => 2,
-    }
-}
-
-/// Packs a call: collective, dtype, op, algorithm | protocol << 4, root (u32), count (48
-/// bits), log2 of the chunk size, pipeline slots (at least 1, so no call is all zeros, the
-/// point-to-point mark).
-fn encode_desc(shape: &Shape, algo: Algo, proto: ProtoChoice) -> Desc {
-    let Shape { coll, dtype, op, count, chunk_bytes: chunk, slots, .. } = *shape;
-    let mut d = [0u8; 16];
-    d[0] = coll_code(coll);
-    d[1] = dtype as u8;
-    d[2] = OPS.iter().position(|&o| o == op).unwrap_or(0) as u8;
-    d[3] = Algo::ALL.iter().position(|&a| a == algo).unwrap_or(0) as u8 | (proto_code(proto) << 4);
-    d[4..8].copy_from_slice(&(coll.root().unwrap_or(0) as u32).to_le_bytes());
-    d[8..14].copy_from_slice(&(count as u64).to_le_bytes()[..6]);
-    d[14] = chunk.trailing_zeros() as u8;
-    d[15] = slots.clamp(1, 255) as u8;
-    d
-}
-
-/// Renders a call descriptor for mismatch errors.
-pub(crate) fn describe(d: &Desc) -> String {
-    if *d == NO_DESC {
-        return "point-to-point send/recv".into();
-    }
-    if *d == BARRIER_DESC || *d == SPLIT_DESC {
-        return COLL_NAMES[usize::from(d[0])].into();
-    }
-    let coll = COLL_NAMES.get(usize::from(d[0])).copied().unwrap_or("?");
-    let dtype = DType::from_tag(d[1]).map(|t| t.name()).unwrap_or("?");
-    let op = OPS.get(usize::from(d[2])).map(|o| o.name()).unwrap_or("?");
-    let algo = Algo::ALL.get(usize::from(d[3] & 0xf)).map(|a| a.name()).unwrap_or("?");
-    let proto = PROTOS.get(usize::from(d[3] >> 4)).copied().unwrap_or("?");
-    let root = u32::from_le_bytes([d[4], d[5], d[6], d[7]]);
-    let mut c = [0u8; 8];
-    c[..6].copy_from_slice(&d[8..14]);
-    let count = u64::from_le_bytes(c);
-    let rooted = matches!(d[0], 4 | 5);
-    let reduces = matches!(d[0], 1 | 3 | 5);
-    format!(
-        "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",
-        if reduces { format!(", {op}") } else { String::new() },
-        if rooted { format!(", root {root}") } else { String::new() },
-        1u64 << d[14].min(63),
-        d[15]
-    )
-}
-
-/// Scratch memory of a communicator: a small pool, so that operations in flight together
-/// each have their own, and repeated calls reuse it.
-#[derive(Debug, Default)]
-pub(crate) struct ScratchCache {
-    pool: Mutex<Vec<RegionHandle>>,
-    empty: Mutex<Option<RegionHandle>>,
-}
-
-/// Buffers kept in the pool at most, and their total size at most (beyond the largest).
-const POOL: usize = 8;
-const POOL_BYTES: usize = 256 << 20;
-
-impl ScratchCache {
-    /// A scratch region of at least `len` bytes, owned by the caller until [`Self::put`].
-    pub(crate) fn get(&self, len: usize) -> RegionHandle {
-        if len == 0 {
-            return self.empty();
-        }
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        // The smallest that fits.
-        let best = pool.iter().enumerate().filter(|(_, h)| h.len() >= len).min_by_key(|(_, h)| h.len()).map(|(i, _)| i);
-        match best {
-            Some(i) => pool.swap_remove(i),
-            None => RegionHandle::owned(len),
-        }
-    }
-
-    /// Gives a region from [`Self::get`] back.
-    pub(crate) fn put(&self, h: RegionHandle) {
-        if h.is_empty() {
-            return;
-        }
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        pool.push(h);
-        if pool.len() > POOL {
-            // Drop the smallest.
-            if let Some(i) = pool.iter().enumerate().min_by_key(|(_, h)| h.len()).map(|(i, _)| i) {
-                pool.swap_remove(i);
-            }
-        }
-        // Keep at most POOL_BYTES (but always the largest, as before there was a pool): drop
-        // the largest of the others.
-        while pool.len() > 1 && pool.iter().map(|h| h.len()).sum::<usize>() > POOL_BYTES {
-            let mut by_len: Vec<usize> = (0..pool.len()).collect();
-            by_len.sort_by_key(|&i| std::cmp::Reverse(pool[i].len()));
-            pool.swap_remove(by_len[1]);
-        }
-    }
-
-    /// A zero-length region (for schedules that need none).
-    pub(crate) fn empty(&self) -> RegionHandle {
-        self.empty.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(|| RegionHandle::owned(0)).clone()
-    }
-}
 
 /// The element-type-free description of one call.
 #[derive(Debug)]
@@ -194,27 +65,6 @@ impl Call<'_> {
     }
 }
 
-/// A call's schedule and identity, before buffers are attached.
-#[derive(Debug, Clone)]
-pub(crate) struct Prepared {
-    pub(crate) name: Arc<str>,
-    pub(crate) desc: Desc,
-    pub(crate) sched: Arc<Schedule>,
-    pub(crate) dtype: DType,
-    pub(crate) op: ReduceOp,
-}
-
-/// Recently prepared calls of a communicator, keyed by what determines them (the knobs are
-/// fixed per communicator). Small and cleared when full: it serves loops that repeat calls.
-#[derive(Debug, Default)]
-pub(crate) struct SchedCache(Mutex<HashMap<SchedKey, Prepared>>);
-
-/// What determines a prepared call: collective (with its root), dtype, op, count, in place.
-type SchedKey = (Collective, DType, ReduceOp, usize, bool);
-
-/// Prepared calls a communicator keeps at most.
-const SCHED_CACHE: usize = 64;
-
 impl Communicator {
     fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
         let p = &self.fabric().params;
@@ -240,7 +90,7 @@ impl Communicator {
         in_place: bool,
     ) -> Result<Prepared> {
         let key = (coll, dtype, op, count, in_place);
-        let cached = self.sched_cache.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+        let cached = self.sched_cache.get(&key);
         let prep = match cached {
             Some(p) => p,
             None => {
@@ -261,11 +111,7 @@ impl Communicator {
                 let desc = encode_desc(&shape, algo, p.proto);
                 let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
                 let prep = Prepared { name: name.into(), desc, sched: Arc::new(sched), dtype, op };
-                let mut cache = self.sched_cache.0.lock().unwrap_or_else(|e| e.into_inner());
-                if cache.len() >= SCHED_CACHE {
-                    cache.clear();
-                }
-                cache.insert(key, prep.clone());
+                self.sched_cache.insert(key, prep.clone());
                 prep
             }
         };
@@ -549,36 +395,5 @@ impl Communicator {
             input: Some(as_bytes(send)),
             output: Some(as_bytes_mut(recv)),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn descriptors_describe_calls() {
-        let shape = |coll, dtype, op, count, chunk_bytes, slots| Shape {
-            coll,
-            n: 4,
-            rank: 0,
-            count,
-            dtype,
-            op,
-            chunk_bytes,
-            in_place: false,
-            slots,
-        };
-        let d = encode_desc(
-            &shape(Collective::Reduce { root: 3 }, DType::Bf16, ReduceOp::Max, 1000, 1 << 19, 4),
-            Algo::Mesh,
-            ProtoChoice::Eager,
-        );
-        let s = describe(&d);
-        assert!(s.contains("reduce(count 1000, bf16, max, root 3, algo mesh, proto eager, chunk 524288 B, slots 4)"), "{s}");
-        let a = encode_desc(&shape(Collective::AllReduce, DType::F32, ReduceOp::Sum, 0, 4096, 1), Algo::Ring, ProtoChoice::Auto);
-        assert_ne!(a, NO_DESC);
-        assert!(describe(&a).starts_with("allreduce(count 0, f32, sum,"), "{}", describe(&a));
-        assert_eq!(describe(&NO_DESC), "point-to-point send/recv");
     }
 }

@@ -9,16 +9,17 @@ use std::time::{Duration, Instant};
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
-use crate::algo::{Buf, Op, Schedule, Slice, Step};
+use crate::algo::{control, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
-use crate::coll::ScratchCache;
 use crate::engine::{Job, JobBody, Part, Streams};
 use crate::error::{Departure, Error, Result};
 use crate::exec::{assign_seqs, Exec};
-use crate::fabric::{Fabric, FabricConfig, Poll};
+use crate::fabric::{Fabric, FabricConfig};
 use crate::params::{Params, ProtoChoice};
-use crate::proto::{self, Desc, Leave, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC};
+use crate::poll::Poll;
+use crate::prepared::{SchedCache, ScratchCache};
+use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -64,7 +65,7 @@ pub struct Communicator {
     splits: Mutex<u32>,
     scratch: ScratchCache,
     /// Schedules of recent calls, so that a repeated call does not build its schedule again.
-    pub(crate) sched_cache: crate::coll::SchedCache,
+    pub(crate) sched_cache: SchedCache,
     /// Whether any member is reached over tcp (fixed with the membership; the cost model
     /// reads it on every collective).
     any_tcp: bool,
@@ -85,17 +86,6 @@ fn init_generation(store: &str, token: &str, world: usize, rank: usize) -> u64 {
     let v = *n;
     *n += 1;
     v
-}
-
-/// Ready when `done`; otherwise whether the last step moved anything.
-pub(crate) fn poll_of(done: bool, moved: bool) -> Poll<()> {
-    if done {
-        Poll::Ready(())
-    } else if moved {
-        Poll::Moved
-    } else {
-        Poll::Idle
-    }
 }
 
 fn fnv(parts: &[u64]) -> u32 {
@@ -360,7 +350,7 @@ impl Communicator {
         let op = format!("send to rank {peer}");
         self.check_peer(peer, &op)?;
         let data = as_bytes(data);
-        with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, p2p_send(peer, data.len()), None, src.clone())))
+        with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone())))
     }
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
@@ -369,7 +359,7 @@ impl Communicator {
         self.check_peer(peer, &op)?;
         let buf = as_bytes_mut(buf);
         let len = buf.len();
-        with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, p2p_recv(peer, len), None, dst.clone())))
+        with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, control::recv(peer, len), None, dst.clone())))
     }
 
     /// A point-to-point part: `output` is the buffer its steps address as `Output`, `input`
@@ -399,7 +389,7 @@ impl Communicator {
             (false, false) => {
                 self.check_peer(to, &op)?;
                 self.check_peer(from, &op)?;
-                let sched = p2p_sendrecv(to, d.len(), from, b.len());
+                let sched = control::sendrecv(to, d.len(), from, b.len());
                 with_region_ro(d, |src| {
                     with_region(b, |dst| self.run_part(self.p2p_part(op, CHAN_USER, sched, Some(src.clone()), dst.clone())))
                 })
@@ -412,8 +402,8 @@ impl Communicator {
     pub fn barrier(&self) -> Result<()> {
         self.check_usable("barrier")?;
         let empty = self.scratch.empty();
-        let sched = barrier_schedule(self.rank, self.size());
-        let mut part = self.part("barrier".into(), CHAN_COLL, crate::coll::BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
+        let sched = control::barrier(self.rank, self.size());
+        let mut part = self.part("barrier".into(), CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
         // Empty messages: eager whatever FERROCCL_PROTO says for collectives' data.
         part.eager_max = self.fabric.params.eager_max;
         self.run_part(part)
@@ -445,16 +435,11 @@ impl Communicator {
         let mut all = vec![0u8; SPLIT_REC * n];
         all[self.rank * SPLIT_REC..][..SPLIT_REC].copy_from_slice(&mine);
         // Everyone sends its record to everyone (eager, so the sends never wait).
-        let mut steps = Vec::new();
-        for p in (0..n).filter(|&p| p != self.rank) {
-            steps.push(Step { op: Op::Send { peer: p, src: Slice::new(Buf::Input, 0, SPLIT_REC) }, deps: vec![] });
-            steps.push(Step { op: Op::Recv { peer: p, dst: Slice::new(Buf::Output, p * SPLIT_REC, SPLIT_REC) }, deps: vec![] });
-        }
-        let sched = Schedule { steps, scratch_bytes: 0 };
+        let sched = control::exchange(self.rank, n, SPLIT_REC);
         with_region_ro(&mine, |src| {
             with_region(&mut all, |dst| {
                 let bufs = self.bytes_part(Some(src.clone()), dst.clone());
-                let mut part = self.part("split".into(), CHAN_COLL, crate::coll::SPLIT_DESC, Arc::new(sched), bufs);
+                let mut part = self.part("split".into(), CHAN_COLL, SPLIT_DESC, Arc::new(sched), bufs);
                 part.eager_max = self.fabric.params.eager_max;
                 self.run_part(part)
             })
@@ -623,7 +608,7 @@ impl Communicator {
                     let key = (self.id, c as u8, self.members[p]);
                     let first = ev.data.get(&key).and_then(|q| q.iter().filter(|m| m.seq >= i_got).min_by_key(|m| m.seq));
                     let what = match first {
-                        Some(m) if m.call != 0 => format!(": the first, {} as call #{}", crate::coll::describe(&m.desc), m.call),
+                        Some(m) if m.call != 0 => format!(": the first, {} as call #{}", proto::describe(&m.desc), m.call),
                         Some(m) => format!(": the first, {} bytes", m.rts.unwrap_or(m.data.len() as u64)),
                         None => String::new(),
                     };
@@ -683,40 +668,6 @@ impl Drop for Communicator {
 
 /// Bytes of a rank's `split` record: has-color, color, key.
 const SPLIT_REC: usize = 13;
-
-pub(crate) fn p2p_send(peer: usize, len: usize) -> Schedule {
-    Schedule { steps: vec![Step { op: Op::Send { peer, src: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
-}
-
-pub(crate) fn p2p_recv(peer: usize, len: usize) -> Schedule {
-    Schedule { steps: vec![Step { op: Op::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
-}
-
-/// The receive first (its clear-to-send goes out before anything waits), then the send:
-/// no pattern of sendrecvs can deadlock.
-fn p2p_sendrecv(to: usize, send_len: usize, from: usize, recv_len: usize) -> Schedule {
-    Schedule {
-        steps: vec![
-            Step { op: Op::Recv { peer: from, dst: Slice::new(Buf::Output, 0, recv_len) }, deps: vec![] },
-            Step { op: Op::Send { peer: to, src: Slice::new(Buf::Input, 0, send_len) }, deps: vec![] },
-        ],
-        scratch_bytes: 0,
-    }
-}
-
-/// Dissemination barrier: in round k send to rank + 2^k and receive from rank - 2^k; a
-/// round's send waits for the previous round's receive.
-fn barrier_schedule(rank: usize, n: usize) -> Schedule {
-    let mut steps: Vec<Step> = Vec::new();
-    let mut k = 1;
-    while k < n {
-        let deps: Vec<usize> = if steps.is_empty() { vec![] } else { vec![steps.len() - 1] };
-        steps.push(Step { op: Op::Send { peer: (rank + k) % n, src: Slice::new(Buf::Output, 0, 0) }, deps: deps.clone() });
-        steps.push(Step { op: Op::Recv { peer: (rank + n - k) % n, dst: Slice::new(Buf::Output, 0, 0) }, deps });
-        k *= 2;
-    }
-    Schedule { steps, scratch_bytes: 0 }
-}
 
 /// The buffers and element semantics of a part.
 #[derive(Debug)]

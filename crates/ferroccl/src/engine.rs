@@ -35,8 +35,9 @@ use ferroccl_mem::region::RegionHandle;
 use crate::algo::Schedule;
 use crate::error::{Departure, Error, Fault, FaultKind, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
-use crate::fabric::{Fabric, Poll};
+use crate::fabric::Fabric;
 use crate::p2p::Ctx;
+use crate::poll::Poll;
 use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -208,7 +209,6 @@ impl JobBody {
                 deadline: *deadline,
                 desc: p.desc,
                 call: p.call,
-                describe: crate::coll::describe,
                 eager_max: p.eager_max,
             };
             let run = RunSpec {
@@ -405,7 +405,7 @@ impl Engine {
                     continue;
                 }
                 let p = st.members.iter().position(|&w| w == peer).unwrap_or(peer);
-                let d = crate::coll::describe;
+                let d = proto::describe;
                 Fault {
                     kind: FaultKind::Mismatch,
                     culprit: Some(peer),

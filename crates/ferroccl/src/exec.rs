@@ -23,10 +23,9 @@ use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, D
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Buf, Op, Schedule, Slice};
-use crate::comm::poll_of;
 use crate::error::{Error, Result};
-use crate::fabric::Poll;
 use crate::p2p::{Ctx, RecvOp, SendOp};
+use crate::poll::{poll_of, Poll};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
 /// address the output buffer.

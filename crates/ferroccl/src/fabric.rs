@@ -28,23 +28,13 @@ use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::Engine;
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::params::{Params, TransportChoice};
+use crate::poll::Poll;
 use crate::proto::{self, Cts, Leave, ProtoMsg, StreamKey};
 use crate::transport::shm::{LocalShm, ShmEndpoint};
 use crate::transport::tcp::TcpEndpoint;
 use crate::transport::verbs::{self, VerbsDevice, VerbsEndpoint, VerbsNet};
 use crate::transport::{Endpoint, Registration, RemoteBuf};
 use crate::wire::{Reader, Writer};
-
-/// What one round of a wait loop's step found.
-#[derive(Debug)]
-pub(crate) enum Poll<T> {
-    /// Finished, with this value.
-    Ready(T),
-    /// Not finished, but something moved (keep polling eagerly).
-    Moved,
-    /// Nothing to do yet.
-    Idle,
-}
 
 /// An eager message waiting to be received.
 #[derive(Debug)]

@@ -49,6 +49,8 @@ pub use fabric::RegStats;
 pub(crate) mod p2p;
 pub mod params;
 pub mod persistent;
+pub(crate) mod poll;
+pub(crate) mod prepared;
 pub(crate) mod proto;
 pub(crate) mod transport;
 pub(crate) mod wire;

@@ -317,7 +317,7 @@ impl<'s, 'env> Scope<'s, 'env> {
         let name = format!("send to rank {peer}");
         self.comm.check_peer(peer, &name)?;
         let data = as_bytes(data);
-        let sched = crate::comm::p2p_send(peer, data.len());
+        let sched = crate::algo::control::send(peer, data.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register_ro(data)))
     }
 
@@ -325,7 +325,7 @@ impl<'s, 'env> Scope<'s, 'env> {
         let name = format!("recv from rank {peer}");
         self.comm.check_peer(peer, &name)?;
         let buf = as_bytes_mut(buf);
-        let sched = crate::comm::p2p_recv(peer, buf.len());
+        let sched = crate::algo::control::recv(peer, buf.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register(buf)))
     }
 

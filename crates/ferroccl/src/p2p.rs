@@ -33,8 +33,6 @@ pub(crate) struct Ctx<'a> {
     pub(crate) desc: Desc,
     /// The call's number among the calls every member makes (0 for point-to-point).
     pub(crate) call: u32,
-    /// Renders a descriptor for mismatch errors.
-    pub(crate) describe: fn(&Desc) -> String,
     /// Largest transfer sent eagerly (both sides must agree: it is part of the call).
     pub(crate) eager_max: usize,
 }
@@ -73,9 +71,9 @@ impl Ctx<'_> {
 
     fn call_text(&self, call: u32, desc: &Desc) -> String {
         if call == 0 {
-            (self.describe)(desc)
+            proto::describe(desc)
         } else {
-            format!("{} as call #{call}", (self.describe)(desc))
+            format!("{} as call #{call}", proto::describe(desc))
         }
     }
 
@@ -91,7 +89,7 @@ impl Ctx<'_> {
                 "rank {} is in call #{}, rank {peer} sent for its call #{call}, both {}: one of them made a call the other did not",
                 self.rank,
                 self.call,
-                (self.describe)(theirs)
+                proto::describe(theirs)
             )
         } else {
             format!(

@@ -34,9 +34,22 @@
 //! mismatch is found on the wire: the side that sees it fails and sends `ERR` so the other
 //! side fails too, instead of hanging or truncating.
 
+use ferroccl_kernels::{DType, ReduceOp};
+
+use crate::algo::{Algo, Collective, Shape};
 use crate::error::{Departure, Fault, FaultKind};
-use crate::transport::RemoteBuf;
+use crate::params::ProtoChoice;
 use crate::wire::{DResult, DecodeError, Reader, Writer};
+
+/// What a peer needs to write into one of our registered regions: the verbs (addr, len,
+/// rkey) triple, advertised in a clear-to-send. `key` names the registration in the owning
+/// process (for a verbs peer it is the memory region's rkey).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RemoteBuf {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) key: u64,
+}
 
 /// Channels: separate ordered streams inside one communicator.
 pub(crate) const CHAN_USER: u8 = 0;
@@ -51,6 +64,81 @@ pub(crate) const CHANNELS: usize = 3;
 pub(crate) type Desc = [u8; 16];
 /// The descriptor of point-to-point traffic.
 pub(crate) const NO_DESC: Desc = [0; 16];
+
+// Call descriptors: what a call is, packed into the 16 bytes every message carries.
+
+fn coll_code(c: Collective) -> u8 {
+    match c {
+        Collective::AllReduce => 1,
+        Collective::AllGather => 2,
+        Collective::ReduceScatter => 3,
+        Collective::Broadcast { .. } => 4,
+        Collective::Reduce { .. } => 5,
+        Collective::AllToAll => 6,
+    }
+}
+
+const COLL_NAMES: [&str; 9] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split"];
+
+/// The descriptor of a barrier (a call every member makes, on the collective channel).
+pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+/// The descriptor of a split.
+pub(crate) const SPLIT_DESC: Desc = [8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+const PROTOS: [&str; 3] = ["auto", "eager", "rendezvous"];
+
+fn proto_code(p: ProtoChoice) -> u8 {
+    match p {
+        ProtoChoice::Auto => 0,
+        ProtoChoice::Eager => 1,
+        ProtoChoice::Rendezvous => 2,
+    }
+}
+
+/// Packs a call: collective, dtype, op, algorithm | protocol << 4, root (u32), count (48
+/// bits), log2 of the chunk size, pipeline slots (at least 1, so no call is all zeros, the
+/// point-to-point mark).
+pub(crate) fn encode_desc(shape: &Shape, algo: Algo, proto: ProtoChoice) -> Desc {
+    let Shape { coll, dtype, op, count, chunk_bytes: chunk, slots, .. } = *shape;
+    let mut d = [0u8; 16];
+    d[0] = coll_code(coll);
+    d[1] = dtype as u8;
+    d[2] = OPS.iter().position(|&o| o == op).unwrap_or(0) as u8;
+    d[3] = Algo::ALL.iter().position(|&a| a == algo).unwrap_or(0) as u8 | (proto_code(proto) << 4);
+    d[4..8].copy_from_slice(&(coll.root().unwrap_or(0) as u32).to_le_bytes());
+    d[8..14].copy_from_slice(&(count as u64).to_le_bytes()[..6]);
+    d[14] = chunk.trailing_zeros() as u8;
+    d[15] = slots.clamp(1, 255) as u8;
+    d
+}
+
+/// Renders a call descriptor for mismatch errors.
+pub(crate) fn describe(d: &Desc) -> String {
+    if *d == NO_DESC {
+        return "point-to-point send/recv".into();
+    }
+    if *d == BARRIER_DESC || *d == SPLIT_DESC {
+        return COLL_NAMES[usize::from(d[0])].into();
+    }
+    let coll = COLL_NAMES.get(usize::from(d[0])).copied().unwrap_or("?");
+    let dtype = DType::from_tag(d[1]).map(|t| t.name()).unwrap_or("?");
+    let op = OPS.get(usize::from(d[2])).map(|o| o.name()).unwrap_or("?");
+    let algo = Algo::ALL.get(usize::from(d[3] & 0xf)).map(|a| a.name()).unwrap_or("?");
+    let proto = PROTOS.get(usize::from(d[3] >> 4)).copied().unwrap_or("?");
+    let root = u32::from_le_bytes([d[4], d[5], d[6], d[7]]);
+    let mut c = [0u8; 8];
+    c[..6].copy_from_slice(&d[8..14]);
+    let count = u64::from_le_bytes(c);
+    let rooted = matches!(d[0], 4 | 5);
+    let reduces = matches!(d[0], 1 | 3 | 5);
+    format!(
+        "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",
+        if reduces { format!(", {op}") } else { String::new() },
+        if rooted { format!(", root {root}") } else { String::new() },
+        1u64 << d[14].min(63),
+        d[15]
+    )
+}
 
 const K_EAGER: u8 = 1;
 const K_CTS: u8 = 2;
@@ -402,5 +490,36 @@ mod tests {
         fn garbage_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..128)) {
             let _ = decode(data);
         }
+    }
+}
+
+#[cfg(test)]
+mod desc_tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_describe_calls() {
+        let shape = |coll, dtype, op, count, chunk_bytes, slots| Shape {
+            coll,
+            n: 4,
+            rank: 0,
+            count,
+            dtype,
+            op,
+            chunk_bytes,
+            in_place: false,
+            slots,
+        };
+        let d = encode_desc(
+            &shape(Collective::Reduce { root: 3 }, DType::Bf16, ReduceOp::Max, 1000, 1 << 19, 4),
+            Algo::Mesh,
+            ProtoChoice::Eager,
+        );
+        let s = describe(&d);
+        assert!(s.contains("reduce(count 1000, bf16, max, root 3, algo mesh, proto eager, chunk 524288 B, slots 4)"), "{s}");
+        let a = encode_desc(&shape(Collective::AllReduce, DType::F32, ReduceOp::Sum, 0, 4096, 1), Algo::Ring, ProtoChoice::Auto);
+        assert_ne!(a, NO_DESC);
+        assert!(describe(&a).starts_with("allreduce(count 0, f32, sum,"), "{}", describe(&a));
+        assert_eq!(describe(&NO_DESC), "point-to-point send/recv");
     }
 }

@@ -4,7 +4,7 @@
 //! [`Step`]s over byte ranges of three buffers (the caller's input, the caller's output,
 //! and a scratch area the executor allocates). Building a schedule does no I/O, so the same
 //! schedule is run by the executor (`crate::exec`) over real transports, by a deterministic
-//! simulator in tests, and (later) by persistent plans, many times.
+//! simulator in tests, and by persistent plans, many times.
 //!
 //! Rules every builder follows, and the executor and simulator rely on:
 //! * Transfers between two ranks match in schedule order: the k-th `Send` from a to b pairs
@@ -42,6 +42,7 @@
 //! scratch.
 
 mod chain;
+pub(crate) mod control;
 mod mesh;
 mod oneshot;
 mod plan;

@@ -35,16 +35,7 @@ use std::time::Instant;
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::Result;
-
-/// What a peer needs to write into one of our registered regions: the verbs (addr, len,
-/// rkey) triple. `key` names the registration in the owning process (for a verbs peer it
-/// is the memory region's rkey).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RemoteBuf {
-    pub(crate) addr: u64,
-    pub(crate) len: u64,
-    pub(crate) key: u64,
-}
+pub(crate) use crate::proto::RemoteBuf;
 
 /// One peer's connection, whichever transport carries it.
 #[derive(Debug)]
