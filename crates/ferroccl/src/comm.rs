@@ -12,7 +12,7 @@ use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 use crate::algo::{control, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
-use crate::engine::{Job, JobBody, Part, Streams};
+use crate::engine::{Engine, Job, JobBody, Part, Streams};
 use crate::error::{Departure, Error, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig};
@@ -20,6 +20,8 @@ use crate::params::{Params, ProtoChoice};
 use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
 use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
+use crate::registry::RegStats;
+use crate::transport::TransportKind;
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -54,7 +56,9 @@ impl From<LaunchEnv> for InitConfig {
 /// yourself (as with NCCL streams).
 #[derive(Debug)]
 pub struct Communicator {
-    fabric: Arc<Fabric>,
+    /// The engine that runs every call, over the fabric it owns (shared with the world
+    /// and every split of it).
+    engine: Arc<Engine>,
     id: u32,
     rank: usize,
     /// World rank of each member.
@@ -151,11 +155,12 @@ impl Communicator {
             eprintln!("ferroccl: rank {} connected in {:?}", fabric.rank, fabric.setup_time);
         }
         let members: Arc<[usize]> = (0..cfg.world_size).collect();
-        let any_tcp = members.iter().any(|&w| fabric.transport_name(w) == "tcp");
-        let seqs = fabric.engine.streams(0, members.clone(), cfg.rank);
+        let any_tcp = members.iter().any(|&w| fabric.transport_kind(w) == Some(TransportKind::Tcp));
+        let engine = Engine::new(fabric);
+        let seqs = engine.streams(0, members.clone(), cfg.rank);
         Ok(Communicator {
             any_tcp,
-            fabric: Arc::new(fabric),
+            engine,
             id: 0,
             rank: cfg.rank,
             seqs,
@@ -184,24 +189,24 @@ impl Communicator {
 
     /// The transport to member `peer`: `"shm"`, `"tcp"` or `"self"`.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
-        self.members.get(peer).map(|&w| self.fabric.transport_name(w))
+        self.members.get(peer).map(|&w| self.fabric().transport_name(w))
     }
 
     /// Host name of member `peer`.
     pub fn hostname_of(&self, peer: usize) -> Option<&str> {
-        self.members.get(peer).map(|&w| self.fabric.peers[w].hostname.as_str())
+        self.members.get(peer).and_then(|&w| self.fabric().peer_info(w)).map(|i| i.hostname.as_str())
     }
 
     /// How long connecting the mesh took on this rank (store exchange included).
     pub fn setup_time(&self) -> Duration {
-        self.fabric.setup_time
+        self.fabric().setup_time
     }
 
     /// The registration cache's counters (shared by the communicators of one world): how
     /// many registrations were made, how many calls reused one, evictions, and what is
     /// cached now.
-    pub fn registration_stats(&self) -> crate::fabric::RegStats {
-        self.fabric.reg_stats()
+    pub fn registration_stats(&self) -> RegStats {
+        self.fabric().reg_stats()
     }
 
     /// Whether any member is reached over tcp.
@@ -213,13 +218,17 @@ impl Communicator {
         &self.scratch
     }
 
-    pub(crate) fn fabric(&self) -> &Arc<Fabric> {
-        &self.fabric
+    pub(crate) fn fabric(&self) -> &Fabric {
+        self.engine.fabric()
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
     }
 
     /// The blocking-call deadline (`FERROCCL_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
-        self.fabric.params.timeout
+        self.fabric().params.timeout
     }
 
     fn peer_world(&self, peer: usize, op: &str) -> Result<usize> {
@@ -235,7 +244,7 @@ impl Communicator {
     /// communicator usable.
     pub(crate) fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
         let wpeer = self.peer_world(peer, op)?;
-        self.fabric.endpoint(wpeer)?;
+        self.fabric().endpoint(wpeer)?;
         self.check_usable(op)?;
         Ok(wpeer)
     }
@@ -243,13 +252,13 @@ impl Communicator {
     /// The fabric's fatal error (or abort), or the world's finalize, as seen by a new call
     /// `op`.
     pub(crate) fn check_usable(&self, op: &str) -> Result<()> {
-        if let Some(e) = self.fabric.finalized_error(self.rank, op, self.id != 0) {
+        if let Some(e) = self.fabric().finalized_error(self.rank, op, self.id != 0) {
             return Err(e);
         }
-        if !self.fabric.shared.has_fatal() {
+        if !self.fabric().inbox.has_fatal() {
             return Ok(());
         }
-        match self.fabric.fatal_error(op) {
+        match self.fabric().fatal_error(op) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -257,7 +266,7 @@ impl Communicator {
 
     /// A part of a job: one schedule over one set of buffers, on channel `chan`.
     pub(crate) fn part(&self, name: Arc<str>, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
-        let p = &self.fabric.params;
+        let p = &self.fabric().params;
         let eager_max = match (chan, p.proto) {
             (CHAN_COLL, ProtoChoice::Eager) => usize::MAX,
             (CHAN_COLL, ProtoChoice::Rendezvous) => 0,
@@ -297,7 +306,7 @@ impl Communicator {
             probe_at: now,
             probe_gap: Duration::ZERO,
         };
-        body.start_clock(now, self.fabric.params.timeout);
+        body.start_clock(now, self.fabric().params.timeout);
         body
     }
 
@@ -309,7 +318,7 @@ impl Communicator {
         {
             let mut body = job.body();
             if restart {
-                body.start_clock(Instant::now(), self.fabric.params.timeout);
+                body.start_clock(Instant::now(), self.fabric().params.timeout);
                 let n = self.size();
                 for p in &mut body.parts {
                     p.reset(n);
@@ -327,13 +336,13 @@ impl Communicator {
         if restart {
             job.rearm();
         }
-        self.fabric.engine.submit(&self.fabric, job.clone(), will_wait);
+        self.engine.submit(job.clone(), will_wait);
         Ok(())
     }
 
     /// Waits for a job this thread submitted with `will_wait`.
     pub(crate) fn wait_job(&self, job: &Job) -> Result<()> {
-        self.fabric.engine.wait(&self.fabric, job, None);
+        self.engine.wait(job, None);
         job.result()
     }
 
@@ -405,7 +414,7 @@ impl Communicator {
         let sched = control::barrier(self.rank, self.size());
         let mut part = self.part("barrier".into(), CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
         // Empty messages: eager whatever FERROCCL_PROTO says for collectives' data.
-        part.eager_max = self.fabric.params.eager_max;
+        part.eager_max = self.fabric().params.eager_max;
         self.run_part(part)
     }
 
@@ -418,7 +427,7 @@ impl Communicator {
     /// communicator, and an abort of any of them aborts all of them (in this rank and, by the
     /// message, in the peers), like any other fatal error.
     pub fn abort(&self) {
-        self.fabric.abort();
+        self.fabric().abort();
     }
 
     /// Splits the communicator, like `MPI_Comm_split`: members that pass the same `color`
@@ -440,7 +449,7 @@ impl Communicator {
             with_region(&mut all, |dst| {
                 let bufs = self.bytes_part(Some(src.clone()), dst.clone());
                 let mut part = self.part("split".into(), CHAN_COLL, SPLIT_DESC, Arc::new(sched), bufs);
-                part.eager_max = self.fabric.params.eager_max;
+                part.eager_max = self.fabric().params.eager_max;
                 self.run_part(part)
             })
         })?;
@@ -464,13 +473,13 @@ impl Communicator {
         let members: Arc<[usize]> = group.iter().map(|&(_, p)| self.members[p]).collect();
         let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::invalid("internal: split lost this rank"))?;
         let id = fnv(&[u64::from(self.id), u64::from(count), u64::from(c)]).max(1);
-        let any_tcp = members.iter().any(|&w| self.fabric.transport_name(w) == "tcp");
+        let any_tcp = members.iter().any(|&w| self.fabric().transport_kind(w) == Some(TransportKind::Tcp));
         Ok(Some(Communicator {
             any_tcp,
-            fabric: self.fabric.clone(),
+            engine: self.engine.clone(),
             id,
             rank,
-            seqs: self.fabric.engine.streams(id, members.clone(), rank),
+            seqs: self.engine.streams(id, members.clone(), rank),
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
@@ -495,8 +504,8 @@ impl Communicator {
         self.departed.store(true, Ordering::Release);
         let r = self.agree_to_leave();
         if self.id == 0 {
-            self.fabric.set_finalized();
-            self.fabric.close();
+            self.fabric().set_finalized();
+            self.engine.close();
         }
         r
     }
@@ -513,20 +522,20 @@ impl Communicator {
         if n == 1 {
             return Ok(());
         }
-        let deadline = Instant::now() + self.fabric.params.timeout;
+        let deadline = Instant::now() + self.fabric().params.timeout;
         let peers: Vec<usize> = (0..n).filter(|&p| p != self.rank).collect();
         for &p in &peers {
             let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Finalized, p));
-            let r = self.fabric.endpoint(self.members[p])?.post_send(&msg, deadline, &|| self.fabric.pump(op));
-            r.map_err(|e| self.fabric.poison(e))?;
+            let r = self.fabric().endpoint(self.members[p])?.post_send(&msg, deadline, &|| self.fabric().pump(op));
+            r.map_err(|e| self.fabric().poison(e))?;
         }
         // Every member's record (each follows everything that member sent us).
         let waiting = || -> Vec<usize> {
-            let ev = self.fabric.shared.lock();
+            let ev = self.fabric().inbox.lock();
             peers.iter().map(|&p| self.members[p]).filter(|w| !ev.left.contains_key(&(self.id, *w))).collect()
         };
-        let theirs: Vec<Leave> = self.fabric.run_until(op, deadline, &waiting, || {
-            let ev = self.fabric.shared.lock();
+        let theirs: Vec<Leave> = self.fabric().run_until(op, deadline, &waiting, || {
+            let ev = self.fabric().inbox.lock();
             let mut got = Vec::with_capacity(peers.len());
             for &p in &peers {
                 let w = self.members[p];
@@ -535,7 +544,7 @@ impl Communicator {
                     // Said goodbye to the whole job without leaving this communicator.
                     None if ev.closed.contains(&w) => {
                         return Err(Error::PeerFailed {
-                            rank: self.fabric.rank,
+                            rank: self.fabric().rank,
                             peer: w,
                             op: op.into(),
                             reason: "closed its connections (finalized the world communicator) without finalizing or dropping this one"
@@ -550,7 +559,7 @@ impl Communicator {
         let problems = self.compare_leave(&peers, &theirs);
         let forget = || {
             // This communicator's traffic is over: forget what is left of it.
-            let mut ev = self.fabric.shared.lock();
+            let mut ev = self.fabric().inbox.lock();
             let id = self.id;
             ev.data.retain(|k, _| k.0 != id);
             ev.cts.retain(|k, _| k.0 != id);
@@ -567,7 +576,7 @@ impl Communicator {
             };
             // Fatal, and told to every rank (ERR in place of AGREED): no member's finalize
             // may return Ok while this one fails.
-            return Err(self.fabric.poison_in(err, &|r| self.members[r]));
+            return Err(self.fabric().poison_in(err, &|r| self.members[r]));
         }
         // Second round: Ok only when every member that finalized found nothing wrong either
         // (a member that found something sends ERR, which fails this wait). Members that
@@ -576,14 +585,14 @@ impl Communicator {
             peers.iter().zip(&theirs).filter(|(_, l)| l.how == Departure::Finalized).map(|(&p, _)| self.members[p]).collect();
         let agreed = proto::encode_agreed(self.id);
         for &w in &agreeing {
-            let r = self.fabric.endpoint(w)?.post_send(&agreed, deadline, &|| self.fabric.pump(op));
-            r.map_err(|e| self.fabric.poison(e))?;
+            let r = self.fabric().endpoint(w)?.post_send(&agreed, deadline, &|| self.fabric().pump(op));
+            r.map_err(|e| self.fabric().poison(e))?;
         }
         let missing = || -> Vec<usize> {
-            let ev = self.fabric.shared.lock();
+            let ev = self.fabric().inbox.lock();
             agreeing.iter().copied().filter(|w| !ev.agreed.contains(&(self.id, *w))).collect()
         };
-        let r = self.fabric.run_until(op, deadline, &missing, || Ok(if missing().is_empty() { Poll::Ready(()) } else { Poll::Idle }));
+        let r = self.fabric().run_until(op, deadline, &missing, || Ok(if missing().is_empty() { Poll::Ready(()) } else { Poll::Idle }));
         forget();
         r
     }
@@ -594,7 +603,7 @@ impl Communicator {
         let me = self.rank;
         let chan_name = |c: usize| ["point-to-point", "internal", "collective"][c.min(2)];
         let seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
-        let ev = self.fabric.shared.lock();
+        let ev = self.fabric().inbox.lock();
         let mut out = Vec::new();
         for (&p, l) in peers.iter().zip(theirs) {
             let mine = seqs.leave(Departure::Finalized, p);
@@ -653,14 +662,14 @@ impl Drop for Communicator {
         if self.departed.swap(true, Ordering::AcqRel) || self.size() == 1 {
             return;
         }
-        if self.fabric.finalized_error(self.rank, "drop", false).is_some() || self.fabric.shared.has_fatal() {
+        if self.fabric().finalized_error(self.rank, "drop", false).is_some() || self.fabric().inbox.has_fatal() {
             return;
         }
-        let deadline = Instant::now() + self.fabric.params.timeout.min(Duration::from_secs(1));
+        let deadline = Instant::now() + self.fabric().params.timeout.min(Duration::from_secs(1));
         for p in (0..self.size()).filter(|&p| p != self.rank) {
             let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Dropped, p));
-            if let Ok(ep) = self.fabric.endpoint(self.members[p]) {
-                let _ = ep.post_send(&msg, deadline, &|| self.fabric.pump("drop"));
+            if let Ok(ep) = self.fabric().endpoint(self.members[p]) {
+                let _ = ep.post_send(&msg, deadline, &|| self.fabric().pump("drop"));
             }
         }
     }

@@ -35,7 +35,8 @@ use ferroccl_mem::region::RegionHandle;
 use crate::algo::Schedule;
 use crate::error::{Departure, Error, Fault, FaultKind, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
-use crate::fabric::Fabric;
+use crate::fabric::{Fabric, PARK_NAP};
+use crate::inbox::Backoff;
 use crate::p2p::Ctx;
 use crate::poll::Poll;
 use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
@@ -347,39 +348,79 @@ impl Job {
     }
 }
 
-/// Parking state of the background thread.
+/// What the background thread shares with the engine without keeping it alive: the counts
+/// it decides by and where it parks.
 #[derive(Debug, Default)]
 struct Park {
-    shutdown: bool,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// The engine of one fabric.
-#[derive(Debug, Default)]
-pub(crate) struct Engine {
-    /// Jobs submitted and not yet picked up by the driver.
-    submitted: Mutex<Vec<Arc<Job>>>,
-    /// The driver role, and the jobs it is running (in submission order).
-    driver: Mutex<Vec<Arc<Job>>>,
     /// Jobs submitted and not yet finished.
     pending: AtomicUsize,
     /// Threads in `wait`.
     waiters: AtomicUsize,
-    /// Driver rounds so far (the clock is read every [`CLOCK_EVERY`]).
-    rounds: AtomicU32,
-    park: Mutex<Park>,
+    state: Mutex<ParkState>,
     wake: Condvar,
-    /// The stream state of every communicator on this fabric, to answer probes.
-    comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
 }
 
-/// Backoff of an idle driver (also the old wait loop's numbers: see `Fabric::run_until`).
-const SPINS: u32 = 64;
-const YIELDS: u32 = 32;
+#[derive(Debug, Default)]
+struct ParkState {
+    shutdown: bool,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The engine: owns the fabric (one per world: the communicators split from it share it)
+/// and runs every call over it. Communicators hold it; the last one to go closes it.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    fabric: Fabric,
+    /// Jobs submitted and not yet picked up by the driver.
+    submitted: Mutex<Vec<Arc<Job>>>,
+    /// The driver role, and the jobs it is running (in submission order).
+    driver: Mutex<Vec<Arc<Job>>>,
+    park: Arc<Park>,
+    /// Driver rounds so far (the clock is read every [`CLOCK_EVERY`]).
+    rounds: AtomicU32,
+    /// The stream state of every communicator on this fabric, to answer probes.
+    comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
+    closed: AtomicBool,
+}
+
 /// Rounds between clock reads.
 const CLOCK_EVERY: u32 = 16;
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 impl Engine {
+    /// The engine of `fabric`.
+    pub(crate) fn new(fabric: Fabric) -> Arc<Engine> {
+        Arc::new(Engine {
+            fabric,
+            submitted: Mutex::default(),
+            driver: Mutex::default(),
+            park: Arc::default(),
+            rounds: AtomicU32::new(0),
+            comms: Mutex::default(),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// The fabric every call runs over.
+    pub(crate) fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// Stops the background thread, then closes the fabric (says goodbye to every peer).
+    /// Idempotent.
+    pub(crate) fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.shutdown();
+        self.fabric.close();
+    }
+
     /// The stream state of a new communicator (`id`, its members' world ranks, this rank
     /// in it), known to the engine from now on.
     pub(crate) fn streams(&self, id: u32, members: Arc<[usize]>, rank: usize) -> Arc<Mutex<Streams>> {
@@ -393,8 +434,9 @@ impl Engine {
     /// Answers the peers' probes: a peer in call `k` of a communicator whose call `k` here
     /// had another descriptor is a mismatch, fatal at once, even if neither side ever sends
     /// the other data (both only receive, as in a reduce where each thinks itself the root).
-    fn answer_probes(&self, fabric: &Fabric) {
-        let probes = fabric.shared.take_probes();
+    fn answer_probes(&self) {
+        let fabric = &self.fabric;
+        let probes = fabric.inbox.take_probes();
         for (peer, comm, call, theirs) in probes {
             let st = lock(&self.comms).iter().filter_map(Weak::upgrade).find(|s| lock(s).id == comm);
             let Some(st) = st else { continue };
@@ -420,104 +462,112 @@ impl Engine {
 
     /// Hands `job` to the engine. With `will_wait`, the caller is about to wait for it (and
     /// drive); otherwise the background thread is woken to drive it.
-    pub(crate) fn submit(self: &Arc<Self>, fabric: &Arc<Fabric>, job: Arc<Job>, will_wait: bool) {
-        self.pending.fetch_add(1, Ordering::SeqCst);
+    pub(crate) fn submit(self: &Arc<Self>, job: Arc<Job>, will_wait: bool) {
+        self.park.pending.fetch_add(1, Ordering::SeqCst);
         lock(&self.submitted).push(job);
-        fabric.shared.notify();
+        self.fabric.inbox.notify();
         if !will_wait {
-            self.wake_background(fabric);
+            self.wake_background();
         }
     }
 
-    fn wake_background(self: &Arc<Self>, fabric: &Arc<Fabric>) {
-        let mut p = lock(&self.park);
+    fn wake_background(self: &Arc<Self>) {
+        let mut p = lock(&self.park.state);
         if p.shutdown {
             return;
         }
         if p.thread.is_none() {
-            let (engine, weak) = (Arc::clone(self), Arc::downgrade(fabric));
-            let spawned =
-                std::thread::Builder::new().name(format!("ferroccl-progress-{}", fabric.rank)).spawn(move || engine.background(weak));
+            let (park, weak) = (Arc::clone(&self.park), Arc::downgrade(self));
+            let spawned = std::thread::Builder::new()
+                .name(format!("ferroccl-progress-{}", self.fabric.rank))
+                .spawn(move || Engine::background(&park, &weak));
             // Without the thread, jobs still progress when waited for.
             p.thread = spawned.ok();
         }
         drop(p);
-        self.wake.notify_one();
+        self.park.wake.notify_one();
     }
 
     /// Makes sure the background thread drives the jobs in flight (an async caller waits
     /// without driving).
-    pub(crate) fn ensure_background(self: &Arc<Self>, fabric: &Arc<Fabric>) {
-        if self.pending.load(Ordering::SeqCst) > 0 {
-            self.wake_background(fabric);
+    pub(crate) fn ensure_background(self: &Arc<Self>) {
+        if self.park.pending.load(Ordering::SeqCst) > 0 {
+            self.wake_background();
         }
     }
 
     /// One round, if no other thread is driving (`test`).
-    pub(crate) fn try_round(&self, fabric: &Fabric) {
+    pub(crate) fn try_round(&self) {
         if let Ok(mut jobs) = self.driver.try_lock() {
-            self.round(fabric, &mut jobs, SPINS);
+            self.round(&mut jobs, true);
         }
     }
 
-    /// Stops the background thread (fabric shutdown).
-    pub(crate) fn shutdown(&self) {
+    /// Stops the background thread.
+    fn shutdown(&self) {
         let t = {
-            let mut p = lock(&self.park);
+            let mut p = lock(&self.park.state);
             p.shutdown = true;
             p.thread.take()
         };
-        self.wake.notify_all();
+        self.park.wake.notify_all();
         if let Some(t) = t {
-            // The last reference to the fabric may be dropped on the engine thread itself.
+            // The last reference to the engine may be dropped on its thread itself.
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
             }
         }
     }
 
-    fn background(&self, fabric: Weak<Fabric>) {
+    /// The background thread: parks while nothing is in flight or a waiter drives; drives
+    /// otherwise. Holds the engine only while it drives, so that the last communicator's
+    /// drop ends it.
+    fn background(park: &Park, engine: &Weak<Engine>) {
         loop {
             {
-                let mut p = lock(&self.park);
-                while !p.shutdown && (self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0) {
-                    p = self.wake.wait(p).unwrap_or_else(|e| e.into_inner());
+                let mut p = lock(&park.state);
+                while !p.shutdown && (park.pending.load(Ordering::SeqCst) == 0 || park.waiters.load(Ordering::SeqCst) > 0) {
+                    p = park.wake.wait(p).unwrap_or_else(|e| e.into_inner());
                 }
                 if p.shutdown {
                     return;
                 }
             }
-            let Some(fabric) = fabric.upgrade() else { return };
-            match self.driver.try_lock() {
+            let Some(engine) = engine.upgrade() else { return };
+            match engine.driver.try_lock() {
                 Ok(mut jobs) => {
-                    let mut idle = 0u32;
+                    let mut backoff = Backoff::default();
                     loop {
-                        let seen = fabric.shared.bell_seen();
-                        let moved = self.round(&fabric, &mut jobs, idle);
-                        if self.pending.load(Ordering::SeqCst) == 0 || self.waiters.load(Ordering::SeqCst) > 0 || lock(&self.park).shutdown
+                        let seen = engine.fabric.inbox.bell_seen();
+                        let moved = engine.round(&mut jobs, backoff.is_slow());
+                        if park.pending.load(Ordering::SeqCst) == 0 || park.waiters.load(Ordering::SeqCst) > 0 || lock(&park.state).shutdown
                         {
                             break;
                         }
-                        idle = if moved { 0 } else { idle + 1 };
-                        backoff(&fabric, &mut idle, seen, None);
+                        if moved {
+                            backoff.moved();
+                        } else {
+                            backoff.idle(PARK_NAP, None, |until| engine.fabric.sleep_on_bell(seen, until));
+                        }
                     }
                     // A waiter may be asleep until the driver role is free: ring.
                     drop(jobs);
-                    fabric.shared.notify();
+                    engine.fabric.inbox.notify();
                 }
                 // A waiter drives; it wakes us when it leaves with jobs still in flight.
                 Err(_) => std::thread::sleep(Duration::from_micros(200)),
-            }
+            };
         }
     }
 
     /// Waits for `job` until it is done or `until` passes (then `false`), driving the
     /// engine whenever no other thread does.
-    pub(crate) fn wait(self: &Arc<Self>, fabric: &Arc<Fabric>, job: &Job, until: Option<Instant>) -> bool {
-        self.waiters.fetch_add(1, Ordering::SeqCst);
+    pub(crate) fn wait(&self, job: &Job, until: Option<Instant>) -> bool {
+        let fabric = &self.fabric;
+        self.park.waiters.fetch_add(1, Ordering::SeqCst);
         // A background driver asleep on the doorbell gives the role up when it wakes.
-        fabric.shared.notify();
-        let mut idle = 0u32;
+        fabric.inbox.notify();
+        let mut backoff = Backoff::default();
         let done = loop {
             if job.is_done() {
                 break true;
@@ -527,34 +577,37 @@ impl Engine {
             }
             match self.driver.try_lock() {
                 Ok(mut jobs) => loop {
-                    let seen = fabric.shared.bell_seen();
-                    let moved = self.round(fabric, &mut jobs, idle);
+                    let seen = fabric.inbox.bell_seen();
+                    let moved = self.round(&mut jobs, backoff.is_slow());
                     if job.is_done() {
                         break;
                     }
                     if until.is_some_and(|u| Instant::now() >= u) {
                         break;
                     }
-                    idle = if moved { 0 } else { idle + 1 };
-                    backoff(fabric, &mut idle, seen, until);
+                    if moved {
+                        backoff.moved();
+                    } else {
+                        backoff.idle(PARK_NAP, until, |t| fabric.sleep_on_bell(seen, t));
+                    }
                 },
                 Err(_) => {
                     // Another thread drives; it rings the doorbell when a job finishes and
                     // when it gives the role up.
-                    let seen = fabric.shared.bell_seen();
+                    let seen = fabric.inbox.bell_seen();
                     if !job.is_done() && self.driver.try_lock().is_err() {
                         fabric.sleep_on_bell_for(seen, Instant::now() + Duration::from_millis(1), false);
                     }
                 }
             }
         };
-        let left = self.waiters.fetch_sub(1, Ordering::SeqCst) - 1;
+        let left = self.park.waiters.fetch_sub(1, Ordering::SeqCst) - 1;
         if left > 0 {
             // Another waiter may be asleep until the driver role is free.
-            fabric.shared.notify();
-        } else if self.pending.load(Ordering::SeqCst) > 0 {
-            let _p = lock(&self.park);
-            self.wake.notify_one();
+            fabric.inbox.notify();
+        } else if self.park.pending.load(Ordering::SeqCst) > 0 {
+            let _p = lock(&self.park.state);
+            self.park.wake.notify_one();
         }
         done
     }
@@ -562,7 +615,8 @@ impl Engine {
     /// One round of the driver; returns whether anything moved. Reads the clock (deadlines,
     /// peer health) only every few rounds: a clock read costs as much as the rest of a
     /// quiet round.
-    fn round(&self, fabric: &Fabric, jobs: &mut Vec<Arc<Job>>, idle: u32) -> bool {
+    fn round(&self, jobs: &mut Vec<Arc<Job>>, slow: bool) -> bool {
+        let fabric = &self.fabric;
         {
             let mut s = lock(&self.submitted);
             if !s.is_empty() {
@@ -574,21 +628,21 @@ impl Engine {
         }
         if let Err(e) = fabric.progress() {
             // A transport that failed without recording why (its poll itself failed).
-            if !fabric.shared.has_fatal() {
+            if !fabric.inbox.has_fatal() {
                 let _ = fabric.poison(e);
             }
         }
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
-        let now = (idle >= SPINS || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
+        let now = (slow || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
         if let Some(now) = now {
             fabric.check_health(now);
         }
         if now.is_some() {
-            self.answer_probes(fabric);
+            self.answer_probes();
         }
-        let fatal = fabric.shared.has_fatal();
+        let fatal = fabric.inbox.has_fatal();
         let mut moved = false;
         let mut i = 0;
         while i < jobs.len() {
@@ -627,26 +681,13 @@ impl Engine {
                 done => {
                     let job = jobs.remove(i);
                     job.finish(done.map(|_| ()));
-                    self.pending.fetch_sub(1, Ordering::SeqCst);
+                    self.park.pending.fetch_sub(1, Ordering::SeqCst);
                     moved = true;
                     // Wake threads sleeping in `wait` for this job.
-                    fabric.shared.notify();
+                    fabric.inbox.notify();
                 }
             }
         }
         moved
-    }
-}
-
-/// Spin, yield, then sleep on the doorbell (at most 5 ms, or until `until`).
-pub(crate) fn backoff(fabric: &Fabric, idle: &mut u32, seen: u32, until: Option<Instant>) {
-    if *idle < SPINS {
-        std::hint::spin_loop();
-    } else if *idle < SPINS + YIELDS {
-        std::thread::yield_now();
-    } else {
-        let cap = Instant::now() + Duration::from_millis(5);
-        fabric.sleep_on_bell(seen, until.map_or(cap, |u| u.min(cap)));
-        *idle = SPINS / 2;
     }
 }

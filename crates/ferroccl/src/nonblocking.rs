@@ -53,9 +53,9 @@ use ferroccl_mem::region::{region_scope_with, RegionHandle, RegionScope};
 use crate::algo::Collective;
 use crate::coll::Call;
 use crate::comm::Communicator;
+use crate::engine::Engine;
 use crate::engine::{Job, Part};
 use crate::error::{Error, Result};
-use crate::fabric::Fabric;
 use crate::proto::CHAN_USER;
 
 /// What a scope keeps: its jobs and the scratch memory they borrowed from the
@@ -86,7 +86,7 @@ impl std::fmt::Debug for Scope<'_, '_> {
 /// `Send + Sync`: it may be waited for on another thread (inside the scope).
 pub struct Request<'s> {
     job: Arc<Job>,
-    fabric: Arc<Fabric>,
+    engine: Arc<Engine>,
     _scope: PhantomData<&'s ()>,
 }
 
@@ -100,14 +100,14 @@ impl Request<'_> {
     /// Waits until the operation completes (at the latest its `FERROCCL_TIMEOUT` deadline,
     /// which fails it with [`Error::Timeout`]).
     pub fn wait(self) -> Result<()> {
-        self.fabric.engine.wait(&self.fabric, &self.job, None);
+        self.engine.wait(&self.job, None);
         self.job.observe()
     }
 
     /// Waits at most `limit`: `Ok(true)` if the operation completed, `Ok(false)` if it is
     /// still running (it goes on), `Err` if it failed.
     pub fn wait_timeout(&self, limit: Duration) -> Result<bool> {
-        if self.fabric.engine.wait(&self.fabric, &self.job, Some(Instant::now() + limit)) {
+        if self.engine.wait(&self.job, Some(Instant::now() + limit)) {
             self.job.observe().map(|()| true)
         } else {
             Ok(false)
@@ -118,7 +118,7 @@ impl Request<'_> {
     /// the engine one round forward when no other thread is driving it.
     pub fn test(&self) -> Result<bool> {
         if !self.job.is_done() {
-            self.fabric.engine.try_round(&self.fabric);
+            self.engine.try_round();
         }
         if self.job.is_done() {
             self.job.observe().map(|()| true)
@@ -136,7 +136,7 @@ impl Future for Request<'_> {
             return Poll::Ready(self.job.observe());
         }
         // The engine's thread drives the job and wakes the task.
-        self.fabric.engine.ensure_background(&self.fabric);
+        self.engine.ensure_background();
         Poll::Pending
     }
 }
@@ -189,10 +189,10 @@ impl WaitAll<'_, '_> {
     fn wait(&self) -> Option<Error> {
         let s = &self.0;
         let jobs = std::mem::take(&mut *s.state.jobs.lock().unwrap_or_else(|e| e.into_inner()));
-        let fabric = s.comm.fabric();
+        let engine = s.comm.engine();
         let mut first = None;
         for job in &jobs {
-            fabric.engine.wait(fabric, job, None);
+            engine.wait(job, None);
             if let Err(e) = job.observe_if_unobserved() {
                 first.get_or_insert(e);
             }
@@ -235,7 +235,7 @@ impl<'s, 'env> Scope<'s, 'env> {
         let job = Job::new(self.comm.job_body(parts));
         self.comm.submit(&job, false, false)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
-        Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })
+        Ok(Request { job, engine: self.comm.engine().clone(), _scope: PhantomData })
     }
 
     fn start_call(&self, call: Result<Call<'s>>) -> Result<Request<'s>> {
@@ -245,10 +245,10 @@ impl<'s, 'env> Scope<'s, 'env> {
 
     /// Starts one run of a persistent [`Plan`](crate::Plan) (non-blocking
     /// [`Plan::run`](crate::Plan::run)); the plan stays borrowed until the scope ends.
-    pub fn start<T: Element>(&self, plan: &'s mut crate::Plan<'_, T>) -> Result<Request<'s>> {
+    pub fn start<T: Element>(&self, plan: &'s mut crate::persistent::Plan<'_, T>) -> Result<Request<'s>> {
         let job = plan.start_in(self.regions)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
-        Ok(Request { job, fabric: self.comm.fabric().clone(), _scope: PhantomData })
+        Ok(Request { job, engine: self.comm.engine().clone(), _scope: PhantomData })
     }
 
     /// Non-blocking [`Communicator::allreduce`].

@@ -6,15 +6,15 @@
 //! (ready-to-send, clear-to-send, one-sided write with immediate straight into the
 //! receiver's registered buffer).
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{Error, Result};
-use crate::fabric::{Events, Fabric, Incoming};
+use crate::fabric::Fabric;
+use crate::inbox::{Events, Incoming};
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
-use crate::transport::shm::LocalShm;
+use crate::transport::shm::PullTicket;
 use crate::transport::{Registration, WriteReq, WriteTicket};
 
 /// Which ordered stream a transfer belongs to, and what is reported in errors.
@@ -168,17 +168,9 @@ pub(crate) struct SendOp {
     offset: usize,
     len: usize,
     state: SendState,
-    /// A pull slot lent to the receiver (shm single copy): revoked on completion or drop.
-    pull: Option<(Arc<LocalShm>, usize, u64)>,
-}
-
-impl Drop for SendOp {
-    fn drop(&mut self) {
-        // Whatever happened, the receiver must not read our buffer once it is handed back.
-        if let Some((shm, slot, _)) = self.pull.take() {
-            shm.release_slot(slot);
-        }
-    }
+    /// A pull slot lent to the receiver (shm single copy): revoked on completion or drop,
+    /// so that whatever happens, the receiver cannot read our buffer once it is handed back.
+    pull: Option<PullTicket>,
 }
 
 impl SendOp {
@@ -200,10 +192,10 @@ impl SendOp {
         match self.state {
             SendState::Start => {
                 let ep = cx.fabric.endpoint(self.wpeer)?;
-                if cx.fabric.shared.any_left() {
+                if cx.fabric.inbox.any_left() {
                     // The receiver may have left already: then this message would be lost
                     // (and if it sent us something for this very call, the calls differ).
-                    let ev = cx.fabric.shared.lock();
+                    let ev = cx.fabric.inbox.lock();
                     cx.conflict(&ev, self.peer, self.wpeer)?;
                     cx.left_before_receiving(&ev, self.peer, self.wpeer, self.seq)?;
                 }
@@ -223,7 +215,7 @@ impl SendOp {
             SendState::WaitCts => {
                 let key = (cx.comm, cx.chan, self.wpeer);
                 let cts = {
-                    let mut ev = cx.fabric.shared.lock();
+                    let mut ev = cx.fabric.inbox.lock();
                     let closed = ev.closed.contains(&self.wpeer);
                     // Several transfers to one peer may be in flight: find ours by sequence.
                     let q = ev.cts.entry(key).or_default();
@@ -253,22 +245,19 @@ impl SendOp {
                 let w = WriteReq { src: &self.src, offset: self.offset, len: self.len, dst: cts.buf, dst_offset: 0, imm: cts.imm };
                 match ep.post_write(&w, cx.deadline, &|| cx.pump())? {
                     WriteTicket::Done => self.state = SendState::Done,
-                    WriteTicket::Pending { slot, gen } => {
-                        let shm = cx.fabric.local_shm().ok_or_else(|| Error::invalid("internal: pull without shm"))?.clone();
-                        self.pull = Some((shm, slot, gen));
+                    WriteTicket::Pending(ticket) => {
+                        self.pull = Some(ticket);
                         self.state = SendState::Pulling;
                     }
                 }
                 Ok(true)
             }
             SendState::Pulling => {
-                let Some((shm, slot, gen)) = &self.pull else { return Err(Error::invalid("internal: pulling without a slot")) };
-                match shm.pull_status(*slot, *gen) {
+                let Some(ticket) = &self.pull else { return Err(Error::invalid("internal: pulling without a slot")) };
+                match ticket.status() {
                     None => Ok(false),
                     Some(r) => {
-                        if let Some((shm, slot, _)) = self.pull.take() {
-                            shm.release_slot(slot);
-                        }
+                        self.pull = None;
                         r.map_err(|()| Error::Transport {
                             rank: cx.rank,
                             peer: self.peer,
@@ -350,7 +339,7 @@ impl RecvOp {
             }
             RecvState::WaitEager => {
                 let msg: Option<Incoming> = {
-                    let mut ev = cx.fabric.shared.lock();
+                    let mut ev = cx.fabric.inbox.lock();
                     let closed = ev.closed.contains(&self.wpeer);
                     let q = ev.data.entry(key).or_default();
                     match q.iter().position(|m| m.seq == self.seq) {
@@ -367,7 +356,7 @@ impl RecvOp {
                 };
                 let Some(msg) = msg else { return Ok(false) };
                 if let Err(e) = cx.check_call(self.peer, msg.call, &msg.desc) {
-                    cx.fabric.shared.give_buf(msg.data);
+                    cx.fabric.inbox.give_buf(msg.data);
                     return Err(e);
                 }
                 if let Some(sent) = msg.rts {
@@ -377,13 +366,13 @@ impl RecvOp {
                     return Err(self.mismatch(cx, msg.data.len() as u64));
                 }
                 let r = self.dst.write_at(self.offset, &msg.data);
-                cx.fabric.shared.give_buf(msg.data);
+                cx.fabric.inbox.give_buf(msg.data);
                 r.map_err(|e| Error::invalid(format!("{}: receive buffer: {e}", cx.op)))?;
                 self.state = RecvState::Done;
                 Ok(true)
             }
             RecvState::WaitImm { announced } => {
-                let mut ev = cx.fabric.shared.lock();
+                let mut ev = cx.fabric.inbox.lock();
                 let mut moved = false;
                 let mut announced = announced;
                 if !announced {

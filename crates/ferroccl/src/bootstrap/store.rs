@@ -1496,6 +1496,12 @@ mod tests {
         let mut buf = Vec::new();
         let _ = first.read_to_end(&mut buf);
         assert!(buf.len() < 256, "{} bytes", buf.len());
+        // Shed connections leave the table when their threads end (soon, but not at once
+        // on a loaded machine).
+        let until = Instant::now() + T;
+        while s.open_connections() > 8 + 1 && Instant::now() < until {
+            thread::sleep(Duration::from_millis(10));
+        }
         assert!(s.open_connections() <= 8 + 1, "{}", s.open_connections());
     }
 

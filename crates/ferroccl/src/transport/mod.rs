@@ -9,8 +9,14 @@
 //!   registered local region into a region the peer registered and advertised as a
 //!   [`RemoteBuf`]; the peer sees a `WriteImm` completion carrying the 32-bit immediate;
 //! * **completions**: local completions (`WriteDone`) and remote events (messages,
-//!   immediates, peer failures) land in the [`crate::fabric`]'s event state, which the
-//!   waiting thread polls.
+//!   immediates, peer failures) land in the inbox (`crate::inbox`) below every transport,
+//!   which the waiting thread polls.
+//!
+//! Setup is part of the contract too: which transport reaches which peer is a
+//! [`TransportKind`], chosen by mesh setup (`crate::mesh`) from the descriptors every rank
+//! publishes; a transport that needs more setup data than the descriptor carries (verbs:
+//! its queue-pair numbers) exchanges it through a [`SetupExchange`], never through the
+//! store directly.
 //!
 //! A local completion means the local buffer may be reused; that the data has landed at the
 //! target is signalled only by the target's `WriteImm` (the weakest guarantee of the three
@@ -37,6 +43,39 @@ use ferroccl_mem::region::RegionHandle;
 use crate::error::Result;
 pub(crate) use crate::proto::RemoteBuf;
 
+/// The transports, as mesh setup chooses them per peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum TransportKind {
+    /// Shared memory (same host).
+    Shm,
+    /// TCP sockets.
+    Tcp,
+    /// RDMA verbs (the `verbs` feature).
+    Verbs,
+}
+
+impl TransportKind {
+    /// `shm`, `tcp` or `verbs`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Verbs => "verbs",
+        }
+    }
+}
+
+/// How a transport publishes its own setup data to its peers while the mesh is built, and
+/// collects theirs (mesh setup implements it over the job's store). `topic` names the
+/// round; every rank publishes once per topic.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) trait SetupExchange {
+    /// Publishes this rank's value for `topic`.
+    fn publish(&self, topic: &str, value: &[u8]) -> Result<()>;
+    /// Waits (until `deadline`) for the values `peers` published for `topic`, in order.
+    fn gather(&self, topic: &str, peers: &[usize], deadline: Instant) -> Result<Vec<Vec<u8>>>;
+}
+
 /// One peer's connection, whichever transport carries it.
 #[derive(Debug)]
 pub(crate) enum Endpoint {
@@ -46,12 +85,12 @@ pub(crate) enum Endpoint {
 }
 
 impl Endpoint {
-    /// `shm`, `tcp` or `verbs`.
-    pub(crate) fn name(&self) -> &'static str {
+    /// Which transport carries it.
+    pub(crate) fn kind(&self) -> TransportKind {
         match self {
-            Endpoint::Shm(_) => "shm",
-            Endpoint::Tcp(_) => "tcp",
-            Endpoint::Verbs(_) => "verbs",
+            Endpoint::Shm(_) => TransportKind::Shm,
+            Endpoint::Tcp(_) => TransportKind::Tcp,
+            Endpoint::Verbs(_) => TransportKind::Verbs,
         }
     }
 
@@ -183,11 +222,11 @@ impl WriteReq<'_> {
 }
 
 /// How a posted write completes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum WriteTicket {
     /// The source was copied during the post; it may be reused now.
     Done,
-    /// The target pulls the data; the source must stay registered until the pull slot
-    /// (an index into this rank's shm pull table) reports completion.
-    Pending { slot: usize, gen: u64 },
+    /// The target pulls the data (shm single copy); the source must stay registered until
+    /// the ticket reports completion. Dropping the ticket revokes the target's access.
+    Pending(shm::PullTicket),
 }

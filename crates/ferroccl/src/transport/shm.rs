@@ -26,7 +26,7 @@
 //! Waking: producers bump the owner's doorbell word and `futex_wake` it when the owner has
 //! said it sleeps (see `fabric` for the sleeping side).
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -35,7 +35,7 @@ use ferroccl_mem::process::read_process_memory;
 use ferroccl_mem::segment::ShmSegment;
 
 use crate::error::{Error, Result};
-use crate::fabric::Shared;
+use crate::inbox::{Backoff, BellWords, Inbox};
 use crate::transport::{WriteReq, WriteTicket};
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.
@@ -49,6 +49,8 @@ const SLOT_BYTES: usize = 16;
 /// Ring control words (tail, head) each on their own cache line, then the data.
 const RING_CTRL: usize = 128;
 const REC: usize = 64;
+/// How long a producer facing a full ring sleeps at a time, once done spinning.
+const FULL_RING_NAP: std::time::Duration = std::time::Duration::from_micros(50);
 
 const K_MSG: u32 = 1;
 const K_WRITE: u32 = 2;
@@ -162,12 +164,12 @@ impl LocalShm {
     }
 
     /// The doorbell word producers bump.
-    pub(crate) fn bell(&self) -> &std::sync::atomic::AtomicU32 {
+    pub(crate) fn bell(&self) -> &AtomicU32 {
         self.seg.atomic_u32(BELL_OFF)
     }
 
     /// Set while the owner sleeps on the doorbell.
-    pub(crate) fn sleeping(&self) -> &std::sync::atomic::AtomicU32 {
+    pub(crate) fn sleeping(&self) -> &AtomicU32 {
         self.seg.atomic_u32(SLEEPING_OFF)
     }
 
@@ -199,7 +201,7 @@ impl LocalShm {
 
     /// `Some(Ok)` when the target finished pulling, `Some(Err)` if it refused, `None` while
     /// pending.
-    pub(crate) fn pull_status(&self, slot: usize, gen: u64) -> Option<std::result::Result<(), ()>> {
+    fn pull_status(&self, slot: usize, gen: u64) -> Option<std::result::Result<(), ()>> {
         let d = self.slot_done(slot).load(Ordering::Acquire);
         if d == gen {
             Some(Ok(()))
@@ -212,7 +214,7 @@ impl LocalShm {
 
     /// Revokes a pull slot: after this, a target that has not finished its copy will see the
     /// generation change and refuse the data. Must be called before the source is released.
-    pub(crate) fn release_slot(&self, slot: usize) {
+    fn release_slot(&self, slot: usize) {
         // SeqCst + fence: the revocation must be visible before the caller's later writes to
         // the buffer (the target checks it after its copy, as a seqlock reader does).
         self.slot_gen(slot).swap(0, Ordering::SeqCst);
@@ -231,8 +233,8 @@ impl LocalShm {
     }
 
     /// Drains the ring of every sender in `peers` (world rank, endpoint), handing records to
-    /// `shared`. Returns whether anything was consumed.
-    pub(crate) fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, shared: &Shared) -> Result<bool> {
+    /// `inbox`. Returns whether anything was consumed.
+    pub(crate) fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, inbox: &Inbox) -> Result<bool> {
         let mut heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
         let mut any = false;
         let r = self.ring_bytes as u64;
@@ -279,23 +281,23 @@ impl LocalShm {
                 match h.kind {
                     K_PAD => {}
                     K_MSG => {
-                        let mut data = shared.take_buf(h.len as usize);
+                        let mut data = inbox.take_buf(h.len as usize);
                         self.seg.read(payload_off, &mut data);
-                        shared.deliver_msg(peer, data);
+                        inbox.deliver_msg(peer, data);
                     }
                     K_WRITE => {
                         let seg = &self.seg;
-                        shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+                        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
                             seg.read(payload_off, s);
                             Ok(())
                         })?;
                         if h.flags & F_LAST != 0 {
-                            shared.write_imm(peer, h.imm);
+                            inbox.write_imm(peer, h.imm);
                         }
                     }
-                    K_PULL => revoked |= !self.serve_pull(peer, ep, &h, shared)?,
+                    K_PULL => revoked |= !self.serve_pull(peer, ep, &h, inbox)?,
                     K_HELLO => ep.peer_can_pull.store(if h.flags & F_CAN_PULL != 0 { 1 } else { 2 }, Ordering::Release),
-                    K_BYE => shared.peer_closed(peer),
+                    K_BYE => inbox.peer_closed(peer),
                     k => {
                         return Err(Error::Transport {
                             rank: self.rank,
@@ -311,7 +313,7 @@ impl LocalShm {
             }
             if revoked {
                 let what = "gave up on a single-copy write while this rank was copying it".to_string();
-                shared.lock().set_fatal(peer, what.clone());
+                inbox.lock().set_fatal(peer, what.clone());
                 return Err(Error::PeerFailed { rank: self.rank, peer, op: "shm receive".into(), reason: what });
             }
         }
@@ -320,7 +322,7 @@ impl LocalShm {
 
     /// Serves one pull. `Ok(false)` when the writer revoked it (gave up) during the copy:
     /// nothing is delivered, and the writer's reason follows in the ring.
-    fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, shared: &Shared) -> Result<bool> {
+    fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, inbox: &Inbox) -> Result<bool> {
         let slot = h.slot as usize;
         if slot >= PULL_SLOTS {
             return Err(Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("pull slot {slot} out of range") });
@@ -329,7 +331,7 @@ impl LocalShm {
         let mut read_err = None;
         // A bad destination is a protocol error (fatal in land_write); a failed read is judged
         // below, together with the slot's generation.
-        shared.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
             if let Err(e) = read_process_memory(pid, h.src_addr, s) {
                 read_err = Some(e);
             }
@@ -357,8 +359,39 @@ impl LocalShm {
                 what: format!("single-copy read of {} bytes from pid {pid} failed: {e}", h.len),
             });
         }
-        shared.write_imm(peer, h.imm);
+        inbox.write_imm(peer, h.imm);
         Ok(true)
+    }
+}
+
+impl BellWords for LocalShm {
+    fn bell(&self) -> &AtomicU32 {
+        LocalShm::bell(self)
+    }
+    fn sleeping(&self) -> &AtomicU32 {
+        LocalShm::sleeping(self)
+    }
+}
+
+/// A pull slot lent to a peer for one write (see [`WriteTicket::Pending`]): the peer may
+/// read the source while the ticket lives; dropping it revokes that, whatever happened.
+#[derive(Debug)]
+pub(crate) struct PullTicket {
+    shm: Arc<LocalShm>,
+    slot: usize,
+    gen: u64,
+}
+
+impl PullTicket {
+    /// `None` while the peer pulls; then whether it could copy the data.
+    pub(crate) fn status(&self) -> Option<std::result::Result<(), ()>> {
+        self.shm.pull_status(self.slot, self.gen)
+    }
+}
+
+impl Drop for PullTicket {
+    fn drop(&mut self) {
+        self.shm.release_slot(self.slot);
     }
 }
 
@@ -466,7 +499,7 @@ impl ShmEndpoint {
         debug_assert!(need <= r);
         let base = ring_off(self.rank, self.ring_bytes);
         let mut tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
-        let mut spins = 0u32;
+        let mut backoff = Backoff::default();
         let start = Instant::now();
         loop {
             let pos = *tail % r;
@@ -503,14 +536,8 @@ impl ShmEndpoint {
                     waiting_for: vec![format!("rank {}", self.peer)],
                 });
             }
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if spins < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
+            // The consumer rings no bell when it makes room: park in short naps.
+            backoff.idle(FULL_RING_NAP, Some(deadline), |until| std::thread::sleep(until.saturating_duration_since(Instant::now())));
         }
     }
 
@@ -566,11 +593,10 @@ impl ShmEndpoint {
                     gen,
                     ..Header::default()
                 };
-                if let Err(e) = self.produce(&h, 0, |_, _| Ok(()), deadline, poll) {
-                    self.local.release_slot(slot);
-                    return Err(e);
-                }
-                return Ok(WriteTicket::Pending { slot, gen });
+                // The ticket releases the slot if the post fails, or when the send ends.
+                let ticket = PullTicket { shm: self.local.clone(), slot, gen };
+                self.produce(&h, 0, |_, _| Ok(()), deadline, poll)?;
+                return Ok(WriteTicket::Pending(ticket));
             }
             // Every pull slot busy: fall through and copy through the ring.
         }

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::fabric::Shared;
+use crate::inbox::Inbox;
 use crate::transport::WriteReq;
 
 const HDR: usize = 40;
@@ -44,19 +44,19 @@ pub(crate) struct TcpEndpoint {
     /// A handle to shut the socket down without waiting for the writer's lock.
     ctl: TcpStream,
     reader: Mutex<Option<JoinHandle<()>>>,
-    shared: Arc<Shared>,
+    inbox: Arc<Inbox>,
     closing: Arc<AtomicBool>,
     /// Set when a frame was cut short by a send timeout: the stream is unusable.
     broken: AtomicBool,
 }
 
 impl TcpEndpoint {
-    pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, shared: Arc<Shared>) -> Result<TcpEndpoint> {
+    pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, inbox: Arc<Inbox>) -> Result<TcpEndpoint> {
         let rd = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
         let ctl = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
         let closing = Arc::new(AtomicBool::new(false));
         let c2 = closing.clone();
-        let sh = shared.clone();
+        let sh = inbox.clone();
         let reader = std::thread::Builder::new()
             .name(format!("ferroccl-tcp-{peer}"))
             .spawn(move || reader_loop(peer, rd, sh, c2))
@@ -67,7 +67,7 @@ impl TcpEndpoint {
             writer: Mutex::new(stream),
             ctl,
             reader: Mutex::new(Some(reader)),
-            shared,
+            inbox,
             closing,
             broken: AtomicBool::new(false),
         })
@@ -136,8 +136,8 @@ impl TcpEndpoint {
                 }
                 // A broken connection is only a suspect for a moment (see `Events::suspects`):
                 // wait for its grace too, then report the best-known cause.
-                let settle = Instant::now() + crate::fabric::SUSPECT_GRACE + Duration::from_millis(20);
-                if let Some(fault) = self.shared.root_cause(settle) {
+                let settle = Instant::now() + crate::inbox::SUSPECT_GRACE + Duration::from_millis(20);
+                if let Some(fault) = self.inbox.root_cause(settle) {
                     let _ = self.ctl.shutdown(Shutdown::Both);
                     return fault.to_error(self.rank, &format!("tcp {what} to rank {}", self.peer));
                 }
@@ -228,10 +228,10 @@ impl Drop for TcpEndpoint {
     }
 }
 
-fn reader_loop(peer: usize, mut s: TcpStream, shared: Arc<Shared>, closing: Arc<AtomicBool>) {
+fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<AtomicBool>) {
     let fail = |why: String| {
         if !closing.load(Ordering::Acquire) {
-            shared.peer_failed(peer, why);
+            inbox.peer_failed(peer, why);
         }
     };
     loop {
@@ -263,25 +263,25 @@ fn reader_loop(peer: usize, mut s: TcpStream, shared: Arc<Shared>, closing: Arc<
                     fail(format!("TCP connection broke mid-message: {e}"));
                     return;
                 }
-                shared.deliver_msg(peer, b);
-                shared.notify();
+                inbox.deliver_msg(peer, b);
+                inbox.notify();
             }
             K_WRITE => {
-                let r = shared.land_write(peer, key, addr, len as usize, |dst| {
+                let r = inbox.land_write(peer, key, addr, len as usize, |dst| {
                     s.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
                 if r.is_err() {
                     // The stream position is lost (or the write was refused): the
                     // connection cannot continue. land_write recorded why.
-                    shared.notify();
+                    inbox.notify();
                     return;
                 }
-                shared.write_imm(peer, imm);
-                shared.notify();
+                inbox.write_imm(peer, imm);
+                inbox.notify();
             }
             K_BYE => {
-                shared.peer_closed(peer);
-                shared.notify();
+                inbox.peer_closed(peer);
+                inbox.notify();
                 return;
             }
             k => {

@@ -65,11 +65,10 @@ use ferroccl_verbs::{
     ReadyToSend, RemoteSlice, WcOpcode,
 };
 
-use crate::bootstrap::StoreClient;
 use crate::error::{Error, Result};
-use crate::fabric::Shared;
+use crate::inbox::{Backoff, Inbox};
 use crate::params::Params;
-use crate::transport::{RemoteBuf, WriteReq};
+use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
 use crate::wire::{Reader, Writer};
 
 /// Eager receive slots per peer (and send slots: one each).
@@ -85,6 +84,9 @@ const SQ_DEPTH: u32 = 128;
 const WAKER_NAP: Duration = Duration::from_millis(50);
 /// How long `cut` waits for the peer to acknowledge the fabric's last word.
 const CUT_WAIT: Duration = Duration::from_millis(100);
+/// How long a sender waiting for room parks at a time, once done spinning (the completion
+/// thread rings the doorbell sooner when something completes).
+const WAIT_NAP: Duration = Duration::from_micros(200);
 /// How often idle peers get a keepalive (see the module docs).
 pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
 const RQ_DEPTH: u32 = 256;
@@ -223,7 +225,7 @@ pub(crate) struct VerbsNet {
     /// Completions polled in one go; preallocated so that polling does not allocate.
     polled: Mutex<Vec<Completion>>,
     credits_owed: AtomicBool,
-    shared: Arc<Shared>,
+    inbox: Arc<Inbox>,
     /// The thread that sleeps on the completion channel and rings the fabric's doorbell.
     waker_stop: Arc<AtomicBool>,
     waker: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -250,7 +252,7 @@ impl Drop for VerbsNet {
 fn wake_loop(
     chan: &ferroccl_verbs::CompletionChannel,
     cq: &CompletionQueue,
-    shared: &Shared,
+    inbox: &Inbox,
     stop: &AtomicBool,
     net: &std::sync::Weak<VerbsNet>,
 ) {
@@ -259,7 +261,7 @@ fn wake_loop(
         if cq.req_notify().is_err() {
             return;
         }
-        shared.notify();
+        inbox.notify();
         if chan.wait(cq, WAKER_NAP).is_err() {
             return;
         }
@@ -285,49 +287,44 @@ struct Prepared {
 
 impl VerbsNet {
     /// Builds the QP mesh to `peers` (world ranks): creates a queue pair and eager rings
-    /// per peer, exchanges (QPN, PSN, LID, GID, ring address and key) through the store,
+    /// per peer, exchanges (QPN, PSN, LID, GID, ring address and key) through `exchange`,
     /// connects, and waits until every peer is connected too, so that no work request
     /// reaches a queue pair that is not ready.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         dev: VerbsDevice,
         rank: usize,
         peers: &[usize],
-        store: &StoreClient,
-        key_prefix: &str,
+        exchange: &dyn SetupExchange,
         size: usize,
         deadline: Instant,
-        shared: Arc<Shared>,
+        inbox: Arc<Inbox>,
     ) -> Result<Arc<VerbsNet>> {
         // A rank that fails here publishes why (in place of its connect info, or of its
         // ready mark), so that its peers fail at once with the reason instead of waiting.
-        let info_key = format!("{key_prefix}/verbs/{rank}");
-        let ready_key = format!("{key_prefix}/verbs-ready/{rank}");
-        let publish_err = |key: &str, e: &Error| {
+        let (info_topic, ready_topic) = ("verbs", "verbs-ready");
+        let publish_err = |topic: &str, e: &Error| {
             let mut w = Writer::new();
             w.u8(TAG_ERR).str(&e.to_string());
-            let _ = store.set(key, &w.finish());
+            let _ = exchange.publish(topic, &w.finish());
         };
         let (pd, cq, chan, stage, prepared, blob) = match Self::prepare(&dev, rank, peers) {
             Ok(x) => x,
             Err(e) => {
-                publish_err(&info_key, &e);
+                publish_err(info_topic, &e);
                 return Err(e);
             }
         };
-        store.set(&info_key, &blob)?;
-        let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs/{p}")).collect();
-        let blobs = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        exchange.publish(info_topic, &blob)?;
+        let blobs = exchange.gather(info_topic, peers, deadline)?;
         let slots = match Self::connect_qps(rank, size, prepared, &blobs) {
             Ok(s) => s,
             Err(e) => {
-                publish_err(&ready_key, &e);
+                publish_err(ready_topic, &e);
                 return Err(e);
             }
         };
-        store.set(&ready_key, &[TAG_OK])?;
-        let keys: Vec<String> = peers.iter().map(|p| format!("{key_prefix}/verbs-ready/{p}")).collect();
-        let readies = store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))?;
+        exchange.publish(ready_topic, &[TAG_OK])?;
+        let readies = exchange.gather(ready_topic, peers, deadline)?;
         for (&p, b) in peers.iter().zip(&readies) {
             if let Some(why) = peer_error(b) {
                 return Err(Error::Transport { rank, peer: p, transport: "verbs", what: format!("rank {p} could not connect: {why}") });
@@ -345,13 +342,13 @@ impl VerbsNet {
             peers: slots,
             polled: Mutex::new(Vec::with_capacity(256)),
             credits_owed: AtomicBool::new(false),
-            shared: shared.clone(),
+            inbox: inbox.clone(),
         });
         let waker = {
             let (cq, weak) = (net.cq.clone(), Arc::downgrade(&net));
             std::thread::Builder::new()
                 .name("ferroccl-verbs-cq".into())
-                .spawn(move || wake_loop(&chan, &cq, &shared, &stop, &weak))
+                .spawn(move || wake_loop(&chan, &cq, &inbox, &stop, &weak))
                 .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
         };
         *lock(&net.waker) = Some(waker);
@@ -471,7 +468,7 @@ impl VerbsNet {
         if let Some(Some(pe)) = self.peers.get(peer) {
             lock(&pe.st).dead = true;
         }
-        self.shared.peer_failed(peer, what);
+        self.inbox.peer_failed(peer, what);
     }
 
     /// Drains the completion queue: lands messages, immediates, credits and goodbyes in
@@ -494,7 +491,7 @@ impl VerbsNet {
             }
         }
         if delivered {
-            self.shared.notify();
+            self.inbox.notify();
         }
         Ok(n > 0)
     }
@@ -543,7 +540,7 @@ impl VerbsNet {
             return true;
         };
         if imm & IMM_CTRL == 0 {
-            self.shared.write_imm(p, imm);
+            self.inbox.write_imm(p, imm);
             return true;
         }
         let low = imm & IMM_LOW;
@@ -564,13 +561,13 @@ impl VerbsNet {
                     let mut st = lock(&pe.st);
                     st.consumed += 1;
                 }
-                self.shared.deliver_msg(p, msg);
+                self.inbox.deliver_msg(p, msg);
                 self.return_credits(pe);
             }
             KIND_CREDIT => lock(&pe.st).credits += u64::from(low),
             KIND_BYE => {
                 lock(&pe.st).bye = true;
-                self.shared.peer_closed(p);
+                self.inbox.peer_closed(p);
             }
             KIND_PING => {}
             k => self.fail(p, format!("sent an unknown verbs control kind {k}")),
@@ -607,6 +604,7 @@ impl VerbsNet {
     /// Takes a free staging slot, polling while none is free.
     fn take_stage(&self, peer: usize, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<u32> {
         let start = Instant::now();
+        let mut backoff = Backoff::default();
         loop {
             {
                 let mut free = lock(&self.stage_free);
@@ -616,13 +614,27 @@ impl VerbsNet {
                     return Ok(i);
                 }
             }
-            self.wait_round(peer, "verbs write (waiting for a staging slot)", start, deadline, poll)?;
+            self.wait_round(peer, "verbs write (waiting for a staging slot)", start, deadline, &mut backoff, poll)?;
         }
     }
 
-    fn wait_round(&self, peer: usize, op: &str, start: Instant, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+    /// One round of waiting for room (a credit, a send-queue entry, a staging slot): the
+    /// caller's `poll` (our inbox, the peers' health), our completions, the deadline, then
+    /// the backoff, parking on the doorbell that the completion thread rings.
+    fn wait_round(
+        &self,
+        peer: usize,
+        op: &str,
+        start: Instant,
+        deadline: Instant,
+        backoff: &mut Backoff,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let seen = self.inbox.bell_seen();
         poll()?;
-        self.poll()?;
+        if self.poll()? {
+            backoff.moved();
+        }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 rank: self.rank,
@@ -631,7 +643,7 @@ impl VerbsNet {
                 waiting_for: vec![format!("rank {peer}")],
             });
         }
-        std::thread::yield_now();
+        backoff.idle(WAIT_NAP, Some(deadline), |until| self.inbox.sleep(seen, until, || false));
         Ok(())
     }
 }
@@ -720,10 +732,11 @@ impl VerbsEndpoint {
     pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
         let pe = self.net.peer(self.peer)?;
         let start = Instant::now();
+        let mut backoff = Backoff::default();
         loop {
             match self.try_send(pe, head, body)? {
                 true => return Ok(()),
-                false => self.net.wait_round(self.peer, "verbs send (waiting for a credit)", start, deadline, poll)?,
+                false => self.net.wait_round(self.peer, "verbs send (waiting for a credit)", start, deadline, &mut backoff, poll)?,
             }
         }
     }
@@ -785,6 +798,7 @@ impl VerbsEndpoint {
             u32::try_from(w.dst.key).map_err(|_| Error::invalid(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
         let pe = self.net.peer(self.peer)?;
         let start = Instant::now();
+        let mut backoff = Backoff::default();
         let mut pos = 0usize;
         loop {
             let piece = (w.len - pos).min(STAGE_BYTES);
@@ -799,7 +813,7 @@ impl VerbsEndpoint {
                     break;
                 }
                 drop(st);
-                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, poll)?;
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, &mut backoff, poll)?;
             }
             let slot = self.net.take_stage(self.peer, deadline, poll)?;
             let free_slot = || *lock(&self.net.stage_free) |= 1u64 << slot;
@@ -820,7 +834,7 @@ impl VerbsEndpoint {
                 // Another thread filled the send queue meanwhile: try this piece again.
                 drop(st);
                 free_slot();
-                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, poll)?;
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, &mut backoff, poll)?;
                 continue;
             }
             let id = wr_id(WR_STAGE, self.peer, slot);
@@ -852,7 +866,9 @@ impl VerbsEndpoint {
     pub(crate) fn cut(&self) {
         let Ok(pe) = self.net.peer(self.peer) else { return };
         let until = Instant::now() + CUT_WAIT;
+        let mut backoff = Backoff::default();
         loop {
+            let seen = self.net.inbox.bell_seen();
             {
                 let st = lock(&pe.st);
                 if st.dead || st.msg_done >= st.flush_until || Instant::now() >= until {
@@ -860,7 +876,7 @@ impl VerbsEndpoint {
                 }
             }
             let _ = self.net.poll();
-            std::thread::yield_now();
+            backoff.idle(WAIT_NAP, Some(until), |t| self.net.inbox.sleep(seen, t, || false));
         }
         lock(&pe.st).dead = true;
     }
@@ -880,7 +896,9 @@ impl VerbsEndpoint {
             st.sq_used += 1;
         }
         let deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+        let mut backoff = Backoff::default();
         while Instant::now() < deadline {
+            let seen = self.net.inbox.bell_seen();
             let _ = poll();
             let _ = self.net.poll();
             let st = lock(&pe.st);
@@ -888,7 +906,7 @@ impl VerbsEndpoint {
                 return;
             }
             drop(st);
-            std::thread::yield_now();
+            backoff.idle(WAIT_NAP, Some(deadline), |t| self.net.inbox.sleep(seen, t, || false));
         }
     }
 }

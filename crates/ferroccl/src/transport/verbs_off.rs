@@ -7,11 +7,10 @@ use std::time::Instant;
 
 use ferroccl_mem::region::RegionHandle;
 
-use crate::bootstrap::StoreClient;
 use crate::error::{Error, Result};
-use crate::fabric::Shared;
+use crate::inbox::Inbox;
 use crate::params::Params;
-use crate::transport::{RemoteBuf, WriteReq};
+use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
 
 /// No device can be opened in this build.
 #[derive(Debug)]
@@ -33,16 +32,14 @@ impl VerbsDevice {
 pub(crate) enum VerbsNet {}
 
 impl VerbsNet {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         dev: VerbsDevice,
         _rank: usize,
         _peers: &[usize],
-        _store: &StoreClient,
-        _key_prefix: &str,
+        _exchange: &dyn SetupExchange,
         _size: usize,
         _deadline: Instant,
-        _shared: Arc<Shared>,
+        _inbox: Arc<Inbox>,
     ) -> Result<Arc<VerbsNet>> {
         match dev {}
     }

@@ -1,0 +1,119 @@
+//! The failure policy of one fabric: watching the peers' processes (and the launcher), the
+//! fatal state seen as errors, poisoning (the first fatal error is kept and told to every
+//! peer, and the connections are cut so that nothing stays blocked on them), and abort.
+//!
+//! Connections that break without a reason are only *suspects* for a short grace (see
+//! `inbox::SUSPECT_GRACE`), so that a reported cause wins; they are promoted here, on the
+//! same 2 ms beat as the process watches.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Fault, FaultKind};
+use crate::inbox::Inbox;
+use crate::mesh::{Mesh, Watch};
+use crate::proto;
+
+/// How often the peers' processes are looked at, at most.
+const HEALTH_EVERY: Duration = Duration::from_millis(2);
+
+/// Watches and fatal state of one fabric.
+#[derive(Debug)]
+pub(crate) struct Health {
+    rank: usize,
+    inbox: Arc<Inbox>,
+    /// Every shm peer (and verbs peer on this host) by world rank, and the launcher.
+    watches: Vec<Watch>,
+    looked_at: Mutex<Instant>,
+    told_peers: AtomicBool,
+}
+
+impl Health {
+    pub(crate) fn new(rank: usize, inbox: Arc<Inbox>, watches: Vec<Watch>) -> Health {
+        Health { rank, inbox, watches, looked_at: Mutex::new(Instant::now()), told_peers: AtomicBool::new(false) }
+    }
+
+    /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
+    /// caller's clock reading, so a wait loop reads the clock once per round.
+    pub(crate) fn check(&self, now: Instant, mesh: &Mesh) {
+        {
+            let mut at = self.looked_at.lock().unwrap_or_else(|e| e.into_inner());
+            if now.saturating_duration_since(*at) < HEALTH_EVERY {
+                return;
+            }
+            *at = now;
+        }
+        self.inbox.promote_suspects(now);
+        // One zero-timeout poll per watch: no allocation on this path (it runs every 2 ms
+        // of every wait).
+        if !self.watches.iter().any(|(_, w)| w.has_exited()) {
+            return;
+        }
+        // Anything the peer sent before exiting (its goodbye included) counts first.
+        let _ = mesh.progress(&self.inbox);
+        let mut ev = self.inbox.lock();
+        for (p, w) in self.watches.iter().filter(|(_, w)| w.has_exited()) {
+            match p {
+                None => ev.set_fatal(usize::MAX, format!("the launcher (pid {}) exited", w.pid())),
+                Some(p) if !ev.closed.contains(p) => {
+                    ev.set_fatal(*p, format!("exited (pid {}) without closing its communicator (killed or crashed?)", w.pid()))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// The error for the fabric's fatal state, if any, as seen by an operation.
+    pub(crate) fn fatal_error(&self, op: &str) -> Option<Error> {
+        let ev = self.inbox.lock();
+        if let Some(by) = ev.aborted {
+            return Some(Error::Aborted { rank: self.rank, op: op.to_string(), by });
+        }
+        ev.fatal.as_ref().map(|f| f.to_error(self.rank, op))
+    }
+
+    /// Makes `err` (of a call on a communicator whose rank `r` is world rank `world(r)`)
+    /// fatal for the fabric, unless an earlier error already is; tells every peer the root
+    /// cause and cuts the connections. Returns `err` for the caller to report.
+    pub(crate) fn poison_in(&self, mesh: &Mesh, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
+        if matches!(err, Error::InvalidArgument(_) | Error::Finalized { .. }) {
+            // Found before anything went on the wire: nothing to clean up.
+            return err;
+        }
+        self.inbox.lock().set_fault(Fault::from_error(&err, world));
+        self.tell_peers_and_cut(mesh);
+        err
+    }
+
+    /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.
+    pub(crate) fn poison_fault(&self, mesh: &Mesh, fault: Fault) {
+        self.inbox.lock().set_fault(fault);
+        self.tell_peers_and_cut(mesh);
+        self.inbox.notify();
+    }
+
+    /// Aborts every operation on the fabric, pending and later, and tells every peer.
+    pub(crate) fn abort(&self, mesh: &Mesh) {
+        let aborted = || Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
+        {
+            let mut ev = self.inbox.lock();
+            ev.aborted.get_or_insert(None);
+            ev.set_fault(aborted());
+        }
+        if !self.told_peers.swap(true, Ordering::AcqRel) {
+            mesh.tell_all_and_cut(&proto::encode_err(&aborted(), self.rank));
+        }
+        self.inbox.notify();
+    }
+
+    /// Once: sends every peer an `ERR` with the fatal cause (without waiting: a full ring
+    /// or a busy socket is skipped), then cuts the connections.
+    pub(crate) fn tell_peers_and_cut(&self, mesh: &Mesh) {
+        let Some(fault) = self.inbox.lock().fatal.clone() else { return };
+        if self.told_peers.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        mesh.tell_all_and_cut(&proto::encode_err(&fault, self.rank));
+    }
+}

@@ -1,0 +1,164 @@
+//! The registration table: which memory peers may write into, under which key. For shm
+//! and tcp a registration is a key bound to a region handle in the inbox's table (where the
+//! transports land one-sided writes), cached by address range (LRU-bounded,
+//! `FERROCCL_REG_CACHE_ENTRIES`); for verbs, a memory region over exactly the advertised
+//! range, held by the receive until the write lands. Also the immediates that name
+//! rendezvous writes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ferroccl_mem::region::RegionHandle;
+
+use crate::error::Result;
+use crate::inbox::Inbox;
+use crate::transport::verbs;
+use crate::transport::{Endpoint, Registration, RemoteBuf};
+
+/// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegStats {
+    /// Registrations made (cache misses).
+    pub registrations: u64,
+    /// Calls that reused a cached registration of the same address range.
+    pub hits: u64,
+    /// Registrations dropped to keep the cache within `FERROCCL_REG_CACHE_ENTRIES`.
+    pub evictions: u64,
+    /// Registrations cached now.
+    pub entries: usize,
+    /// Bytes covered by the cached registrations.
+    pub registered_bytes: u64,
+}
+
+#[derive(Debug)]
+struct RegEntry {
+    /// The key peers address (the id of the first region registered over the range).
+    key: u64,
+    /// Id of the region the key reaches now.
+    bound: u64,
+    last_use: u64,
+}
+
+#[derive(Debug, Default)]
+struct RegCache {
+    entries: HashMap<(u64, usize), RegEntry>,
+    clock: u64,
+    stats: RegStats,
+}
+
+/// The registration table and cache of one fabric.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    inbox: Arc<Inbox>,
+    cache: Mutex<RegCache>,
+    max_entries: usize,
+    next_imm: AtomicU32,
+}
+
+impl Registry {
+    /// An empty table binding keys in `inbox`, caching at most `max_entries` ranges.
+    pub(crate) fn new(inbox: Arc<Inbox>, max_entries: usize) -> Registry {
+        Registry { inbox, cache: Mutex::default(), max_entries, next_imm: AtomicU32::new(1) }
+    }
+
+    /// Registers `[offset, offset + len)` of a region for a remote write by world rank
+    /// `peer`; returns the descriptor to advertise and what the receiver holds until the
+    /// write has landed (for a verbs peer: the memory region, see [`Registration`]).
+    ///
+    /// shm and tcp peers go through the registration cache ([`Registry::register_cached`]). A
+    /// verbs peer gets a memory region over exactly that range, held by the receive until
+    /// the write lands (inside the call's scope): user memory is not cached in verbs
+    /// registrations, because nothing tells the library when it is freed and remapped.
+    /// Those registrations count as misses in the statistics.
+    pub(crate) fn register(
+        &self,
+        h: &RegionHandle,
+        offset: usize,
+        len: usize,
+        peer: Option<&Endpoint>,
+    ) -> Result<(RemoteBuf, Registration)> {
+        if let (Some(Endpoint::Verbs(ep)), true) = (peer, len > 0) {
+            let (buf, mr) = verbs::register_user(ep.net(), h, offset, len)?;
+            self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats.registrations += 1;
+            return Ok((buf, Registration::verbs(mr)));
+        }
+        let key = self.register_cached(h);
+        Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key }, Registration::default()))
+    }
+
+    /// Registers a region for remote writes through the registration cache; returns its key.
+    ///
+    /// The cache is keyed by address range: a region over a range registered before (the
+    /// same buffer in a later call) reuses that registration's key, rebound to the new
+    /// handle, instead of registering again. Nothing is pinned for shm and tcp, and a key
+    /// only ever reaches memory through the handle bound to it, which is valid only while
+    /// its call runs: a stale entry can never misdirect a write, it can only fail it.
+    pub(crate) fn register_cached(&self, h: &RegionHandle) -> u64 {
+        let range = (h.addr(), h.len());
+        let mut guard = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = &mut *guard;
+        cache.clock += 1;
+        let clock = cache.clock;
+        let key = match cache.entries.get_mut(&range) {
+            Some(e) => {
+                e.last_use = clock;
+                if e.bound != h.id() {
+                    e.bound = h.id();
+                    cache.stats.hits += 1;
+                    let key = e.key;
+                    self.inbox.regions.write().unwrap_or_else(|e| e.into_inner()).insert(key, h.clone());
+                    key
+                } else {
+                    e.key
+                }
+            }
+            None => {
+                let key = h.id();
+                cache.entries.insert(range, RegEntry { key, bound: key, last_use: clock });
+                cache.stats.registrations += 1;
+                cache.stats.registered_bytes += h.len() as u64;
+                let mut regions = self.inbox.regions.write().unwrap_or_else(|e| e.into_inner());
+                regions.insert(key, h.clone());
+                if cache.entries.len() > self.max_entries {
+                    // Evict the least recently used entry whose memory no call is using.
+                    let victim = cache
+                        .entries
+                        .iter()
+                        .filter(|(_, e)| regions.get(&e.key).is_none_or(|r| !r.is_valid()))
+                        .min_by_key(|(_, e)| e.last_use)
+                        .map(|(r, e)| (*r, e.key));
+                    if let Some((r, k)) = victim {
+                        cache.entries.remove(&r);
+                        regions.remove(&k);
+                        cache.stats.evictions += 1;
+                        cache.stats.registered_bytes -= r.1 as u64;
+                    }
+                }
+                key
+            }
+        };
+        key
+    }
+
+    /// Drops the registration of `h`'s address range (a plan's buffers, when it is dropped).
+    pub(crate) fn deregister(&self, h: &RegionHandle) {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = cache.entries.remove(&(h.addr(), h.len())) {
+            self.inbox.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&e.key);
+            cache.stats.registered_bytes -= h.len() as u64;
+        }
+    }
+
+    /// The registration cache's counters.
+    pub(crate) fn stats(&self) -> RegStats {
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        RegStats { entries: cache.entries.len(), ..cache.stats }
+    }
+
+    /// A fresh immediate for a rendezvous write: 31 bits (verbs keeps the top bit for its
+    /// own control messages).
+    pub(crate) fn next_imm(&self) -> u32 {
+        self.next_imm.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff
+    }
+}
