@@ -45,5 +45,7 @@ if [ "$verbs" = 1 ]; then
     echo "== cargo clippy with the verbs feature (warnings are errors)"
     cargo clippy --workspace --all-targets --locked --features ferroccl/verbs,ferroccl-verbs/verbs -- -D warnings
 fi
+echo "== cargo doc (warnings are errors: broken or private links in public docs)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 echo "== cargo test"
 cargo test --workspace --locked

@@ -47,9 +47,9 @@
 //! # Lifetimes and threads
 //!
 //! Handles are reference counted and a child keeps its parents alive: a
-//! [`ProtectionDomain`] and a [`CompletionQueue`] keep their [`Context`]; a
-//! [`MemoryRegion`] keeps its protection domain; a [`QueuePair`] keeps its protection
-//! domain and both completion queues. Every handle is `Send + Sync` (libibverbs is
+//! `ProtectionDomain` and a `CompletionQueue` keep their `Context`; a `MemoryRegion`
+//! keeps its protection domain; a `QueuePair` keeps its protection domain and both
+//! completion queues (these types exist with the `verbs` feature). Every handle is `Send + Sync` (libibverbs is
 //! thread safe) and is destroyed when its last clone drops.
 //!
 //! # DMA and `unsafe`

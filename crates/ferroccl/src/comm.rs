@@ -49,8 +49,8 @@ impl From<LaunchEnv> for InitConfig {
 /// (there are no tags). Every blocking call gives up after `FERROCCL_TIMEOUT` and fails
 /// promptly, naming the rank, if a peer dies.
 ///
-/// Every call is submitted to the fabric's progress engine (see [`crate::engine`] in the
-/// docs of [`Communicator::scope`]) and the blocking ones wait for it; the communicator is
+/// Every call is submitted to the progress engine (see the [`nonblocking`](crate::nonblocking)
+/// module and [`Communicator::scope`]) and the blocking ones wait for it; the communicator is
 /// `Send + Sync`. Calls made from several threads at once on one communicator are ordered
 /// by whoever gets there first, so every rank must issue them in the same order: order them
 /// yourself (as with NCCL streams).

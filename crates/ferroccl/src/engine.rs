@@ -37,7 +37,7 @@ use crate::error::{Departure, Error, Fault, FaultKind, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
 use crate::inbox::Backoff;
-use crate::p2p::Ctx;
+use crate::p2p::XferCtx;
 use crate::poll::Poll;
 use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
 
@@ -201,7 +201,7 @@ impl JobBody {
             if p.finished {
                 continue;
             }
-            let cx = Ctx {
+            let cx = XferCtx {
                 fabric,
                 comm: *comm,
                 chan: p.chan,

@@ -24,7 +24,7 @@ use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Buf, Op, Schedule, Slice};
 use crate::error::{Error, Result};
-use crate::p2p::{Ctx, RecvOp, SendOp};
+use crate::p2p::{RecvOp, SendOp, XferCtx};
 use crate::poll::{poll_of, Poll};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
@@ -53,7 +53,7 @@ enum Xfer {
 }
 
 impl Xfer {
-    fn advance(&mut self, cx: &Ctx<'_>) -> Result<bool> {
+    fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         match self {
             Xfer::Send(s) => s.advance(cx),
             Xfer::Recv(r) => r.advance(cx),
@@ -147,7 +147,7 @@ impl Exec {
 
     /// Moves the run as far as it goes now: completes what can complete, starts every step
     /// whose dependencies are done. `Ready` when every step has completed.
-    pub(crate) fn poll(&mut self, cx: &Ctx<'_>, run: &RunSpec<'_>) -> Result<Poll<()>> {
+    pub(crate) fn poll(&mut self, cx: &XferCtx<'_>, run: &RunSpec<'_>) -> Result<Poll<()>> {
         let steps = &run.sched.steps;
         let mut moved = false;
         if self.in_flight > 0 {

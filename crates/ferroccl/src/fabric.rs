@@ -26,7 +26,7 @@ use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
 use crate::registry::{RegStats, Registry};
-use crate::transport::{Endpoint, Registration, RemoteBuf, TransportKind};
+use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
 
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
 /// its deadline again.
@@ -125,7 +125,7 @@ impl Fabric {
 
     /// Registers `[offset, offset + len)` of a region for a remote write by world rank
     /// `peer` (see [`Registry::register`]).
-    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: usize) -> Result<(RemoteBuf, Registration)> {
+    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: usize) -> Result<(RemoteBuf, WriteGrant)> {
         self.registry.register(h, offset, len, self.mesh.get(peer))
     }
 

@@ -15,11 +15,11 @@ use crate::fabric::Fabric;
 use crate::inbox::{Events, Incoming};
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
 use crate::transport::shm::PullTicket;
-use crate::transport::{Registration, WriteReq, WriteTicket};
+use crate::transport::{WriteGrant, WriteReq, WriteTicket};
 
 /// Which ordered stream a transfer belongs to, and what is reported in errors.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Ctx<'a> {
+pub(crate) struct XferCtx<'a> {
     pub(crate) fabric: &'a Fabric,
     /// Communicator id.
     pub(crate) comm: u32,
@@ -37,7 +37,7 @@ pub(crate) struct Ctx<'a> {
     pub(crate) eager_max: usize,
 }
 
-impl Ctx<'_> {
+impl XferCtx<'_> {
     fn eager(&self, wpeer: usize, len: usize) -> Result<bool> {
         let ep = self.fabric.endpoint(wpeer)?;
         Ok(len <= self.eager_max && proto::EAGER_HEADER.saturating_add(len) <= ep.max_send())
@@ -188,7 +188,7 @@ impl SendOp {
     }
 
     /// Moves the send as far as it can go now; returns whether anything happened.
-    pub(crate) fn advance(&mut self, cx: &Ctx<'_>) -> Result<bool> {
+    pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         match self.state {
             SendState::Start => {
                 let ep = cx.fabric.endpoint(self.wpeer)?;
@@ -295,12 +295,12 @@ pub(crate) struct RecvOp {
     imm: u32,
     state: RecvState,
     /// Held while the sender may write into our range (verbs: the memory region).
-    reg: Registration,
+    reg: WriteGrant,
 }
 
 impl RecvOp {
     pub(crate) fn new(peer: usize, wpeer: usize, seq: u32, dst: RegionHandle, offset: usize, len: usize) -> RecvOp {
-        RecvOp { peer, wpeer, seq, dst, offset, len, imm: 0, state: RecvState::Start, reg: Registration::default() }
+        RecvOp { peer, wpeer, seq, dst, offset, len, imm: 0, state: RecvState::Start, reg: WriteGrant::default() }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -311,7 +311,7 @@ impl RecvOp {
         (!self.is_done()).then_some(self.wpeer)
     }
 
-    fn mismatch(&self, cx: &Ctx<'_>, sent: u64) -> Error {
+    fn mismatch(&self, cx: &XferCtx<'_>, sent: u64) -> Error {
         Error::Mismatch {
             rank: cx.rank,
             peer: self.peer,
@@ -321,7 +321,7 @@ impl RecvOp {
     }
 
     /// Moves the receive as far as it can go now; returns whether anything happened.
-    pub(crate) fn advance(&mut self, cx: &Ctx<'_>) -> Result<bool> {
+    pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         let key = (cx.comm, cx.chan, self.wpeer);
         match self.state {
             RecvState::Start => {
@@ -396,7 +396,7 @@ impl RecvOp {
                 if announced && ev.imms.remove(&(self.wpeer, self.imm)) {
                     drop(ev);
                     // Every byte has landed: end the peer's access before anyone reads.
-                    self.reg = Registration::default();
+                    self.reg = WriteGrant::default();
                     self.state = RecvState::Done;
                     return Ok(true);
                 }

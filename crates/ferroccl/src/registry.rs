@@ -14,7 +14,7 @@ use ferroccl_mem::region::RegionHandle;
 use crate::error::Result;
 use crate::inbox::Inbox;
 use crate::transport::verbs;
-use crate::transport::{Endpoint, Registration, RemoteBuf};
+use crate::transport::{Endpoint, RemoteBuf, WriteGrant};
 
 /// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -64,27 +64,21 @@ impl Registry {
 
     /// Registers `[offset, offset + len)` of a region for a remote write by world rank
     /// `peer`; returns the descriptor to advertise and what the receiver holds until the
-    /// write has landed (for a verbs peer: the memory region, see [`Registration`]).
+    /// write has landed (for a verbs peer: the memory region, see [`WriteGrant`]).
     ///
     /// shm and tcp peers go through the registration cache ([`Registry::register_cached`]). A
     /// verbs peer gets a memory region over exactly that range, held by the receive until
     /// the write lands (inside the call's scope): user memory is not cached in verbs
     /// registrations, because nothing tells the library when it is freed and remapped.
     /// Those registrations count as misses in the statistics.
-    pub(crate) fn register(
-        &self,
-        h: &RegionHandle,
-        offset: usize,
-        len: usize,
-        peer: Option<&Endpoint>,
-    ) -> Result<(RemoteBuf, Registration)> {
+    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: Option<&Endpoint>) -> Result<(RemoteBuf, WriteGrant)> {
         if let (Some(Endpoint::Verbs(ep)), true) = (peer, len > 0) {
             let (buf, mr) = verbs::register_user(ep.net(), h, offset, len)?;
             self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats.registrations += 1;
-            return Ok((buf, Registration::verbs(mr)));
+            return Ok((buf, WriteGrant::verbs(mr)));
         }
         let key = self.register_cached(h);
-        Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key }, Registration::default()))
+        Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key }, WriteGrant::default()))
     }
 
     /// Registers a region for remote writes through the registration cache; returns its key.

@@ -16,7 +16,7 @@ pub(super) const LOOKAHEAD: usize = 2;
 
 /// The geometry of one call, in bytes.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Ctx {
+pub(super) struct Geometry {
     pub(super) n: usize,
     pub(super) rank: usize,
     pub(super) elem: usize,
@@ -28,12 +28,12 @@ pub(super) struct Ctx {
     chunk_elems: usize,
 }
 
-impl Ctx {
-    pub(super) fn new(shape: &Shape) -> Ctx {
+impl Geometry {
+    pub(super) fn new(shape: &Shape) -> Geometry {
         let elem = shape.dtype.size();
         let chunk_elems = if shape.chunk_bytes == 0 { usize::MAX } else { (shape.chunk_bytes / elem).max(1) };
         let slots = if shape.slots == 0 { DEFAULT_SLOTS } else { shape.slots };
-        Ctx { n: shape.n, rank: shape.rank, elem, count: shape.count, in_place: shape.in_place, slots, chunk_elems }
+        Geometry { n: shape.n, rank: shape.rank, elem, count: shape.count, in_place: shape.in_place, slots, chunk_elems }
     }
 
     /// `len` bytes of the caller's input at byte `off` of the input's layout: `Input`, or

@@ -182,7 +182,7 @@ impl Default for Limits {
     }
 }
 
-struct Shared {
+struct ServerState {
     token: String,
     max_value: usize,
     limits: Limits,
@@ -194,7 +194,7 @@ struct Shared {
     stats: Counters,
 }
 
-impl Shared {
+impl ServerState {
     fn max_frame(&self) -> usize {
         self.max_value + FRAME_SLACK
     }
@@ -207,7 +207,7 @@ impl Shared {
 /// every connection and joins every thread.
 pub struct StoreServer {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<ServerState>,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -242,7 +242,7 @@ impl StoreServer {
         let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind the store to {bind}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("read the store's bound address", e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io(format!("make the store listener {addr} non-blocking"), e))?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ServerState {
             token: token.to_owned(),
             max_value,
             limits: Limits { max_conns: limits.max_conns.max(1), max_pending: limits.max_pending.max(1), ..limits },
@@ -315,7 +315,7 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
     let mut next_id: u64 = 0;
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
@@ -331,7 +331,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-fn admit(shared: &Arc<Shared>, s: TcpStream, peer: SocketAddr, id: u64) {
+fn admit(shared: &Arc<ServerState>, s: TcpStream, peer: SocketAddr, id: u64) {
     // Accepted sockets must block (whether they inherit the listener's mode is platform
     // specific).
     if s.set_nonblocking(false).is_err() {
@@ -361,7 +361,7 @@ fn admit(shared: &Arc<Shared>, s: TcpStream, peer: SocketAddr, id: u64) {
 
 /// Moves connection `id` from pending to member, unless that would exceed the limit (or it
 /// was shed meanwhile). Returns whether it may go on.
-fn admit_member(shared: &Shared, id: u64) -> std::result::Result<(), String> {
+fn admit_member(shared: &ServerState, id: u64) -> std::result::Result<(), String> {
     let mut conns = lock(&shared.conns);
     let members = conns.values().filter(|c| c.stage == Stage::Member).count();
     let Some(me) = conns.get_mut(&id) else { return Err(String::new()) };
@@ -384,7 +384,7 @@ enum After {
     Close,
 }
 
-fn serve(shared: &Shared, mut s: TcpStream, id: u64, peer: &str) {
+fn serve(shared: &ServerState, mut s: TcpStream, id: u64, peer: &str) {
     let _ = s.set_nodelay(true);
     match auth::server_handshake(&mut s, &shared.token, "store", peer, Instant::now() + AUTH_TIMEOUT) {
         Ok(()) => {}
@@ -432,7 +432,7 @@ fn serve(shared: &Shared, mut s: TcpStream, id: u64, peer: &str) {
 
 /// Reads one request body. `Ok(None)`: the client closed cleanly (or shutdown closed the
 /// socket) between frames. `Err(reply)`: a bad frame, with the error reply to send if any.
-fn read_request(shared: &Shared, s: &mut TcpStream) -> std::result::Result<Option<Vec<u8>>, Option<Vec<u8>>> {
+fn read_request(shared: &ServerState, s: &mut TcpStream) -> std::result::Result<Option<Vec<u8>>, Option<Vec<u8>>> {
     if s.set_read_timeout(None).is_err() {
         return Ok(None);
     }
@@ -610,7 +610,7 @@ fn client_alive(s: &TcpStream) -> bool {
     s.set_nonblocking(false).is_ok() && alive
 }
 
-fn wait_for(shared: &Shared, s: &TcpStream, keys: &[&str], timeout: Duration) -> Waited {
+fn wait_for(shared: &ServerState, s: &TcpStream, keys: &[&str], timeout: Duration) -> Waited {
     let start = Instant::now();
     let deadline = start + timeout;
     let mut last_check = start;
@@ -641,7 +641,7 @@ fn wait_for(shared: &Shared, s: &TcpStream, keys: &[&str], timeout: Duration) ->
     }
 }
 
-fn handle(shared: &Shared, s: &TcpStream, body: &[u8]) -> (Vec<u8>, After) {
+fn handle(shared: &ServerState, s: &TcpStream, body: &[u8]) -> (Vec<u8>, After) {
     let req = match decode(body, shared.max_value) {
         Ok(r) => r,
         Err(Bad::Malformed(why)) => {
@@ -707,7 +707,7 @@ fn handle(shared: &Shared, s: &TcpStream, body: &[u8]) -> (Vec<u8>, After) {
     (w.finish(), After::Continue)
 }
 
-fn waited(shared: &Shared, s: &TcpStream, ks: &[&str], t: Duration, multi: bool) -> (Vec<u8>, After) {
+fn waited(shared: &ServerState, s: &TcpStream, ks: &[&str], t: Duration, multi: bool) -> (Vec<u8>, After) {
     let values = match wait_for(shared, s, ks, t) {
         Waited::Ready(v) => v,
         other => return not_ready(other),

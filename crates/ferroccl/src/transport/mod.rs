@@ -171,13 +171,13 @@ impl Endpoint {
 /// range. It must be dropped inside the region's scope (it is: receive operations live
 /// inside `with_region`, and a leaked one makes the scope wait, never unsound).
 #[derive(Debug, Default)]
-pub(crate) struct Registration {
+pub(crate) struct WriteGrant {
     _mr: Option<verbs::UserMr>,
 }
 
-impl Registration {
-    pub(crate) fn verbs(mr: verbs::UserMr) -> Registration {
-        Registration { _mr: Some(mr) }
+impl WriteGrant {
+    pub(crate) fn verbs(mr: verbs::UserMr) -> WriteGrant {
+        WriteGrant { _mr: Some(mr) }
     }
 }
 

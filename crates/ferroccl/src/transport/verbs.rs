@@ -276,7 +276,7 @@ fn wake_loop(
 }
 
 /// One queue pair before it is connected.
-struct Prepared {
+struct PreparedQp {
     peer: usize,
     qp: QueuePair<ferroccl_verbs::Init>,
     send_ring: MemoryRegion,
@@ -363,7 +363,7 @@ impl VerbsNet {
         dev: &VerbsDevice,
         rank: usize,
         peers: &[usize],
-    ) -> Result<(ProtectionDomain, CompletionQueue, ferroccl_verbs::CompletionChannel, MemoryRegion, Vec<Prepared>, Vec<u8>)> {
+    ) -> Result<(ProtectionDomain, CompletionQueue, ferroccl_verbs::CompletionChannel, MemoryRegion, Vec<PreparedQp>, Vec<u8>)> {
         let ctx = &dev.ctx;
         let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
         let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
@@ -403,13 +403,13 @@ impl VerbsNet {
             let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
             let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
             blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey).u32(mtu.bytes());
-            prepared.push(Prepared { peer: p, qp, send_ring, recv_ring, mtu });
+            prepared.push(PreparedQp { peer: p, qp, send_ring, recv_ring, mtu });
         }
         Ok((pd, cq, chan, stage, prepared, blob.finish()))
     }
 
     /// Connects every prepared queue pair to its peer's (RTR, then RTS).
-    fn connect_qps(rank: usize, size: usize, prepared: Vec<Prepared>, blobs: &[Vec<u8>]) -> Result<Vec<Option<Peer>>> {
+    fn connect_qps(rank: usize, size: usize, prepared: Vec<PreparedQp>, blobs: &[Vec<u8>]) -> Result<Vec<Option<Peer>>> {
         let mut slots: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
         for (prep, b) in prepared.into_iter().zip(blobs) {
             let p = prep.peer;

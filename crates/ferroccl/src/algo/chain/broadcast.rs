@@ -6,11 +6,11 @@
 //!
 //! This is the ring variant of broadcast.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let total = cx.count * cx.elem;
     let pos = cx.back(r, root);

@@ -2,11 +2,11 @@
 //! from rank `j` straight into `Output`; an out-of-place call also copies its input to
 //! block `r`. One latency; no scratch.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);

@@ -3,12 +3,12 @@
 //! block to every rank). Two phases of one latency each; every rank sends and receives
 //! `2 (n - 1) / n` of the message.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::{reduce_scatter, Key};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.even_blocks();
     let mut em = Emitter::new(LOOKAHEAD);

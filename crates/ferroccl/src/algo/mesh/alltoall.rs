@@ -7,12 +7,12 @@
 //! from `p` is received into a scratch slot and copied over once the chunk sent to `p`
 //! has left.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::Key;
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);

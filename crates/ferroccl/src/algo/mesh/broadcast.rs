@@ -2,11 +2,11 @@
 //! straight into `Output`. One latency, but the root sends `n - 1` times the message: the
 //! choice for small messages (large ones go along the chain).
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let total = cx.count * cx.elem;
     let mut em = Emitter::<()>::new(LOOKAHEAD);

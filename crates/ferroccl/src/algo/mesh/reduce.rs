@@ -3,12 +3,12 @@
 //! reference `reduce_many`; `Avg` divides by `n`, exact for integers). One latency; the root
 //! receives `(n - 1)` times the message, through `Shape::slots` scratch slots per peer.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::Key;
 
 pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let total = cx.count * cx.elem;
     let chunks = cx.chunks(total);

@@ -6,12 +6,12 @@
 //!
 //! [`phase`] is also the first half of the mesh allreduce.
 
-use super::super::plan::{Blocks, Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Blocks, Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 use super::Key;
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let blocks = cx.equal_blocks();
     let res_off = if cx.in_place { blocks.off(cx.rank) } else { 0 };
     let mut em = Emitter::new(LOOKAHEAD);
@@ -32,10 +32,10 @@ pub(super) struct Phase {
     pub(super) scratch_bytes: usize,
 }
 
-/// Emits the reduce-scatter of `blocks` of the input (read through [`Ctx::input`] at the
+/// Emits the reduce-scatter of `blocks` of the input (read through [`Geometry::input`] at the
 /// blocks' offsets), reducing block `rank` into `Output` at `res_off`. The reduction of own
 /// chunk `c` is held back under `Key::Reduce(c)`. Needs `n >= 2`.
-pub(super) fn phase(cx: &Ctx, blocks: &Blocks, res_off: usize, em: &mut Emitter<Key>) -> Phase {
+pub(super) fn phase(cx: &Geometry, blocks: &Blocks, res_off: usize, em: &mut Emitter<Key>) -> Phase {
     let (n, r) = (cx.n, cx.rank);
     let chunks: Vec<Vec<(usize, usize)>> = (0..n).map(|j| cx.chunks(blocks.len(j))).collect();
     let slot_len = cx.chunk_cap(blocks.len(r));

@@ -4,11 +4,11 @@
 //! `reduce_many`; `Avg` divides by `n`, exact for integers). One latency, `(n - 1)` times the
 //! message on the wire per rank: for small messages.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let total = cx.count * cx.elem;
     let mut em = Emitter::<usize>::new(LOOKAHEAD);

@@ -4,11 +4,11 @@
 //! input to block `r` of `Output` (once the first sends are posted). No scratch, no
 //! arithmetic.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);

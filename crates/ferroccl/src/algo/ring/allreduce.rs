@@ -18,7 +18,7 @@
 //! no scratch. In place, a received chunk lands in one of [`cx.slots`] scratch slots and is
 //! reduced into `Output`.
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,7 +28,7 @@ enum Key {
 }
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.even_blocks();
     let mut em = Emitter::<Key>::new(LOOKAHEAD);

@@ -12,11 +12,11 @@
 //! except for the result; the last step receives straight into `Output` (out of place) or
 //! into scratch (in place, where `Output` is the input).
 
-use super::super::plan::{Ctx, Emitter, LOOKAHEAD};
+use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
 use super::super::{Op, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
-    let cx = Ctx::new(shape);
+    let cx = Geometry::new(shape);
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);
