@@ -542,6 +542,29 @@ fn mismatched_collectives_fail_on_every_rank() {
     }
 }
 
+/// A rank that panics mid-job tells its peers it failed (not a clean goodbye): every other
+/// rank fails at once naming it as the one that panicked, and the runner exits with the
+/// panicking rank's status (101), not a survivor's.
+#[test]
+fn a_rank_that_panics_is_named_and_its_status_is_the_jobs() {
+    for transport in ["shm", "tcp"] {
+        for n in [2, 4] {
+            let ctx = format!("panic on {n} ranks, {transport}");
+            let (j, lines) = fault(n, transport, "panic", 1000);
+            let culprit = n - 1;
+            for (r, l) in lines.iter().enumerate().take(culprit) {
+                let l = l.as_deref().unwrap_or_else(|| panic!("{ctx}: rank {r} printed no fault line\n{}", j.all()));
+                assert!(l.starts_with("failed after"), "{ctx}: rank {r} did not notice: {l}\n{}", j.all());
+                assert!(l.contains(&format!("rank {culprit} panicked")), "{ctx}: rank {r} does not name the panic: {l}\n{}", j.all());
+                assert!(!l.contains("closed its communicator"), "{ctx}: rank {r} read the panic as a goodbye: {l}");
+                let secs: f64 = l.split("after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap();
+                assert!(secs < 30.0, "{ctx}: rank {r} took {secs} s: {l}");
+            }
+            assert_eq!(j.code, Some(101), "{ctx}: the runner should exit with the panicking rank's status\n{}", j.all());
+        }
+    }
+}
+
 /// A message nobody receives is an error on both sides (the send itself, or both
 /// finalizes); a point-to-point length mismatch fails both sides, the eager sender at its
 /// next call. The ranks not involved fail too (at the latest in finalize, whose second

@@ -13,7 +13,7 @@ use crate::algo::{control, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::{Engine, Job, JobBody, Part, Streams};
-use crate::error::{Departure, Error, Result};
+use crate::error::{Departure, Error, Fault, FaultKind, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig};
 use crate::params::{Params, ProtoChoice};
@@ -660,6 +660,19 @@ impl Drop for Communicator {
     /// member waiting for this rank in a call it will never make fails at once.
     fn drop(&mut self) {
         if self.departed.swap(true, Ordering::AcqRel) || self.size() == 1 {
+            return;
+        }
+        if std::thread::panicking() {
+            // Not a clean goodbye: this rank failed. Every peer is told so (as the culprit),
+            // and fails at once instead of reading this as an early finalize.
+            let me = self.members[self.rank];
+            self.fabric().poison_fault(Fault {
+                kind: FaultKind::Failed,
+                culprit: Some(me),
+                reporter: None,
+                op: String::new(),
+                what: "panicked (its communicator was dropped while its thread unwound)".into(),
+            });
             return;
         }
         if self.fabric().finalized_error(self.rank, "drop", false).is_some() || self.fabric().inbox.has_fatal() {

@@ -364,9 +364,10 @@ impl Fault {
     /// reports for this fault.
     pub(crate) fn to_error(&self, rank: usize, op: &str) -> Error {
         let op = op.to_string();
+        // Who passed the news on, when that is not the culprit itself.
         let via = |s: &str| match self.reporter {
-            Some(r) => format!("{s} (reported by rank {r})"),
-            None => s.to_string(),
+            Some(r) if Some(r) != self.culprit => format!("{s} (reported by rank {r})"),
+            _ => s.to_string(),
         };
         match (self.kind, self.culprit, self.reporter) {
             (FaultKind::Aborted, _, by) => Error::Aborted { rank, op, by },

@@ -67,7 +67,7 @@
 //! | status | when |
 //! | --- | --- |
 //! | 0 | every rank exited with status 0 |
-//! | the first failing rank's status | a rank failed: its exit status, or 128 + signal number if a signal killed it (137 for `SIGKILL`); a rank killed by a signal within 250 ms after an ordinary failure counts as the first (the others were most likely reacting to its death) |
+//! | the first failing rank's status | a rank failed: its exit status, or 128 + signal number if a signal killed it (137 for `SIGKILL`); a rank killed by a signal, or one that panicked (status 101), within 250 ms after an ordinary failure counts as the first (the others were most likely reacting to its death) |
 //! | 124 | `--timeout` passed (and no rank had failed before) |
 //! | 130, 143, 129 | the runner got `SIGINT`, `SIGTERM` or `SIGHUP` (128 + signal) |
 //! | 127, 126 | the program was not found, or is not executable |
@@ -408,6 +408,15 @@ impl fmt::Display for Describe {
             write!(f, "ended with {:?}", self.0)
         }
     }
+}
+
+/// Rust's exit status for a process whose main thread panicked.
+const PANIC_STATUS: i32 = 101;
+
+/// Whether a rank crashed (killed by a signal, or panicked: status 101) rather than exited
+/// with an error of its own: the likelier root cause of a failed job.
+fn is_crash(st: ExitStatus) -> bool {
+    st.signal().is_some() || st.code() == Some(PANIC_STATUS)
 }
 
 /// The runner's exit status for a failed rank: its code, or 128 + the signal.
@@ -852,13 +861,14 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
             // Once the runner is stopping the job, exits are its own doing.
             if stopping.is_none() && !st.success() {
                 eprintln!("ferroccl-run: rank {} {}", r.rank, Describe(st));
-                // A rank killed by a signal is the likelier root cause than one that exited
-                // with an error after noticing it: if one shows up shortly after an ordinary
-                // failure (a dying process's teardown can take longer than its peers need
-                // to notice it and exit), it counts as the first failure.
+                // A rank killed by a signal, or one that panicked, is the likelier root cause
+                // than one that exited with an error after noticing it: if one shows up
+                // shortly after an ordinary failure (a dying process's teardown can take
+                // longer than its peers need to notice it and exit), it counts as the first
+                // failure.
                 let replaces = match &first_failure {
                     None => true,
-                    Some((_, first, at)) => first.signal().is_none() && st.signal().is_some() && at.elapsed() < ROOT_CAUSE_WINDOW,
+                    Some((_, first, at)) => at.elapsed() < ROOT_CAUSE_WINDOW && is_crash(st) && !is_crash(*first),
                 };
                 if replaces {
                     first_failure = Some((r.rank, st, Instant::now()));
@@ -1028,6 +1038,8 @@ mod tests {
         assert_eq!(Describe(ExitStatus::from_raw(3 << 8)).to_string(), "exited with status 3");
         assert_eq!(Describe(ExitStatus::from_raw(9)).to_string(), "was killed by signal SIGKILL (9)");
         assert_eq!(status_code(ExitStatus::from_raw(9)), 137);
+        assert!(is_crash(ExitStatus::from_raw(9)) && is_crash(ExitStatus::from_raw(101 << 8)));
+        assert!(!is_crash(ExitStatus::from_raw(1 << 8)) && !is_crash(ExitStatus::from_raw(3 << 8)));
         assert_eq!(status_code(ExitStatus::from_raw(3 << 8)), 3);
     }
 

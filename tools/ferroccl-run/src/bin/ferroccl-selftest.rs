@@ -658,6 +658,14 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             let mut out = vec![0f32; count];
             comm.reduce(&buf, &mut out, ReduceOp::Sum, r)
         }
+        // The last rank panics instead of joining the allreduce (its communicator drops
+        // while the thread unwinds): the others must fail at once, naming it.
+        "panic" => {
+            if r == n - 1 {
+                panic!("selftest: rank {r} panics on purpose");
+            }
+            comm.allreduce(&mut buf, ReduceOp::Sum)
+        }
         "after-finalize" => {
             let sub = match comm.split(Some(0), r as i64) {
                 Ok(Some(s)) => s,
