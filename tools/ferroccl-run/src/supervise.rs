@@ -1,0 +1,173 @@
+//! One job from start to end: the store and token, spawning the ranks, watching them
+//! (failures, the grace period, `--timeout`, signals), and the clean-up.
+
+use std::io::{self, Write};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use ferroccl::bootstrap::StoreServer;
+use nix::sys::signal::Signal;
+use signal_hook::iterator::Signals;
+
+use crate::args::Options;
+use crate::job::{rank_list, secs, Describe, Job, Stopping, TERM_TO_KILL};
+use crate::new_token;
+use crate::policy::{self, Failure};
+use crate::signals;
+use crate::spawn::{resolve_program, spawn_all};
+
+/// Default of `FERROCCL_STORE_MAX_VALUE`: 64 MiB.
+pub const DEFAULT_STORE_MAX_VALUE: usize = 64 << 20;
+
+/// Reads `FERROCCL_STORE_MAX_VALUE` through `get` (unset or empty: the default).
+fn store_max_value(get: impl Fn(&str) -> Option<String>) -> Result<usize, String> {
+    ferroccl::Params::from_lookup(get).map(|p| p.store_max_value).map_err(|e| e.to_string())
+}
+
+/// Runs one job to the end and returns the runner's exit status.
+pub(crate) fn run(opts: &Options) -> i32 {
+    let started = Instant::now();
+    let max_value = match store_max_value(|k| std::env::var(k).ok()) {
+        Ok(v) => v,
+        Err(msg) => {
+            eprintln!("ferroccl-run: error: {msg}");
+            return 2;
+        }
+    };
+    let path = match resolve_program(&opts.program) {
+        Ok(p) => p,
+        Err(e) => {
+            let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
+            eprintln!("ferroccl-run: cannot run {}: {e}", opts.program.to_string_lossy());
+            return code;
+        }
+    };
+    let token = match new_token() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("ferroccl-run: cannot make a job token: {e}");
+            return 1;
+        }
+    };
+    let mut signals = match signals::catch() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ferroccl-run: cannot install signal handlers: {e}");
+            return 1;
+        }
+    };
+    let store = match StoreServer::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), &token, max_value) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ferroccl-run: cannot start the bootstrap store: {e}");
+            signals.handle().close();
+            return 1;
+        }
+    };
+    let store_addr = store.addr();
+    if opts.verbose {
+        eprintln!("ferroccl-run: store at {store_addr}, {} ranks", opts.nranks);
+    }
+
+    let mut job = Job { ranks: Vec::with_capacity(opts.nranks), pumps: Vec::new(), verbose: opts.verbose };
+    let code = match spawn_all(opts, &path, &token, store_addr, &mut job) {
+        Ok(()) => monitor(opts, &mut job, &mut signals, started),
+        Err(code) => code,
+    };
+    job.kill_and_reap();
+    job.drain_output();
+    store.shutdown();
+    signals.handle().close();
+    if opts.verbose {
+        eprintln!("ferroccl-run: wall time {} s, exit status {code}", secs(started.elapsed()));
+    }
+    let _ = io::stdout().flush();
+    code
+}
+
+/// Watches the ranks until all have exited; handles failure, timeout and signals.
+fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instant) -> i32 {
+    let poll = if opts.nranks <= 64 { Duration::from_millis(10) } else { Duration::from_millis(20) };
+    let deadline = opts.timeout.map(|t| started + t);
+    let mut failure: Option<Failure> = None;
+    let mut got_signal: Option<i32> = None;
+    let mut timed_out = false;
+    let mut stopping: Option<Stopping> = None;
+
+    loop {
+        for r in job.ranks.iter_mut().filter(|r| r.status.is_none()) {
+            let st = match r.child.try_wait() {
+                Ok(Some(st)) => st,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("ferroccl-run: cannot wait for rank {}: {e}", r.rank);
+                    ExitStatus::from_raw(1 << 8)
+                }
+            };
+            r.status = Some(st);
+            // Once the runner is stopping the job, exits are its own doing.
+            if stopping.is_none() && !st.success() {
+                eprintln!("ferroccl-run: rank {} {}", r.rank, Describe(st));
+                failure = Some(policy::root_cause(failure, Failure { rank: r.rank, status: st, at: Instant::now() }));
+            } else if opts.verbose {
+                eprintln!("ferroccl-run: rank {} (pid {}) {}", r.rank, r.pid, Describe(st));
+            }
+        }
+        let running = job.running();
+        if running.is_empty() {
+            break;
+        }
+
+        signals::forward(signals, job, &running, &mut got_signal, &mut stopping);
+
+        let now = Instant::now();
+        if stopping.is_none() {
+            if let Some(Failure { rank: failed, at, .. }) = failure {
+                if now >= at + opts.grace {
+                    eprintln!(
+                        "ferroccl-run: killed ranks {} (still running {} s after rank {failed} failed)",
+                        rank_list(&running),
+                        secs(opts.grace)
+                    );
+                    job.begin_stop(&mut stopping, TERM_TO_KILL);
+                }
+            }
+        }
+        if stopping.is_none() && deadline.is_some_and(|d| now >= d) {
+            timed_out = true;
+            eprintln!(
+                "ferroccl-run: timeout after {} s; ranks still running: {}",
+                secs(opts.timeout.unwrap_or_default()),
+                rank_list(&running)
+            );
+            job.begin_stop(&mut stopping, TERM_TO_KILL);
+        }
+        if let Some(s) = &mut stopping {
+            if !s.kill_sent && now >= s.kill_at {
+                s.kill_sent = true;
+                job.signal_running(Signal::SIGKILL);
+            }
+        }
+        thread::sleep(poll);
+    }
+
+    policy::exit_code(got_signal, failure.as_ref(), timed_out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_max_value_from_env() {
+        let only = |v: &'static str| move |k: &str| (k == "FERROCCL_STORE_MAX_VALUE").then(|| v.to_string());
+        assert_eq!(store_max_value(|_| None), Ok(DEFAULT_STORE_MAX_VALUE));
+        assert_eq!(store_max_value(only(" ")), Ok(DEFAULT_STORE_MAX_VALUE));
+        assert_eq!(store_max_value(only("1024")), Ok(1024));
+        assert!(store_max_value(only("lots")).unwrap_err().contains("FERROCCL_STORE_MAX_VALUE"));
+        assert!(store_max_value(only("0")).is_err());
+    }
+}
