@@ -1,7 +1,18 @@
 //! The command line: options, their defaults, and what is wrong with a bad one.
+//!
+//! Parsed by clap (derive API) into [`Options`]; every error is an [`ArgError`] that names
+//! the option and the value, whatever clap's own wording. Options that take a value take
+//! the next argument whatever it looks like (`--grace -1` is a bad grace, not an unknown
+//! option), and the first argument that is not an option starts the program: it and
+//! everything after it belong to the program.
 
+use std::error::Error as _;
 use std::ffi::{OsStr, OsString};
 use std::time::Duration;
+
+use clap::builder::{OsStringValueParser, TypedValueParser};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{CommandFactory, Parser};
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str =
@@ -13,32 +24,62 @@ pub const MAX_RANKS: usize = 1024;
 /// How long the other ranks may run on after the first failure, unless `--grace` says.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 
-pub(crate) const HELP: &str = "\
-ferroccl-run: launch N FerroCCL ranks on this host
-
-usage: ferroccl-run -n N [OPTIONS] -- PROGRAM [ARGS...]
-
-options:
-  -n N, --nproc N          number of ranks (1 to 1024), required
-  --transport auto|shm|tcp|verbs set FERROCCL_TRANSPORT for every rank
-  --timeout S              kill the job after S seconds (exit 124)
-  --grace S                after a rank fails, let the others exit on their own for
-                           S seconds before SIGTERM/SIGKILL (default 5)
-  --no-prefix              do not prefix output lines with [RANK]
-  --bind                   pin rank r to the (r mod k)-th of the k CPUs this runner may
-                           use (as mpirun --bind-to core); unpinned, the kernel may keep
-                           two ranks on one core for a whole run
-  -v, --verbose            print store address, pids and wall time to stderr
-  -h, --help               print this help
-
+/// The end of `--help`, after the options.
+const AFTER_HELP: &str = "\
 Each rank gets FERROCCL_RANK, FERROCCL_WORLD_SIZE, FERROCCL_LOCAL_RANK,
 FERROCCL_LOCAL_WORLD_SIZE, FERROCCL_STORE, FERROCCL_TOKEN, FERROCCL_LAUNCHER_PID
 (and FERROCCL_TRANSPORT with --transport).
 
 exit status: 0 if all ranks succeed; else the first failing rank's status (128+signal
 if killed by a signal); 124 on timeout; 128+signal if the runner is interrupted;
-127 program not found; 2 bad arguments.
-";
+127 program not found; 2 bad arguments.";
+
+/// The command line as clap sees it; [`parse_args`] turns it into [`Options`].
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferroccl-run",
+    about = "ferroccl-run: launch N FerroCCL ranks on this host",
+    override_usage = "ferroccl-run -n N [OPTIONS] -- PROGRAM [ARGS...]",
+    help_template = "{about}\n\nusage: {usage}\n\n{all-args}{after-help}",
+    max_term_width = 100,
+    after_help = AFTER_HELP,
+    args_override_self = true
+)]
+struct Cli {
+    /// Number of ranks (1 to 1024), required
+    #[arg(short = 'n', long = "nproc", value_name = "N", allow_hyphen_values = true,
+          value_parser = OsStringValueParser::new().try_map(ranks))]
+    nranks: Option<usize>,
+    /// Set FERROCCL_TRANSPORT for every rank
+    #[arg(long, value_name = "auto|shm|tcp|verbs", allow_hyphen_values = true,
+          value_parser = OsStringValueParser::new().try_map(transport))]
+    transport: Option<String>,
+    /// Kill the job after S seconds (exit 124)
+    #[arg(long, value_name = "S", allow_hyphen_values = true, value_parser = OsStringValueParser::new().try_map(timeout))]
+    timeout: Option<Duration>,
+    /// After a rank fails, let the others exit on their own for S seconds before
+    /// SIGTERM/SIGKILL (default 5)
+    #[arg(long, value_name = "S", allow_hyphen_values = true, value_parser = OsStringValueParser::new().try_map(grace))]
+    grace: Option<Duration>,
+    /// Do not prefix output lines with [RANK]
+    #[arg(long)]
+    no_prefix: bool,
+    /// Pin rank r to the (r mod k)-th of the k CPUs this runner may use (as mpirun --bind-to
+    /// core); unpinned, the kernel may keep two ranks on one core for a whole run
+    #[arg(long)]
+    bind: bool,
+    /// Print store address, pids and wall time to stderr
+    #[arg(short, long)]
+    verbose: bool,
+    /// The program every rank runs, then its arguments (all of them the program's)
+    #[arg(value_name = "PROGRAM", num_args = 1.., trailing_var_arg = true)]
+    command: Vec<OsString>,
+}
+
+/// `--help`.
+pub(crate) fn help() -> String {
+    Cli::command().render_help().to_string()
+}
 
 /// What is wrong with a command line.
 #[non_exhaustive]
@@ -75,6 +116,9 @@ pub enum ArgError {
     /// An option's value is not valid UTF-8.
     #[error("the value of {0} is not valid UTF-8")]
     NotUtf8(String),
+    /// Anything else clap finds wrong, in its words.
+    #[error("{0}")]
+    Other(String),
 }
 
 /// A parsed command line.
@@ -111,102 +155,120 @@ pub enum Invocation {
 
 /// Parses the arguments after the program name.
 pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
-    let mut nranks: Option<usize> = None;
-    let mut transport = None;
-    let mut timeout = None;
-    let mut grace = DEFAULT_GRACE;
-    let mut prefix = true;
-    let mut bind = false;
-    let mut verbose = false;
-    let mut program: Option<&[S]> = None;
-
-    let mut i = 0;
-    while i < args.len() {
-        let raw = args[i].as_ref();
-        let Some(arg) = raw.to_str() else {
-            // Not UTF-8: cannot be one of our options, so it starts the program.
-            program = Some(&args[i..]);
-            break;
-        };
-        if arg == "--" {
-            program = Some(&args[i + 1..]);
-            break;
-        }
-        if !arg.starts_with('-') || arg == "-" {
-            program = Some(&args[i..]);
-            break;
-        }
-        let (flag, inline): (&str, Option<&str>) = if let Some(rest) = arg.strip_prefix("--") {
-            match rest.split_once('=') {
-                Some((f, v)) => (&arg[..f.len() + 2], Some(v)),
-                None => (arg, None),
-            }
-        } else if arg.len() > 2 && arg.starts_with("-n") {
-            ("-n", Some(&arg[2..]))
-        } else {
-            (arg, None)
-        };
-        // Fetches the option's value: after '=' or the next argument.
-        let value = |i: &mut usize| -> Result<String, ArgError> {
-            if let Some(v) = inline {
-                return Ok(v.to_string());
-            }
-            *i += 1;
-            let v = args.get(*i).ok_or_else(|| ArgError::MissingValue(flag.to_string()))?;
-            v.as_ref().to_str().map(str::to_string).ok_or_else(|| ArgError::NotUtf8(flag.to_string()))
-        };
-        match flag {
-            "-h" | "--help" if inline.is_none() => return Ok(Invocation::Help),
-            "-v" | "--verbose" if inline.is_none() => verbose = true,
-            "--no-prefix" if inline.is_none() => prefix = false,
-            "--bind" if inline.is_none() => bind = true,
-            "-n" | "--nproc" => {
-                let v = value(&mut i)?;
-                match v.trim().parse::<usize>() {
-                    Ok(n) if (1..=MAX_RANKS).contains(&n) => nranks = Some(n),
-                    _ => return Err(ArgError::BadRanks(v)),
-                }
-            }
-            "--transport" => {
-                let v = value(&mut i)?;
-                let t = v.trim().to_ascii_lowercase();
-                if !matches!(t.as_str(), "auto" | "shm" | "tcp" | "verbs") {
-                    return Err(ArgError::BadTransport(v));
-                }
-                transport = Some(t);
-            }
-            "--timeout" => {
-                let v = value(&mut i)?;
-                let d = parse_seconds(&v).filter(|d| !d.is_zero()).ok_or(ArgError::BadSeconds {
-                    flag: "--timeout",
-                    value: v,
-                    expected: "must be a positive number of seconds",
-                })?;
-                timeout = Some(d);
-            }
-            "--grace" => {
-                let v = value(&mut i)?;
-                grace = parse_seconds(&v).ok_or(ArgError::BadSeconds {
-                    flag: "--grace",
-                    value: v,
-                    expected: "must be a number of seconds, 0 or more",
-                })?;
-            }
-            _ => return Err(ArgError::UnknownOption(arg.to_string())),
-        }
-        i += 1;
-    }
-
-    let nranks = nranks.ok_or(ArgError::MissingRanks)?;
-    let (program, args) = match program {
-        Some([program, args @ ..]) => (program.as_ref().to_os_string(), args.iter().map(|a| a.as_ref().to_os_string()).collect()),
-        _ => return Err(ArgError::MissingProgram),
+    let argv = std::iter::once(OsStr::new("ferroccl-run")).chain(args.iter().map(AsRef::as_ref));
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => return Ok(Invocation::Help),
+        Err(e) => return Err(ArgError::from_clap(&e, args)),
     };
-    Ok(Invocation::Run(Options { nranks, transport, timeout, grace, prefix, bind, verbose, program, args }))
+    let nranks = cli.nranks.ok_or(ArgError::MissingRanks)?;
+    let mut command = cli.command.into_iter();
+    let program = command.next().ok_or(ArgError::MissingProgram)?;
+    Ok(Invocation::Run(Options {
+        nranks,
+        transport: cli.transport,
+        timeout: cli.timeout,
+        grace: cli.grace.unwrap_or(DEFAULT_GRACE),
+        prefix: !cli.no_prefix,
+        bind: cli.bind,
+        verbose: cli.verbose,
+        program,
+        args: command.collect(),
+    }))
+}
+
+impl ArgError {
+    /// The error for what clap found wrong with `args`.
+    fn from_clap<S: AsRef<OsStr>>(e: &clap::Error, args: &[S]) -> ArgError {
+        let context = |kind| match e.get(kind) {
+            Some(ContextValue::String(s)) => s.as_str(),
+            _ => "",
+        };
+        let arg = context(ContextKind::InvalidArg);
+        match e.kind() {
+            // Our value parsers' own errors.
+            ErrorKind::ValueValidation => match e.source().and_then(|s| s.downcast_ref::<ArgError>()) {
+                Some(mine) => mine.clone(),
+                None => ArgError::Other(first_line(e)),
+            },
+            // "a value is required for '--grace <S>' but none was supplied"
+            ErrorKind::InvalidValue => ArgError::MissingValue(option_name(arg)),
+            ErrorKind::UnknownArgument => ArgError::UnknownOption(as_given(args, arg)),
+            // A value given to a switch: `--verbose=1`.
+            ErrorKind::TooManyValues => ArgError::UnknownOption(format!("{arg}={}", context(ContextKind::InvalidValue))),
+            _ => ArgError::Other(first_line(e)),
+        }
+    }
+}
+
+/// The option clap renders as `rendered` (`--nproc <N>`), by its short name when it has
+/// one (`-n`).
+fn option_name(rendered: &str) -> String {
+    let word = rendered.split(' ').next().unwrap_or_default();
+    let cmd = Cli::command();
+    let short =
+        word.strip_prefix("--").and_then(|long| cmd.get_arguments().find(|a| a.get_long() == Some(long))).and_then(|a| a.get_short());
+    short.map_or_else(|| word.to_string(), |c| format!("-{c}"))
+}
+
+/// The argument as it was given: clap names an unknown `--x=1` as `--x`.
+fn as_given<S: AsRef<OsStr>>(args: &[S], name: &str) -> String {
+    let with_value = format!("{name}=");
+    let given = args.iter().filter_map(|a| a.as_ref().to_str()).find(|a| *a == name || a.starts_with(&with_value));
+    given.unwrap_or(name).to_string()
+}
+
+/// Clap's message, without its "error: " and the usage after it.
+fn first_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    line.strip_prefix("error: ").unwrap_or(line).to_string()
+}
+
+/// The value of `flag` as text.
+fn utf8(flag: &str, v: OsString) -> Result<String, ArgError> {
+    v.into_string().map_err(|_| ArgError::NotUtf8(flag.to_string()))
+}
+
+/// `-n`: a whole number from 1 to [`MAX_RANKS`].
+fn ranks(v: OsString) -> Result<usize, ArgError> {
+    let v = utf8("-n", v)?;
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_RANKS).contains(&n) => Ok(n),
+        _ => Err(ArgError::BadRanks(v)),
+    }
+}
+
+/// `--transport`: auto, shm, tcp or verbs, in any case; lower-cased.
+fn transport(v: OsString) -> Result<String, ArgError> {
+    let v = utf8("--transport", v)?;
+    let t = v.trim().to_ascii_lowercase();
+    if !matches!(t.as_str(), "auto" | "shm" | "tcp" | "verbs") {
+        return Err(ArgError::BadTransport(v));
+    }
+    Ok(t)
+}
+
+/// `--timeout`: a positive number of seconds.
+fn timeout(v: OsString) -> Result<Duration, ArgError> {
+    let v = utf8("--timeout", v)?;
+    match parse_seconds(&v).filter(|d| !d.is_zero()) {
+        Some(d) => Ok(d),
+        None => Err(ArgError::BadSeconds { flag: "--timeout", value: v, expected: "must be a positive number of seconds" }),
+    }
+}
+
+/// `--grace`: a number of seconds, 0 or more.
+fn grace(v: OsString) -> Result<Duration, ArgError> {
+    let v = utf8("--grace", v)?;
+    match parse_seconds(&v) {
+        Some(d) => Ok(d),
+        None => Err(ArgError::BadSeconds { flag: "--grace", value: v, expected: "must be a number of seconds, 0 or more" }),
+    }
 }
 
 /// Parses a non-negative, finite number of seconds ("5", "0.25", "1e3").
-pub(crate) fn parse_seconds(s: &str) -> Option<Duration> {
+fn parse_seconds(s: &str) -> Option<Duration> {
     let secs: f64 = s.trim().parse().ok()?;
     if !(0.0..=1e9).contains(&secs) {
         return None;
@@ -260,6 +322,50 @@ mod tests {
     fn help() {
         assert_eq!(parse(&["--help"]), Ok(Invocation::Help));
         assert_eq!(parse(&["-n", "2", "-h"]), Ok(Invocation::Help));
+    }
+
+    #[test]
+    fn everything_after_the_program_is_its_own() {
+        let os = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        let o = opts(&["-n", "2", "prog", "--", "-n", "x", "--help", "-v"]);
+        assert_eq!((o.program.as_os_str(), o.args), (OsStr::new("prog"), os(&["--", "-n", "x", "--help", "-v"])));
+        let o = opts(&["-n", "2", "--", "--", "x"]);
+        assert_eq!((o.program.as_os_str(), o.args), (OsStr::new("--"), os(&["x"])));
+        assert_eq!(opts(&["-n", "1", "-"]).program, "-");
+        // Names that are not UTF-8 run too; option values must be text.
+        use std::os::unix::ffi::OsStringExt;
+        let odd = OsString::from_vec(vec![b'p', 0xff]);
+        match parse_args(&[OsString::from("-n"), "2".into(), odd.clone()]) {
+            Ok(Invocation::Run(o)) => assert_eq!(o.program, odd),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parse_args(&[OsString::from("-n"), odd]), Err(ArgError::NotUtf8("-n".into())));
+    }
+
+    #[test]
+    fn repeated_options_and_hyphen_values() {
+        let o = opts(&["-n", "2", "-n", "3", "--no-prefix", "--no-prefix", "--grace", "1", "--grace=2", "p"]);
+        assert_eq!((o.nranks, o.prefix, o.grace), (3, false, Duration::from_secs(2)));
+        // The value of an option is the next argument, whatever it looks like.
+        assert_eq!(parse(&["-n", "--", "p"]), Err(ArgError::BadRanks("--".into())));
+        assert_eq!(
+            parse(&["-n", "2", "--timeout", "-v", "p"]),
+            Err(ArgError::BadSeconds { flag: "--timeout", value: "-v".into(), expected: "must be a positive number of seconds" })
+        );
+        // An unknown option is named as it was given.
+        assert_eq!(parse(&["-n", "2", "--bogus=3", "p"]), Err(ArgError::UnknownOption("--bogus=3".into())));
+        assert_eq!(parse(&["-n", "2", "-x", "p"]), Err(ArgError::UnknownOption("-x".into())));
+    }
+
+    #[test]
+    fn help_text() {
+        let h = super::help();
+        assert!(h.contains("usage: ferroccl-run -n N"), "{h}");
+        for option in
+            ["--nproc", "--transport", "--timeout", "--grace", "--no-prefix", "--bind", "--verbose", "FERROCCL_LAUNCHER_PID", "exit status"]
+        {
+            assert!(h.contains(option), "{option}: {h}");
+        }
     }
 
     #[test]

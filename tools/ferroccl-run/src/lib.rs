@@ -22,8 +22,11 @@
 //! | `-h`, `--help` | print the help and exit 0 |
 //!
 //! `--` ends the options; the first argument that is not an option also starts the
-//! program, so `ferroccl-run -n 2 ./app --flag` works too. Every option that takes a value
-//! accepts it as the next argument or after `=` (`--grace=0.5`).
+//! program, so `ferroccl-run -n 2 ./app --flag` works too: everything after the program is
+//! the program's. Every option that takes a value accepts it as the next argument, whatever
+//! it looks like, or after `=` (`--grace=0.5`). The command line is parsed with clap
+//! (`args` module); a bad one is an error that names the option and the value, followed by
+//! the usage line, and exit status 2.
 //!
 //! ## What the runner does
 //!
@@ -113,7 +116,6 @@ use std::io::{self, Write};
 pub use args::{parse_args, ArgError, Invocation, Options, DEFAULT_GRACE, MAX_RANKS, USAGE};
 pub use supervise::DEFAULT_STORE_MAX_VALUE;
 
-use args::HELP;
 use spawn::{exec_rank, EXEC_SHIM_ARG};
 use supervise::run;
 
@@ -131,7 +133,7 @@ where
     }
     match parse_args(&args) {
         Ok(Invocation::Help) => {
-            print!("{HELP}");
+            print!("{}", args::help());
             let _ = io::stdout().flush();
             0
         }
