@@ -99,6 +99,13 @@
 //! [0] hello from 0 of 2
 //! [1] hello from 1 of 2
 //! ```
+//!
+//! ## The library
+//!
+//! [`main_with_args`] is the whole launcher (`ferroccl-perf --ranks N` runs its ranks
+//! through it); [`parse_args`] is its command line. [`testkit`] holds what the
+//! `ferroccl-demo` and `ferroccl-selftest` programs of this package share: a pairing
+//! schedule and data a receiver can check.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -109,6 +116,7 @@ mod policy;
 mod signals;
 mod spawn;
 mod supervise;
+pub mod testkit;
 
 use std::ffi::OsString;
 use std::io::{self, Write};

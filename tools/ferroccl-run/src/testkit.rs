@@ -1,7 +1,22 @@
-//! Helpers shared by the ferroccl-demo and ferroccl-selftest programs: pairing schedules,
-//! reproducible test data and argument parsing.
-
-#![allow(dead_code)]
+//! Helpers shared by the `ferroccl-demo` and `ferroccl-selftest` programs (this package's
+//! binaries) and usable by any program that checks a job's mesh: a round-robin pairing
+//! schedule in which every pair of ranks meets once ([`partner`], [`rounds`]), data that
+//! the receiver can recompute to check a transfer byte for byte ([`fill`],
+//! [`first_mismatch`]), and the small argument and size helpers the programs use
+//! ([`flag`], [`parse_size`], [`human`]).
+//!
+//! ```
+//! use ferroccl_run::testkit::{fill, first_mismatch, partner, rounds};
+//!
+//! // 4 ranks: 3 rounds, and in round 0 rank 0 meets the same peer that meets it.
+//! assert_eq!(rounds(4), 3);
+//! let p = partner(4, 0, 0).unwrap();
+//! assert_eq!(partner(4, 0, p), Some(0));
+//! // What rank 1 sends to rank 2, rank 2 can check.
+//! let mut buf = vec![0u8; 100];
+//! fill(&mut buf, 7, 1, 2);
+//! assert_eq!(first_mismatch(&buf, 7, 1, 2), None);
+//! ```
 
 /// Round-robin tournament: for `round` in `0..rounds(n)`, the partner of `rank`, or `None`
 /// when it sits the round out (odd `n`). Every pair meets exactly once, and within a round

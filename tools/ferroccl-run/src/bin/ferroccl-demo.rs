@@ -8,14 +8,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
-#[path = "../testkit.rs"]
-mod testkit;
-
 use std::time::Instant;
 
 use ferroccl::comm::Communicator;
 use ferroccl::ReduceOp;
-use testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
+use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 

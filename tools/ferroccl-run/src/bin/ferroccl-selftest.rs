@@ -22,14 +22,11 @@
 //! Exit status 0 when every check passed; on failure it prints `selftest: rank R error: ...`.
 #![forbid(unsafe_code)]
 
-#[path = "../testkit.rs"]
-mod testkit;
-
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use ferroccl::comm::Communicator;
-use testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
+use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
