@@ -6,13 +6,14 @@
 //! option), and the first argument that is not an option starts the program: it and
 //! everything after it belong to the program.
 
-use std::error::Error as _;
 use std::ffi::{OsStr, OsString};
 use std::time::Duration;
 
 use clap::builder::{OsStringValueParser, TypedValueParser};
-use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
+
+use crate::cli::{self, Problem};
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str =
@@ -180,49 +181,19 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
 impl ArgError {
     /// The error for what clap found wrong with `args`.
     fn from_clap<S: AsRef<OsStr>>(e: &clap::Error, args: &[S]) -> ArgError {
-        let context = |kind| match e.get(kind) {
-            Some(ContextValue::String(s)) => s.as_str(),
-            _ => "",
-        };
-        let arg = context(ContextKind::InvalidArg);
-        match e.kind() {
+        // Option values are checked as text by their parsers; a name that is not text can
+        // only be the program's.
+        let text: Vec<&str> = args.iter().map(|a| a.as_ref().to_str().unwrap_or_default()).collect();
+        match Problem::of(e, &Cli::command(), &text) {
             // Our value parsers' own errors.
-            ErrorKind::ValueValidation => match e.source().and_then(|s| s.downcast_ref::<ArgError>()) {
-                Some(mine) => mine.clone(),
-                None => ArgError::Other(first_line(e)),
-            },
-            // "a value is required for '--grace <S>' but none was supplied"
-            ErrorKind::InvalidValue => ArgError::MissingValue(option_name(arg)),
-            ErrorKind::UnknownArgument => ArgError::UnknownOption(as_given(args, arg)),
-            // A value given to a switch: `--verbose=1`.
-            ErrorKind::TooManyValues => ArgError::UnknownOption(format!("{arg}={}", context(ContextKind::InvalidValue))),
-            _ => ArgError::Other(first_line(e)),
+            Problem::BadValue { reason: Some(r), .. } if r.is::<ArgError>() => {
+                r.downcast_ref::<ArgError>().cloned().unwrap_or(ArgError::Other(cli::message(e)))
+            }
+            Problem::MissingValue(option) => ArgError::MissingValue(option),
+            Problem::UnknownOption(option) | Problem::Unexpected(option) => ArgError::UnknownOption(option),
+            _ => ArgError::Other(cli::message(e)),
         }
     }
-}
-
-/// The option clap renders as `rendered` (`--nproc <N>`), by its short name when it has
-/// one (`-n`).
-fn option_name(rendered: &str) -> String {
-    let word = rendered.split(' ').next().unwrap_or_default();
-    let cmd = Cli::command();
-    let short =
-        word.strip_prefix("--").and_then(|long| cmd.get_arguments().find(|a| a.get_long() == Some(long))).and_then(|a| a.get_short());
-    short.map_or_else(|| word.to_string(), |c| format!("-{c}"))
-}
-
-/// The argument as it was given: clap names an unknown `--x=1` as `--x`.
-fn as_given<S: AsRef<OsStr>>(args: &[S], name: &str) -> String {
-    let with_value = format!("{name}=");
-    let given = args.iter().filter_map(|a| a.as_ref().to_str()).find(|a| *a == name || a.starts_with(&with_value));
-    given.unwrap_or(name).to_string()
-}
-
-/// Clap's message, without its "error: " and the usage after it.
-fn first_line(e: &clap::Error) -> String {
-    let text = e.to_string();
-    let line = text.lines().next().unwrap_or_default();
-    line.strip_prefix("error: ").unwrap_or(line).to_string()
 }
 
 /// The value of `flag` as text.

@@ -103,13 +103,15 @@
 //! ## The library
 //!
 //! [`main_with_args`] is the whole launcher (`ferroccl-perf --ranks N` runs its ranks
-//! through it); [`parse_args`] is its command line. [`testkit`] holds what the
+//! through it); [`parse_args`] is its command line, and [`cli`] what clap's errors mean
+//! in the terms of FerroCCL's tools (shared with `ferroccl-perf`). [`testkit`] holds what the
 //! `ferroccl-demo` and `ferroccl-selftest` programs of this package share: a pairing
 //! schedule and data a receiver can check.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod args;
+pub mod cli;
 mod job;
 mod output;
 mod policy;
