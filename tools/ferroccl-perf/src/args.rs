@@ -1,8 +1,16 @@
-//! The command line.
+//! The command line, parsed by clap (derive API).
+//!
+//! Every error is an [`ArgError`] that names the option and the value
+//! (`-b "8X": must be a positive size in bytes, ...`), whatever clap's own wording; an
+//! option that has a short name is named by it. Options that take a value take the next
+//! argument whatever it looks like (`-w -1` is a bad warm-up, not an unknown option).
 
 use std::path::PathBuf;
 
+use clap::error::ErrorKind;
+use clap::{Command, CommandFactory, Parser};
 use ferroccl::{DType, ReduceOp, TransportChoice};
+use ferroccl_run::cli::{self, Problem};
 
 use crate::colls::Coll;
 
@@ -12,58 +20,121 @@ pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatte
 [--plan] [--algo A] [--transport T] [--ranks N] [--root R] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]
        ferroccl-perf <latency|idle|overlap|plot> ... (see ferroccl-perf --help)";
 
-/// `--help`.
-pub const HELP: &str = "\
-ferroccl-perf: nccl-tests-style benchmark of FerroCCL's collectives
-
-usage: ferroccl-perf COLLECTIVE [OPTIONS]
+/// `--help`'s usage lines.
+const HELP_USAGE: &str = "\
+ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-run -n N -- ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-perf plot OUT.svg RESULTS.json [MORE.json ...]
        ferroccl-perf latency [OPTIONS]   small-message latency, blocking call vs plan
        ferroccl-perf idle [OPTIONS]      CPU time an idle communicator uses
        ferroccl-perf overlap [OPTIONS]   compute + allreduce, sequential vs non-blocking
-       (ferroccl-perf latency|idle|overlap --help for theirs)
+       (ferroccl-perf latency|idle|overlap --help for theirs)";
 
-COLLECTIVE: allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv, all
-
-options:
-  -b, --minbytes SIZE    smallest size (default 8; suffixes K, M, G = 2^10, 2^20, 2^30)
-  -e, --maxbytes SIZE    largest size (default 32M)
-  -f, --stepfactor F     multiply the size by F (whole number >= 2) each row (default 2);
-                         MAX is always the last row
-  -n, --iters N          timed iterations per size (default 20)
-  -w, --warmup N         untimed iterations before them (default 5)
-  -d, --datatype T       f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64 (default f32)
-  -o, --op OP            sum prod min max avg (default sum)
-  -c, --check 0|1        1: check every element of one more call per size against the
-                         reference and count wrong elements in #wrong (default 1)
-  -r, --root R           root of broadcast and reduce (default 0)
-  --inplace              run the in-place variant only
-  --no-inplace           run the out-of-place variant only (default: both)
-  --algo A               auto, ring, mesh, oneshot, chain (FERROCCL_ALGO for this run)
-  --transport T          auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
-  --ranks N              start N local ranks (no launcher needed)
-  --json FILE            write every row and the run's metadata as JSON
-  --plot FILE.svg        draw busbw and time vs size as an SVG
-  --baseline FILE.json   overlay the rows of an earlier --json file (or benches/peers'
-                         MPI program) on the plot
-  --plan                 time persistent plans: each size builds its plan once
-                         (comm.allreduce_plan, allgather_plan, reduce_scatter_plan,
-                         broadcast_plan) and the timed calls are plan.run(); -c 1 refills
-                         the inputs through plan.input_mut()/output_mut() and checks
-                         plan.output(). Plans exist for allreduce and broadcast in place,
-                         allgather and reduce_scatter out of place: the other variant's
-                         cells are N/A; `all` runs those four; reduce, alltoall, sendrecv,
-                         and a variant no plan has (--no-inplace allreduce), are errors
-  -h, --help             print this help
-
+/// The end of `--help`, after the options.
+const AFTER_HELP: &str = "\
 size: bytes of the larger per-rank buffer (allgather: the gathered output; reduce_scatter:
 the input; alltoall: the send buffer). algbw = size / time; busbw = algbw * factor, with
 nccl-tests' factors: allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall (n-1)/n;
 broadcast, reduce, sendrecv 1. time: mean of ITERS calls after WARMUP, the slowest rank's.
 
-exit status: 0 success; 1 a collective failed or #wrong > 0; 2 bad arguments.
-";
+exit status: 0 success; 1 a collective failed or #wrong > 0; 2 bad arguments.";
+
+/// The template of every `--help` of this tool: about, usage, options, the rest.
+pub(crate) const HELP_TEMPLATE: &str = "{about}\n\nusage: {usage}\n\n{before-help}{all-args}{after-help}";
+
+/// The benchmark's command line as clap sees it; [`parse`] checks it and makes the
+/// [`Options`] (whose `Default` holds the defaults).
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferroccl-perf",
+    about = "ferroccl-perf: nccl-tests-style benchmark of FerroCCL's collectives",
+    override_usage = HELP_USAGE,
+    help_template = HELP_TEMPLATE,
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    max_term_width = 100
+)]
+struct Cli {
+    /// allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv or all
+    // Several are taken (and each checked, in order) so that an unknown name is reported
+    // before a second one; [`parse`] refuses the second.
+    #[arg(value_name = "COLLECTIVE", value_parser = collectives)]
+    colls: Vec<Colls>,
+    /// Smallest size (default 8; suffixes K, M, G = 2^10, 2^20, 2^30)
+    #[arg(short = 'b', long = "minbytes", value_name = "SIZE", allow_hyphen_values = true, value_parser = size)]
+    min_bytes: Option<usize>,
+    /// Largest size (default 32M)
+    #[arg(short = 'e', long = "maxbytes", value_name = "SIZE", allow_hyphen_values = true, value_parser = size)]
+    max_bytes: Option<usize>,
+    /// Multiply the size by F (whole number >= 2) each row (default 2); MAX is always the
+    /// last row
+    #[arg(short = 'f', long = "stepfactor", value_name = "F", allow_hyphen_values = true, value_parser = whole::<2>)]
+    factor: Option<usize>,
+    /// Timed iterations per size (default 20)
+    #[arg(short = 'n', long = "iters", value_name = "N", allow_hyphen_values = true, value_parser = whole::<1>)]
+    iters: Option<usize>,
+    /// Untimed iterations before them (default 5)
+    #[arg(short = 'w', long = "warmup", value_name = "N", allow_hyphen_values = true, value_parser = whole::<0>)]
+    warmup: Option<usize>,
+    /// f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64 (default f32)
+    #[arg(short = 'd', long = "datatype", value_name = "T", allow_hyphen_values = true, value_parser = dtype)]
+    dtype: Option<DType>,
+    /// sum prod min max avg (default sum)
+    #[arg(short = 'o', long = "op", value_name = "OP", allow_hyphen_values = true, value_parser = op)]
+    op: Option<ReduceOp>,
+    /// 1: check every element of one more call per size against the reference and count
+    /// wrong elements in #wrong (default 1)
+    #[arg(short = 'c', long = "check", value_name = "0|1", allow_hyphen_values = true, value_parser = check)]
+    check: Option<bool>,
+    /// Root of broadcast and reduce (default 0)
+    #[arg(short = 'r', long = "root", value_name = "R", allow_hyphen_values = true, value_parser = rank)]
+    root: Option<usize>,
+    /// Run the in-place variant only
+    #[arg(long, overrides_with = "no_inplace")]
+    inplace: bool,
+    /// Run the out-of-place variant only (default: both)
+    #[arg(long, overrides_with = "inplace")]
+    no_inplace: bool,
+    /// auto, ring, mesh, oneshot, chain (FERROCCL_ALGO for this run)
+    #[arg(long, value_name = "A", allow_hyphen_values = true, value_parser = algo)]
+    algo: Option<String>,
+    /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
+    #[arg(long, value_name = "T", allow_hyphen_values = true, value_parser = transport)]
+    transport: Option<TransportChoice>,
+    /// Start N local ranks (no launcher needed)
+    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = ranks)]
+    ranks: Option<usize>,
+    /// Write every row and the run's metadata as JSON
+    #[arg(long, value_name = "FILE", allow_hyphen_values = true, value_parser = path)]
+    json: Option<PathBuf>,
+    /// Draw busbw and time vs size as an SVG
+    #[arg(long, value_name = "FILE.svg", allow_hyphen_values = true, value_parser = svg)]
+    plot: Option<PathBuf>,
+    /// Overlay the rows of an earlier --json file (or benches/peers' MPI program) on the plot
+    #[arg(long, value_name = "FILE.json", allow_hyphen_values = true, value_parser = path)]
+    baseline: Option<PathBuf>,
+    /// Time persistent plans: each size builds its plan once (comm.allreduce_plan,
+    /// allgather_plan, reduce_scatter_plan, broadcast_plan) and the timed calls are
+    /// plan.run(); -c 1 refills the inputs through plan.input_mut()/output_mut() and checks
+    /// plan.output(). Plans exist for allreduce and broadcast in place, allgather and
+    /// reduce_scatter out of place: the other variant's cells are N/A; `all` runs those
+    /// four; reduce, alltoall, sendrecv, and a variant no plan has (--no-inplace
+    /// allreduce), are errors
+    #[arg(long)]
+    plan: bool,
+    /// Rank R flips a byte of its result before the check (to test that the check sees it)
+    #[arg(long, hide = true, value_name = "R", allow_hyphen_values = true, value_parser = rank)]
+    corrupt_rank: Option<usize>,
+}
+
+/// A collective named on the command line (`all`: every one), and its name.
+#[derive(Clone, Debug)]
+struct Colls(Vec<Coll>, String);
+
+/// `--help`.
+pub fn help() -> String {
+    Cli::command().render_help().to_string()
+}
 
 /// Which variants to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,6 +263,9 @@ pub enum ArgError {
         /// What is missing: "persistent plan", "out-of-place plan", "in-place plan".
         what: String,
     },
+    /// Anything else clap finds wrong, in its words.
+    #[error("{0}")]
+    Other(String),
 }
 
 /// Parses a size: a whole number of bytes with an optional suffix K, M or G (powers of
@@ -223,112 +297,43 @@ pub fn format_size(b: usize) -> String {
     b.to_string()
 }
 
-fn bad(flag: &str, value: &str, expected: &str) -> ArgError {
-    ArgError::BadValue { flag: flag.to_string(), value: value.to_string(), expected: expected.to_string() }
-}
-
 /// Parses the arguments after the program name.
 pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
-    let mut o = Options::default();
-    let mut coll: Option<Vec<Coll>> = None;
-    let mut i = 0;
-    while i < args.len() {
-        let arg = args[i].as_ref();
-        if !arg.starts_with('-') || arg == "-" {
-            if coll.is_some() {
-                return Err(ArgError::ExtraArgument(arg.to_string()));
-            }
-            coll = Some(if arg == "all" {
-                Coll::ALL.to_vec()
-            } else {
-                vec![Coll::parse(arg).ok_or_else(|| ArgError::UnknownCollective(arg.to_string()))?]
-            });
-            i += 1;
-            continue;
-        }
-        let (flag, inline) = match arg.strip_prefix("--").and_then(|r| r.split_once('=')) {
-            Some((f, v)) => (&arg[..f.len() + 2], Some(v)),
-            None => (arg, None),
-        };
-        let value = |i: &mut usize| -> Result<String, ArgError> {
-            if let Some(v) = inline {
-                return Ok(v.to_string());
-            }
-            *i += 1;
-            args.get(*i).map(|v| v.as_ref().to_string()).ok_or_else(|| ArgError::MissingValue(flag.to_string()))
-        };
-        let count = |v: &str, min: usize, what: &str| -> Result<usize, ArgError> {
-            v.trim().parse::<usize>().ok().filter(|&n| n >= min).ok_or_else(|| bad(flag, v, what))
-        };
-        let size = |v: &str| -> Result<usize, ArgError> {
-            parse_size(v).filter(|&b| b > 0).ok_or_else(|| bad(flag, v, "must be a positive size in bytes, like 8, 64K, 1M or 256M"))
-        };
-        let no_value = |f: &str| inline.is_none() && flag == f;
-        match flag {
-            "-h" | "--help" if inline.is_none() => return Ok(Cmd::Help),
-            _ if no_value("--plan") => o.plan = true,
-            _ if no_value("--inplace") => o.variants = Variants::InPlaceOnly,
-            _ if no_value("--no-inplace") => o.variants = Variants::OutOfPlaceOnly,
-            "-b" | "--minbytes" => o.min_bytes = size(&value(&mut i)?)?,
-            "-e" | "--maxbytes" => o.max_bytes = size(&value(&mut i)?)?,
-            "-f" | "--stepfactor" => o.factor = count(&value(&mut i)?, 2, "must be a whole number, 2 or more")?,
-            "-n" | "--iters" => o.iters = count(&value(&mut i)?, 1, "must be a whole number, 1 or more")?,
-            "-w" | "--warmup" => o.warmup = count(&value(&mut i)?, 0, "must be a whole number, 0 or more")?,
-            "-d" | "--datatype" => {
-                let v = value(&mut i)?;
-                o.dtype = DType::parse(v.trim()).ok_or_else(|| bad(flag, &v, "must be one of f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64"))?;
-            }
-            "-o" | "--op" => {
-                let v = value(&mut i)?;
-                o.op = ReduceOp::parse(v.trim()).ok_or_else(|| bad(flag, &v, "must be one of sum prod min max avg"))?;
-            }
-            "-c" | "--check" => {
-                let v = value(&mut i)?;
-                o.check = match v.trim() {
-                    "0" => false,
-                    "1" => true,
-                    _ => return Err(bad(flag, &v, "must be 0 or 1")),
-                };
-            }
-            "-r" | "--root" => o.root = count(&value(&mut i)?, 0, "must be a rank, 0 or more")?,
-            "--algo" => {
-                let v = value(&mut i)?;
-                let a = v.trim().to_ascii_lowercase();
-                if a != "auto" && !ferroccl::params::ALGO_NAMES.contains(&a.as_str()) {
-                    let names = ferroccl::params::ALGO_NAMES.join(", ");
-                    return Err(bad(flag, &v, &format!("must be one of auto, {names}")));
-                }
-                o.algo = Some(a);
-            }
-            "--transport" => {
-                let v = value(&mut i)?;
-                o.transport = Some(TransportChoice::parse(&v).ok_or_else(|| bad(flag, &v, "must be one of auto, shm, tcp, verbs"))?);
-            }
-            "--ranks" => {
-                o.ranks = Some(count(&value(&mut i)?, 1, "must be a whole number of ranks, 1 to 1024").and_then(|n| {
-                    if n <= ferroccl_run::MAX_RANKS {
-                        Ok(n)
-                    } else {
-                        Err(bad("--ranks", &n.to_string(), "must be a whole number of ranks, 1 to 1024"))
-                    }
-                })?);
-            }
-            "--json" => o.json = Some(PathBuf::from(value(&mut i)?)),
-            "--plot" => {
-                let v = value(&mut i)?;
-                if !v.to_ascii_lowercase().ends_with(".svg") {
-                    return Err(bad(flag, &v, "must name an .svg file"));
-                }
-                o.plot = Some(PathBuf::from(v));
-            }
-            "--baseline" => o.baseline = Some(PathBuf::from(value(&mut i)?)),
-            "--corrupt-rank" => o.corrupt_rank = Some(count(&value(&mut i)?, 0, "must be a rank")?),
-            _ => return Err(ArgError::UnknownOption(arg.to_string())),
-        }
-        i += 1;
+    let Some(cli) = parse_with::<Cli, _>("ferroccl-perf", args)? else {
+        return Ok(Cmd::Help);
+    };
+    let mut named = cli.colls.into_iter();
+    let colls = named.next().ok_or(ArgError::MissingCollective)?.0;
+    if let Some(Colls(_, second)) = named.next() {
+        return Err(ArgError::ExtraArgument(second));
     }
-    let all = coll.as_ref().is_some_and(|c| c.len() > 1);
-    o.colls = coll.ok_or(ArgError::MissingCollective)?;
+    let d = Options::default();
+    let mut o = Options {
+        colls,
+        min_bytes: cli.min_bytes.unwrap_or(d.min_bytes),
+        max_bytes: cli.max_bytes.unwrap_or(d.max_bytes),
+        factor: cli.factor.unwrap_or(d.factor),
+        iters: cli.iters.unwrap_or(d.iters),
+        warmup: cli.warmup.unwrap_or(d.warmup),
+        dtype: cli.dtype.unwrap_or(d.dtype),
+        op: cli.op.unwrap_or(d.op),
+        check: cli.check.unwrap_or(d.check),
+        variants: match (cli.inplace, cli.no_inplace) {
+            (true, _) => Variants::InPlaceOnly,
+            (_, true) => Variants::OutOfPlaceOnly,
+            _ => d.variants,
+        },
+        algo: cli.algo,
+        transport: cli.transport,
+        ranks: cli.ranks,
+        root: cli.root.unwrap_or(d.root),
+        json: cli.json,
+        plot: cli.plot,
+        baseline: cli.baseline,
+        plan: cli.plan,
+        corrupt_rank: cli.corrupt_rank,
+    };
+    let all = o.colls.len() > 1;
     if o.plan {
         o.colls = plan_colls(&o.colls, o.variants, all)?;
     }
@@ -349,6 +354,123 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
         }
     }
     Ok(Cmd::Run(Box::new(o)))
+}
+
+/// Parses `args` (after the program's or subcommand's name, which is `name`) with the clap
+/// parser `P`; `Ok(None)` for `-h` / `--help`.
+pub(crate) fn parse_with<P: Parser, S: AsRef<str>>(name: &str, args: &[S]) -> Result<Option<P>, ArgError> {
+    match P::try_parse_from(std::iter::once(name).chain(args.iter().map(AsRef::as_ref))) {
+        Ok(p) => Ok(Some(p)),
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => Ok(None),
+        Err(e) => Err(ArgError::from_clap(&e, &P::command(), args)),
+    }
+}
+
+/// Why a value parser refused a value: what it expected. [`ArgError::from_clap`] makes it
+/// an [`ArgError::BadValue`] naming the option and the value.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct Expected(pub(crate) String);
+
+impl ArgError {
+    /// The error for what clap found wrong with `args`, given to `cmd`.
+    fn from_clap<S: AsRef<str>>(e: &clap::Error, cmd: &Command, args: &[S]) -> ArgError {
+        match Problem::of(e, cmd, args) {
+            // Our value parsers' own errors: complete, or what was expected.
+            Problem::BadValue { reason: Some(r), .. } if r.is::<ArgError>() => {
+                r.downcast_ref::<ArgError>().cloned().unwrap_or_else(|| ArgError::Other(cli::message(e)))
+            }
+            Problem::BadValue { option, value, reason: Some(r) } if r.is::<Expected>() => bad(&option, &value, &r.to_string()),
+            Problem::MissingValue(option) => ArgError::MissingValue(option),
+            Problem::UnknownOption(option) => ArgError::UnknownOption(option),
+            Problem::Unexpected(arg) => ArgError::ExtraArgument(arg),
+            _ => ArgError::Other(cli::message(e)),
+        }
+    }
+}
+
+fn bad(flag: &str, value: &str, expected: &str) -> ArgError {
+    ArgError::BadValue { flag: flag.to_string(), value: value.to_string(), expected: expected.to_string() }
+}
+
+/// The positional argument: one collective, or `all`.
+fn collectives(v: &str) -> Result<Colls, ArgError> {
+    if v == "all" {
+        return Ok(Colls(Coll::ALL.to_vec(), v.to_string()));
+    }
+    Coll::parse(v).map(|c| Colls(vec![c], v.to_string())).ok_or_else(|| ArgError::UnknownCollective(v.to_string()))
+}
+
+/// `-b`, `-e`: a positive size.
+fn size(v: &str) -> Result<usize, Expected> {
+    parse_size(v).filter(|&b| b > 0).ok_or_else(|| Expected("must be a positive size in bytes, like 8, 64K, 1M or 256M".into()))
+}
+
+/// A whole number, at least `MIN`.
+pub(crate) fn whole<const MIN: usize>(v: &str) -> Result<usize, Expected> {
+    v.trim().parse::<usize>().ok().filter(|&n| n >= MIN).ok_or_else(|| Expected(format!("must be a whole number, {MIN} or more")))
+}
+
+/// A rank (`--root`, `--corrupt-rank`).
+fn rank(v: &str) -> Result<usize, Expected> {
+    v.trim().parse::<usize>().map_err(|_| Expected("must be a rank, 0 or more".into()))
+}
+
+/// `--ranks`: 1 to [`ferroccl_run::MAX_RANKS`].
+pub(crate) fn ranks(v: &str) -> Result<usize, Expected> {
+    let n = v.trim().parse::<usize>().ok().filter(|n| (1..=ferroccl_run::MAX_RANKS).contains(n));
+    n.ok_or_else(|| Expected("must be a whole number of ranks, 1 to 1024".into()))
+}
+
+/// A positive number of seconds.
+pub(crate) fn seconds(v: &str) -> Result<f64, Expected> {
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .ok_or_else(|| Expected("must be a positive number of seconds".into()))
+}
+
+/// `--transport`.
+pub(crate) fn transport(v: &str) -> Result<TransportChoice, Expected> {
+    TransportChoice::parse(v).ok_or_else(|| Expected("must be one of auto, shm, tcp, verbs".into()))
+}
+
+fn dtype(v: &str) -> Result<DType, Expected> {
+    DType::parse(v.trim()).ok_or_else(|| Expected("must be one of f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64".into()))
+}
+
+fn op(v: &str) -> Result<ReduceOp, Expected> {
+    ReduceOp::parse(v.trim()).ok_or_else(|| Expected("must be one of sum prod min max avg".into()))
+}
+
+fn check(v: &str) -> Result<bool, Expected> {
+    match v.trim() {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(Expected("must be 0 or 1".into())),
+    }
+}
+
+/// `--algo`, lower-cased: auto or one of the library's algorithms.
+fn algo(v: &str) -> Result<String, Expected> {
+    let a = v.trim().to_ascii_lowercase();
+    if a != "auto" && !ferroccl::params::ALGO_NAMES.contains(&a.as_str()) {
+        return Err(Expected(format!("must be one of auto, {}", ferroccl::params::ALGO_NAMES.join(", "))));
+    }
+    Ok(a)
+}
+
+fn path(v: &str) -> Result<PathBuf, Expected> {
+    Ok(PathBuf::from(v))
+}
+
+/// `--plot`: a file name ending in .svg.
+fn svg(v: &str) -> Result<PathBuf, Expected> {
+    if !v.to_ascii_lowercase().ends_with(".svg") {
+        return Err(Expected("must name an .svg file".into()));
+    }
+    Ok(PathBuf::from(v))
 }
 
 /// With `--plan`: the collectives to run. `all` keeps those with a plan of the variants
@@ -518,6 +640,45 @@ mod tests {
             let e = err(args);
             assert!(e.contains(want), "{args:?}: {e:?} does not contain {want:?}");
         }
+    }
+
+    #[test]
+    fn spellings_repeats_and_order() {
+        // nccl-tests' long names, `=`, and a short option's value attached.
+        let o = run(&[
+            "allreduce",
+            "--minbytes=1K",
+            "--maxbytes",
+            "4K",
+            "-f4",
+            "--iters=3",
+            "-w",
+            "0",
+            "--datatype",
+            "i8",
+            "--op=min",
+            "--check",
+            "0",
+        ]);
+        assert_eq!((o.min_bytes, o.max_bytes, o.factor, o.iters, o.warmup), (1024, 4096, 4, 3, 0));
+        assert_eq!((o.dtype, o.op, o.check), (DType::I8, ReduceOp::Min, false));
+        // The last of a repeated option wins, also between --inplace and --no-inplace.
+        let o = run(&["allreduce", "-b", "8", "-b", "16", "--inplace", "--no-inplace"]);
+        assert_eq!((o.min_bytes, o.variants), (16, Variants::OutOfPlaceOnly));
+        assert_eq!(run(&["allreduce", "--no-inplace", "--inplace"]).variants, Variants::InPlaceOnly);
+        // Errors name the option as it was given, and come in command-line order.
+        assert!(err(&["allreduce", "--minbytes", "8X"]).contains("--minbytes \"8X\""));
+        assert!(err(&["allreduce", "--root=-1"]).contains("--root \"-1\""));
+        assert!(err(&["allreduce", "--maxbytes"]).contains("--maxbytes needs a value"));
+        assert!(err(&["allreduc", "allgather"]).contains("unknown collective \"allreduc\""));
+        assert!(err(&["allreduc", "-b", "8X"]).contains("unknown collective \"allreduc\""));
+        assert!(err(&["allreduce", "-b", "8X", "-e", "8Y"]).contains("-b \"8X\""));
+        // Help text.
+        let h = help();
+        for option in ["--minbytes", "--stepfactor", "--inplace", "--baseline", "--plan", "busbw", "exit status"] {
+            assert!(h.contains(option), "{option}: {h}");
+        }
+        assert!(!h.contains("corrupt"), "--corrupt-rank is hidden: {h}");
     }
 
     #[test]

@@ -1,20 +1,20 @@
 //! `ferroccl-perf idle`: the CPU time a communicator uses while the program does nothing
-//! with it (see [`HELP`]).
+//! with it (see [`help`]).
 
 use std::time::{Duration, Instant};
 
+use clap::CommandFactory;
 use ferroccl::{Communicator, ReduceOp};
 
-use crate::args::ArgError;
+use crate::args::{self, ArgError};
 use crate::sub::{self, Common};
 use crate::Failure;
 
-/// `ferroccl-perf idle --help`.
-pub const HELP: &str = "\
-ferroccl-perf idle: CPU time an idle communicator uses
+/// `ferroccl-perf idle`'s usage, printed with every command-line error.
+pub const USAGE: &str = "usage: ferroccl-perf idle [--seconds S] [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
-usage: ferroccl-perf idle [--seconds S] [--ranks N | under ferroccl-run -n N --] [--transport T]
-
+/// What `--help` says before the options.
+const ABOUT_MORE: &str = "\
 Each rank joins the job and uses the communicator the ways a program does, so that every
 thread it has is running: blocking allreduces (8 B to 1 MiB), non-blocking ones in a scope
 (one waited for after test() polls, one dropped, which the background progress thread
@@ -31,36 +31,37 @@ Measured over the idle period, per rank, from /proc (no root, no tracing):
   threads    threads of the process
 Every thread is listed on stderr with its own numbers, by name. The main thread's count
 includes reading /proc at the end of the period (a fraction of a millisecond). Expect cpu_%
-near 0: the progress thread parks when nothing is in flight.
+near 0: the progress thread parks when nothing is in flight.";
 
-options:
-  --seconds S       idle time (default 5)
-  --ranks N         start N local ranks (no launcher needed)
-  --transport T     auto, shm, tcp (FERROCCL_TRANSPORT for this run)
-exit status: 0 success; 1 a call failed or the final result was wrong; 2 bad arguments.
-";
-
-/// `ferroccl-perf idle`'s options.
-#[derive(Clone, Debug, PartialEq)]
+/// `ferroccl-perf idle`'s options (its command line, parsed by clap).
+#[derive(Clone, Debug, PartialEq, clap::Parser)]
+#[command(
+    name = "ferroccl-perf idle",
+    about = "ferroccl-perf idle: CPU time an idle communicator uses",
+    override_usage = &USAGE["usage: ".len()..],
+    before_help = ABOUT_MORE,
+    after_help = "exit status: 0 success; 1 a call failed or the final result was wrong; 2 bad arguments.",
+    help_template = args::HELP_TEMPLATE,
+    args_override_self = true,
+    max_term_width = 100
+)]
 pub struct IdleOptions {
-    /// `--seconds`.
+    /// Idle time
+    #[arg(long, value_name = "S", default_value = "5", allow_hyphen_values = true, value_parser = args::seconds)]
     pub seconds: f64,
     /// `--ranks`, `--transport`.
+    #[command(flatten)]
     pub common: Common,
+}
+
+/// `--help`.
+pub fn help() -> String {
+    IdleOptions::command().render_help().to_string()
 }
 
 /// Parses the arguments after `idle`; `Ok(None)` for `--help`.
 pub fn parse(args: &[String]) -> Result<Option<IdleOptions>, ArgError> {
-    let Some(flags) = sub::flags(args, &["--seconds", "--ranks", "--transport"], &[])? else {
-        return Ok(None);
-    };
-    let mut o = IdleOptions { seconds: 5.0, common: Common::default() };
-    for f in &flags {
-        if !o.common.take(f)? {
-            o.seconds = sub::seconds(&f.0, f.1.as_deref().unwrap_or(""))?;
-        }
-    }
-    Ok(Some(o))
+    args::parse_with("ferroccl-perf idle", args)
 }
 
 /// One thread's counters.

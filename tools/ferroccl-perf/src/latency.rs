@@ -1,21 +1,21 @@
 //! `ferroccl-perf latency`: small-message allreduce latency, a blocking call against a
-//! persistent plan, alternating in one run (see [`HELP`]).
+//! persistent plan, alternating in one run (see [`help`]).
 
 use std::time::Instant;
 
+use clap::CommandFactory;
 use ferroccl::{Communicator, ReduceOp};
 
-use crate::args::{parse_size, ArgError};
+use crate::args::{self, parse_size, ArgError, Expected};
 use crate::sub::{self, Common};
 use crate::Failure;
 
-/// `ferroccl-perf latency --help`.
-pub const HELP: &str = "\
-ferroccl-perf latency: small-message allreduce latency, blocking call vs persistent plan
+/// `ferroccl-perf latency`'s usage, printed with every command-line error.
+pub const USAGE: &str = "usage: ferroccl-perf latency [--sizes 8,4K] [-n ITERS] [-w WARMUP] [--batches B] [--raw]
+                             [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
-usage: ferroccl-perf latency [--sizes 8,4K] [-n ITERS] [-w WARMUP] [--batches B] [--raw]
-                             [--ranks N | under ferroccl-run -n N --] [--transport T]
-
+/// What `--help` says before the options.
+const ABOUT_MORE: &str = "\
 Allreduce of f32, sum, in place, two ways in one run:
   blocking   comm.allreduce(&mut buf, ReduceOp::Sum)
   plan       comm.allreduce_plan(&mut buf, ReduceOp::Sum) built once per size, then
@@ -23,67 +23,64 @@ Allreduce of f32, sum, in place, two ways in one run:
 For each size: one checked call of each (every rank's input is rank + 1; the sum must be
 n(n+1)/2), WARMUP calls of each, then B batches per mode, alternating batch by batch
 (blocking first in even batches, plan first in odd ones; the machine's speed drifts). A
-batch is a barrier and ITERS timed calls; its time per call is the slowest rank's.
+batch is a barrier and ITERS timed calls; its time per call is the slowest rank's.";
 
-options:
-  --sizes LIST      comma-separated sizes in bytes (K, M suffixes; default 8,4K)
-  -n ITERS          timed calls per batch (default 200)
-  -w WARMUP         untimed calls of each mode before the batches (default 50)
-  --batches B       batches per mode (default 10)
-  --raw             also print every batch as \"#batch SIZE MODE US\" (benches/latency.sh
-                    collects these)
-  --ranks N         start N local ranks (no launcher needed)
-  --transport T     auto, shm, tcp (FERROCCL_TRANSPORT for this run)
-
+/// What `--help` says after the options.
+const AFTER_HELP: &str = "\
 output (rank 0): per size and mode the median, min and max over the batches of the time
 per call in microseconds, and plan/blocking (median over median). Its peer for MPI is
 benches/peers/mpi_latency.c; benches/latency.sh runs both, alternating.
-exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.
-";
+exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.";
 
-/// `ferroccl-perf latency`'s options.
-#[derive(Clone, Debug, PartialEq)]
+/// `ferroccl-perf latency`'s options (its command line, parsed by clap).
+#[derive(Clone, Debug, PartialEq, clap::Parser)]
+#[command(
+    name = "ferroccl-perf latency",
+    about = "ferroccl-perf latency: small-message allreduce latency, blocking call vs persistent plan",
+    override_usage = &USAGE["usage: ".len()..],
+    before_help = ABOUT_MORE,
+    after_help = AFTER_HELP,
+    help_template = args::HELP_TEMPLATE,
+    args_override_self = true,
+    max_term_width = 100
+)]
 pub struct LatencyOptions {
-    /// `--sizes`, in bytes.
-    pub sizes: Vec<usize>,
-    /// `-n`.
+    /// Comma-separated sizes in bytes (K, M suffixes), 4 or more each
+    // The full path keeps clap from taking a `Vec` as a repeated option: the list is one
+    // value, parsed by `sizes`.
+    #[arg(long, value_name = "LIST", default_value = "8,4K", allow_hyphen_values = true, value_parser = sizes)]
+    pub sizes: std::vec::Vec<usize>,
+    /// Timed calls per batch
+    #[arg(short = 'n', value_name = "ITERS", default_value = "200", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
-    /// `-w`.
+    /// Untimed calls of each mode before the batches
+    #[arg(short = 'w', value_name = "WARMUP", default_value = "50", allow_hyphen_values = true, value_parser = args::whole::<0>)]
     pub warmup: usize,
-    /// `--batches`.
+    /// Batches per mode
+    #[arg(long, value_name = "B", default_value = "10", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub batches: usize,
-    /// `--raw`.
+    /// Also print every batch as "#batch SIZE MODE US" (benches/latency.sh collects these)
+    #[arg(long)]
     pub raw: bool,
     /// `--ranks`, `--transport`.
+    #[command(flatten)]
     pub common: Common,
+}
+
+/// `--help`.
+pub fn help() -> String {
+    LatencyOptions::command().render_help().to_string()
 }
 
 /// Parses the arguments after `latency`; `Ok(None)` for `--help`.
 pub fn parse(args: &[String]) -> Result<Option<LatencyOptions>, ArgError> {
-    let Some(flags) = sub::flags(args, &["--sizes", "-n", "-w", "--batches", "--ranks", "--transport"], &["--raw"])? else {
-        return Ok(None);
-    };
-    let mut o = LatencyOptions { sizes: vec![8, 4096], iters: 200, warmup: 50, batches: 10, raw: false, common: Common::default() };
-    for f in &flags {
-        if o.common.take(f)? {
-            continue;
-        }
-        let v = f.1.as_deref().unwrap_or("");
-        match f.0.as_str() {
-            "--sizes" => {
-                o.sizes = v
-                    .split(',')
-                    .map(|s| parse_size(s).filter(|&b| b >= 4))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| sub::bad("--sizes", v, "must be a comma-separated list of sizes of 4 bytes or more, like 8,4K"))?;
-            }
-            "-n" => o.iters = sub::count("-n", v, 1)?,
-            "-w" => o.warmup = sub::count("-w", v, 0)?,
-            "--batches" => o.batches = sub::count("--batches", v, 1)?,
-            _ => o.raw = true,
-        }
-    }
-    Ok(Some(o))
+    args::parse_with("ferroccl-perf latency", args)
+}
+
+/// `--sizes`: a comma-separated list of sizes, each 4 bytes or more.
+fn sizes(v: &str) -> Result<Vec<usize>, Expected> {
+    let list = v.split(',').map(|s| parse_size(s).filter(|&b| b >= 4)).collect::<Option<Vec<_>>>();
+    list.ok_or_else(|| Expected("must be a comma-separated list of sizes of 4 bytes or more, like 8,4K".into()))
 }
 
 /// The two ways to call.
@@ -214,5 +211,19 @@ mod tests {
         assert!(e.contains("--sizes \"8,x\""), "{e}");
         assert!(parse(&s(&["--sizes", "2"])).is_err());
         assert!(parse(&s(&["--batches", "0"])).is_err());
+    }
+
+    #[test]
+    fn options_switches_and_common_flags() {
+        let o = parse(&s(&["-n", "5", "--raw", "--sizes=8,4K", "--ranks", "2", "--transport", "tcp"])).unwrap().unwrap();
+        assert_eq!((o.iters, o.raw, o.sizes, o.common.ranks), (5, true, vec![8, 4096], Some(2)));
+        assert_eq!(o.common.transport, Some(ferroccl::TransportChoice::Tcp));
+        let d = parse(&s(&[])).unwrap().unwrap();
+        assert_eq!((d.sizes, d.iters, d.warmup, d.batches, d.raw, d.common), (vec![8, 4096], 200, 50, 10, false, Common::default()));
+        assert_eq!(parse(&s(&["-n", "1", "--help"])), Ok(None));
+        assert_eq!(parse(&s(&["-n"])), Err(ArgError::MissingValue("-n".into())));
+        assert_eq!(parse(&s(&["--raw=1"])), Err(ArgError::UnknownOption("--raw=1".into())));
+        assert!(parse(&s(&["--transport", "pigeon"])).is_err());
+        assert!(super::help().contains("allreduce_plan"));
     }
 }

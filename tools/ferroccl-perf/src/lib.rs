@@ -34,6 +34,12 @@
 //! | `--baseline FILE.json` | overlay an earlier `--json` file (or the MPI peer's) on the plot | |
 //! | `--plan` | time persistent plans: built once per size, the timed calls are `plan.run()` (allreduce, broadcast in place; allgather, reduce_scatter out of place) | one-off calls |
 //!
+//! The long spellings of nccl-tests work too (`--minbytes`, `--maxbytes`, `--stepfactor`,
+//! `--iters`, `--warmup`, `--datatype`, `--op`, `--check`), values go after a space or `=`
+//! (and a short option's straight after it: `-b8`). The command lines are parsed with clap
+//! ([`args`]); a bad one is an error naming the option and the value, with the usage line,
+//! and exit status 2.
+//!
 //! Three more subcommands measure what the table cannot (each has its own `--help`):
 //!
 //! * `ferroccl-perf latency`: small-message allreduce latency, blocking call vs persistent
@@ -94,7 +100,7 @@ use std::time::Instant;
 
 use ferroccl::{Communicator, DType, Params};
 
-use crate::args::{ArgError, Cmd, Options, HELP, USAGE};
+use crate::args::{ArgError, Cmd, Options, USAGE};
 use crate::bench::CollResult;
 use crate::report::JobInfo;
 
@@ -157,14 +163,14 @@ pub fn main_with_args(args: &[String]) -> i32 {
         };
     }
     match args.first().map(String::as_str) {
-        Some("latency") => return subcommand(args, latency::HELP, latency::parse, |o| o.common, latency::run),
-        Some("idle") => return subcommand(args, idle::HELP, idle::parse, |o| o.common, idle::run),
-        Some("overlap") => return subcommand(args, overlap::HELP, overlap::parse, |o| o.common, overlap::run),
+        Some("latency") => return subcommand(args, latency::USAGE, latency::help, latency::parse, |o| o.common, latency::run),
+        Some("idle") => return subcommand(args, idle::USAGE, idle::help, idle::parse, |o| o.common, idle::run),
+        Some("overlap") => return subcommand(args, overlap::USAGE, overlap::help, overlap::parse, |o| o.common, overlap::run),
         _ => {}
     }
     let o = match args::parse(args) {
         Ok(Cmd::Help) => {
-            print!("{HELP}");
+            print!("{}", args::help());
             return 0;
         }
         Ok(Cmd::Run(o)) => o,
@@ -189,7 +195,8 @@ pub fn main_with_args(args: &[String]) -> i32 {
 /// A measurement subcommand (`latency`, `idle`, `overlap`): `args` starts with its name.
 fn subcommand<O>(
     args: &[String],
-    help: &str,
+    usage: &str,
+    help: fn() -> String,
     parse: fn(&[String]) -> Result<Option<O>, ArgError>,
     common: fn(&O) -> sub::Common,
     run: fn(&O) -> Result<(), Failure>,
@@ -197,12 +204,12 @@ fn subcommand<O>(
     let o = match parse(&args[1..]) {
         Ok(Some(o)) => o,
         Ok(None) => {
-            print!("{help}");
+            print!("{}", help());
             return 0;
         }
         Err(e) => {
             eprintln!("ferroccl-perf {}: error: {e}", args[0]);
-            eprintln!("{}", help.lines().find(|l| l.starts_with("usage:")).unwrap_or(USAGE));
+            eprintln!("{}", usage.lines().next().unwrap_or(usage));
             return 2;
         }
     };

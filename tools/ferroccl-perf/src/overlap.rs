@@ -1,22 +1,22 @@
 //! `ferroccl-perf overlap`: a training-like step (compute, allreduce the gradients) run
-//! sequentially and with the allreduce overlapped with the compute (see [`HELP`]).
+//! sequentially and with the allreduce overlapped with the compute (see [`help`]).
 
 use std::hint::black_box;
 use std::time::Instant;
 
+use clap::CommandFactory;
 use ferroccl::{Communicator, ReduceOp};
 
-use crate::args::{parse_size, ArgError};
+use crate::args::{self, parse_size, ArgError, Expected};
 use crate::sub::{self, Common};
 use crate::Failure;
 
-/// `ferroccl-perf overlap --help`.
-pub const HELP: &str = "\
-ferroccl-perf overlap: compute + gradient allreduce, sequential vs overlapped
+/// `ferroccl-perf overlap`'s usage, printed with every command-line error.
+pub const USAGE: &str = "usage: ferroccl-perf overlap [--size 8M] [--compute-ms MS] [-n ITERS] [--batches B]
+                             [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
-usage: ferroccl-perf overlap [--size 8M] [--compute-ms MS] [-n ITERS] [--batches B]
-                             [--ranks N | under ferroccl-run -n N --] [--transport T]
-
+/// What `--help` says before the options.
+const ABOUT_MORE: &str = "\
 One iteration computes (a fixed CPU workload on its own 64 KiB buffer, which stays in
 cache: arithmetic, not memory traffic) and allreduces a gradient buffer (f32, sum):
   sequential   compute(); comm.allreduce(&mut grads, Sum)
@@ -29,62 +29,61 @@ slowest rank), or --compute-ms; rank 0's pass count is used on every rank. Then 
 of ITERS iterations of each of four forms, the order rotating every batch: sequential,
 overlapped, and the two halves alone (compute only, allreduce only), so that all four see
 the same machine states. A batch is a barrier and ITERS iterations, its rate the slowest
-rank's. Last, one checked iteration of each allreducing form (inputs rank + 1, sum n(n+1)/2).
+rank's. Last, one checked iteration of each allreducing form (inputs rank + 1, sum n(n+1)/2).";
 
+/// What `--help` says after the options.
+const AFTER_HELP: &str = "\
 output (rank 0): iterations/s of each form (median, min, max over the batches), the ratio
 overlapped / sequential (of the medians, and the median of the ratios of the batches run
 next to each other), and the ideal ratio with a free core for each thread:
 (compute + allreduce) / max(compute, allreduce), from the medians of the halves. Every rank runs two busy threads while
 they overlap (compute and progress), so on a machine with fewer cores than 2 x ranks the
 gain is bounded, and may be negative.
+exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.";
 
-options:
-  --size SIZE       gradient buffer in bytes (K, M suffixes; default 8M)
-  --compute-ms MS   compute time per iteration (default: the allreduce's own time)
-  -n ITERS          iterations per batch (default 10)
-  --batches B       batches per form (default 6)
-  --ranks N         start N local ranks (no launcher needed)
-  --transport T     auto, shm, tcp (FERROCCL_TRANSPORT for this run)
-exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.
-";
-
-/// `ferroccl-perf overlap`'s options.
-#[derive(Clone, Debug, PartialEq)]
+/// `ferroccl-perf overlap`'s options (its command line, parsed by clap).
+#[derive(Clone, Debug, PartialEq, clap::Parser)]
+#[command(
+    name = "ferroccl-perf overlap",
+    about = "ferroccl-perf overlap: compute + gradient allreduce, sequential vs overlapped",
+    override_usage = &USAGE["usage: ".len()..],
+    before_help = ABOUT_MORE,
+    after_help = AFTER_HELP,
+    help_template = args::HELP_TEMPLATE,
+    args_override_self = true,
+    max_term_width = 100
+)]
 pub struct OverlapOptions {
-    /// `--size`, bytes.
+    /// Gradient buffer in bytes (K, M suffixes)
+    #[arg(long, value_name = "SIZE", default_value = "8M", allow_hyphen_values = true, value_parser = grad_size)]
     pub size: usize,
-    /// `--compute-ms` (`None`: match the allreduce).
+    /// Compute time per iteration (default: the allreduce's own time)
+    #[arg(long, value_name = "MS", allow_hyphen_values = true, value_parser = args::seconds)]
     pub compute_ms: Option<f64>,
-    /// `-n`.
+    /// Iterations per batch
+    #[arg(short = 'n', value_name = "ITERS", default_value = "10", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
-    /// `--batches`.
+    /// Batches per form
+    #[arg(long, value_name = "B", default_value = "6", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub batches: usize,
     /// `--ranks`, `--transport`.
+    #[command(flatten)]
     pub common: Common,
+}
+
+/// `--help`.
+pub fn help() -> String {
+    OverlapOptions::command().render_help().to_string()
 }
 
 /// Parses the arguments after `overlap`; `Ok(None)` for `--help`.
 pub fn parse(args: &[String]) -> Result<Option<OverlapOptions>, ArgError> {
-    let Some(flags) = sub::flags(args, &["--size", "--compute-ms", "-n", "--batches", "--ranks", "--transport"], &[])? else {
-        return Ok(None);
-    };
-    let mut o = OverlapOptions { size: 8 << 20, compute_ms: None, iters: 10, batches: 6, common: Common::default() };
-    for f in &flags {
-        if o.common.take(f)? {
-            continue;
-        }
-        let v = f.1.as_deref().unwrap_or("");
-        match f.0.as_str() {
-            "--size" => {
-                o.size =
-                    parse_size(v).filter(|&b| b >= 4).ok_or_else(|| sub::bad("--size", v, "must be a size of 4 bytes or more, like 8M"))?
-            }
-            "--compute-ms" => o.compute_ms = Some(sub::seconds("--compute-ms", v)?),
-            "-n" => o.iters = sub::count("-n", v, 1)?,
-            _ => o.batches = sub::count("--batches", v, 1)?,
-        }
-    }
-    Ok(Some(o))
+    args::parse_with("ferroccl-perf overlap", args)
+}
+
+/// `--size`: 4 bytes or more.
+fn grad_size(v: &str) -> Result<usize, Expected> {
+    parse_size(v).filter(|&b| b >= 4).ok_or_else(|| Expected("must be a size of 4 bytes or more, like 8M".into()))
 }
 
 /// Elements of the compute's buffer: 64 KiB of f32.
@@ -253,6 +252,8 @@ mod tests {
         assert_eq!((o.size, o.compute_ms, o.iters, o.batches, o.common.ranks), (4 << 20, Some(2.5), 3, 2, Some(2)));
         let e = parse(&["--size".to_string(), "2".to_string()]).unwrap_err().to_string();
         assert!(e.contains("--size \"2\""), "{e}");
+        let d = parse(&[]).unwrap().unwrap();
+        assert_eq!((d.size, d.compute_ms, d.iters, d.batches), (8 << 20, None, 10, 6));
     }
 
     #[test]

@@ -3,92 +3,21 @@
 
 use ferroccl::{Communicator, Params, ReduceOp, TransportChoice};
 
-use crate::args::ArgError;
+use crate::args;
 use crate::Failure;
 
-/// An option of a subcommand's command line: the flag and its value (`None` for a switch).
-pub type Flag = (String, Option<String>);
-
-/// Splits `args` (after the subcommand's name) into flags. `with_value` lists the flags
-/// that take a value (next argument or after `=`), `switches` those that do not. `-h` /
-/// `--help` gives `Ok(None)`.
-pub fn flags(args: &[String], with_value: &[&str], switches: &[&str]) -> Result<Option<Vec<Flag>>, ArgError> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let arg = args[i].as_str();
-        if arg == "-h" || arg == "--help" {
-            return Ok(None);
-        }
-        let (flag, inline) = match arg.strip_prefix("--").and_then(|r| r.split_once('=')) {
-            Some((f, v)) => (&arg[..f.len() + 2], Some(v.to_string())),
-            None => (arg, None),
-        };
-        if switches.contains(&flag) && inline.is_none() {
-            out.push((flag.to_string(), None));
-        } else if with_value.contains(&flag) {
-            let v = match inline {
-                Some(v) => v,
-                None => {
-                    i += 1;
-                    args.get(i).cloned().ok_or_else(|| ArgError::MissingValue(flag.to_string()))?
-                }
-            };
-            out.push((flag.to_string(), Some(v)));
-        } else {
-            return Err(ArgError::UnknownOption(arg.to_string()));
-        }
-        i += 1;
-    }
-    Ok(Some(out))
-}
-
-/// A bad value of `flag`.
-pub fn bad(flag: &str, value: &str, expected: &str) -> ArgError {
-    ArgError::BadValue { flag: flag.to_string(), value: value.to_string(), expected: expected.to_string() }
-}
-
-/// A whole number, at least `min`.
-pub fn count(flag: &str, v: &str, min: usize) -> Result<usize, ArgError> {
-    v.trim().parse::<usize>().ok().filter(|&n| n >= min).ok_or_else(|| bad(flag, v, &format!("must be a whole number, {min} or more")))
-}
-
-/// A positive decimal number.
-pub fn seconds(flag: &str, v: &str) -> Result<f64, ArgError> {
-    v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| bad(flag, v, "must be a positive number of seconds"))
-}
-
 /// The options every subcommand takes: `--ranks N` and `--transport T`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct Common {
-    /// `--ranks N`: start N local ranks.
+    /// Start N local ranks (no launcher needed)
+    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = args::ranks)]
     pub ranks: Option<usize>,
-    /// `--transport`.
+    /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
+    #[arg(long, value_name = "T", allow_hyphen_values = true, value_parser = args::transport)]
     pub transport: Option<TransportChoice>,
 }
 
-/// The value-taking flags [`Common::take`] understands.
-pub const COMMON_FLAGS: [&str; 2] = ["--ranks", "--transport"];
-
 impl Common {
-    /// Takes `--ranks` / `--transport` out of `flags` if it is one of them; `Ok(false)`
-    /// for any other flag.
-    pub fn take(&mut self, (flag, value): &Flag) -> Result<bool, ArgError> {
-        let v = value.as_deref().unwrap_or("");
-        match flag.as_str() {
-            "--ranks" => {
-                let n = count(flag, v, 1)?;
-                if n > ferroccl_run::MAX_RANKS {
-                    return Err(bad(flag, v, "must be a whole number of ranks, 1 to 1024"));
-                }
-                self.ranks = Some(n);
-            }
-            "--transport" => self.transport = Some(TransportChoice::parse(v).ok_or_else(|| bad(flag, v, "must be one of auto, shm, tcp"))?),
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-
     /// Joins the job (the launcher's environment), with `--transport` applied.
     pub fn init(&self) -> Result<Communicator, Failure> {
         let mut params = Params::from_env().map_err(Failure::Init)?;
@@ -136,33 +65,6 @@ pub fn median(v: &mut [f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn s(v: &[&str]) -> Vec<String> {
-        v.iter().map(|x| x.to_string()).collect()
-    }
-
-    #[test]
-    fn flags_split_values_and_switches() {
-        let f =
-            flags(&s(&["-n", "5", "--raw", "--sizes=8,4K", "--ranks", "2"]), &["-n", "--sizes", "--ranks"], &["--raw"]).unwrap().unwrap();
-        assert_eq!(
-            f,
-            vec![
-                ("-n".to_string(), Some("5".to_string())),
-                ("--raw".to_string(), None),
-                ("--sizes".to_string(), Some("8,4K".to_string())),
-                ("--ranks".to_string(), Some("2".to_string()))
-            ]
-        );
-        assert_eq!(flags(&s(&["-n", "1", "--help"]), &["-n"], &[]), Ok(None));
-        assert_eq!(flags(&s(&["-n"]), &["-n"], &[]), Err(ArgError::MissingValue("-n".into())));
-        assert_eq!(flags(&s(&["--raw=1"]), &[], &["--raw"]), Err(ArgError::UnknownOption("--raw=1".into())));
-        let mut c = Common::default();
-        assert_eq!(c.take(&("--ranks".into(), Some("3".into()))), Ok(true));
-        assert_eq!(c.take(&("-n".into(), Some("3".into()))), Ok(false));
-        assert!(c.take(&("--transport".into(), Some("pigeon".into()))).is_err());
-        assert_eq!(c.ranks, Some(3));
-    }
 
     #[test]
     fn medians() {
