@@ -1,0 +1,121 @@
+//! The conformance suite: one definition of the point-to-point and collective properties,
+//! instantiated per transport, with ranks as threads of this test process (breadth: many
+//! shapes, sizes and knobs per second; the multi-process depth lives in the workspace's
+//! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
+//!
+//! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
+//! work) in `p2p.rs`; `conformance_suite!` makes one `#[test]` of each in
+//! the module of an instantiation, so a test is named `<transport>::<property>`:
+//!
+//! | module   | transport                                                        | runs          |
+//! | -------- | ---------------------------------------------------------------- | ------------- |
+//! | `shm`    | shm for every peer                                               | everywhere    |
+//! | `tcp`    | tcp for every peer                                               | everywhere    |
+//! | `mixed`  | `auto` with two host ids: shm inside a host, tcp across          | everywhere    |
+//! | `verbs`  | RDMA verbs for every peer, fewer cases and ranks                 | with a device |
+//!
+//! The verbs tests need the `verbs` feature and a device (`FERROCCL_IB_DEV`,
+//! `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets them: `tools/softroce/ci.sh` runs the
+//! `verbs::` tests there); without one they skip, unless `FERROCCL_VERBS_REQUIRED=1`, which
+//! makes them fail instead. A transport's own tests (the shm ring's knobs, verbs without
+//! a device) sit next to its instantiation.
+
+mod harness;
+mod p2p;
+
+use harness::{Suite, Wire};
+
+/// One `#[test]` per property of the suite, each running it over `$suite` (a [`Suite`]
+/// expression) where that transport is available.
+macro_rules! conformance_suite {
+    ($suite:expr) => {
+        /// This instantiation's transport and sizes.
+        const SUITE: $crate::harness::Suite = $suite;
+
+        conformance_suite!(@tests
+            p2p::random_schedules_deliver_exactly,
+            p2p::sendrecv_permutations_deliver,
+            p2p::split_matches_model_and_subgroups_work,
+            p2p::bad_peers_are_invalid_arguments_and_do_not_poison,
+            p2p::sendrecv_with_bad_to_leaves_the_recv_stream_intact,
+            p2p::sequential_jobs_on_one_store_address_with_different_sizes,
+            p2p::mismatch_eager_vs_eager,
+            p2p::mismatch_rendezvous_vs_rendezvous,
+            p2p::mismatch_eager_send_rendezvous_recv,
+            p2p::mismatch_rendezvous_send_eager_recv,
+            p2p::dropped_peer_fails_a_blocked_recv_promptly,
+            p2p::communicators_on_two_threads_share_the_mesh,
+        );
+    };
+    (@tests $($module:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                if SUITE.here(stringify!($name)) {
+                    $crate::$module::$name(&SUITE);
+                }
+            }
+        )*
+    };
+}
+
+/// Case counts of the shm, tcp and mixed instantiations: each runs a third (rounded up) of
+/// what the one test over a random choice of the three ran before.
+const BROAD: Suite = Suite {
+    wire: Wire::Shm,
+    clocks: true,
+    p2p_ranks: 5,
+    split_ranks: 6,
+    schedule_msgs: 12,
+    perm_rounds: 4,
+    schedule_cases: 86,
+    perm_cases: 86,
+    split_cases: 54,
+};
+
+mod shm {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Shm, ..crate::BROAD });
+
+    #[test]
+    fn tiny_ring_without_cma_moves_large_messages() {
+        crate::p2p::tiny_ring_without_cma_moves_large_messages();
+    }
+}
+
+mod tcp {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Tcp, ..crate::BROAD });
+}
+
+mod mixed {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Mixed, ..crate::BROAD });
+}
+
+/// The VM is emulated and slow: fewer ranks, messages and cases, and no wall-clock
+/// promptness checks (the errors must still be the right ones, not the deadline).
+mod verbs {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite {
+        wire: Wire::Verbs,
+        clocks: false,
+        p2p_ranks: 4,
+        split_ranks: 4,
+        schedule_msgs: 10,
+        perm_rounds: 3,
+        schedule_cases: 16,
+        perm_cases: 16,
+        split_cases: 8,
+    });
+
+    /// Runs everywhere: without a device (or the feature) it checks the error.
+    #[test]
+    fn without_a_device_is_a_clear_error() {
+        crate::p2p::verbs_without_a_device_is_a_clear_error(&SUITE);
+    }
+}
