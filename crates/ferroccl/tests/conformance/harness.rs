@@ -47,6 +47,13 @@ pub struct Suite {
     pub perm_cases: u32,
     /// Proptest cases of split.
     pub split_cases: u32,
+    /// Proptest cases of the exact-value collectives (each runs every collective x dtype x
+    /// op for two counts).
+    pub collective_cases: u32,
+    /// Collectives: largest world of the exact-value cases.
+    pub collective_ranks: usize,
+    /// Collectives: elements (f32) per rank of the large allreduce.
+    pub large_count: usize,
 }
 
 impl Wire {

@@ -4,7 +4,7 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs`; `conformance_suite!` makes one `#[test]` of each in
+//! work) in `p2p.rs` or `collectives.rs`; `conformance_suite!` makes one `#[test]` of each in
 //! the module of an instantiation, so a test is named `<transport>::<property>`:
 //!
 //! | module   | transport                                                        | runs          |
@@ -20,6 +20,7 @@
 //! makes them fail instead. A transport's own tests (the shm ring's knobs, verbs without
 //! a device) sit next to its instantiation.
 
+mod collectives;
 mod harness;
 mod p2p;
 
@@ -45,6 +46,12 @@ macro_rules! conformance_suite {
             p2p::mismatch_rendezvous_send_eager_recv,
             p2p::dropped_peer_fails_a_blocked_recv_promptly,
             p2p::communicators_on_two_threads_share_the_mesh,
+            collectives::collectives_equal_the_reference_exact_values,
+            collectives::collectives_equal_the_reference_three_ranks_counts_0_and_1,
+            collectives::mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats,
+            collectives::large_allreduce_through_the_pipeline,
+            collectives::bad_arguments_are_errors_not_panics,
+            collectives::mismatched_calls_fail_on_every_rank,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
@@ -71,6 +78,9 @@ const BROAD: Suite = Suite {
     schedule_cases: 86,
     perm_cases: 86,
     split_cases: 54,
+    collective_cases: 12,
+    collective_ranks: 5,
+    large_count: 1_000_003,
 };
 
 mod shm {
@@ -111,6 +121,9 @@ mod verbs {
         schedule_cases: 16,
         perm_cases: 16,
         split_cases: 8,
+        collective_cases: 4,
+        collective_ranks: 4,
+        large_count: 1_000_003,
     });
 
     /// Runs everywhere: without a device (or the feature) it checks the error.
