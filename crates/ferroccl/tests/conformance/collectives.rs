@@ -259,7 +259,7 @@ pub fn collectives_equal_the_reference_three_ranks_counts_0_and_1(s: &Suite) {
 /// above.
 pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
     for algo in ["mesh", "oneshot"] {
-        for n in [2, 3, 5] {
+        for &n in s.float_ranks {
             run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
                 .unwrap_or_else(|e| panic!("{algo}: {e}"));
         }

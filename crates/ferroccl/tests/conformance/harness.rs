@@ -24,9 +24,8 @@ pub enum Wire {
     Verbs,
 }
 
-/// One instantiation of the suite: a transport and how much work to run over it. The
-/// property tests' case counts are per instantiation: the sum over shm, tcp and mixed is at
-/// least what the one test over a random wiring ran before.
+/// One instantiation of the suite: a transport and how much work to run over it (case
+/// counts, world sizes, message counts and sizes).
 #[derive(Clone, Copy, Debug)]
 pub struct Suite {
     pub wire: Wire,
@@ -52,8 +51,14 @@ pub struct Suite {
     pub collective_cases: u32,
     /// Collectives: largest world of the exact-value cases.
     pub collective_ranks: usize,
+    /// Collectives: the world sizes of the random-float cases.
+    pub float_ranks: &'static [usize],
     /// Collectives: elements (f32) per rank of the large allreduce.
     pub large_count: usize,
+    /// Proptest cases of the interleaved non-blocking collectives.
+    pub nonblocking_cases: u32,
+    /// Runs of each persistent plan in the many-runs test.
+    pub plan_runs: usize,
 }
 
 impl Wire {

@@ -4,15 +4,16 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs` or `collectives.rs`; `conformance_suite!` makes one `#[test]` of each in
-//! the module of an instantiation, so a test is named `<transport>::<property>`:
+//! work) in `p2p.rs`, `collectives.rs` or `nonblocking.rs`; `conformance_suite!` makes one
+//! `#[test]` of each in the module of an instantiation, so a test is named
+//! `<transport>::<property>`:
 //!
-//! | module   | transport                                                        | runs          |
-//! | -------- | ---------------------------------------------------------------- | ------------- |
-//! | `shm`    | shm for every peer                                               | everywhere    |
-//! | `tcp`    | tcp for every peer                                               | everywhere    |
-//! | `mixed`  | `auto` with two host ids: shm inside a host, tcp across          | everywhere    |
-//! | `verbs`  | RDMA verbs for every peer, fewer cases and ranks                 | with a device |
+//! | module  | transport                                                  | runs          |
+//! | ------- | ---------------------------------------------------------- | ------------- |
+//! | `shm`   | shm for every peer                                         | everywhere    |
+//! | `tcp`   | tcp for every peer                                         | everywhere    |
+//! | `mixed` | `auto` with two host ids: shm inside a host, tcp across    | everywhere    |
+//! | `verbs` | RDMA verbs for every peer; fewer ranks, messages and cases | with a device |
 //!
 //! The verbs tests need the `verbs` feature and a device (`FERROCCL_IB_DEV`,
 //! `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets them: `tools/softroce/ci.sh` runs the
@@ -22,6 +23,7 @@
 
 mod collectives;
 mod harness;
+mod nonblocking;
 mod p2p;
 
 use harness::{Suite, Wire};
@@ -52,6 +54,13 @@ macro_rules! conformance_suite {
             collectives::large_allreduce_through_the_pipeline,
             collectives::bad_arguments_are_errors_not_panics,
             collectives::mismatched_calls_fail_on_every_rank,
+            nonblocking::interleaved_nonblocking_collectives_equal_the_reference,
+            nonblocking::plans_run_many_times_with_rewritten_buffers,
+            nonblocking::groups_run_as_one_unit,
+            nonblocking::requests_are_futures_and_progress_without_a_waiter,
+            nonblocking::abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes,
+            nonblocking::plans_start_in_scopes_next_to_other_operations,
+            nonblocking::eight_ranks_on_two_cores_make_progress_without_waiters,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
@@ -66,8 +75,11 @@ macro_rules! conformance_suite {
     };
 }
 
-/// Case counts of the shm, tcp and mixed instantiations: each runs a third (rounded up) of
-/// what the one test over a random choice of the three ran before.
+/// The shm, tcp and mixed instantiations. A property test that used to draw its transport
+/// at random runs its old case count divided among the transports it drew from (rounded
+/// up): 256 / 3 -> 86 random schedules and permutations, 160 / 3 -> 54 splits (shm, tcp,
+/// mixed); 24 / 2 -> 12 exact-value collectives and 12 / 2 -> 6 non-blocking sequences
+/// (shm, tcp; mixed is new there). Shm runs each persistent plan 1,000 times, the others 200.
 const BROAD: Suite = Suite {
     wire: Wire::Shm,
     clocks: true,
@@ -80,13 +92,16 @@ const BROAD: Suite = Suite {
     split_cases: 54,
     collective_cases: 12,
     collective_ranks: 5,
+    float_ranks: &[2, 3, 5],
     large_count: 1_000_003,
+    nonblocking_cases: 6,
+    plan_runs: 200,
 };
 
 mod shm {
     use crate::harness::{Suite, Wire};
 
-    conformance_suite!(Suite { wire: Wire::Shm, ..crate::BROAD });
+    conformance_suite!(Suite { wire: Wire::Shm, plan_runs: 1000, ..crate::BROAD });
 
     #[test]
     fn tiny_ring_without_cma_moves_large_messages() {
@@ -123,7 +138,10 @@ mod verbs {
         split_cases: 8,
         collective_cases: 4,
         collective_ranks: 4,
+        float_ranks: &[2, 3],
         large_count: 1_000_003,
+        nonblocking_cases: 6,
+        plan_runs: 200,
     });
 
     /// Runs everywhere: without a device (or the feature) it checks the error.
@@ -131,4 +149,10 @@ mod verbs {
     fn without_a_device_is_a_clear_error() {
         crate::p2p::verbs_without_a_device_is_a_clear_error(&SUITE);
     }
+}
+
+/// Not a property of a transport: once.
+#[test]
+fn handles_are_send_and_sync() {
+    nonblocking::handles_are_send_and_sync();
 }
