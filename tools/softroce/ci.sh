@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # CI step for verbs: install what is missing (VM packages and the rdma-sys build
 # dependencies, via `run.sh setup`), build with the `verbs` feature on the host
-# (ferroccl-verbs' tests, ferroccl's p2p_props, ferroccl-run and ferroccl-selftest), and run
+# (ferroccl-verbs' tests, ferroccl's conformance suite, ferroccl-run and ferroccl-selftest), and run
 # the whole verbs suite inside the soft-RoCE VM in one boot (`verbs-suite.sh`): the
-# wrapper's loopback tests, the point-to-point properties over verbs, multi-process
+# wrapper's loopback tests, the conformance suite's verbs instantiation, multi-process
 # collectives checked against the reference, and a rank killed mid-collective; then one
 # job across two VMs joined by a private link (`run.sh pair`, `pair-suite.sh`).
 # Exits non-zero when anything fails.
@@ -17,7 +17,7 @@ bash "$HERE/run.sh" setup
 
 # Default target CPU only: the VM's CPU has AVX2 but no AVX-512 (no target-cpu=native).
 # The dev profile (opt-level 2) shares its dependencies with scripts/test.sh's build.
-json=$(cargo test -p ferroccl-verbs -p ferroccl --features ferroccl/verbs --lib --test loopback --test p2p_props --no-run \
+json=$(cargo test -p ferroccl-verbs -p ferroccl --features ferroccl/verbs --lib --test loopback --test conformance --no-run \
     --message-format=json) || { log "FAILED: building the verbs tests with --features verbs"; exit 1; }
 mapfile -t bins < <(grep -o '"executable":"[^"]*"' <<< "$json" | grep -v '/ferroccl-[0-9a-f]*"' \
     | sed 's/^"executable":"//; s/"$//')

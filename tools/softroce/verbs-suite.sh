@@ -1,8 +1,9 @@
 #!/bin/bash
 # Runs inside the soft-RoCE VM (via ci.sh): the whole verbs suite in one boot.
 #   verbs-suite.sh BIN_DIR TEST_BINARY...
-# 1. every TEST_BINARY (ferroccl-verbs' tests, then ferroccl's p2p_props filtered to its
-#    verbs_* tests), --test-threads=1;
+# 1. every TEST_BINARY (ferroccl-verbs' tests, then ferroccl's conformance suite filtered
+#    to its verbs instantiation, `verbs::`), --test-threads=1; a binary that runs no test
+#    (a filter that no longer matches) fails;
 # 2. multi-process collectives over verbs (ferroccl-run + ferroccl-selftest coll from
 #    BIN_DIR), 2, 3 and 4 ranks, checked against the reference by every rank;
 #    then the progress engine (non-blocking collectives, plans, groups; ferroccl-selftest
@@ -20,12 +21,16 @@ rc=0
 fail() { echo "=== FAILED: $*"; rc=1; }
 secs() { echo "$(( $(date +%s%N) / 1000000 - $1 ))"; }
 
+tests_out=$(mktemp)
 for t in "$@"; do
     filter=()
-    case "$(basename "$t")" in p2p_props-*) filter=(verbs) ;; esac
+    case "$(basename "$t")" in conformance-*) filter=(verbs::) ;; esac
     echo "=== $t ${filter[*]}"
-    "$t" "${filter[@]}" --test-threads=1 || fail "$t"
+    "$t" "${filter[@]}" --test-threads=1 2>&1 | tee "$tests_out"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$t"
+    grep -qE '^test result: .* [1-9][0-9]* passed' "$tests_out" || fail "$t ${filter[*]}: no test ran"
 done
+rm -f "$tests_out"
 
 run=("$bin_dir/ferroccl-run" --transport verbs --timeout 120)
 selftest="$bin_dir/ferroccl-selftest"

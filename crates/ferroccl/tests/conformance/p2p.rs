@@ -1,129 +1,53 @@
-//! Property tests of the communicator's point-to-point layer, with ranks as threads of this
-//! test process (breadth: many shapes, sizes, knobs and transports per second; the
-//! multi-process depth lives in the workspace's `tests/mesh.rs`).
+//! The point-to-point properties (and split), over one instantiation's transport.
 //!
-//! Every proptest case starts a fresh bootstrap store and a fresh job of 2..=6 thread-ranks,
-//! each with its own shm segment and TCP listener. Payloads are derived from (case seed,
-//! message tag), so every receiver checks exactly what it got, byte for byte.
+//! Every proptest case starts a fresh bootstrap store and a fresh job of 2..=6 thread-ranks
+//! (fewer over verbs), each with its own shm segment, TCP listener or queue pairs.
+//! Payloads are derived from (case seed, message tag), so every receiver checks exactly
+//! what it got, byte for byte.
 //!
 //! What is covered:
 //! 1. `random_schedules_deliver_exactly`: random lists of send/recv pairs, walked in the same
-//!    order by every rank, over shm, tcp or a mix (auto with per-rank host ids), with random
-//!    element types (u8, f32, bf16), sizes biased to the protocol edges (0, 1, eager_max,
-//!    eager_max+1, the ring's message limit, chunk size, inline_max, ring size) and random
-//!    knobs (ring size, inline max, cross-memory attach, eager max).
+//!    order by every rank, with random element types (u8, f32, bf16), sizes biased to the
+//!    transport's protocol edges (shm and tcp: 0, 1, eager_max, eager_max+1, the ring's
+//!    message limit, chunk size, inline_max, ring size; verbs: its eager slot and staging
+//!    slot) and random knobs (ring size, inline max, cross-memory attach, eager max; over
+//!    verbs the eager max only). Each rank checks that the transport to every peer is the
+//!    one the instantiation asks for (under `mixed`: shm inside a host, tcp across).
 //! 2. `sendrecv_permutations_deliver`: rounds of `sendrecv` where each rank sends to
 //!    `perm[r]` and receives from `perm^-1[r]` (fixed points send to themselves), with
 //!    per-pair sizes that straddle the eager/rendezvous threshold within one round.
-//! 3. `tiny_ring_without_cma_moves_large_messages`: FERROCCL_SHM_CMA off, a 4 or 8 KiB
-//!    ring, messages of 100..400 KB between every ordered pair and in a sendrecv shift:
-//!    hundreds of chunks per message, ring wrap-around and PAD records.
+//! 3. `tiny_ring_without_cma_moves_large_messages` (shm only): FERROCCL_SHM_CMA off, a 4 or
+//!    8 KiB ring, messages of 100..400 KB between every ordered pair and in a sendrecv
+//!    shift: hundreds of chunks per message, ring wrap-around and PAD records.
 //! 4. `split_matches_model_and_subgroups_work`: random colors (some None) and keys with
 //!    ties, checked against a model (order by (key, parent rank)), then concurrent traffic
 //!    inside every sub-communicator interleaved with world traffic, and a nested split.
-//! 5. Error paths (plain tests): self / out-of-range peers, mismatched lengths in every
+//! 5. Error paths: self / out-of-range peers, mismatched lengths in every
 //!    eager/rendezvous combination, poisoning after an error.
 //! 6. Dropping a communicator without finalize while a peer is blocked in recv from it.
-//!
 //! 7. Regression tests for bugs these tests found (now fixed): a rendezvous-sized send
 //!    against an eager-sized receive, `sendrecv` with a bad `to`, and sequential jobs of
 //!    different sizes on one store.
-//! 8. The verbs transport (tests named `verbs_*`): 1, 2, 4, 5 and 6 over RDMA verbs with
-//!    fewer cases and sizes around the verbs slot and staging edges, and two communicators
-//!    sharing the mesh from two threads of each rank. They need the `verbs` feature
-//!    and a device (`FERROCCL_IB_DEV`, `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets
-//!    them: `tools/softroce/ci.sh`); without one they skip, unless
-//!    `FERROCCL_VERBS_REQUIRED=1`, which makes them fail instead.
+//! 8. Two communicators sharing the mesh (the world and a split of it) from two threads of
+//!    each rank.
+//! 9. (verbs only) asking for verbs without a device is a clear error at init.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use ferroccl::bootstrap::env::StoreRole;
 use ferroccl::bootstrap::{new_token, StoreServer};
-use ferroccl::{Communicator, Element, Error, InitConfig, Params, TransportChoice};
+use ferroccl::{Communicator, Element, Error, Params};
 use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16};
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::Config as ProptestConfig;
 
+use crate::harness::{
+    all_ok, check_cases, fresh_store_bind, run_world, run_world_at, verbs_device_named, RankResult, Suite, Wire, PROP_TIMEOUT,
+};
+
 // ---------------------------------------------------------------------------------------
-// Harness
+// Payloads
 // ---------------------------------------------------------------------------------------
-
-/// Deadline of every blocking call in the property tests: long enough for a loaded 2-core
-/// machine, short enough that a hang fails the test in reasonable time.
-const PROP_TIMEOUT: Duration = Duration::from_secs(20);
-
-type RankResult<R> = std::result::Result<R, String>;
-
-/// Runs one job of `n` thread-ranks: a fresh store, `init_with(params(rank))` on every
-/// thread concurrently, then `body(comm)`. Returns each rank's result (init errors and
-/// panics included, as `Err`).
-fn run_world<R: Send>(
-    n: usize,
-    params: impl Fn(usize) -> Params + Sync,
-    body: impl Fn(Communicator) -> RankResult<R> + Sync,
-) -> Vec<RankResult<R>> {
-    let token = new_token();
-    let server = StoreServer::start(fresh_store_bind(), &token, 64 << 20).expect("start store");
-    run_world_at(&server, &token, n, params, body)
-}
-
-/// A store address no earlier job of this process used: a new loopback IP per job (the whole
-/// of 127.0.0.0/8 is local), port 0. Reusing an address (the OS reuses freed ports) trips
-/// over the per-(store address, rank) init counter in `comm.rs` when the earlier job had a
-/// different world size: see `sequential_jobs_on_one_store_address_with_different_sizes`.
-fn fresh_store_bind() -> std::net::SocketAddr {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let c = NEXT.fetch_add(1, Ordering::Relaxed);
-    let ip = std::net::Ipv4Addr::new(127, 1 + (c / (254 * 256) % 254) as u8, (c / 254 % 256) as u8, (c % 254 + 1) as u8);
-    std::net::SocketAddr::new(ip.into(), 0)
-}
-
-/// [`run_world`] on a given store.
-fn run_world_at<R: Send>(
-    server: &StoreServer,
-    token: &str,
-    n: usize,
-    params: impl Fn(usize) -> Params + Sync,
-    body: impl Fn(Communicator) -> RankResult<R> + Sync,
-) -> Vec<RankResult<R>> {
-    let addr = server.addr().to_string();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (token, addr, params, body) = (token.to_string(), addr.clone(), &params, &body);
-                std::thread::Builder::new()
-                    .name(format!("rank-{rank}"))
-                    .spawn_scoped(s, move || {
-                        let cfg = InitConfig { rank, world_size: n, store: StoreRole::Connect(addr), token };
-                        let comm = Communicator::init_with(cfg, params(rank)).map_err(|e| format!("rank {rank}: init: {e}"))?;
-                        body(comm)
-                    })
-                    .expect("spawn rank thread")
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(r, h)| h.join().unwrap_or_else(|p| Err(format!("rank {r} panicked: {}", panic_text(&p)))))
-            .collect::<Vec<_>>()
-    })
-}
-
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
-}
-
-/// All ranks succeeded, or a description of every failure.
-fn all_ok<R>(results: Vec<RankResult<R>>) -> std::result::Result<Vec<R>, String> {
-    let errs: Vec<String> = results.iter().filter_map(|r| r.as_ref().err().cloned()).collect();
-    if errs.is_empty() {
-        Ok(results.into_iter().map(|r| r.ok().unwrap()).collect())
-    } else {
-        Err(errs.join("\n"))
-    }
-}
 
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -182,19 +106,11 @@ fn ty() -> impl Strategy<Value = Ty> {
     prop_oneof![Just(Ty::U8), Just(Ty::F32), Just(Ty::Bf16)]
 }
 
-/// How the ranks of a case are connected.
-#[derive(Clone, Debug)]
-enum Wiring {
-    Shm,
-    Tcp,
-    Verbs,
-    /// `auto`, with rank r on host `hosts[r]`: shm inside a host, tcp across.
-    Mixed(Vec<u8>),
-}
-
 #[derive(Clone, Debug)]
 struct Knobs {
-    wiring: Wiring,
+    wire: Wire,
+    /// Under [`Wire::Mixed`], rank r is on host `hosts[r]`: shm inside a host, tcp across.
+    hosts: Vec<u8>,
     ring: usize,
     inline_max: usize,
     cma: bool,
@@ -203,32 +119,25 @@ struct Knobs {
 
 impl Knobs {
     fn params(&self, rank: usize) -> Params {
-        let (transport, host_id) = match &self.wiring {
-            Wiring::Shm => (TransportChoice::Shm, None),
-            Wiring::Tcp => (TransportChoice::Tcp, None),
-            Wiring::Verbs => (TransportChoice::Verbs, None),
-            Wiring::Mixed(hosts) => (TransportChoice::Auto, Some(format!("p2p-props-host-{}", hosts[rank]))),
-        };
-        with_ib_env(Params {
-            transport,
-            host_id,
+        let host = self.hosts.get(rank).copied().unwrap_or(0) as usize;
+        Params {
             timeout: PROP_TIMEOUT,
             shm_ring_bytes: self.ring,
             shm_inline_max: self.inline_max,
             shm_cma: self.cma,
             eager_max: self.eager_max,
-            ..Params::default()
-        })
+            ..self.wire.params(host)
+        }
     }
 
     /// The transport two ranks must end up with.
     fn transport_between(&self, a: usize, b: usize) -> &'static str {
-        match &self.wiring {
-            Wiring::Shm => "shm",
-            Wiring::Tcp => "tcp",
-            Wiring::Verbs => "verbs",
-            Wiring::Mixed(h) if h[a] == h[b] => "shm",
-            Wiring::Mixed(_) => "tcp",
+        match self.wire {
+            Wire::Shm => "shm",
+            Wire::Tcp => "tcp",
+            Wire::Verbs => "verbs",
+            Wire::Mixed if self.hosts[a] == self.hosts[b] => "shm",
+            Wire::Mixed => "tcp",
         }
     }
 
@@ -240,7 +149,7 @@ impl Knobs {
 
     /// Byte sizes at the protocol edges for these knobs.
     fn edges(&self) -> Vec<usize> {
-        if let Wiring::Verbs = self.wiring {
+        if self.wire == Wire::Verbs {
             return verbs_edges(self.eager_max);
         }
         let ms = self.shm_max_send();
@@ -270,19 +179,41 @@ impl Knobs {
     }
 }
 
-fn wiring(n: usize) -> impl Strategy<Value = Wiring> {
-    prop_oneof![Just(Wiring::Shm), Just(Wiring::Tcp), proptest::collection::vec(0u8..2, n).prop_map(Wiring::Mixed),]
+/// The verbs transport's edges: its eager slot (68 KiB, 12 bytes of eager header), its
+/// staging slot (256 KiB pieces of a one-sided write) and the eager threshold.
+fn verbs_edges(e: usize) -> Vec<usize> {
+    const SLOT: usize = 68 << 10;
+    const STAGE: usize = 256 << 10;
+    let mut v = vec![0, 1, 3, e.saturating_sub(1), e, e + 1, SLOT - 12, SLOT - 11, STAGE - 1, STAGE, STAGE + 1, 2 * STAGE + 3];
+    v.retain(|&b| b < 600_000);
+    v
 }
 
-fn knobs(n: usize) -> impl Strategy<Value = Knobs> {
+/// Which host each of `n` ranks is on: random under [`Wire::Mixed`], else none.
+fn hosts(wire: Wire, n: usize) -> BoxedStrategy<Vec<u8>> {
+    match wire {
+        Wire::Mixed => proptest::collection::vec(0u8..2, n).boxed(),
+        _ => Just(Vec::new()).boxed(),
+    }
+}
+
+/// Random knobs for `n` ranks over `wire`: over verbs only the eager threshold varies (the
+/// shm knobs mean nothing there).
+fn knobs(wire: Wire, n: usize) -> BoxedStrategy<Knobs> {
+    if wire == Wire::Verbs {
+        return select(vec![0usize, 100, 4096, 65536])
+            .prop_map(move |eager_max| Knobs { wire, hosts: Vec::new(), ring: 1 << 20, inline_max: 16384, cma: false, eager_max })
+            .boxed();
+    }
     (
-        wiring(n),
+        hosts(wire, n),
         select(vec![4096usize, 8192, 65536, 1 << 20]),
         select(vec![0usize, 64, 1000, 4096, 16384]),
         any::<bool>(),
         select(vec![0usize, 1, 100, 1024, 4096, 65536]),
     )
-        .prop_map(|(wiring, ring, inline_max, cma, eager_max)| Knobs { wiring, ring, inline_max, cma, eager_max })
+        .prop_map(move |(hosts, ring, inline_max, cma, eager_max)| Knobs { wire, hosts, ring, inline_max, cma, eager_max })
+        .boxed()
 }
 
 /// A byte length biased to the protocol edges of `k`.
@@ -352,24 +283,18 @@ struct Msg {
     bytes: usize,
 }
 
-fn schedule_case() -> impl Strategy<Value = (usize, Knobs, Vec<Msg>, u64)> {
-    (2usize..=5).prop_flat_map(|n| {
-        knobs(n).prop_flat_map(move |k| {
+fn schedule_case(s: &Suite) -> impl Strategy<Value = (usize, Knobs, Vec<Msg>, u64)> {
+    let (wire, max_msgs) = (s.wire, s.schedule_msgs);
+    (2usize..=s.p2p_ranks).prop_flat_map(move |n| {
+        knobs(wire, n).prop_flat_map(move |k| {
             let msg = (0..n, 1..n, ty(), len_bytes(&k)).prop_map(move |(from, d, ty, bytes)| Msg { from, to: (from + d) % n, ty, bytes });
-            (Just(n), Just(k), proptest::collection::vec(msg, 0..=12), any::<u64>())
+            (Just(n), Just(k), proptest::collection::vec(msg, 0..=max_msgs), any::<u64>())
         })
     })
 }
 
-proptest! {
-    #![proptest_config(config(256))]
-
-    #[test]
-    fn random_schedules_deliver_exactly((n, k, msgs, seed) in schedule_case()) {
-        if let Err(e) = check_schedule(n, &k, &msgs, seed) {
-            prop_assert!(false, "{}", e);
-        }
-    }
+pub fn random_schedules_deliver_exactly(s: &Suite) {
+    check_cases(config(s.schedule_cases), schedule_case(s), |(n, k, msgs, seed)| check_schedule(n, &k, &msgs, seed));
 }
 
 fn check_schedule(n: usize, k: &Knobs, msgs: &[Msg], seed: u64) -> std::result::Result<(), String> {
@@ -404,10 +329,11 @@ fn check_schedule(n: usize, k: &Knobs, msgs: &[Msg], seed: u64) -> std::result::
 // 2. sendrecv in permutation patterns
 // ---------------------------------------------------------------------------------------
 
-fn perm_case() -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty, u64)> {
-    (2usize..=5).prop_flat_map(|n| {
+fn perm_case(s: &Suite) -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty, u64)> {
+    let (wire, max_rounds) = (s.wire, s.perm_rounds);
+    (2usize..=s.p2p_ranks).prop_flat_map(move |n| {
         let perm = Just((0..n).collect::<Vec<usize>>()).prop_shuffle();
-        (Just(n), knobs(n), proptest::collection::vec(perm, 1..=4), ty(), any::<u64>())
+        (Just(n), knobs(wire, n), proptest::collection::vec(perm, 1..=max_rounds), ty(), any::<u64>())
     })
 }
 
@@ -423,15 +349,8 @@ fn pair_bytes(k: &Knobs, seed: u64, round: usize, src: usize) -> usize {
     }
 }
 
-proptest! {
-    #![proptest_config(config(256))]
-
-    #[test]
-    fn sendrecv_permutations_deliver((n, k, rounds, ty, seed) in perm_case()) {
-        if let Err(e) = check_perm(n, &k, &rounds, ty, seed) {
-            prop_assert!(false, "{}", e);
-        }
-    }
+pub fn sendrecv_permutations_deliver(s: &Suite) {
+    check_cases(config(s.perm_cases), perm_case(s), |(n, k, rounds, ty, seed)| check_perm(n, &k, &rounds, ty, seed));
 }
 
 fn check_perm(n: usize, k: &Knobs, rounds: &[Vec<usize>], ty: Ty, seed: u64) -> std::result::Result<(), String> {
@@ -482,53 +401,54 @@ fn check_perm(n: usize, k: &Knobs, rounds: &[Vec<usize>], ty: Ty, seed: u64) -> 
 // 3. Tiny ring, no cross-memory attach, large messages
 // ---------------------------------------------------------------------------------------
 
-proptest! {
-    #![proptest_config(config(48))]
-
-    #[test]
-    fn tiny_ring_without_cma_moves_large_messages(
-        n in 2usize..=3,
-        ring in select(vec![4096usize, 8192]),
-        inline_max in select(vec![0usize, 4096, 1 << 20]),
-        eager_max in select(vec![0usize, 1024, 65536]),
-        sizes in proptest::collection::vec(100_000usize..400_000, 1..=3),
-        seed in any::<u64>(),
-    ) {
-        let k = Knobs { wiring: Wiring::Shm, ring, inline_max, cma: false, eager_max };
-        let res = run_world(n, |r| k.params(r), |comm| {
-            let me = comm.rank();
-            let size = comm.size();
-            // Every ordered pair, one message each way per size (the schedule is walked in
-            // the same order everywhere).
-            let mut tag = 0u64;
-            for &bytes in &sizes {
-                for from in 0..size {
-                    for to in (0..size).filter(|&t| t != from) {
-                        let cnt = elems(Ty::F32, bytes);
-                        if from == me {
-                            send_any(&comm, Ty::F32, to, seed, tag, cnt)?;
-                        } else if to == me {
-                            recv_any(&comm, Ty::F32, from, seed, tag, cnt)?;
+/// Shm only: the knobs are the shm transport's.
+pub fn tiny_ring_without_cma_moves_large_messages() {
+    let case = (
+        2usize..=3,
+        select(vec![4096usize, 8192]),
+        select(vec![0usize, 4096, 1 << 20]),
+        select(vec![0usize, 1024, 65536]),
+        proptest::collection::vec(100_000usize..400_000, 1..=3),
+        any::<u64>(),
+    );
+    check_cases(config(48), case, |(n, ring, inline_max, eager_max, sizes, seed)| {
+        let k = Knobs { wire: Wire::Shm, hosts: Vec::new(), ring, inline_max, cma: false, eager_max };
+        let res = run_world(
+            n,
+            |r| k.params(r),
+            |comm| {
+                let me = comm.rank();
+                let size = comm.size();
+                // Every ordered pair, one message each way per size (the schedule is walked in
+                // the same order everywhere).
+                let mut tag = 0u64;
+                for &bytes in &sizes {
+                    for from in 0..size {
+                        for to in (0..size).filter(|&t| t != from) {
+                            let cnt = elems(Ty::F32, bytes);
+                            if from == me {
+                                send_any(&comm, Ty::F32, to, seed, tag, cnt)?;
+                            } else if to == me {
+                                recv_any(&comm, Ty::F32, from, seed, tag, cnt)?;
+                            }
+                            tag += 1;
                         }
-                        tag += 1;
+                    }
+                    // And a ring shift with sendrecv: all ranks write through rings at once.
+                    let to = (me + 1) % size;
+                    let from = (me + size - 1) % size;
+                    let data = payload::<u8>(seed, 1000 + me as u64, bytes);
+                    let mut buf = recv_buf::<u8>(bytes);
+                    comm.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: shift {bytes}: {e}"))?;
+                    if let Some(d) = diff(&buf, &payload::<u8>(seed, 1000 + from as u64, bytes)) {
+                        return Err(format!("rank {me}: shift of {bytes} bytes from {from}: {d}"));
                     }
                 }
-                // And a ring shift with sendrecv: all ranks write through rings at once.
-                let to = (me + 1) % size;
-                let from = (me + size - 1) % size;
-                let data = payload::<u8>(seed, 1000 + me as u64, bytes);
-                let mut buf = recv_buf::<u8>(bytes);
-                comm.sendrecv(&data, to, &mut buf, from).map_err(|e| format!("rank {me}: shift {bytes}: {e}"))?;
-                if let Some(d) = diff(&buf, &payload::<u8>(seed, 1000 + from as u64, bytes)) {
-                    return Err(format!("rank {me}: shift of {bytes} bytes from {from}: {d}"));
-                }
-            }
-            finalize(comm)
-        });
-        if let Err(e) = all_ok(res) {
-            prop_assert!(false, "{}", e);
-        }
-    }
+                finalize(comm)
+            },
+        );
+        all_ok(res).map(|_| ())
+    });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -548,12 +468,13 @@ fn split_model(colors: &[Option<u32>], keys: &[i64]) -> Vec<Option<Vec<usize>>> 
         .collect()
 }
 
-fn split_case() -> impl Strategy<Value = (usize, Wiring, Vec<Option<u32>>, Vec<i64>, u64)> {
-    (2usize..=6).prop_flat_map(|n| {
+fn split_case(s: &Suite) -> impl Strategy<Value = (usize, Vec<u8>, Vec<Option<u32>>, Vec<i64>, u64)> {
+    let wire = s.wire;
+    (2usize..=s.split_ranks).prop_flat_map(move |n| {
         let color = prop_oneof![1 => Just(None), 4 => (0u32..3).prop_map(Some), 1 => any::<u32>().prop_map(Some)];
         (
             Just(n),
-            wiring(n),
+            hosts(wire, n),
             proptest::collection::vec(color, n),
             proptest::collection::vec(prop_oneof![-2i64..3, any::<i64>()], n),
             any::<u64>(),
@@ -561,21 +482,15 @@ fn split_case() -> impl Strategy<Value = (usize, Wiring, Vec<Option<u32>>, Vec<i
     })
 }
 
-proptest! {
-    #![proptest_config(config(160))]
-
-    #[test]
-    fn split_matches_model_and_subgroups_work((n, wiring, colors, keys, seed) in split_case()) {
-        if let Err(e) = check_split(n, wiring, &colors, &keys, seed) {
-            prop_assert!(false, "{}", e);
-        }
-    }
+pub fn split_matches_model_and_subgroups_work(s: &Suite) {
+    let wire = s.wire;
+    check_cases(config(s.split_cases), split_case(s), |(n, hosts, colors, keys, seed)| check_split(n, wire, hosts, &colors, &keys, seed));
 }
 
-fn check_split(n: usize, wiring: Wiring, colors: &[Option<u32>], keys: &[i64], seed: u64) -> std::result::Result<(), String> {
+fn check_split(n: usize, wire: Wire, hosts: Vec<u8>, colors: &[Option<u32>], keys: &[i64], seed: u64) -> std::result::Result<(), String> {
     {
         let model = split_model(colors, keys);
-        let k = Knobs { wiring, ring: 8192, inline_max: 1000, cma: true, eager_max: 1024 };
+        let k = Knobs { wire, hosts, ring: 8192, inline_max: 1000, cma: true, eager_max: 1024 };
         let res = run_world(
             n,
             |r| k.params(r),
@@ -673,24 +588,16 @@ fn world_ring(comm: &Communicator, seed: u64) -> RankResult<()> {
 // 5. Error paths
 // ---------------------------------------------------------------------------------------
 
-fn small_params(t: TransportChoice) -> Params {
-    with_ib_env(Params { transport: t, timeout: Duration::from_secs(5), eager_max: 1024, ..Params::default() })
+fn small_params(s: &Suite, rank: usize) -> Params {
+    Params { timeout: Duration::from_secs(5), eager_max: 1024, ..s.params(rank) }
 }
 
-const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];
-
-#[test]
-fn bad_peers_are_invalid_arguments_and_do_not_poison() {
-    for t in BOTH {
-        bad_peers(t);
-    }
-}
-
-fn bad_peers(t: TransportChoice) {
+pub fn bad_peers_are_invalid_arguments_and_do_not_poison(s: &Suite) {
+    let t = s.wire;
     {
         let res = run_world(
             3,
-            |_| small_params(t),
+            |r| small_params(s, r),
             |comm| {
                 let me = comm.rank();
                 let mut buf = [0u8; 4];
@@ -726,10 +633,11 @@ fn bad_peers(t: TransportChoice) {
 
 /// `sendrecv(data, bad_to, buf, good_from)` must fail with InvalidArgument and leave the
 /// stream from `good_from` as it was: a later ordinary send/recv between the two ranks works.
-fn sendrecv_bad_to_keeps_stream(t: TransportChoice, len: usize) -> std::result::Result<(), String> {
+fn sendrecv_bad_to_keeps_stream(s: &Suite, len: usize) -> std::result::Result<(), String> {
+    let t = s.wire;
     let res = run_world(
         2,
-        |_| small_params(t),
+        |r| small_params(s, r),
         |comm| {
             let me = comm.rank();
             if me == 0 {
@@ -748,24 +656,18 @@ fn sendrecv_bad_to_keeps_stream(t: TransportChoice, len: usize) -> std::result::
     all_ok(res).map(|_| ()).map_err(|e| format!("{t:?}, {len} bytes: {e}"))
 }
 
-#[test]
-fn sendrecv_with_bad_to_leaves_the_recv_stream_intact() {
-    let errs: Vec<String> =
-        [(TransportChoice::Shm, 100), (TransportChoice::Shm, 100_000), (TransportChoice::Tcp, 100), (TransportChoice::Tcp, 100_000)]
-            .into_iter()
-            .filter_map(|(t, len)| sendrecv_bad_to_keeps_stream(t, len).err())
-            .collect();
+pub fn sendrecv_with_bad_to_leaves_the_recv_stream_intact(s: &Suite) {
+    let errs: Vec<String> = [100, 100_000].into_iter().filter_map(|len| sendrecv_bad_to_keeps_stream(s, len).err()).collect();
     assert!(errs.is_empty(), "{}", errs.join("\n"));
 }
 
 /// Two jobs in sequence, one process, the same store and token, first 2 ranks then 3. The
 /// third rank's thread never joined the first job; the store keys must still agree (they
 /// once did not: init counted per (store address, rank) only, and timed out).
-#[test]
-fn sequential_jobs_on_one_store_address_with_different_sizes() {
+pub fn sequential_jobs_on_one_store_address_with_different_sizes(s: &Suite) {
     let token = new_token();
     let server = StoreServer::start(fresh_store_bind(), &token, 64 << 20).expect("start store");
-    let params = |_| small_params(TransportChoice::Tcp);
+    let params = |r| small_params(s, r);
     for n in [2, 3] {
         let t0 = Instant::now();
         let res = run_world_at(&server, &token, n, params, |comm| {
@@ -790,10 +692,11 @@ struct Side {
     later: Option<String>,
 }
 
-fn mismatch_case(t: TransportChoice, send_len: usize, recv_len: usize) -> Vec<Side> {
+fn mismatch_case(s: &Suite, send_len: usize, recv_len: usize) -> Vec<Side> {
+    let t = s.wire;
     let res = run_world(
         2,
-        |_| small_params(t),
+        |r| small_params(s, r),
         |comm| {
             let me = comm.rank();
             comm.barrier().map_err(|e| format!("rank {me}: barrier before: {e}"))?;
@@ -816,17 +719,17 @@ fn mismatch_case(t: TransportChoice, send_len: usize, recv_len: usize) -> Vec<Si
     all_ok(res).unwrap()
 }
 
-fn check_mismatch(t: TransportChoice, send_len: usize, recv_len: usize) {
-    let sides = mismatch_case(t, send_len, recv_len);
-    let ctx = format!("{t:?}, send {send_len}, recv {recv_len}: {sides:#?}");
+fn check_mismatch(suite: &Suite, send_len: usize, recv_len: usize) {
+    let sides = mismatch_case(suite, send_len, recv_len);
+    let ctx = format!("{:?}, send {send_len}, recv {recv_len}: {sides:#?}", suite.wire);
     // Both sides report the mismatch as such: the one that finds it, and the other from
     // the fault it is told about (an eager sender at its next call).
     assert!(sides.iter().all(|s| s.is_mismatch), "not every side reported Error::Mismatch: {ctx}");
     for (r, s) in sides.iter().enumerate() {
         // Both sides fail promptly (timeout is 5 s), and the error explains the mismatch.
-        // (Over verbs, in an emulated VM, clocks say little: there the check is that the
-        // error is the mismatch itself, not the deadline, which is 5 s.)
-        if t != TransportChoice::Verbs {
+        // (Without clocks, over verbs in an emulated VM, the check is that the error is the
+        // mismatch itself, not the deadline, which is 5 s.)
+        if suite.clocks {
             assert!(s.after < Duration::from_secs(3), "rank {r} failed only after {:?}: {ctx}", s.after);
         }
         assert!(!s.err.contains("timed out"), "rank {r} waited for the deadline: {ctx}");
@@ -839,46 +742,33 @@ fn check_mismatch(t: TransportChoice, send_len: usize, recv_len: usize) {
     assert!(sides[1].first.is_some(), "the receiver's recv succeeded: {ctx}");
 }
 
-#[test]
-fn mismatch_eager_vs_eager() {
-    for t in BOTH {
-        check_mismatch(t, 100, 200);
-        check_mismatch(t, 200, 100);
-    }
+pub fn mismatch_eager_vs_eager(s: &Suite) {
+    check_mismatch(s, 100, 200);
+    check_mismatch(s, 200, 100);
 }
 
-#[test]
-fn mismatch_rendezvous_vs_rendezvous() {
-    for t in BOTH {
-        check_mismatch(t, 100_000, 200_000);
-        check_mismatch(t, 200_000, 100_000);
-    }
+pub fn mismatch_rendezvous_vs_rendezvous(s: &Suite) {
+    check_mismatch(s, 100_000, 200_000);
+    check_mismatch(s, 200_000, 100_000);
 }
 
-#[test]
-fn mismatch_eager_send_rendezvous_recv() {
-    for t in BOTH {
-        check_mismatch(t, 100, 200_000);
-    }
+pub fn mismatch_eager_send_rendezvous_recv(s: &Suite) {
+    check_mismatch(s, 100, 200_000);
 }
 
-#[test]
-fn mismatch_rendezvous_send_eager_recv() {
-    for t in BOTH {
-        check_mismatch(t, 200_000, 100);
-    }
+pub fn mismatch_rendezvous_send_eager_recv(s: &Suite) {
+    check_mismatch(s, 200_000, 100);
 }
 
 // ---------------------------------------------------------------------------------------
 // 6. Drop without finalize
 // ---------------------------------------------------------------------------------------
 
-fn drop_while_peer_waits(t: TransportChoice, recv_len: usize) {
-    let mut p = small_params(t);
-    p.timeout = Duration::from_secs(20);
+fn drop_while_peer_waits(s: &Suite, recv_len: usize) {
+    let t = s.wire;
     let res = run_world(
         2,
-        |_| p.clone(),
+        |r| Params { timeout: Duration::from_secs(20), ..small_params(s, r) },
         |comm| {
             let me = comm.rank();
             comm.barrier().map_err(|e| format!("rank {me}: barrier: {e}"))?;
@@ -902,134 +792,30 @@ fn drop_while_peer_waits(t: TransportChoice, recv_len: usize) {
         Err(Error::PeerLeft { peer: 0, how: ferroccl::error::Departure::Dropped, p2p: Some((0, 0)), .. }) => {}
         _ => panic!("expected PeerLeft naming rank 0, dropped, no point-to-point message sent: {ctx}"),
     }
-    // Over verbs (in an emulated VM) the PeerFailed above, not a Timeout, shows promptness.
-    if t != TransportChoice::Verbs {
+    // Without clocks (over verbs, in an emulated VM) the PeerLeft above, not a Timeout,
+    // shows promptness.
+    if s.clocks {
         assert!(after < Duration::from_secs(5), "not prompt: {ctx}");
     }
     assert!(later.is_err(), "{ctx}");
 }
 
-#[test]
-fn dropped_peer_fails_a_blocked_recv_promptly() {
-    for t in BOTH {
-        drop_while_peer_waits(t, 100); // eager: waiting for data
-        drop_while_peer_waits(t, 100_000); // rendezvous: clear-to-send posted, waiting for the write
-    }
+pub fn dropped_peer_fails_a_blocked_recv_promptly(s: &Suite) {
+    drop_while_peer_waits(s, 100); // eager: waiting for data
+    drop_while_peer_waits(s, 100_000); // rendezvous: clear-to-send posted, waiting for the write
 }
 
 // ---------------------------------------------------------------------------------------
-// 8. The verbs transport
+// 8. Two communicators sharing the mesh; 9. verbs without a device
 // ---------------------------------------------------------------------------------------
 
-/// Whether the verbs tests run here: the `verbs` feature and a device named by the
-/// environment (the soft-RoCE VM sets `FERROCCL_IB_DEV`). `FERROCCL_VERBS_REQUIRED=1` turns
-/// a skip into a failure.
-fn verbs_here(test: &str) -> bool {
-    let required = std::env::var("FERROCCL_VERBS_REQUIRED").is_ok_and(|v| v == "1");
-    let here = cfg!(feature = "verbs") && std::env::var("FERROCCL_IB_DEV").is_ok_and(|v| !v.is_empty());
-    assert!(here || !required, "{test}: FERROCCL_VERBS_REQUIRED=1 but no verbs here (feature `verbs` and FERROCCL_IB_DEV needed)");
-    if !here {
-        eprintln!("{test}: skipped (needs the `verbs` feature and FERROCCL_IB_DEV; see tools/softroce)");
-    }
-    here
-}
-
-/// `p` with the environment's RDMA device and GID index (how the VM names them).
-fn with_ib_env(mut p: Params) -> Params {
-    p.ib_dev = std::env::var("FERROCCL_IB_DEV").ok().filter(|v| !v.is_empty());
-    p.ib_gid_index = std::env::var("FERROCCL_IB_GID_INDEX").ok().and_then(|v| v.trim().parse().ok());
-    p
-}
-
-/// The verbs transport's edges: its eager slot (68 KiB, 12 bytes of eager header), its
-/// staging slot (256 KiB pieces of a one-sided write) and the eager threshold.
-fn verbs_edges(e: usize) -> Vec<usize> {
-    const SLOT: usize = 68 << 10;
-    const STAGE: usize = 256 << 10;
-    let mut v = vec![0, 1, 3, e.saturating_sub(1), e, e + 1, SLOT - 12, SLOT - 11, STAGE - 1, STAGE, STAGE + 1, 2 * STAGE + 3];
-    v.retain(|&b| b < 600_000);
-    v
-}
-
-fn verbs_knobs() -> impl Strategy<Value = Knobs> {
-    select(vec![0usize, 100, 4096, 65536]).prop_map(|eager_max| Knobs {
-        wiring: Wiring::Verbs,
-        ring: 1 << 20,
-        inline_max: 16384,
-        cma: false,
-        eager_max,
-    })
-}
-
-fn verbs_schedule_case() -> impl Strategy<Value = (usize, Knobs, Vec<Msg>, u64)> {
-    (2usize..=4).prop_flat_map(|n| {
-        verbs_knobs().prop_flat_map(move |k| {
-            let msg = (0..n, 1..n, ty(), len_bytes(&k)).prop_map(move |(from, d, ty, bytes)| Msg { from, to: (from + d) % n, ty, bytes });
-            (Just(n), Just(k), proptest::collection::vec(msg, 0..=10), any::<u64>())
-        })
-    })
-}
-
-fn verbs_perm_case() -> impl Strategy<Value = (usize, Knobs, Vec<Vec<usize>>, Ty, u64)> {
-    (2usize..=4).prop_flat_map(|n| {
-        let perm = Just((0..n).collect::<Vec<usize>>()).prop_shuffle();
-        (Just(n), verbs_knobs(), proptest::collection::vec(perm, 1..=3), ty(), any::<u64>())
-    })
-}
-
-proptest! {
-    #![proptest_config(config(16))]
-
-    #[test]
-    fn verbs_random_schedules_deliver_exactly((n, k, msgs, seed) in verbs_schedule_case()) {
-        if verbs_here("verbs_random_schedules_deliver_exactly") {
-            if let Err(e) = check_schedule(n, &k, &msgs, seed) {
-                prop_assert!(false, "{}", e);
-            }
-        }
-    }
-
-    #[test]
-    fn verbs_sendrecv_permutations_deliver((n, k, rounds, ty, seed) in verbs_perm_case()) {
-        if verbs_here("verbs_sendrecv_permutations_deliver") {
-            if let Err(e) = check_perm(n, &k, &rounds, ty, seed) {
-                prop_assert!(false, "{}", e);
-            }
-        }
-    }
-}
-
-fn verbs_split_case() -> impl Strategy<Value = (usize, Vec<Option<u32>>, Vec<i64>, u64)> {
-    (2usize..=4).prop_flat_map(|n| {
-        let color = prop_oneof![1 => Just(None), 4 => (0u32..3).prop_map(Some)];
-        (Just(n), proptest::collection::vec(color, n), proptest::collection::vec(-2i64..3, n), any::<u64>())
-    })
-}
-
-proptest! {
-    #![proptest_config(config(8))]
-
-    #[test]
-    fn verbs_split_matches_model_and_subgroups_work((n, colors, keys, seed) in verbs_split_case()) {
-        if verbs_here("verbs_split_matches_model_and_subgroups_work") {
-            if let Err(e) = check_split(n, Wiring::Verbs, &colors, &keys, seed) {
-                prop_assert!(false, "{}", e);
-            }
-        }
-    }
-}
-
-/// Two communicators sharing the verbs mesh (the world and a split of it), driven from two
+/// Two communicators sharing the mesh (the world and a split of it), driven from two
 /// threads of each rank at once: eager and rendezvous transfers of both interleave on the
-/// same queue pairs, slots, credits and staging slots.
-#[test]
-fn verbs_communicators_on_two_threads_share_the_mesh() {
-    if !verbs_here("verbs_communicators_on_two_threads_share_the_mesh") {
-        return;
-    }
+/// same connections (over verbs: queue pairs, slots, credits and staging slots).
+pub fn communicators_on_two_threads_share_the_mesh(s: &Suite) {
     let res = run_world(
         3,
-        |_| small_params(TransportChoice::Verbs),
+        |r| small_params(s, r),
         |comm| {
             let me = comm.rank();
             let sub = comm.split(Some(0), -(me as i64)).map_err(|e| format!("rank {me}: split: {e}"))?.ok_or("no sub-communicator")?;
@@ -1047,8 +833,8 @@ fn verbs_communicators_on_two_threads_share_the_mesh() {
                 }
                 Ok(())
             };
-            std::thread::scope(|s| {
-                let other = s.spawn(|| traffic(&sub, 2));
+            std::thread::scope(|sc| {
+                let other = sc.spawn(|| traffic(&sub, 2));
                 let mine = traffic(&comm, 1);
                 let theirs = other.join().unwrap_or_else(|_| Err(format!("rank {me}: the second thread panicked")));
                 mine.and(theirs)
@@ -1060,40 +846,16 @@ fn verbs_communicators_on_two_threads_share_the_mesh() {
     all_ok(res).unwrap();
 }
 
-#[test]
-fn verbs_bad_peers_and_mismatches_fail_cleanly() {
-    if !verbs_here("verbs_bad_peers_and_mismatches_fail_cleanly") {
-        return;
-    }
-    let t = TransportChoice::Verbs;
-    bad_peers(t);
-    for len in [100, 100_000] {
-        sendrecv_bad_to_keeps_stream(t, len).unwrap();
-    }
-    for (send, recv) in [(100, 200), (200, 100), (100_000, 200_000), (200_000, 100_000), (100, 200_000), (200_000, 100)] {
-        check_mismatch(t, send, recv);
-    }
-}
-
-#[test]
-fn verbs_dropped_peer_fails_a_blocked_recv_promptly() {
-    if !verbs_here("verbs_dropped_peer_fails_a_blocked_recv_promptly") {
-        return;
-    }
-    drop_while_peer_waits(TransportChoice::Verbs, 100);
-    drop_while_peer_waits(TransportChoice::Verbs, 100_000);
-}
-
 /// Without a usable device (or without the feature), asking for verbs is a clear error
 /// at init, not a panic or a hang: on the rank without one, and (where the others have a
 /// device) on every other rank too, naming that rank, not a timeout.
-#[test]
-fn verbs_without_a_device_is_a_clear_error() {
-    let here = cfg!(feature = "verbs") && std::env::var("FERROCCL_IB_DEV").is_ok_and(|v| !v.is_empty());
+pub fn verbs_without_a_device_is_a_clear_error(s: &Suite) {
+    assert_eq!(s.wire, Wire::Verbs);
+    let here = verbs_device_named();
     let res = run_world(
         3,
         |r| {
-            let p = small_params(TransportChoice::Verbs);
+            let p = small_params(s, r);
             if r == 1 {
                 Params { ib_dev: Some("no-such-rdma-device".into()), ..p }
             } else {

@@ -1,8 +1,8 @@
-//! Collectives against the CPU reference, with ranks as threads of this process (breadth;
-//! tests/mesh.rs runs them as real processes). Each proptest case builds one world (a rank
-//! count, a transport, an algorithm override, a protocol, a chunk size) and runs every
-//! collective x dtype x op x in-place combination in it; every rank checks its result
-//! against the reference and that all ranks hold the same bits.
+//! Collectives against the CPU reference, over one instantiation's transport (tests/mesh.rs
+//! runs them as real processes). Each proptest case builds one world (a rank count, an
+//! algorithm override, a protocol, a chunk size) and runs every collective x dtype x op x
+//! in-place combination in it; every rank checks its result against the reference and
+//! that all ranks hold the same bits.
 //!
 //! Values: "exact" inputs (small integers, powers of two) make every algorithm's result
 //! exactly the reference, whatever its reduction order, so ring is checked bit for bit too;
@@ -11,12 +11,12 @@
 
 use std::time::Duration;
 
-use ferroccl::{Communicator, Element, Params, ProtoChoice, ReduceOp, TransportChoice};
+use ferroccl::{Communicator, Element, Params, ProtoChoice, ReduceOp};
 use ferroccl_kernels::{bf16, f16, reduce_many};
 use proptest::prelude::*;
+use proptest::test_runner::Config as ProptestConfig;
 
-mod common;
-use common::world;
+use crate::harness::{all_ok, check_cases, run_world, Suite};
 
 trait T: Element + Copy {
     /// An exactly representable value from a small integer (and powers of two for prod).
@@ -175,21 +175,18 @@ fn check_all<X: T>(comm: &Communicator, count: usize, op: ReduceOp, seed: u64, e
     Ok(all)
 }
 
-fn params(transport: TransportChoice, algo: Option<&str>, proto: ProtoChoice, chunk: usize, host_split: bool, rank: usize) -> Params {
-    let mut p = Params { transport, timeout: Duration::from_secs(60), proto, chunk_bytes: chunk, ..Params::default() };
+fn params(s: &Suite, algo: Option<&str>, proto: ProtoChoice, chunk: usize, rank: usize) -> Params {
+    let mut p = Params { timeout: Duration::from_secs(60), proto, chunk_bytes: chunk, ..s.params(rank) };
     p.algo = algo.map(str::to_string);
     p.shm_ring_bytes = 1 << 16;
-    if host_split {
-        p.host_id = Some(format!("h{}", rank % 2));
-    }
     p
 }
 
 /// One world: every collective, every dtype, every op.
 #[allow(clippy::too_many_arguments)]
 fn run_case(
+    s: &Suite,
     n: usize,
-    transport: TransportChoice,
     algo: Option<&str>,
     proto: ProtoChoice,
     chunk: usize,
@@ -197,23 +194,26 @@ fn run_case(
     seed: u64,
     exact: bool,
 ) -> Result<(), String> {
-    let base = params(transport, algo, proto, chunk, false, 0);
-    let results = world(n, &base, |comm| -> Result<Vec<Vec<u8>>, String> {
-        let mut outs = Vec::new();
-        for &count in counts {
-            for op in OPS {
-                macro_rules! each {
-                    ($($t:ty),*) => {$(
-                        let v = check_all::<$t>(&comm, count, op, seed ^ count as u64, exact)?;
-                        outs.push(ferroccl_kernels::as_bytes(&v).to_vec());
-                    )*};
+    let results = run_world(
+        n,
+        |r| params(s, algo, proto, chunk, r),
+        |comm| -> Result<Vec<Vec<u8>>, String> {
+            let mut outs = Vec::new();
+            for &count in counts {
+                for op in OPS {
+                    macro_rules! each {
+                        ($($t:ty),*) => {$(
+                            let v = check_all::<$t>(&comm, count, op, seed ^ count as u64, exact)?;
+                            outs.push(ferroccl_kernels::as_bytes(&v).to_vec());
+                        )*};
+                    }
+                    each!(f32, f16, bf16, f64, i32, u8, i64, u32, i8, u64);
                 }
-                each!(f32, f16, bf16, f64, i32, u8, i64, u32, i8, u64);
             }
-        }
-        comm.finalize().map_err(|e| e.to_string())?;
-        Ok(outs)
-    });
+            comm.finalize().map_err(|e| e.to_string())?;
+            Ok(outs)
+        },
+    );
     let mut first: Option<Vec<Vec<u8>>> = None;
     for (r, res) in results.into_iter().enumerate() {
         let outs = res?;
@@ -230,92 +230,98 @@ fn run_case(
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-
-    /// Exact values: every algorithm (forced or chosen) equals the reference bit for bit.
-    #[test]
-    fn collectives_equal_the_reference_exact_values(
-        n in 1usize..=5,
-        transport in prop::sample::select(vec![TransportChoice::Shm, TransportChoice::Tcp]),
-        algo in prop::sample::select(vec![None, Some("ring"), Some("mesh"), Some("oneshot"), Some("chain")]),
-        proto in prop::sample::select(vec![ProtoChoice::Auto, ProtoChoice::Eager, ProtoChoice::Rendezvous]),
-        chunk_log in 12u32..=17,
-        count in prop::sample::select(vec![0usize, 1, 2, 3, 5, 17, 100, 1023, 4099]),
-        seed in any::<u64>(),
-    ) {
+/// Exact values: every algorithm (forced or chosen) equals the reference bit for bit.
+pub fn collectives_equal_the_reference_exact_values(s: &Suite) {
+    let case = (
+        1usize..=s.collective_ranks,
+        prop::sample::select(vec![None, Some("ring"), Some("mesh"), Some("oneshot"), Some("chain")]),
+        prop::sample::select(vec![ProtoChoice::Auto, ProtoChoice::Eager, ProtoChoice::Rendezvous]),
+        12u32..=17,
+        prop::sample::select(vec![0usize, 1, 2, 3, 5, 17, 100, 1023, 4099]),
+        any::<u64>(),
+    );
+    let config = ProptestConfig { cases: s.collective_cases, ..ProptestConfig::default() };
+    check_cases(config, case, |(n, algo, proto, chunk_log, count, seed)| {
         let counts = [count, (count * 7 + 1) % 5000];
-        run_case(n, transport, algo, proto, 1 << chunk_log, &counts, seed, true).map_err(TestCaseError::fail)?;
-    }
+        run_case(s, n, algo, proto, 1 << chunk_log, &counts, seed, true)
+    });
+}
+
+/// The case that proptest once shrank a failure of the test above to (it was saved, over
+/// shm, in `collectives.proptest-regressions`): three ranks, counts 0 and 1, the cost
+/// model's choice, 4 KiB chunks.
+pub fn collectives_equal_the_reference_three_ranks_counts_0_and_1(s: &Suite) {
+    run_case(s, 3, None, ProtoChoice::Auto, 1 << 12, &[0, 1], 0, true).unwrap();
 }
 
 /// Random floats (specials included): mesh and oneshot are bit-equal to the rank-order
 /// reference; auto (whatever it picks) is checked through the same path with exact values
 /// above.
-#[test]
-fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats() {
+pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
     for algo in ["mesh", "oneshot"] {
-        for n in [2, 3, 5] {
-            run_case(n, TransportChoice::Shm, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
+        for &n in s.float_ranks {
+            run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
                 .unwrap_or_else(|e| panic!("{algo}: {e}"));
         }
     }
 }
 
-/// Large buffers through the pipeline: many chunks, both transports, rendezvous.
-#[test]
-fn large_allreduce_through_the_pipeline() {
-    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
-        for algo in ["ring", "mesh"] {
-            let p = params(transport, Some(algo), ProtoChoice::Auto, 1 << 16, false, 0);
-            let res = world(4, &p, |comm| -> Result<(), String> {
-                let count = 1_000_003;
+/// Large buffers through the pipeline: many chunks, rendezvous.
+pub fn large_allreduce_through_the_pipeline(s: &Suite) {
+    for algo in ["ring", "mesh"] {
+        let res = run_world(
+            4,
+            |r| params(s, Some(algo), ProtoChoice::Auto, 1 << 16, r),
+            |comm| -> Result<(), String> {
+                let count = s.large_count;
                 let ins: Vec<Vec<f32>> = (0..4).map(|k| input(k, count, 5, true, false)).collect();
                 let want = reference(ReduceOp::Sum, &ins);
                 let mut buf = ins[comm.rank()].clone();
                 comm.allreduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
                 if !f32::same(&buf, &want) {
-                    return Err(format!("{transport:?} {algo}: rank {} differs", comm.rank()));
+                    return Err(format!("{:?} {algo}: rank {} differs", s.wire, comm.rank()));
                 }
                 comm.finalize().map_err(|e| e.to_string())
-            });
-            for r in res {
-                r.unwrap();
-            }
+            },
+        );
+        for r in res {
+            r.unwrap();
         }
     }
 }
 
 /// Bad input: an error that names the problem, and the communicator still works.
-#[test]
-fn bad_arguments_are_errors_not_panics() {
-    let p = params(TransportChoice::Shm, None, ProtoChoice::Auto, 1 << 19, false, 0);
-    let res = world(3, &p, |comm| -> Result<(), String> {
-        let mut a = vec![0f32; 10];
-        let msgs = [
-            comm.allreduce_into(&[1f32; 9], &mut a, ReduceOp::Sum).unwrap_err().to_string(),
-            comm.allgather(&[1f32; 4], &mut a).unwrap_err().to_string(),
-            comm.reduce_scatter(&[1f32; 10], &mut a[..4], ReduceOp::Sum).unwrap_err().to_string(),
-            comm.broadcast(&mut a, 3).unwrap_err().to_string(),
-            comm.reduce(&[1f32; 10], &mut a, ReduceOp::Max, 7).unwrap_err().to_string(),
-            comm.alltoall(&[1f32; 10], &mut a).unwrap_err().to_string(),
-            comm.allgather_in_place(&mut a).unwrap_err().to_string(),
-        ];
-        for (m, want) in
-            msgs.iter().zip(["expected 9", "expected 12", "expected 12", "root 3", "root 7", "3 equal blocks", "3 equal blocks"])
-        {
-            if !m.contains(want) {
-                return Err(format!("error {m:?} does not say {want:?}"));
+pub fn bad_arguments_are_errors_not_panics(s: &Suite) {
+    let res = run_world(
+        3,
+        |r| params(s, None, ProtoChoice::Auto, 1 << 19, r),
+        |comm| -> Result<(), String> {
+            let mut a = vec![0f32; 10];
+            let msgs = [
+                comm.allreduce_into(&[1f32; 9], &mut a, ReduceOp::Sum).unwrap_err().to_string(),
+                comm.allgather(&[1f32; 4], &mut a).unwrap_err().to_string(),
+                comm.reduce_scatter(&[1f32; 10], &mut a[..4], ReduceOp::Sum).unwrap_err().to_string(),
+                comm.broadcast(&mut a, 3).unwrap_err().to_string(),
+                comm.reduce(&[1f32; 10], &mut a, ReduceOp::Max, 7).unwrap_err().to_string(),
+                comm.alltoall(&[1f32; 10], &mut a).unwrap_err().to_string(),
+                comm.allgather_in_place(&mut a).unwrap_err().to_string(),
+            ];
+            for (m, want) in
+                msgs.iter().zip(["expected 9", "expected 12", "expected 12", "root 3", "root 7", "3 equal blocks", "3 equal blocks"])
+            {
+                if !m.contains(want) {
+                    return Err(format!("error {m:?} does not say {want:?}"));
+                }
             }
-        }
-        // Still usable.
-        let mut b = vec![comm.rank() as i32; 6];
-        comm.allreduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())?;
-        if b != vec![3; 6] {
-            return Err(format!("{b:?}"));
-        }
-        comm.finalize().map_err(|e| e.to_string())
-    });
+            // Still usable.
+            let mut b = vec![comm.rank() as i32; 6];
+            comm.allreduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            if b != vec![3; 6] {
+                return Err(format!("{b:?}"));
+            }
+            comm.finalize().map_err(|e| e.to_string())
+        },
+    );
     for r in res {
         r.unwrap();
     }
@@ -323,15 +329,17 @@ fn bad_arguments_are_errors_not_panics() {
 
 /// Ranks that call different collectives (or the same with other arguments) fail with an
 /// error that shows both calls, instead of exchanging garbage or hanging.
-#[test]
-fn mismatched_calls_fail_on_every_rank() {
-    let p = params(TransportChoice::Shm, Some("mesh"), ProtoChoice::Auto, 1 << 19, false, 0);
-    let res = world(2, &p, |comm| -> String {
-        let mut b = vec![1f32; 64];
-        let r = if comm.rank() == 0 { comm.allreduce(&mut b, ReduceOp::Sum) } else { comm.allreduce(&mut b, ReduceOp::Max) };
-        r.map(|()| "no error".to_string()).unwrap_or_else(|e| e.to_string())
-    });
-    for (r, msg) in res.iter().enumerate() {
+pub fn mismatched_calls_fail_on_every_rank(s: &Suite) {
+    let res = run_world(
+        2,
+        |r| params(s, Some("mesh"), ProtoChoice::Auto, 1 << 19, r),
+        |comm| {
+            let mut b = vec![1f32; 64];
+            let r = if comm.rank() == 0 { comm.allreduce(&mut b, ReduceOp::Sum) } else { comm.allreduce(&mut b, ReduceOp::Max) };
+            Ok(r.map(|()| "no error".to_string()).unwrap_or_else(|e| e.to_string()))
+        },
+    );
+    for (r, msg) in all_ok(res).unwrap().iter().enumerate() {
         assert!(msg.contains("sum") && msg.contains("max"), "rank {r}: {msg}");
     }
 }

@@ -1,0 +1,158 @@
+//! The conformance suite: one definition of the point-to-point and collective properties,
+//! instantiated per transport, with ranks as threads of this test process (breadth: many
+//! shapes, sizes and knobs per second; the multi-process depth lives in the workspace's
+//! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
+//!
+//! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
+//! work) in `p2p.rs`, `collectives.rs` or `nonblocking.rs`; `conformance_suite!` makes one
+//! `#[test]` of each in the module of an instantiation, so a test is named
+//! `<transport>::<property>`:
+//!
+//! | module  | transport                                                  | runs          |
+//! | ------- | ---------------------------------------------------------- | ------------- |
+//! | `shm`   | shm for every peer                                         | everywhere    |
+//! | `tcp`   | tcp for every peer                                         | everywhere    |
+//! | `mixed` | `auto` with two host ids: shm inside a host, tcp across    | everywhere    |
+//! | `verbs` | RDMA verbs for every peer; fewer ranks, messages and cases | with a device |
+//!
+//! The verbs tests need the `verbs` feature and a device (`FERROCCL_IB_DEV`,
+//! `FERROCCL_IB_GID_INDEX`, as the soft-RoCE VM sets them: `tools/softroce/ci.sh` runs the
+//! `verbs::` tests there); without one they skip, unless `FERROCCL_VERBS_REQUIRED=1`, which
+//! makes them fail instead. A transport's own tests (the shm ring's knobs, verbs without
+//! a device) sit next to its instantiation.
+
+mod collectives;
+mod harness;
+mod nonblocking;
+mod p2p;
+
+use harness::{Suite, Wire};
+
+/// One `#[test]` per property of the suite, each running it over `$suite` (a [`Suite`]
+/// expression) where that transport is available.
+macro_rules! conformance_suite {
+    ($suite:expr) => {
+        /// This instantiation's transport and sizes.
+        const SUITE: $crate::harness::Suite = $suite;
+
+        conformance_suite!(@tests
+            p2p::random_schedules_deliver_exactly,
+            p2p::sendrecv_permutations_deliver,
+            p2p::split_matches_model_and_subgroups_work,
+            p2p::bad_peers_are_invalid_arguments_and_do_not_poison,
+            p2p::sendrecv_with_bad_to_leaves_the_recv_stream_intact,
+            p2p::sequential_jobs_on_one_store_address_with_different_sizes,
+            p2p::mismatch_eager_vs_eager,
+            p2p::mismatch_rendezvous_vs_rendezvous,
+            p2p::mismatch_eager_send_rendezvous_recv,
+            p2p::mismatch_rendezvous_send_eager_recv,
+            p2p::dropped_peer_fails_a_blocked_recv_promptly,
+            p2p::communicators_on_two_threads_share_the_mesh,
+            collectives::collectives_equal_the_reference_exact_values,
+            collectives::collectives_equal_the_reference_three_ranks_counts_0_and_1,
+            collectives::mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats,
+            collectives::large_allreduce_through_the_pipeline,
+            collectives::bad_arguments_are_errors_not_panics,
+            collectives::mismatched_calls_fail_on_every_rank,
+            nonblocking::interleaved_nonblocking_collectives_equal_the_reference,
+            nonblocking::plans_run_many_times_with_rewritten_buffers,
+            nonblocking::groups_run_as_one_unit,
+            nonblocking::requests_are_futures_and_progress_without_a_waiter,
+            nonblocking::abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes,
+            nonblocking::plans_start_in_scopes_next_to_other_operations,
+            nonblocking::eight_ranks_on_two_cores_make_progress_without_waiters,
+        );
+    };
+    (@tests $($module:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                if SUITE.here(stringify!($name)) {
+                    $crate::$module::$name(&SUITE);
+                }
+            }
+        )*
+    };
+}
+
+/// The shm, tcp and mixed instantiations. A property test that used to draw its transport
+/// at random runs its old case count divided among the transports it drew from (rounded
+/// up): 256 / 3 -> 86 random schedules and permutations, 160 / 3 -> 54 splits (shm, tcp,
+/// mixed); 24 / 2 -> 12 exact-value collectives and 12 / 2 -> 6 non-blocking sequences
+/// (shm, tcp; mixed is new there). Shm runs each persistent plan 1,000 times, the others 200.
+const BROAD: Suite = Suite {
+    wire: Wire::Shm,
+    clocks: true,
+    p2p_ranks: 5,
+    split_ranks: 6,
+    schedule_msgs: 12,
+    perm_rounds: 4,
+    schedule_cases: 86,
+    perm_cases: 86,
+    split_cases: 54,
+    collective_cases: 12,
+    collective_ranks: 5,
+    float_ranks: &[2, 3, 5],
+    large_count: 1_000_003,
+    nonblocking_cases: 6,
+    plan_runs: 200,
+};
+
+mod shm {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Shm, plan_runs: 1000, ..crate::BROAD });
+
+    #[test]
+    fn tiny_ring_without_cma_moves_large_messages() {
+        crate::p2p::tiny_ring_without_cma_moves_large_messages();
+    }
+}
+
+mod tcp {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Tcp, ..crate::BROAD });
+}
+
+mod mixed {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::Mixed, ..crate::BROAD });
+}
+
+/// The VM is emulated and slow: fewer ranks, messages and cases, and no wall-clock
+/// promptness checks (the errors must still be the right ones, not the deadline).
+mod verbs {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite {
+        wire: Wire::Verbs,
+        clocks: false,
+        p2p_ranks: 4,
+        split_ranks: 4,
+        schedule_msgs: 10,
+        perm_rounds: 3,
+        schedule_cases: 16,
+        perm_cases: 16,
+        split_cases: 8,
+        collective_cases: 4,
+        collective_ranks: 4,
+        float_ranks: &[2, 3],
+        large_count: 1_000_003,
+        nonblocking_cases: 6,
+        plan_runs: 200,
+    });
+
+    /// Runs everywhere: without a device (or the feature) it checks the error.
+    #[test]
+    fn without_a_device_is_a_clear_error() {
+        crate::p2p::verbs_without_a_device_is_a_clear_error(&SUITE);
+    }
+}
+
+/// Not a property of a transport: once.
+#[test]
+fn handles_are_send_and_sync() {
+    nonblocking::handles_are_send_and_sync();
+}
