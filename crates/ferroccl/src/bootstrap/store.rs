@@ -814,38 +814,24 @@ impl StoreClient {
         }
     }
 
+    /// One attempt: resolve, connect (every address once), authenticate, read the store's
+    /// info. A failure to reach the store is an `Io` error, which [`Self::connect`] retries.
     fn connect_once(addr: &str, token: &str, rank: usize, timeout: Duration, start: Instant) -> Result<StoreClient> {
         let deadline = start + timeout;
-        let mut pause = Duration::from_millis(10);
-        let mut stream = loop {
-            let attempt = addr.to_socket_addrs().map_err(|e| format!("cannot resolve: {e}")).and_then(|addrs| {
-                let mut last = format!("{addr:?} resolves to no address");
-                for a in addrs {
-                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-                    match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(2))) {
-                        Ok(s) => return Ok(s),
-                        Err(e) => last = e.to_string(),
-                    }
+        let unreachable = |e: std::io::Error| Error::io(format!("rank {rank}: connect to store {addr}"), e);
+        let mut last = std::io::Error::new(ErrorKind::NotFound, format!("{addr:?} resolves to no address"));
+        let mut stream = None;
+        for a in addr.to_socket_addrs().map_err(unreachable)? {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+            match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(2))) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
                 }
-                Err(last)
-            });
-            match attempt {
-                Ok(s) => break s,
-                Err(last) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(Error::Timeout {
-                            rank,
-                            op: "connect to the store".into(),
-                            after: now - start,
-                            waiting_for: vec![format!("store {addr} (last error: {last})")],
-                        });
-                    }
-                    thread::sleep(pause.min(deadline - now));
-                    pause = (pause * 2).min(Duration::from_millis(200));
-                }
+                Err(e) => last = e,
             }
-        };
+        }
+        let mut stream = stream.ok_or_else(|| unreachable(last))?;
         let peer = format!("store {addr}");
         let _ = stream.set_nodelay(true);
         let hs_deadline = deadline.max(Instant::now() + Duration::from_secs(5));
