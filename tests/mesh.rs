@@ -494,7 +494,13 @@ fn collectives_over_processes() {
 /// rank, its `fault` line (None: the rank printed none). The timeout is long (60 s): a rank
 /// that waited for it instead of failing at once reports "timed out".
 fn fault(n: usize, transport: &str, case: &str, count: usize) -> (Job, Vec<Option<String>>) {
-    let j = job(n, transport, &["fault", "--case", case, "--count", &count.to_string()], &[("FERROCCL_TIMEOUT", "60")]);
+    fault_with(n, transport, case, count, &[])
+}
+
+fn fault_with(n: usize, transport: &str, case: &str, count: usize, env: &[(&str, &str)]) -> (Job, Vec<Option<String>>) {
+    let mut env = env.to_vec();
+    env.push(("FERROCCL_TIMEOUT", "60"));
+    let j = job(n, transport, &["fault", "--case", case, "--count", &count.to_string()], &env);
     let lines = (0..n)
         .map(|r| {
             let head = format!("[{r}] selftest: rank {r} fault {case}: ");
@@ -502,6 +508,21 @@ fn fault(n: usize, transport: &str, case: &str, count: usize) -> (Job, Vec<Optio
         })
         .collect();
     (j, lines)
+}
+
+/// Each rank's root cause, as its `Error::root_cause()` gave it ("Internal at rank 1").
+fn root_causes(j: &Job, n: usize, case: &str) -> Vec<Option<String>> {
+    (0..n)
+        .map(|r| {
+            let head = format!("[{r}] selftest: rank {r} fault {case}: root cause ");
+            j.stdout.lines().find_map(|l| l.strip_prefix(&head)).map(str::to_string)
+        })
+        .collect()
+}
+
+/// The seconds a fault line says its rank took to fail.
+fn secs(l: &str) -> f64 {
+    l.split("after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap_or(f64::NAN)
 }
 
 /// Each rank in `must_fail` failed, and not by waiting out its deadline; every error reads
@@ -557,6 +578,8 @@ fn a_rank_that_panics_is_named_and_its_status_is_the_jobs() {
                 assert!(l.starts_with("failed after"), "{ctx}: rank {r} did not notice: {l}\n{}", j.all());
                 assert!(l.contains(&format!("rank {culprit} panicked")), "{ctx}: rank {r} does not name the panic: {l}\n{}", j.all());
                 assert!(!l.contains("closed its communicator"), "{ctx}: rank {r} read the panic as a goodbye: {l}");
+                let cause = &root_causes(&j, n, "panic")[r];
+                assert_eq!(cause.as_deref(), Some(&*format!("Failed at rank {culprit}")), "{ctx}: rank {r}'s root cause\n{}", j.all());
                 let secs: f64 = l.split("after ").nth(1).and_then(|s| s.split('s').next()).and_then(|s| s.parse().ok()).unwrap();
                 assert!(secs < 30.0, "{ctx}: rank {r} took {secs} s: {l}");
             }
@@ -580,15 +603,53 @@ fn unmatched_and_mismatched_point_to_point_fail_every_rank() {
                     let all: Vec<usize> = (0..n).collect();
                     assert_fails(&j, &lines, &all, &ctx);
                     if case == "p2p-len" {
+                        // Sizes speak in the caller's elements, not bytes.
                         for (r, l) in lines.iter().take(2).enumerate() {
                             let l = l.as_deref().unwrap_or_default();
-                            assert!(l.contains("does not match") && l.contains("bytes"), "{ctx}: rank {r}: {l}");
+                            assert!(l.contains("does not match") && l.contains(&format!("{count} f32")), "{ctx}: rank {r}: {l}");
+                            assert!(!l.contains("bytes"), "{ctx}: rank {r} speaks in bytes: {l}");
                         }
                     }
                 }
             }
         }
     }
+}
+
+/// A rank that fails in the middle of a transfer (an internal error injected with
+/// `FERROCCL_INJECT_FAULT`: reading an eager send's source, copying an eager message into
+/// the receive buffer, a local reduction step, copying a fused group's results back) has
+/// started on the wire, so it poisons its communicator and tells its peers: every other
+/// rank fails at once naming it (not at its deadline), and every rank's
+/// `Error::root_cause()` is the same: an internal fault of that rank.
+#[test]
+fn a_rank_failing_mid_transfer_fails_every_rank_at_once() {
+    let mut times = Vec::new();
+    for transport in ["shm", "tcp"] {
+        for n in [2, 4] {
+            for (site, culprit) in [("send-source", 0), ("recv-buffer", 1), ("reduce-step", 1), ("fused-copy", n - 1)] {
+                let ctx = format!("{site}@{culprit} on {n} ranks, {transport}");
+                let inject = format!("{site}@{culprit}");
+                let (j, lines) = fault_with(n, transport, "mid-transfer", 1000, &[("FERROCCL_INJECT_FAULT", &inject)]);
+                let all: Vec<usize> = (0..n).collect();
+                assert_fails(&j, &lines, &all, &ctx);
+                let causes = root_causes(&j, n, "mid-transfer");
+                for (r, l) in lines.iter().enumerate() {
+                    let l = l.as_deref().unwrap_or_default();
+                    if r == culprit {
+                        assert!(l.contains("internal error") && l.contains("injected"), "{ctx}: the culprit's own error: {l}\n{}", j.all());
+                    } else {
+                        assert!(l.contains(&format!("rank {culprit}")), "{ctx}: rank {r} does not name rank {culprit}: {l}\n{}", j.all());
+                    }
+                    let want = format!("Internal at rank {culprit}");
+                    assert_eq!(causes[r].as_deref(), Some(&*want), "{ctx}: rank {r}'s root cause\n{}", j.all());
+                }
+                let worst = lines.iter().flatten().map(|l| secs(l)).fold(0.0, f64::max);
+                times.push(format!("{ctx}: slowest rank failed after {worst:.3} s"));
+            }
+        }
+    }
+    eprintln!("{}", times.join("\n"));
 }
 
 /// A rank that skips a collective and finalizes tells the others where it stopped: they

@@ -17,7 +17,7 @@ use crate::algo::select::{self, LinkCost};
 use crate::algo::{self, Algo, Collective, Shape};
 use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::prepared::Prepared;
 use crate::proto::{encode_desc, CHAN_COLL};
 
@@ -82,7 +82,7 @@ impl Communicator {
     /// communicator usable.
     pub(crate) fn prepare(
         &self,
-        name: &str,
+        name: &'static str,
         coll: Collective,
         dtype: DType,
         op: ReduceOp,
@@ -109,8 +109,8 @@ impl Communicator {
                 };
                 let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
                 let desc = encode_desc(&shape, algo, p.proto);
-                let name = format!("{name} ({count} x {dtype}{}, {algo})", if coll.reduces() { format!(", {op}") } else { String::new() });
-                let prep = Prepared { name: name.into(), desc, sched: Arc::new(sched), dtype, op };
+                let id = Op::collective(name, dtype, count, coll.reduces().then_some(op), coll.root(), algo.name());
+                let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op };
                 self.sched_cache.insert(key, prep.clone());
                 prep
             }

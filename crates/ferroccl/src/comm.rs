@@ -13,7 +13,7 @@ use crate::algo::{control, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::{Engine, Job, JobBody, Part, Streams};
-use crate::error::{Departure, Error, Fault, FaultKind, Result};
+use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{Fabric, FabricConfig};
 use crate::params::{Params, ProtoChoice};
@@ -231,7 +231,7 @@ impl Communicator {
         self.fabric().params.timeout
     }
 
-    fn peer_world(&self, peer: usize, op: &str) -> Result<usize> {
+    fn peer_world(&self, peer: usize, op: &Op) -> Result<usize> {
         if peer == self.rank {
             return Err(Error::invalid(format!("rank {}: {op}: peer is this rank itself", self.rank)));
         }
@@ -242,7 +242,7 @@ impl Communicator {
 
     /// Everything that can be checked before a byte goes on the wire; errors here leave the
     /// communicator usable.
-    pub(crate) fn check_peer(&self, peer: usize, op: &str) -> Result<usize> {
+    pub(crate) fn check_peer(&self, peer: usize, op: &Op) -> Result<usize> {
         let wpeer = self.peer_world(peer, op)?;
         self.fabric().endpoint(wpeer)?;
         self.check_usable(op)?;
@@ -251,7 +251,7 @@ impl Communicator {
 
     /// The fabric's fatal error (or abort), or the world's finalize, as seen by a new call
     /// `op`.
-    pub(crate) fn check_usable(&self, op: &str) -> Result<()> {
+    pub(crate) fn check_usable(&self, op: &Op) -> Result<()> {
         if let Some(e) = self.fabric().finalized_error(self.rank, op, self.id != 0) {
             return Err(e);
         }
@@ -265,7 +265,7 @@ impl Communicator {
     }
 
     /// A part of a job: one schedule over one set of buffers, on channel `chan`.
-    pub(crate) fn part(&self, name: Arc<str>, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
+    pub(crate) fn part(&self, op: Op, chan: u8, desc: Desc, sched: Arc<Schedule>, bufs: PartBufs) -> Part {
         let p = &self.fabric().params;
         let eager_max = match (chan, p.proto) {
             (CHAN_COLL, ProtoChoice::Eager) => usize::MAX,
@@ -275,7 +275,7 @@ impl Communicator {
         let mut exec = Exec::default();
         exec.reset(sched.steps.len(), self.size());
         Part {
-            name,
+            name: op,
             chan,
             desc,
             call: 0,
@@ -324,7 +324,9 @@ impl Communicator {
                     p.reset(n);
                 }
             }
-            self.check_usable(body.parts.first().map(|p| &*p.name).unwrap_or("operation"))?;
+            if let Some(p) = body.parts.first() {
+                self.check_usable(&p.name)?;
+            }
             for p in &mut body.parts {
                 let Part { sched, seqs: out, chan, call, desc, .. } = p;
                 if *chan == CHAN_COLL {
@@ -356,7 +358,7 @@ impl Communicator {
     /// Sends `data` to member `peer`, which must call [`Communicator::recv`] with a buffer of
     /// the same length. Returns once `data` may be reused.
     pub fn send<T: Element>(&self, data: &[T], peer: usize) -> Result<()> {
-        let op = format!("send to rank {peer}");
+        let op = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
         self.check_peer(peer, &op)?;
         let data = as_bytes(data);
         with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone())))
@@ -364,7 +366,7 @@ impl Communicator {
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let op = format!("recv from rank {peer}");
+        let op = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
         self.check_peer(peer, &op)?;
         let buf = as_bytes_mut(buf);
         let len = buf.len();
@@ -373,8 +375,8 @@ impl Communicator {
 
     /// A point-to-point part: `output` is the buffer its steps address as `Output`, `input`
     /// the one they address as `Input` (sendrecv's source).
-    pub(crate) fn p2p_part(&self, name: String, chan: u8, sched: Schedule, input: Option<RegionHandle>, output: RegionHandle) -> Part {
-        self.part(name.into(), chan, NO_DESC, Arc::new(sched), self.bytes_part(input, output))
+    pub(crate) fn p2p_part(&self, op: Op, chan: u8, sched: Schedule, input: Option<RegionHandle>, output: RegionHandle) -> Part {
+        self.part(op, chan, NO_DESC, Arc::new(sched), self.bytes_part(input, output))
     }
 
     /// The buffers of a part that moves bytes without reducing them.
@@ -386,7 +388,7 @@ impl Communicator {
     /// cannot deadlock whatever pattern the members form (rings, pairs, shifts). `to` and
     /// `from` may both be this rank itself (then `data` is copied into `buf`).
     pub fn sendrecv<T: Element>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
-        let op = format!("sendrecv (to rank {to}, from rank {from})");
+        let op = Op::SendRecv { to, from, send: data.len(), recv: buf.len(), dtype: T::DTYPE };
         let (d, b) = (as_bytes(data), as_bytes_mut(buf));
         match (to == self.rank, from == self.rank) {
             (true, true) if d.len() == b.len() => {
@@ -409,10 +411,11 @@ impl Communicator {
     /// Waits until every member has entered the barrier (dissemination: ⌈log2 n⌉ rounds of
     /// empty messages).
     pub fn barrier(&self) -> Result<()> {
-        self.check_usable("barrier")?;
+        let op = Op::Barrier { call: None };
+        self.check_usable(&op)?;
         let empty = self.scratch.empty();
         let sched = control::barrier(self.rank, self.size());
-        let mut part = self.part("barrier".into(), CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
+        let mut part = self.part(op, CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
         // Empty messages: eager whatever FERROCCL_PROTO says for collectives' data.
         part.eager_max = self.fabric().params.eager_max;
         self.run_part(part)
@@ -435,7 +438,7 @@ impl Communicator {
     /// color leaves this rank out (it gets `Ok(None)`). Every member must call it.
     /// The new communicators share this one's connections.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        self.check_usable("split")?;
+        self.check_usable(&Op::Split { call: None })?;
         let n = self.size();
         let mut mine = Vec::with_capacity(SPLIT_REC);
         mine.push(u8::from(color.is_some()));
@@ -448,7 +451,7 @@ impl Communicator {
         with_region_ro(&mine, |src| {
             with_region(&mut all, |dst| {
                 let bufs = self.bytes_part(Some(src.clone()), dst.clone());
-                let mut part = self.part("split".into(), CHAN_COLL, SPLIT_DESC, Arc::new(sched), bufs);
+                let mut part = self.part(Op::Split { call: None }, CHAN_COLL, SPLIT_DESC, Arc::new(sched), bufs);
                 part.eager_max = self.fabric().params.eager_max;
                 self.run_part(part)
             })
@@ -471,7 +474,7 @@ impl Communicator {
             .collect();
         group.sort();
         let members: Arc<[usize]> = group.iter().map(|&(_, p)| self.members[p]).collect();
-        let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::invalid("internal: split lost this rank"))?;
+        let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::internal("split lost this rank"))?;
         let id = fnv(&[u64::from(self.id), u64::from(count), u64::from(c)]).max(1);
         let any_tcp = members.iter().any(|&w| self.fabric().transport_kind(w) == Some(TransportKind::Tcp));
         Ok(Some(Communicator {
@@ -516,7 +519,7 @@ impl Communicator {
     }
 
     fn agree_to_leave(&self) -> Result<()> {
-        let op = "finalize";
+        let op = &Op::Finalize;
         self.check_usable(op)?;
         let n = self.size();
         if n == 1 {
@@ -546,9 +549,10 @@ impl Communicator {
                         return Err(Error::PeerFailed {
                             rank: self.fabric().rank,
                             peer: w,
-                            op: op.into(),
+                            op: op.clone(),
                             reason: "closed its connections (finalized the world communicator) without finalizing or dropping this one"
                                 .into(),
+                            cause: None,
                         })
                     }
                     None => return Ok(Poll::Idle),
@@ -571,8 +575,9 @@ impl Communicator {
             let err = Error::Mismatch {
                 rank: self.rank,
                 peer,
-                op: op.into(),
+                op: op.clone(),
                 what: problems.iter().map(|(_, w)| w.as_str()).collect::<Vec<_>>().join("; "),
+                cause: None,
             };
             // Fatal, and told to every rank (ERR in place of AGREED): no member's finalize
             // may return Ok while this one fails.
@@ -675,14 +680,14 @@ impl Drop for Communicator {
             });
             return;
         }
-        if self.fabric().finalized_error(self.rank, "drop", false).is_some() || self.fabric().inbox.has_fatal() {
+        if self.fabric().finalized_error(self.rank, &Op::other("drop"), false).is_some() || self.fabric().inbox.has_fatal() {
             return;
         }
         let deadline = Instant::now() + self.fabric().params.timeout.min(Duration::from_secs(1));
         for p in (0..self.size()).filter(|&p| p != self.rank) {
             let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Dropped, p));
             if let Ok(ep) = self.fabric().endpoint(self.members[p]) {
-                let _ = ep.post_send(&msg, deadline, &|| self.fabric().pump("drop"));
+                let _ = ep.post_send(&msg, deadline, &|| self.fabric().pump(&Op::other("drop")));
             }
         }
     }

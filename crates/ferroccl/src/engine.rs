@@ -33,11 +33,12 @@ use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::Schedule;
-use crate::error::{Departure, Error, Fault, FaultKind, Result};
+use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
 use crate::inbox::Backoff;
 use crate::p2p::XferCtx;
+use crate::params::FaultSite;
 use crate::poll::Poll;
 use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
 
@@ -107,7 +108,7 @@ impl Streams {
 #[derive(Debug)]
 pub(crate) struct Part {
     /// For errors: "allreduce (1024 x f32, sum, ring)".
-    pub(crate) name: Arc<str>,
+    pub(crate) name: Op,
     pub(crate) chan: u8,
     pub(crate) desc: Desc,
     /// The call's number among the calls every member makes (collective channel; assigned
@@ -183,8 +184,9 @@ impl JobBody {
             }
         }
     }
-    fn label(&self) -> &str {
-        self.parts.first().map(|p| &*p.name).unwrap_or("operation")
+    /// The job as errors name it: its first part, with its call number.
+    fn label(&self) -> Op {
+        self.parts.first().map(|p| p.name.numbered(p.call)).unwrap_or_else(|| Op::other("operation"))
     }
 
     /// The world rank of member `r` (`r` itself if out of range: errors only).
@@ -222,12 +224,15 @@ impl JobBody {
             };
             match p.exec.poll(&cx, &run)? {
                 Poll::Ready(()) => {
+                    if !p.unpack.is_empty() && fabric.params.injects(FaultSite::FusedCopy, fabric.rank) {
+                        return Err(Error::internal(format!("{}: copying a fused result out: injected by FERROCCL_INJECT_FAULT", p.name)));
+                    }
                     for (dst, off) in &p.unpack {
                         let len = dst.len();
                         p.output
                             .with_slice(*off, len, |s| dst.write_at(0, s))
                             .and_then(|r| r)
-                            .map_err(|e| Error::invalid(format!("{}: copying a fused result out: {e}", p.name)))?;
+                            .map_err(|e| Error::internal(format!("{}: copying a fused result out: {e}", p.name)))?;
                     }
                     p.finished = true;
                     moved = true;
@@ -648,7 +653,7 @@ impl Engine {
         while i < jobs.len() {
             let outcome = {
                 let mut body = lock(&jobs[i].body);
-                match fatal.then(|| fabric.fatal_error(body.label())).flatten() {
+                match fatal.then(|| fabric.fatal_error(&body.label())).flatten() {
                     Some(e) => Err(fabric.poison(e)),
                     None => match body.poll(fabric) {
                         Ok(Poll::Ready(())) => Ok(true),
@@ -659,8 +664,8 @@ impl Engine {
                         Ok(Poll::Idle) if now.is_some_and(|now| now >= body.deadline) => {
                             let now = now.unwrap_or(body.deadline);
                             let e = Error::Timeout {
-                                rank: body.rank,
-                                op: body.label().to_string(),
+                                rank: Some(body.rank),
+                                op: body.label(),
                                 after: now - body.started,
                                 waiting_for: body.waiting_for().iter().map(|p| format!("rank {p}")).collect(),
                             };

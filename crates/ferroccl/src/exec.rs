@@ -25,6 +25,7 @@ use ferroccl_mem::region::RegionHandle;
 use crate::algo::{Buf, Op, Schedule, Slice};
 use crate::error::{Error, Result};
 use crate::p2p::{RecvOp, SendOp, XferCtx};
+use crate::params::FaultSite;
 use crate::poll::{poll_of, Poll};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
@@ -168,7 +169,7 @@ impl Exec {
             let i = self.next;
             let step = &steps[i];
             let world = |peer: usize| {
-                run.members.get(peer).copied().ok_or_else(|| Error::invalid(format!("{}: step {i}: rank {peer} out of range", cx.op)))
+                run.members.get(peer).copied().ok_or_else(|| Error::internal(format!("{}: step {i}: rank {peer} out of range", cx.op)))
             };
             let started = match &step.op {
                 Op::Send { peer, src } => {
@@ -180,14 +181,19 @@ impl Exec {
                     Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
                 }
                 local => {
+                    if matches!(local, Op::Reduce { .. } | Op::ReduceMany { .. })
+                        && cx.fabric.params.injects(FaultSite::ReduceStep, cx.fabric.rank)
+                    {
+                        return Err(Error::internal(format!("{}: step {i}: injected by FERROCCL_INJECT_FAULT", cx.op)));
+                    }
                     run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside)
-                        .map_err(|e| Error::invalid(format!("{}: step {i}: {e}", cx.op)))?;
+                        .map_err(|e| Error::internal(format!("{}: step {i}: {e}", cx.op)))?;
                     None
                 }
             };
             match started {
                 Some((qi, mut x)) => {
-                    let q = self.queues.get_mut(qi).ok_or_else(|| Error::invalid(format!("{}: step {i}: peer out of range", cx.op)))?;
+                    let q = self.queues.get_mut(qi).ok_or_else(|| Error::internal(format!("{}: step {i}: peer out of range", cx.op)))?;
                     x.advance(cx)?;
                     if x.is_done() && q.is_empty() {
                         self.done[i] = true;

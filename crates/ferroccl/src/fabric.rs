@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::{StoreClient, StoreServer};
-use crate::error::{Error, Fault, Result};
+use crate::error::{Error, Fault, Op, Result};
 use crate::health::Health;
 use crate::inbox::{Backoff, Events, Inbox};
 use crate::mesh::{Mesh, PeerInfo};
@@ -88,9 +88,9 @@ impl Fabric {
             finalized: AtomicBool::new(false),
             setup_time: Duration::ZERO,
         };
-        fabric.mesh.greet(deadline, &|| fabric.pump("connect"))?;
+        fabric.mesh.greet(deadline, &|| fabric.pump(&Op::other("connect")))?;
         let shm_peers = fabric.mesh.shm_peers();
-        fabric.wait_until("connect (waiting for shm peers)", deadline, &shm_peers, |_| {
+        fabric.wait_until(&Op::other("connect (waiting for shm peers)"), deadline, &shm_peers, |_| {
             Ok(if fabric.mesh.ungreeted().is_empty() { Some(()) } else { None })
         })?;
         fabric.mesh.withdraw();
@@ -157,7 +157,7 @@ impl Fabric {
 
     /// What a sender runs while it waits for room: drain our inbox, watch the peers, and
     /// stop at once if the fabric has failed.
-    pub(crate) fn pump(&self, op: &str) -> Result<()> {
+    pub(crate) fn pump(&self, op: &Op) -> Result<()> {
         let _ = self.progress();
         self.check_health(Instant::now());
         match self.fatal_error(op) {
@@ -172,14 +172,14 @@ impl Fabric {
     }
 
     /// The error for the fabric's fatal state, if any, as seen by an operation.
-    pub(crate) fn fatal_error(&self, op: &str) -> Option<Error> {
+    pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
         self.health.fatal_error(op)
     }
 
     /// The error for a call `op` on a fabric whose world communicator was finalized (`world`:
     /// the call is on a split of it), if it was.
-    pub(crate) fn finalized_error(&self, rank: usize, op: &str, world: bool) -> Option<Error> {
-        self.finalized.load(Ordering::Acquire).then(|| Error::Finalized { rank, op: op.to_string(), world })
+    pub(crate) fn finalized_error(&self, rank: usize, op: &Op, world: bool) -> Option<Error> {
+        self.finalized.load(Ordering::Acquire).then(|| Error::Finalized { rank, op: op.clone(), world })
     }
 
     /// Marks the world communicator finalized: every later call on it or its splits fails.
@@ -225,7 +225,7 @@ impl Fabric {
     /// here is fatal for the fabric (see [`Fabric::poison`]).
     pub(crate) fn wait_until<T>(
         &self,
-        op: &str,
+        op: &Op,
         deadline: Instant,
         waiting_for: &[usize],
         mut check: impl FnMut(&mut Events) -> Result<Option<T>>,
@@ -245,7 +245,7 @@ impl Fabric {
     /// Every error returned here is fatal for the fabric (see [`Fabric::poison`]).
     pub(crate) fn run_until<T>(
         &self,
-        op: &str,
+        op: &Op,
         deadline: Instant,
         waiting_for: &dyn Fn() -> Vec<usize>,
         mut step: impl FnMut() -> Result<Poll<T>>,
@@ -256,8 +256,8 @@ impl Fabric {
             // Read the doorbell before looking: whatever is published after this read
             // bumps the bell past `seen`, which makes the futex sleep below return at once.
             let seen = self.inbox.bell_seen();
-            if self.progress().is_err() {
-                let e = self.fatal_error(op).unwrap_or_else(|| Error::Poisoned(op.into()));
+            if let Err(e) = self.progress() {
+                let e = self.fatal_error(op).unwrap_or(e);
                 return Err(self.poison(e));
             }
             // A fatal error wins over whatever else arrived: the fabric is poisoned.
@@ -274,8 +274,8 @@ impl Fabric {
             self.check_health(now);
             if now >= deadline {
                 let e = Error::Timeout {
-                    rank: self.rank,
-                    op: op.to_string(),
+                    rank: Some(self.rank),
+                    op: op.clone(),
                     after: now - start,
                     waiting_for: waiting_for().iter().map(|p| format!("rank {p}")).collect(),
                 };
@@ -311,7 +311,7 @@ impl Fabric {
         // After a fatal error, tell every peer why we are leaving, so that they report the
         // root cause (the rank that died) rather than our exit.
         self.health.tell_peers_and_cut(&self.mesh);
-        self.mesh.close(deadline, &|| self.pump("close"));
+        self.mesh.close(deadline, &|| self.pump(&Op::other("close")));
         // If this rank serves the store, keep it up until every rank has finished with it.
         let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         let store = self.store.lock().unwrap_or_else(|e| e.into_inner()).take();

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Fault, FaultKind};
+use crate::error::{Error, Fault, FaultKind, Op};
 use crate::inbox::Inbox;
 use crate::mesh::{Mesh, Watch};
 use crate::proto;
@@ -55,7 +55,10 @@ impl Health {
         let mut ev = self.inbox.lock();
         for (p, w) in self.watches.iter().filter(|(_, w)| w.has_exited()) {
             match p {
-                None => ev.set_fatal(usize::MAX, format!("the launcher (pid {}) exited", w.pid())),
+                None => {
+                    let first = Error::LauncherExited { rank: self.rank, pid: u32::try_from(w.pid()).unwrap_or_default() };
+                    ev.set_fault_from(Fault::from_error(&first, &|r| r), Some(first));
+                }
                 Some(p) if !ev.closed.contains(p) => {
                     ev.set_fatal(*p, format!("exited (pid {}) without closing its communicator (killed or crashed?)", w.pid()))
                 }
@@ -65,25 +68,38 @@ impl Health {
     }
 
     /// The error for the fabric's fatal state, if any, as seen by an operation.
-    pub(crate) fn fatal_error(&self, op: &str) -> Option<Error> {
+    pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
         let ev = self.inbox.lock();
         if let Some(by) = ev.aborted {
-            return Some(Error::Aborted { rank: self.rank, op: op.to_string(), by });
+            return Some(Error::Aborted { rank: self.rank, op: op.clone(), by });
         }
-        ev.fatal.as_ref().map(|f| f.to_error(self.rank, op))
+        ev.fatal.as_ref().map(|f| f.to_error(self.rank, op, ev.first.as_ref()))
     }
 
     /// Makes `err` (of a call on a communicator whose rank `r` is world rank `world(r)`)
     /// fatal for the fabric, unless an earlier error already is; tells every peer the root
-    /// cause and cuts the connections. Returns `err` for the caller to report.
+    /// cause and cuts the connections. Returns `err` for the caller to report, with its
+    /// root cause attached (in world ranks).
+    ///
+    /// Callers pass only errors of operations that have started on the wire (the engine's
+    /// jobs, setup and finalize waits): whatever their variant, a peer may be waiting for
+    /// this rank, so it must be told. Errors found before (argument checks) are returned
+    /// without coming here, and leave the communicator usable. A call refused because the
+    /// world was finalized is not a fault, and passes through.
     pub(crate) fn poison_in(&self, mesh: &Mesh, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
-        if matches!(err, Error::InvalidArgument(_) | Error::Finalized { .. }) {
-            // Found before anything went on the wire: nothing to clean up.
+        if matches!(err, Error::Finalized { .. }) {
             return err;
         }
-        self.inbox.lock().set_fault(Fault::from_error(&err, world));
+        let mut fault = Fault::from_error(&err, world);
+        if fault.culprit.is_none() && matches!(fault.kind, FaultKind::Internal | FaultKind::Other) {
+            // This rank's own failure (an internal error, a check only possible
+            // mid-transfer): it is the one at fault.
+            fault.culprit = Some(self.rank);
+        }
+        let cause = fault.root_cause(Some(self.rank));
+        self.inbox.lock().set_fault_from(fault, Some(err.duplicate()));
         self.tell_peers_and_cut(mesh);
-        err
+        err.with_cause(cause)
     }
 
     /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.

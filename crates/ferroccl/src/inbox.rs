@@ -36,6 +36,9 @@ pub(crate) struct Events {
     pub(crate) imms: HashSet<(usize, u32)>,
     /// The first fatal fault. Poisons the fabric.
     pub(crate) fatal: Option<Fault>,
+    /// The error that made `fatal`, when this rank found it (later calls keep it in
+    /// [`Error::Poisoned`]).
+    pub(crate) first: Option<Error>,
     /// Peers that said goodbye.
     pub(crate) closed: HashSet<usize>,
     /// Where peers stopped on communicators they left: (communicator id, peer world
@@ -67,17 +70,22 @@ const MAX_PROBES: usize = 256;
 pub(crate) const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 
 impl Events {
-    /// Makes `peer` (a world rank; `usize::MAX` for none) the cause of a fatal failure found
-    /// by this rank, unless something is fatal already.
+    /// Makes world rank `peer` the cause of a fatal failure found by this rank, unless
+    /// something is fatal already.
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
-        let culprit = (peer != usize::MAX).then_some(peer);
-        self.set_fault(Fault { kind: FaultKind::Failed, culprit, reporter: None, op: String::new(), what });
+        self.set_fault(Fault { kind: FaultKind::Failed, culprit: Some(peer), reporter: None, op: String::new(), what });
     }
 
     /// Makes `f` the fabric's fatal fault, unless something is fatal already.
     pub(crate) fn set_fault(&mut self, f: Fault) {
+        self.set_fault_from(f, None);
+    }
+
+    /// [`Events::set_fault`], keeping `first`, the error of this rank's that made `f`.
+    pub(crate) fn set_fault_from(&mut self, f: Fault, first: Option<Error>) {
         if self.fatal.is_none() {
             self.fatal = Some(f);
+            self.first = first;
             self.fatal_flag.store(true, Ordering::SeqCst);
         }
     }

@@ -59,9 +59,9 @@ pub(crate) mod transport;
 pub(crate) mod wire;
 
 pub use comm::{Communicator, InitConfig};
-pub use error::{Departure, Error, Result};
+pub use error::{Departure, Error, FaultKind, Op, Result, RootCause};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};
 pub use nonblocking::{Group, Request, Scope};
-pub use params::{Params, ProtoChoice, TransportChoice};
+pub use params::{FaultSite, InjectedFault, Params, ProtoChoice, TransportChoice};
 pub use persistent::Plan;
 pub use registry::RegStats;

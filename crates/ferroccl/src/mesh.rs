@@ -15,7 +15,7 @@ use ferroccl_mem::process::{can_read_process, ProcessWatch};
 
 use crate::bootstrap::auth;
 use crate::bootstrap::StoreClient;
-use crate::error::{Error, Fault, Result};
+use crate::error::{Error, Fault, Op, Result};
 use crate::inbox::{Bell, BellWords, Inbox};
 use crate::params::{Params, TransportChoice};
 use crate::transport::shm::{LocalShm, ShmEndpoint};
@@ -229,7 +229,7 @@ impl Mesh {
                 continue;
             }
             let d = &descs[p];
-            let local = local_shm.clone().ok_or_else(|| Error::invalid("internal: shm peer without a local segment"))?;
+            let local = local_shm.clone().ok_or_else(|| Error::internal("shm peer without a local segment"))?;
             let ep = ShmEndpoint::connect(
                 rank,
                 p,
@@ -278,7 +278,7 @@ impl Mesh {
         // TCP: the lower rank connects, the higher accepts.
         let tcp_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == Some(TransportKind::Tcp)).collect();
         if !tcp_peers.is_empty() {
-            let listener = listener.as_ref().ok_or_else(|| Error::invalid("internal: tcp peer without a listener"))?;
+            let listener = listener.as_ref().ok_or_else(|| Error::internal("tcp peer without a listener"))?;
             let expect: Vec<usize> = tcp_peers.iter().copied().filter(|&p| p < rank).collect();
             let streams = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
                 let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, token, key_prefix, deadline));
@@ -286,7 +286,7 @@ impl Mesh {
                 for &p in tcp_peers.iter().filter(|&&p| p > rank) {
                     out.push((p, connect_peer(rank, p, &descs[p].tcp_addr, token, key_prefix, deadline)?));
                 }
-                let accepted = acceptor.join().map_err(|_| Error::invalid("internal: tcp acceptor panicked"))??;
+                let accepted = acceptor.join().map_err(|_| Error::internal("tcp acceptor panicked"))??;
                 out.extend(accepted);
                 Ok(out)
             })?;
@@ -548,7 +548,12 @@ fn accept_peers(
             }
             if Instant::now() >= deadline {
                 let missing: Vec<String> = expect.iter().filter(|p| !got.contains_key(p)).map(|p| format!("rank {p}")).collect();
-                return Err(Error::Timeout { rank, op: "tcp mesh accept".into(), after: Duration::ZERO, waiting_for: missing });
+                return Err(Error::Timeout {
+                    rank: Some(rank),
+                    op: Op::other("tcp mesh accept"),
+                    after: Duration::ZERO,
+                    waiting_for: missing,
+                });
             }
             match listener.accept() {
                 Ok((mut st, from)) => {

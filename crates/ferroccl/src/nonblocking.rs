@@ -55,7 +55,7 @@ use crate::coll::Call;
 use crate::comm::Communicator;
 use crate::engine::Engine;
 use crate::engine::{Job, Part};
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::proto::CHAN_USER;
 
 /// What a scope keeps: its jobs and the scratch memory they borrowed from the
@@ -314,7 +314,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     fn send_part<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Part> {
-        let name = format!("send to rank {peer}");
+        let name = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
         self.comm.check_peer(peer, &name)?;
         let data = as_bytes(data);
         let sched = crate::algo::control::send(peer, data.len());
@@ -322,7 +322,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     fn recv_part<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
-        let name = format!("recv from rank {peer}");
+        let name = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
         self.comm.check_peer(peer, &name)?;
         let buf = as_bytes_mut(buf);
         let sched = crate::algo::control::recv(peer, buf.len());
@@ -364,12 +364,14 @@ impl<'s, 'env> Scope<'s, 'env> {
             }
             let k = bufs.len();
             let mut prep = self.comm.prepare("allreduce", Collective::AllReduce, dtype, op, count, true)?;
-            prep.name = format!("{} fused from {k} calls", prep.name).into();
+            if let Op::Collective { fused, .. } = &mut prep.name {
+                *fused = k;
+            }
             let staging = RegionHandle::owned(total);
             let mut unpack = Vec::with_capacity(k);
             let mut off = 0;
             for b in bufs {
-                staging.write_at(off, b).map_err(|e| Error::invalid(format!("allreduce (fused): {e}")))?;
+                staging.write_at(off, b).map_err(|e| Error::internal(format!("allreduce (fused): {e}")))?;
                 let len = b.len();
                 unpack.push((self.regions.register(b), off));
                 off += len;

@@ -10,9 +10,10 @@ use std::time::Instant;
 
 use ferroccl_mem::region::RegionHandle;
 
-use crate::error::{Error, Result};
+use crate::error::{in_elements, Error, Op, Result};
 use crate::fabric::Fabric;
 use crate::inbox::{Events, Incoming};
+use crate::params::FaultSite;
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
 use crate::transport::shm::PullTicket;
 use crate::transport::{WriteGrant, WriteReq, WriteTicket};
@@ -27,7 +28,7 @@ pub(crate) struct XferCtx<'a> {
     /// This rank in the communicator (for messages).
     pub(crate) rank: usize,
     /// The operation, for errors ("allreduce", "send to rank 3").
-    pub(crate) op: &'a str,
+    pub(crate) op: &'a Op,
     pub(crate) deadline: Instant,
     /// The call's descriptor (zero for point-to-point).
     pub(crate) desc: Desc,
@@ -51,18 +52,20 @@ impl XferCtx<'_> {
         Error::PeerFailed {
             rank: self.rank,
             peer,
-            op: self.op.to_string(),
+            op: self.op_named(),
             reason: "closed its communicator before this operation matched (finalized or dropped early?)".into(),
+            cause: None,
         }
     }
 
     /// The operation as errors name it: with its call number, if it has one.
-    pub(crate) fn op_named(&self) -> String {
-        if self.call == 0 {
-            self.op.to_string()
-        } else {
-            format!("{} call #{}", self.op, self.call)
-        }
+    pub(crate) fn op_named(&self) -> Op {
+        self.op.numbered(self.call)
+    }
+
+    /// `n` bytes as the caller's elements ("250 f32") where the call has an element type.
+    fn size(&self, n: u64) -> String {
+        in_elements(n, self.op.p2p_dtype())
     }
 
     fn head(&self, seq: u32) -> Head {
@@ -99,7 +102,7 @@ impl XferCtx<'_> {
                 self.call_text(call, theirs)
             )
         };
-        Err(Error::Mismatch { rank: self.rank, peer, op: self.op_named(), what })
+        Err(Error::Mismatch { rank: self.rank, peer, op: self.op_named(), what, cause: None })
     }
 
     /// A message or clear-to-send from `wpeer` for this very call whose descriptor
@@ -129,6 +132,7 @@ impl XferCtx<'_> {
             how: l.how,
             peer_calls: u64::from(l.calls),
             p2p: (self.chan == CHAN_USER).then(|| (u64::from(l.sent[c]), u64::from(l.recv[c]))),
+            cause: None,
         }
     }
 
@@ -202,9 +206,12 @@ impl SendOp {
                 if cx.eager(self.wpeer, self.len)? {
                     // Header on the stack, data straight from the source: nothing allocated.
                     let head = proto::eager_header(&cx.head(self.seq));
+                    if cx.fabric.params.injects(FaultSite::SendSource, cx.fabric.rank) {
+                        return Err(Error::internal(format!("{}: send source: injected by FERROCCL_INJECT_FAULT", cx.op)));
+                    }
                     self.src
                         .with_slice(self.offset, self.len, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
-                        .map_err(|e| Error::invalid(format!("{}: send source: {e}", cx.op)))??;
+                        .map_err(|e| Error::internal(format!("{}: send source: {e}", cx.op)))??;
                     self.state = SendState::Done;
                 } else {
                     ep.post_send(&proto::encode_rts(&cx.head(self.seq), self.len as u64), cx.deadline, &|| cx.pump())?;
@@ -238,7 +245,14 @@ impl SendOp {
                         rank: cx.rank,
                         peer: self.peer,
                         op: cx.op_named(),
-                        what: format!("rank {} sends {} bytes, rank {} receives {}", cx.rank, self.len, self.peer, cts.len),
+                        what: format!(
+                            "rank {} sends {}, rank {} receives {}",
+                            cx.rank,
+                            cx.size(self.len as u64),
+                            self.peer,
+                            cx.size(cts.len)
+                        ),
+                        cause: None,
                     });
                 }
                 let ep = cx.fabric.endpoint(self.wpeer)?;
@@ -253,7 +267,7 @@ impl SendOp {
                 Ok(true)
             }
             SendState::Pulling => {
-                let Some(ticket) = &self.pull else { return Err(Error::invalid("internal: pulling without a slot")) };
+                let Some(ticket) = &self.pull else { return Err(Error::internal("pulling without a slot")) };
                 match ticket.status() {
                     None => Ok(false),
                     Some(r) => {
@@ -316,7 +330,8 @@ impl RecvOp {
             rank: cx.rank,
             peer: self.peer,
             op: cx.op_named(),
-            what: format!("rank {} receives {} bytes, rank {} sends {sent}", cx.rank, self.len, self.peer),
+            what: format!("rank {} receives {}, rank {} sends {}", cx.rank, cx.size(self.len as u64), self.peer, cx.size(sent)),
+            cause: None,
         }
     }
 
@@ -365,9 +380,13 @@ impl RecvOp {
                 if msg.data.len() != self.len {
                     return Err(self.mismatch(cx, msg.data.len() as u64));
                 }
-                let r = self.dst.write_at(self.offset, &msg.data);
+                let r = if cx.fabric.params.injects(FaultSite::RecvBuffer, cx.fabric.rank) {
+                    Err("injected by FERROCCL_INJECT_FAULT".to_string())
+                } else {
+                    self.dst.write_at(self.offset, &msg.data).map_err(|e| e.to_string())
+                };
                 cx.fabric.inbox.give_buf(msg.data);
-                r.map_err(|e| Error::invalid(format!("{}: receive buffer: {e}", cx.op)))?;
+                r.map_err(|e| Error::internal(format!("{}: receive buffer: {e}", cx.op)))?;
                 self.state = RecvState::Done;
                 Ok(true)
             }

@@ -127,6 +127,44 @@ pub struct Params {
     pub ib_gid_index: Option<u8>,
     /// `FERROCCL_IB_TIMEOUT`: the verbs ACK timeout exponent.
     pub ib_timeout: u8,
+    /// `FERROCCL_INJECT_FAULT`: for FerroCCL's own tests, a fault to inject.
+    pub inject_fault: Option<InjectedFault>,
+}
+
+/// Where `FERROCCL_INJECT_FAULT` makes a rank fail, as an internal error, in the middle of
+/// a transfer (after the call has started and its peers may be waiting for it). For
+/// FerroCCL's own tests: they check that such a failure reaches every rank at once.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultSite {
+    /// Reading an eager send's source buffer (`send-source`).
+    SendSource,
+    /// Copying an eager message into the receive buffer (`recv-buffer`).
+    RecvBuffer,
+    /// A local reduction step of a collective's schedule (`reduce-step`).
+    ReduceStep,
+    /// Copying a fused group's results back into the callers' buffers (`fused-copy`).
+    FusedCopy,
+}
+
+impl FaultSite {
+    /// The sites and their names in `FERROCCL_INJECT_FAULT`.
+    pub const ALL: [(FaultSite, &'static str); 4] = [
+        (FaultSite::SendSource, "send-source"),
+        (FaultSite::RecvBuffer, "recv-buffer"),
+        (FaultSite::ReduceStep, "reduce-step"),
+        (FaultSite::FusedCopy, "fused-copy"),
+    ];
+}
+
+/// A fault injected at `site` on world rank `rank` (`FERROCCL_INJECT_FAULT=site@rank`),
+/// every time the rank gets there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InjectedFault {
+    /// Where.
+    pub site: FaultSite,
+    /// On which world rank.
+    pub rank: usize,
 }
 
 /// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
@@ -154,6 +192,7 @@ impl Default for Params {
             ib_dev: None,
             ib_gid_index: None,
             ib_timeout: 18,
+            inject_fault: None,
         }
     }
 }
@@ -273,6 +312,18 @@ impl Params {
                 return Err(Error::Env { var: "FERROCCL_SLOTS".into(), problem: format!("{v:?} must be between 1 and 64") });
             }
         }
+        if let Some(v) = get("FERROCCL_INJECT_FAULT") {
+            let bad = || Error::Env {
+                var: "FERROCCL_INJECT_FAULT".into(),
+                problem: format!(
+                    "{v:?} is not SITE@RANK with SITE one of {}",
+                    FaultSite::ALL.iter().map(|(_, n)| *n).collect::<Vec<_>>().join(", ")
+                ),
+            };
+            let (site, rank) = v.trim().split_once('@').ok_or_else(bad)?;
+            let site = FaultSite::ALL.iter().find(|(_, n)| *n == site).map(|(s, _)| *s).ok_or_else(bad)?;
+            p.inject_fault = Some(InjectedFault { site, rank: rank.parse().map_err(|_| bad())? });
+        }
         if let Some(v) = get("FERROCCL_DEBUG") {
             p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
         }
@@ -281,6 +332,11 @@ impl Params {
 }
 
 impl Params {
+    /// Whether `FERROCCL_INJECT_FAULT` asks world rank `rank` to fail at `site`.
+    pub(crate) fn injects(&self, site: FaultSite, rank: usize) -> bool {
+        self.inject_fault.is_some_and(|f| f.site == site && f.rank == rank)
+    }
+
     /// Checks values set by hand (from_env already checks what it reads).
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidArgument(format!("Params: {what}")));

@@ -55,7 +55,7 @@ pub struct Plan<'a, T: Element> {
 
 impl<T: Element> std::fmt::Debug for Plan<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = self.job.body().parts.first().map(|p| p.name.clone()).unwrap_or_default();
+        let name = self.job.body().parts.first().map(|p| p.name.to_string()).unwrap_or_default();
         f.debug_struct("Plan").field("op", &name).field("runs", &self.runs).finish()
     }
 }

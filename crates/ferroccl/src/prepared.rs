@@ -9,12 +9,14 @@ use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Collective, Schedule};
+use crate::error::Op;
 use crate::proto::Desc;
 
 /// A call's schedule and identity, before buffers are attached.
 #[derive(Debug, Clone)]
 pub(crate) struct Prepared {
-    pub(crate) name: Arc<str>,
+    /// What errors name it: the collective, its arguments and algorithm.
+    pub(crate) name: Op,
     pub(crate) desc: Desc,
     pub(crate) sched: Arc<Schedule>,
     pub(crate) dtype: DType,

@@ -59,7 +59,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::auth;
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::wire::{DecodeError, Reader, Writer};
 
 /// Longest key the store accepts, in bytes.
@@ -789,8 +789,8 @@ impl StoreClient {
                     let now = Instant::now();
                     if now >= deadline {
                         return Err(Error::Timeout {
-                            rank,
-                            op: "connect to the store".into(),
+                            rank: Some(rank),
+                            op: Op::other("connect to the store"),
                             after: now - start,
                             waiting_for: vec![format!("store {addr} ({tries} tries; the last ended: {e})")],
                         });
@@ -1056,7 +1056,12 @@ impl StoreClient {
                     Ok(missing)
                 })();
                 let missing = decoded.map_err(|e| self.bad_reply(op, e))?;
-                Err(Error::Timeout { rank: self.rank, op: "store wait".into(), after: wait.unwrap_or_default(), waiting_for: missing })
+                Err(Error::Timeout {
+                    rank: Some(self.rank),
+                    op: Op::other("store wait"),
+                    after: wait.unwrap_or_default(),
+                    waiting_for: missing,
+                })
             }
             other => Err(self.bad_reply(op, DecodeError(format!("unknown reply status {other}")))),
         }
@@ -1069,7 +1074,7 @@ fn millis(d: Duration) -> u64 {
 
 fn io_err(e: std::io::Error, rank: usize, op: &str, peer: &str, after: Duration) -> Error {
     if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
-        Error::Timeout { rank, op: format!("store {op}: no answer"), after, waiting_for: vec![peer.to_owned()] }
+        Error::Timeout { rank: Some(rank), op: Op::other(format!("store {op}: no answer")), after, waiting_for: vec![peer.to_owned()] }
     } else if e.kind() == ErrorKind::UnexpectedEof {
         Error::io(format!("rank {rank}: store {op}: {peer} closed the connection"), e)
     } else {
@@ -1205,8 +1210,8 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(3));
         match e {
             Error::Timeout { rank, op, after, waiting_for } => {
-                assert_eq!(rank, 3);
-                assert_eq!(op, "store wait");
+                assert_eq!(rank, Some(3));
+                assert_eq!(op, Op::other("store wait"));
                 assert_eq!(after, Duration::from_millis(200));
                 assert_eq!(waiting_for, keys(&["b", "c"]));
             }
@@ -1436,7 +1441,7 @@ mod tests {
         let t0 = Instant::now();
         let e = StoreClient::connect(&addr, TOKEN, 7, Duration::from_millis(200)).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(3));
-        assert!(matches!(e, Error::Timeout { rank: 7, ref waiting_for, .. } if waiting_for[0].contains(&addr)), "{e}");
+        assert!(matches!(e, Error::Timeout { rank: Some(7), ref waiting_for, .. } if waiting_for[0].contains(&addr)), "{e}");
     }
 
     fn limited(limits: Limits) -> StoreServer {

@@ -140,7 +140,7 @@ impl Endpoint {
     /// another frame is skipped); used to tell peers why this rank gives up.
     pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
         match self {
-            Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::invalid("ring full"))),
+            Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::WouldBlock("ring full".into()))),
             Endpoint::Tcp(e) => e.try_post_send_now(msg, deadline),
             Endpoint::Verbs(e) => e.try_post_send_now(msg),
         }

@@ -34,7 +34,7 @@ use ferroccl_mem::futex::futex_wake;
 use ferroccl_mem::process::read_process_memory;
 use ferroccl_mem::segment::ShmSegment;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, BellWords, Inbox};
 use crate::transport::{WriteReq, WriteTicket};
 
@@ -314,7 +314,7 @@ impl LocalShm {
             if revoked {
                 let what = "gave up on a single-copy write while this rank was copying it".to_string();
                 inbox.lock().set_fatal(peer, what.clone());
-                return Err(Error::PeerFailed { rank: self.rank, peer, op: "shm receive".into(), reason: what });
+                return Err(Error::PeerFailed { rank: self.rank, peer, op: Op::other("shm receive"), reason: what, cause: None });
             }
         }
         Ok(any)
@@ -530,8 +530,8 @@ impl ShmEndpoint {
             poll()?;
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
-                    rank: self.rank,
-                    op: format!("shm send to rank {} (its ring stayed full)", self.peer),
+                    rank: Some(self.rank),
+                    op: Op::other(format!("shm send to rank {} (its ring stayed full)", self.peer)),
                     after: start.elapsed(),
                     waiting_for: vec![format!("rank {}", self.peer)],
                 });

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
 use crate::transport::WriteReq;
 
@@ -80,13 +80,19 @@ impl TcpEndpoint {
     fn io_err(&self, what: &str, e: std::io::Error, start: Instant) -> Error {
         if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
             return Error::Timeout {
-                rank: self.rank,
-                op: format!("tcp {what} to rank {}", self.peer),
+                rank: Some(self.rank),
+                op: Op::other(format!("tcp {what} to rank {}", self.peer)),
                 after: start.elapsed(),
                 waiting_for: vec![format!("rank {} (to read its socket)", self.peer)],
             };
         }
-        Error::PeerFailed { rank: self.rank, peer: self.peer, op: format!("tcp {what}"), reason: format!("broke the connection: {e}") }
+        Error::PeerFailed {
+            rank: self.rank,
+            peer: self.peer,
+            op: Op::other(format!("tcp {what}")),
+            reason: format!("broke the connection: {e}"),
+            cause: None,
+        }
     }
 
     /// Writes one frame under the socket's lock. The deadline holds for the whole frame
@@ -139,7 +145,7 @@ impl TcpEndpoint {
                 let settle = Instant::now() + crate::inbox::SUSPECT_GRACE + Duration::from_millis(20);
                 if let Some(fault) = self.inbox.root_cause(settle) {
                     let _ = self.ctl.shutdown(Shutdown::Both);
-                    return fault.to_error(self.rank, &format!("tcp {what} to rank {}", self.peer));
+                    return fault.to_error(self.rank, &Op::other(format!("tcp {what} to rank {}", self.peer)), None);
                 }
             }
             let _ = self.ctl.shutdown(Shutdown::Both);
@@ -161,7 +167,7 @@ impl TcpEndpoint {
     /// Sends only if no other frame is being written right now.
     pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
         let Ok(mut s) = self.writer.try_lock() else {
-            return Err(Error::invalid("socket busy"));
+            return Err(Error::WouldBlock("socket busy".into()));
         };
         self.send_frame_locked(&mut s, &header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
     }

@@ -65,7 +65,7 @@ use ferroccl_verbs::{
     ReadyToSend, RemoteSlice, WcOpcode,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, Inbox};
 use crate::params::Params;
 use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
@@ -461,7 +461,7 @@ impl VerbsNet {
         self.peers
             .get(p)
             .and_then(|x| x.as_ref())
-            .ok_or_else(|| Error::invalid(format!("rank {}: internal: no verbs queue pair to rank {p}", self.rank)))
+            .ok_or_else(|| Error::internal(format!("rank {}: no verbs queue pair to rank {p}", self.rank)))
     }
 
     fn fail(&self, peer: usize, what: String) {
@@ -637,8 +637,8 @@ impl VerbsNet {
         }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
-                rank: self.rank,
-                op: op.into(),
+                rank: Some(self.rank),
+                op: Op::other(op),
                 after: start.elapsed(),
                 waiting_for: vec![format!("rank {peer}")],
             });
@@ -782,7 +782,7 @@ impl VerbsEndpoint {
                 st.flush_until = st.sent;
                 Ok(())
             }
-            false => Err(Error::invalid("no verbs slot free")),
+            false => Err(Error::WouldBlock("no verbs slot free".into())),
         }
     }
 
@@ -792,7 +792,7 @@ impl VerbsEndpoint {
     /// this returns.
     pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
         if w.imm & IMM_CTRL != 0 {
-            return Err(Error::invalid(format!("internal: verbs write immediate {:#x} uses the control bit", w.imm)));
+            return Err(Error::internal(format!("verbs write immediate {:#x} uses the control bit", w.imm)));
         }
         let rkey =
             u32::try_from(w.dst.key).map_err(|_| Error::invalid(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
@@ -821,7 +821,7 @@ impl VerbsEndpoint {
             let copied = w.src.with_slice(w.offset + pos, piece, |b| self.net.stage.write(off, b));
             if let Err(e) = copied {
                 free_slot();
-                return Err(Error::invalid(format!("verbs write source: {e}")));
+                return Err(Error::internal(format!("verbs write source: {e}")));
             }
             let remote = RemoteSlice { addr: w.dst_addr(pos), len: piece as u32, rkey };
             let mut st = lock(&pe.st);

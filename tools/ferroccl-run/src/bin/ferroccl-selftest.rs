@@ -49,10 +49,19 @@ fn main() {
         params.host_id = Some(format!("fake-host-{}", launch.rank / k.max(1)));
         Communicator::init_with(launch.into(), params)
     };
+    let t_init = Instant::now();
     let comm = match init() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("selftest: init error: {e}");
+            // A fault case whose culprit fails before a slow rank's init is done fails
+            // that rank's init: its fault line says so, like any other failed call.
+            if cmd == "fault" {
+                if let Ok(launch) = ferroccl::bootstrap::env::detect() {
+                    let case = flag(rest, "--case").unwrap_or("").to_string();
+                    report_fault(launch.rank, &case, t_init, Err(e));
+                }
+            }
             std::process::exit(1);
         }
     };
@@ -80,6 +89,29 @@ fn main() {
         Err(e) => {
             eprintln!("selftest: rank {rank} error: {e}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// Prints rank `r`'s `fault` line for `case` (how long it took to fail, and the error's
+/// root cause as data) and exits: 1 when it failed, 0 when it did not.
+fn report_fault(r: usize, case: &str, t: Instant, res: ferroccl::Result<()>) -> ! {
+    match res {
+        Err(e) => {
+            println!("selftest: rank {r} fault {case}: failed after {:.3}s: {e}", t.elapsed().as_secs_f64());
+            match e.root_cause() {
+                Some(c) => println!(
+                    "selftest: rank {r} fault {case}: root cause {:?} at rank {}",
+                    c.kind,
+                    c.rank.map_or("unknown".to_string(), |x| x.to_string())
+                ),
+                None => println!("selftest: rank {r} fault {case}: no root cause"),
+            }
+            std::process::exit(1)
+        }
+        Ok(()) => {
+            println!("selftest: rank {r} fault {case}: no error after {:.3}s", t.elapsed().as_secs_f64());
+            std::process::exit(0)
         }
     }
 }
@@ -602,6 +634,8 @@ fn abort(comm: Communicator) -> ! {
 /// * `skip`: the last rank skips an allreduce and goes on to finalize;
 /// * `p2p-len`: rank 0 sends N elements, rank 1 receives N + 1, then both barrier;
 /// * `reduce-root`: every rank calls reduce with itself as the root (nobody sends);
+/// * `mid-transfer`: send 0 -> 1, allreduce, a fused group of two allreduces, with a
+///   barrier after each (run with `FERROCCL_INJECT_FAULT` to fail one rank mid-transfer);
 /// * `after-finalize`: every rank finalizes the world, then calls allreduce three times on
 ///   a communicator split from it (each call must fail, saying so).
 fn fault(comm: Communicator, args: &[String]) -> ! {
@@ -609,18 +643,7 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
     let case = flag(args, "--case").unwrap_or("").to_string();
     let count: usize = flag(args, "--count").and_then(|s| s.parse().ok()).unwrap_or(1000);
     let (n, r) = (comm.size(), comm.rank());
-    let report = |t: Instant, res: ferroccl::Result<()>| -> ! {
-        match res {
-            Err(e) => {
-                println!("selftest: rank {r} fault {case}: failed after {:.3}s: {e}", t.elapsed().as_secs_f64());
-                std::process::exit(1)
-            }
-            Ok(()) => {
-                println!("selftest: rank {r} fault {case}: no error after {:.3}s", t.elapsed().as_secs_f64());
-                std::process::exit(0)
-            }
-        }
-    };
+    let report = |t: Instant, res: ferroccl::Result<()>| -> ! { report_fault(r, &case, t, res) };
     // A fast rank may find the fault while a slow one is still in this barrier: its
     // barrier then fails with the fault, which counts.
     let t = Instant::now();
@@ -663,6 +686,25 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             }
             comm.allreduce(&mut buf, ReduceOp::Sum)
         }
+        // Point-to-point (0 -> 1), an allreduce and a fused group, each followed by a
+        // barrier: with FERROCCL_INJECT_FAULT set, one rank fails mid-transfer and the
+        // others must fail at once, naming it.
+        "mid-transfer" => (|| {
+            match r {
+                0 if n > 1 => comm.send(&buf, 1)?,
+                1 => comm.recv(&mut buf, 0)?,
+                _ => {}
+            }
+            comm.barrier()?;
+            comm.allreduce(&mut buf, ReduceOp::Sum)?;
+            comm.barrier()?;
+            let (mut a, mut b) = (vec![1f32; 16], vec![2f32; 16]);
+            comm.group(|g| {
+                g.allreduce(&mut a, ReduceOp::Sum)?;
+                g.allreduce(&mut b, ReduceOp::Sum)
+            })?;
+            comm.barrier()
+        })(),
         "after-finalize" => {
             let sub = match comm.split(Some(0), r as i64) {
                 Ok(Some(s)) => s,

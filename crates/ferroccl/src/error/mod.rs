@@ -1,8 +1,18 @@
 //! The one error type of FerroCCL. Every variant says what failed and, where there is one,
-//! which rank, which peer and which operation.
+//! which rank, which peer and which operation ([`Op`], as data). A fault of the job (a
+//! rank died, calls did not match, a deadline passed) also says, on every rank, which rank
+//! is at fault and what kind of fault it is: [`Error::root_cause`].
+
+mod fault;
+mod op;
 
 use std::io;
 use std::time::Duration;
+
+pub(crate) use fault::Fault;
+pub use fault::{FaultKind, RootCause};
+pub(crate) use op::in_elements;
+pub use op::Op;
 
 /// Result alias used throughout FerroCCL.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -20,9 +30,26 @@ pub enum Error {
         problem: String,
     },
 
-    /// A caller passed an argument that cannot work (lengths, ranks, sizes...).
+    /// A caller passed an argument that cannot work (lengths, ranks, sizes...). Found
+    /// before anything went on the wire: the communicator stays usable.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// An attempt that must not wait found no room ("ring full", "socket busy"): nothing
+    /// was sent; trying again later may work.
+    #[error("would block: {0}")]
+    WouldBlock(String),
+
+    /// Something FerroCCL itself got wrong (an internal invariant did not hold): a bug to
+    /// report. Once an operation has started on the wire it is fatal for the communicator
+    /// and the peers are told, like any other fault.
+    #[error("{}internal error: {what}", fmt_rank(*.rank))]
+    Internal {
+        /// The rank it happened on, once known.
+        rank: Option<usize>,
+        /// What did not hold.
+        what: String,
+    },
 
     /// An I/O call failed; `what` says which call and with whom.
     #[error("{what}: {source}")]
@@ -63,12 +90,12 @@ pub enum Error {
     },
 
     /// A deadline passed.
-    #[error("rank {rank}: {op} timed out after {after:?}{}", fmt_waiting(.waiting_for))]
+    #[error("{}{op} timed out after {after:?}{}", fmt_rank(*.rank), fmt_waiting(.waiting_for))]
     Timeout {
-        /// The rank that gave up (`usize::MAX` before the rank is known).
-        rank: usize,
+        /// The rank that gave up (`None` before the rank is known).
+        rank: Option<usize>,
         /// What it was doing.
-        op: String,
+        op: Op,
         /// How long it waited.
         after: Duration,
         /// What it was waiting for (peers, store keys), if known.
@@ -80,12 +107,24 @@ pub enum Error {
     PeerFailed {
         /// The rank reporting.
         rank: usize,
-        /// The peer that failed (a world rank).
+        /// The peer that failed, or that told this rank of a failure (a world rank).
         peer: usize,
         /// What the reporting rank was doing.
-        op: String,
+        op: Op,
         /// What happened to the peer.
         reason: String,
+        /// The fault behind it, when another rank reported it (see [`Error::root_cause`]).
+        cause: Option<Box<RootCause>>,
+    },
+
+    /// The launcher that started this rank (`ferroccl-run`, torchrun's agent) exited while
+    /// the rank still ran: the job is over.
+    #[error("rank {rank}: the launcher (pid {pid}) exited")]
+    LauncherExited {
+        /// The rank reporting (a world rank).
+        rank: usize,
+        /// The launcher's process id.
+        pid: u32,
     },
 
     /// A transport could not be set up or used with a peer.
@@ -122,9 +161,11 @@ pub enum Error {
         /// The peer whose call differs.
         peer: usize,
         /// The operation.
-        op: String,
-        /// The difference ("this rank receives 16 bytes, rank 1 sends 32").
+        op: Op,
+        /// The difference ("rank 0 receives 5 f32, rank 1 sends 4 f32").
         what: String,
+        /// The fault as data, with the peer as a world rank (see [`Error::root_cause`]).
+        cause: Option<Box<RootCause>>,
     },
 
     /// The communicator was aborted ([`crate::Communicator::abort`]); every pending and later
@@ -134,14 +175,23 @@ pub enum Error {
         /// The rank reporting.
         rank: usize,
         /// The operation that was pending or called.
-        op: String,
+        op: Op,
         /// The rank that called `abort` (a world rank), if it was another one.
         by: Option<usize>,
     },
 
-    /// The communicator was poisoned by an earlier fatal error; the first error is kept.
-    #[error("communicator is unusable after an earlier error: {0}")]
-    Poisoned(String),
+    /// The communicator was poisoned by an earlier fatal error of this rank's; the first
+    /// error is kept, as the source of this one.
+    #[error("rank {rank}: {op}: the communicator is unusable after an earlier error: {first}")]
+    Poisoned {
+        /// The rank reporting.
+        rank: usize,
+        /// The call that was refused.
+        op: Op,
+        /// The error that poisoned the communicator.
+        #[source]
+        first: Box<Error>,
+    },
 
     /// A peer left the communicator ([`crate::Communicator::finalize`] or drop) before it
     /// took part in this operation, which therefore can never complete. It says where the
@@ -154,7 +204,7 @@ pub enum Error {
         /// The rank that left (a rank of the communicator).
         peer: usize,
         /// What this rank was doing, with its call number ("allreduce (...) call #42").
-        op: String,
+        op: Op,
         /// How the peer left.
         how: Departure,
         /// The number of the peer's last collective call on the communicator (0: none).
@@ -162,6 +212,8 @@ pub enum Error {
         /// For point-to-point traffic: how many messages on this stream the peer had sent
         /// or received, as (sent to this rank, received from this rank).
         p2p: Option<(u64, u64)>,
+        /// The fault as data, with the peer as a world rank (see [`Error::root_cause`]).
+        cause: Option<Box<RootCause>>,
     },
 
     /// The communicator, or the world communicator it was split from, was finalized: no
@@ -171,7 +223,7 @@ pub enum Error {
         /// The rank reporting.
         rank: usize,
         /// The call that was refused.
-        op: String,
+        op: Op,
         /// Whether it was the world communicator (this one being a split of it).
         world: bool,
     },
@@ -200,6 +252,10 @@ fn fmt_p2p(p: Option<(u64, u64)>) -> String {
     p.map(|(s, r)| format!(", having sent this rank {s} and received {r} point-to-point messages on this stream")).unwrap_or_default()
 }
 
+fn fmt_rank(rank: Option<usize>) -> String {
+    rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
+}
+
 fn fmt_by(by: Option<usize>) -> String {
     by.map(|r| format!(" by rank {r}")).unwrap_or_default()
 }
@@ -218,6 +274,11 @@ impl Error {
         Error::Io { what: what.into(), source }
     }
 
+    /// An [`Error::Internal`]; the rank is filled in when the error poisons the fabric.
+    pub(crate) fn internal(what: impl Into<String>) -> Self {
+        Error::Internal { rank: None, what: what.into() }
+    }
+
     /// Shorthand for [`Error::InvalidArgument`].
     pub(crate) fn invalid(what: impl Into<String>) -> Self {
         Error::InvalidArgument(what.into())
@@ -229,6 +290,8 @@ impl Error {
         match self {
             Error::Env { var, problem } => Error::Env { var: var.clone(), problem: problem.clone() },
             Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::WouldBlock(s) => Error::WouldBlock(s.clone()),
+            Error::Internal { rank, what } => Error::Internal { rank: *rank, what: what.clone() },
             Error::Io { what, source } => Error::Io { what: what.clone(), source: io::Error::new(source.kind(), source.to_string()) },
             Error::Auth { peer, reason } => Error::Auth { peer: peer.clone(), reason: reason.clone() },
             Error::Protocol { peer, what } => Error::Protocol { peer: peer.clone(), what: what.clone() },
@@ -236,166 +299,101 @@ impl Error {
             Error::Timeout { rank, op, after, waiting_for } => {
                 Error::Timeout { rank: *rank, op: op.clone(), after: *after, waiting_for: waiting_for.clone() }
             }
-            Error::PeerFailed { rank, peer, op, reason } => {
-                Error::PeerFailed { rank: *rank, peer: *peer, op: op.clone(), reason: reason.clone() }
+            Error::PeerFailed { rank, peer, op, reason, cause } => {
+                Error::PeerFailed { rank: *rank, peer: *peer, op: op.clone(), reason: reason.clone(), cause: cause.clone() }
             }
             Error::Transport { rank, peer, transport, what } => {
                 Error::Transport { rank: *rank, peer: *peer, transport, what: what.clone() }
             }
-            Error::Mismatch { rank, peer, op, what } => Error::Mismatch { rank: *rank, peer: *peer, op: op.clone(), what: what.clone() },
+            Error::Mismatch { rank, peer, op, what, cause } => {
+                Error::Mismatch { rank: *rank, peer: *peer, op: op.clone(), what: what.clone(), cause: cause.clone() }
+            }
             Error::Aborted { rank, op, by } => Error::Aborted { rank: *rank, op: op.clone(), by: *by },
             Error::Verbs { rank, what, source } => Error::Verbs { rank: *rank, what: what.clone(), source: source.duplicate() },
-            Error::Poisoned(s) => Error::Poisoned(s.clone()),
-            Error::PeerLeft { rank, peer, op, how, peer_calls, p2p } => {
-                Error::PeerLeft { rank: *rank, peer: *peer, op: op.clone(), how: *how, peer_calls: *peer_calls, p2p: *p2p }
-            }
+            Error::Poisoned { rank, op, first } => Error::Poisoned { rank: *rank, op: op.clone(), first: Box::new(first.duplicate()) },
+            Error::PeerLeft { rank, peer, op, how, peer_calls, p2p, cause } => Error::PeerLeft {
+                rank: *rank,
+                peer: *peer,
+                op: op.clone(),
+                how: *how,
+                peer_calls: *peer_calls,
+                p2p: *p2p,
+                cause: cause.clone(),
+            },
             Error::Finalized { rank, op, world } => Error::Finalized { rank: *rank, op: op.clone(), world: *world },
+            Error::LauncherExited { rank, pid } => Error::LauncherExited { rank: *rank, pid: *pid },
         }
+    }
+
+    /// Which rank is at fault and what kind of fault it is, as data, on every rank of the
+    /// job: the rank that found a fault and every rank it told get the same answer (the
+    /// text of each rank's error differs; this does not). `None` for errors that are not a
+    /// fault of the job: an invalid argument found before anything went on the wire, a bad
+    /// environment, a call after finalize, setup I/O.
+    ///
+    /// ```
+    /// # fn handle(e: ferroccl::Error) {
+    /// use ferroccl::FaultKind;
+    /// if let Some(c) = e.root_cause() {
+    ///     match (c.kind, c.rank) {
+    ///         (FaultKind::Failed, Some(r)) => eprintln!("rank {r} died or broke: {}", c.message),
+    ///         (FaultKind::Mismatch, Some(r)) => eprintln!("rank {r} called something else: {}", c.message),
+    ///         (kind, rank) => eprintln!("{kind:?} at {rank:?}: {}", c.message),
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn root_cause(&self) -> Option<RootCause> {
+        match self {
+            Error::PeerFailed { cause: Some(c), .. } | Error::Mismatch { cause: Some(c), .. } | Error::PeerLeft { cause: Some(c), .. } => {
+                Some((**c).clone())
+            }
+            Error::Poisoned { first, .. } => first.root_cause(),
+            Error::PeerFailed { .. }
+            | Error::Mismatch { .. }
+            | Error::PeerLeft { .. }
+            | Error::Transport { .. }
+            | Error::Timeout { .. }
+            | Error::Aborted { .. }
+            | Error::Verbs { .. }
+            | Error::Internal { .. }
+            | Error::LauncherExited { .. } => Some(Fault::from_error(self, &|r| r).root_cause(self.reporter())),
+            _ => None,
+        }
+    }
+
+    /// The rank that reports this error, where the variant says.
+    fn reporter(&self) -> Option<usize> {
+        match self {
+            Error::PeerFailed { rank, .. }
+            | Error::Transport { rank, .. }
+            | Error::Mismatch { rank, .. }
+            | Error::PeerLeft { rank, .. }
+            | Error::Aborted { rank, .. }
+            | Error::Verbs { rank, .. }
+            | Error::Poisoned { rank, .. }
+            | Error::Finalized { rank, .. }
+            | Error::LauncherExited { rank, .. } => Some(*rank),
+            Error::Timeout { rank, .. } | Error::Internal { rank, .. } => *rank,
+            _ => None,
+        }
+    }
+
+    /// `self` with `cause` attached as its root cause, where the variant keeps one and has
+    /// none yet.
+    pub(crate) fn with_cause(mut self, c: RootCause) -> Error {
+        match &mut self {
+            Error::PeerFailed { cause, .. } | Error::Mismatch { cause, .. } | Error::PeerLeft { cause, .. } if cause.is_none() => {
+                *cause = Some(Box::new(c));
+            }
+            Error::Internal { rank, .. } if rank.is_none() => *rank = c.rank,
+            _ => {}
+        }
+        self
     }
 
     /// Shorthand for [`Error::Protocol`].
     pub(crate) fn protocol(peer: impl Into<String>, what: impl Into<String>) -> Self {
         Error::Protocol { peer: peer.into(), what: what.into() }
-    }
-}
-
-/// The kind of a fatal fault, as it travels between ranks in an `ERR` message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FaultKind {
-    /// A rank died, lost its connection or broke the protocol (`culprit`).
-    Failed,
-    /// Two ranks' calls disagree (`reporter` and `culprit`).
-    Mismatch,
-    /// A rank left the communicator before a call it had to take part in (`culprit`).
-    Left,
-    /// A deadline passed on the reporter.
-    Timeout,
-    /// The communicator was aborted (by the reporter).
-    Aborted,
-    /// Anything else that made the reporter give up.
-    Other,
-}
-
-impl FaultKind {
-    pub(crate) fn code(self) -> u8 {
-        match self {
-            FaultKind::Failed => 1,
-            FaultKind::Mismatch => 2,
-            FaultKind::Left => 3,
-            FaultKind::Timeout => 4,
-            FaultKind::Aborted => 5,
-            FaultKind::Other => 6,
-        }
-    }
-
-    pub(crate) fn from_code(c: u8) -> Option<FaultKind> {
-        Some(match c {
-            1 => FaultKind::Failed,
-            2 => FaultKind::Mismatch,
-            3 => FaultKind::Left,
-            4 => FaultKind::Timeout,
-            5 => FaultKind::Aborted,
-            6 => FaultKind::Other,
-            _ => return None,
-        })
-    }
-}
-
-/// A fatal fault as data: what poisons a fabric, and what an `ERR` message carries to the
-/// peers, so that every rank can build its own error from fields (which rank found it,
-/// which rank is at fault, what kind of fault) instead of nesting another rank's message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Fault {
-    pub(crate) kind: FaultKind,
-    /// The world rank at fault, if one is known.
-    pub(crate) culprit: Option<usize>,
-    /// The world rank that found the fault; `None`: this rank.
-    pub(crate) reporter: Option<usize>,
-    /// What the reporter was doing ("allreduce (1000 x f32, sum, mesh) call #3").
-    pub(crate) op: String,
-    /// What happened, in words that read the same on every rank (ranks are named, never
-    /// "this rank"), without the reporter's prefix: "exited (pid 7) without closing its
-    /// communicator", "rank 0 called broadcast(...) as call #1, rank 1 broadcast(...)".
-    pub(crate) what: String,
-}
-
-impl Fault {
-    /// The fault behind `err`, found by this rank. `world` maps a rank of the failing
-    /// call's communicator to a world rank (the ranks in `Mismatch` and `PeerLeft` are
-    /// communicator ranks; in `PeerFailed` and `Transport` they are world ranks already).
-    pub(crate) fn from_error(err: &Error, world: &dyn Fn(usize) -> usize) -> Fault {
-        let me = match err {
-            Error::PeerFailed { rank, .. }
-            | Error::Transport { rank, .. }
-            | Error::Mismatch { rank, .. }
-            | Error::PeerLeft { rank, .. }
-            | Error::Timeout { rank, .. }
-            | Error::Aborted { rank, .. } => Some(*rank),
-            _ => None,
-        };
-        let (kind, culprit, op, what) = match err {
-            Error::PeerFailed { peer, op, reason, .. } => (FaultKind::Failed, Some(*peer), op.clone(), reason.clone()),
-            Error::Transport { peer, transport, what, .. } => {
-                (FaultKind::Failed, Some(*peer), format!("{transport} transport"), what.clone())
-            }
-            Error::Mismatch { peer, op, what, .. } => (FaultKind::Mismatch, Some(world(*peer)), op.clone(), what.clone()),
-            Error::PeerLeft { peer, op, how, peer_calls, p2p, .. } => {
-                // Said so that it reads the same on every rank.
-                let stream = match (p2p, me) {
-                    (Some((s, r)), Some(me)) => {
-                        format!(", having sent rank {me} {s} and received {r} point-to-point messages from it")
-                    }
-                    _ => String::new(),
-                };
-                let what = format!("{how} the communicator after call #{peer_calls}{stream}");
-                (FaultKind::Left, Some(world(*peer)), op.clone(), what)
-            }
-            Error::Timeout { op, after, waiting_for, .. } => {
-                (FaultKind::Timeout, None, op.clone(), format!("timed out after {after:?}{}", fmt_waiting(waiting_for)))
-            }
-            Error::Aborted { op, by, .. } => (FaultKind::Aborted, *by, op.clone(), "aborted its communicator".into()),
-            Error::Verbs { what, source, .. } => (FaultKind::Other, None, what.clone(), source.to_string()),
-            other => (FaultKind::Other, None, String::new(), other.to_string()),
-        };
-        Fault { kind, culprit, reporter: None, op, what }
-    }
-
-    /// The error an operation `op` of rank `rank` (a world rank; `me` is the same rank)
-    /// reports for this fault.
-    pub(crate) fn to_error(&self, rank: usize, op: &str) -> Error {
-        let op = op.to_string();
-        // Who passed the news on, when that is not the culprit itself.
-        let via = |s: &str| match self.reporter {
-            Some(r) if Some(r) != self.culprit => format!("{s} (reported by rank {r})"),
-            _ => s.to_string(),
-        };
-        match (self.kind, self.culprit, self.reporter) {
-            (FaultKind::Aborted, _, by) => Error::Aborted { rank, op, by },
-            // Another rank blames this one (it saw our connection break, or we left or
-            // called differently): the other rank is the one to name.
-            // A rank still waited for this one in a call this rank never made.
-            (FaultKind::Left, Some(c), Some(r)) if c == rank => Error::Mismatch {
-                rank,
-                peer: r,
-                op,
-                what: format!("rank {r} is in {}, which needs this rank, but this rank {}", self.op, self.what),
-            },
-            (FaultKind::Failed, Some(c), Some(r)) if c == rank => {
-                Error::PeerFailed { rank, peer: r, op, reason: format!("gave up on this rank: {}", self.what) }
-            }
-            (FaultKind::Mismatch, Some(c), Some(r)) if c == rank => {
-                Error::Mismatch { rank, peer: r, op, what: format!("{} (found by rank {r} in {})", self.what, self.op) }
-            }
-            (FaultKind::Failed | FaultKind::Left, Some(c), _) => Error::PeerFailed { rank, peer: c, op, reason: via(&self.what) },
-            (FaultKind::Mismatch, Some(c), _) => Error::Mismatch { rank, peer: c, op, what: via(&self.what) },
-            (_, _, Some(r)) => {
-                let doing = if self.op.is_empty() { String::new() } else { format!(" in {}", self.op) };
-                Error::PeerFailed { rank, peer: r, op, reason: format!("gave up{doing}: {}", self.what) }
-            }
-            (_, _, None) => {
-                let doing = if self.op.is_empty() { String::new() } else { format!("{}: ", self.op) };
-                Error::Poisoned(format!("rank {rank}: {doing}{}", self.what))
-            }
-        }
     }
 }
