@@ -424,8 +424,8 @@ fn choose_transports(
             TransportChoice::Shm => {
                 return Err(Error::Transport {
                     rank,
-                    peer: p,
-                    transport: "shm",
+                    peer: Some(p),
+                    transport: TransportKind::Shm,
                     what: if same_host {
                         "FERROCCL_TRANSPORT=shm but it has no shared-memory segment".into()
                     } else {
@@ -440,8 +440,8 @@ fn choose_transports(
             TransportChoice::Verbs => {
                 return Err(Error::Transport {
                     rank,
-                    peer: p,
-                    transport: "verbs",
+                    peer: Some(p),
+                    transport: TransportKind::Verbs,
                     what: format!(
                         "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device (its own error says why), or FERROCCL_TRANSPORT differs between ranks",
                         d.hostname
@@ -458,8 +458,8 @@ fn choose_transports(
         if kind == TransportKind::Tcp && d.tcp_addr.is_empty() {
             return Err(Error::Transport {
                 rank,
-                peer: p,
-                transport: "tcp",
+                peer: Some(p),
+                transport: TransportKind::Tcp,
                 what: "the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into(),
             });
         }

@@ -16,7 +16,7 @@ use crate::inbox::{Events, Incoming};
 use crate::params::FaultSite;
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
 use crate::transport::shm::PullTicket;
-use crate::transport::{WriteGrant, WriteReq, WriteTicket};
+use crate::transport::{TransportKind, WriteGrant, WriteReq, WriteTicket};
 
 /// Which ordered stream a transfer belongs to, and what is reported in errors.
 #[derive(Clone, Copy, Debug)]
@@ -274,8 +274,8 @@ impl SendOp {
                         self.pull = None;
                         r.map_err(|()| Error::Transport {
                             rank: cx.rank,
-                            peer: self.peer,
-                            transport: "shm",
+                            peer: Some(self.peer),
+                            transport: TransportKind::Shm,
                             what: format!("{}: rank {} could not copy the data", cx.op, self.peer),
                         })?;
                         self.state = SendState::Done;

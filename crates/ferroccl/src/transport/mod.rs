@@ -42,28 +42,7 @@ use ferroccl_mem::region::RegionHandle;
 
 use crate::error::Result;
 pub(crate) use crate::proto::RemoteBuf;
-
-/// The transports, as mesh setup chooses them per peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum TransportKind {
-    /// Shared memory (same host).
-    Shm,
-    /// TCP sockets.
-    Tcp,
-    /// RDMA verbs (the `verbs` feature).
-    Verbs,
-}
-
-impl TransportKind {
-    /// `shm`, `tcp` or `verbs`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Verbs => "verbs",
-        }
-    }
-}
+pub(crate) use crate::transport_kind::TransportKind;
 
 /// How a transport publishes its own setup data to its peers while the mesh is built, and
 /// collects theirs (mesh setup implements it over the job's store). `topic` names the

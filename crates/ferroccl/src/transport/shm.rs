@@ -36,7 +36,7 @@ use ferroccl_mem::segment::ShmSegment;
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, BellWords, Inbox};
-use crate::transport::{WriteReq, WriteTicket};
+use crate::transport::{TransportKind, WriteReq, WriteTicket};
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.
 const HEADER_BYTES: usize = 4096;
@@ -243,8 +243,12 @@ impl LocalShm {
             let mut tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
             let mut revoked = false;
-            let corrupt =
-                |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
+            let corrupt = |what: String| Error::Transport {
+                rank: self.rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("corrupt ring: {what}"),
+            };
             if tail < head || tail - head > r {
                 return Err(corrupt(format!("tail {tail} is not within one ring of head {head}")));
             }
@@ -287,7 +291,7 @@ impl LocalShm {
                     }
                     K_WRITE => {
                         let seg = &self.seg;
-                        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+                        inbox.land_write(TransportKind::Shm, peer, h.key, h.dst_addr, h.len as usize, |s| {
                             seg.read(payload_off, s);
                             Ok(())
                         })?;
@@ -301,8 +305,8 @@ impl LocalShm {
                     k => {
                         return Err(Error::Transport {
                             rank: self.rank,
-                            peer,
-                            transport: "shm",
+                            peer: Some(peer),
+                            transport: TransportKind::Shm,
                             what: format!("unknown ring record kind {k}"),
                         })
                     }
@@ -325,13 +329,18 @@ impl LocalShm {
     fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, inbox: &Inbox) -> Result<bool> {
         let slot = h.slot as usize;
         if slot >= PULL_SLOTS {
-            return Err(Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("pull slot {slot} out of range") });
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("pull slot {slot} out of range"),
+            });
         }
         let pid = ep.peer_pid;
         let mut read_err = None;
         // A bad destination is a protocol error (fatal in land_write); a failed read is judged
         // below, together with the slot's generation.
-        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+        inbox.land_write(TransportKind::Shm, peer, h.key, h.dst_addr, h.len as usize, |s| {
             if let Err(e) = read_process_memory(pid, h.src_addr, s) {
                 read_err = Some(e);
             }
@@ -354,8 +363,8 @@ impl LocalShm {
         if let Some(e) = read_err {
             return Err(Error::Transport {
                 rank: self.rank,
-                peer,
-                transport: "shm",
+                peer: Some(peer),
+                transport: TransportKind::Shm,
                 what: format!("single-copy read of {} bytes from pid {pid} failed: {e}", h.len),
             });
         }
@@ -441,7 +450,12 @@ impl ShmEndpoint {
                 }
                 _ => "FERROCCL_TRANSPORT=tcp avoids shm",
             };
-            Error::Transport { rank, peer, transport: "shm", what: format!("cannot map its segment: {e} ({hint})") }
+            Error::Transport {
+                rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("cannot map its segment: {e} ({hint})"),
+            }
         })?;
         Ok(ShmEndpoint {
             rank,
@@ -462,7 +476,7 @@ impl ShmEndpoint {
     }
 
     fn err(&self, what: impl Into<String>) -> Error {
-        Error::Transport { rank: self.rank, peer: self.peer, transport: "shm", what: what.into() }
+        Error::Transport { rank: self.rank, peer: Some(self.peer), transport: TransportKind::Shm, what: what.into() }
     }
 
     /// Wakes the peer if it sleeps. Only then is its doorbell touched: a message costs no

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
-use crate::transport::WriteReq;
+use crate::transport::{TransportKind, WriteReq};
 
 const HDR: usize = 40;
 const K_MSG: u8 = 1;
@@ -109,8 +109,8 @@ impl TcpEndpoint {
         if self.broken.load(Ordering::Acquire) {
             return Err(Error::Transport {
                 rank: self.rank,
-                peer: self.peer,
-                transport: "tcp",
+                peer: Some(self.peer),
+                transport: TransportKind::Tcp,
                 what: "connection is unusable after an earlier failed send".into(),
             });
         }
@@ -273,7 +273,7 @@ fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<At
                 inbox.notify();
             }
             K_WRITE => {
-                let r = inbox.land_write(peer, key, addr, len as usize, |dst| {
+                let r = inbox.land_write(TransportKind::Tcp, peer, key, addr, len as usize, |dst| {
                     s.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
                 if r.is_err() {

@@ -68,7 +68,7 @@ use ferroccl_verbs::{
 use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, Inbox};
 use crate::params::Params;
-use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
+use crate::transport::{RemoteBuf, SetupExchange, TransportKind, WriteReq};
 use crate::wire::{Reader, Writer};
 
 /// Eager receive slots per peer (and send slots: one each).
@@ -145,8 +145,8 @@ impl VerbsDevice {
         if port.state != ferroccl_verbs::PortState::Active {
             return Err(Error::Transport {
                 rank,
-                peer: usize::MAX,
-                transport: "verbs",
+                peer: None,
+                transport: TransportKind::Verbs,
                 what: format!("port 1 of RDMA device {name} is not active ({:?})", port.state),
             });
         }
@@ -327,7 +327,12 @@ impl VerbsNet {
         let readies = exchange.gather(ready_topic, peers, deadline)?;
         for (&p, b) in peers.iter().zip(&readies) {
             if let Some(why) = peer_error(b) {
-                return Err(Error::Transport { rank, peer: p, transport: "verbs", what: format!("rank {p} could not connect: {why}") });
+                return Err(Error::Transport {
+                    rank,
+                    peer: Some(p),
+                    transport: TransportKind::Verbs,
+                    what: format!("rank {p} could not connect: {why}"),
+                });
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -416,8 +421,8 @@ impl VerbsNet {
             if let Some(why) = peer_error(b) {
                 return Err(Error::Transport {
                     rank,
-                    peer: p,
-                    transport: "verbs",
+                    peer: Some(p),
+                    transport: TransportKind::Verbs,
                     what: format!("rank {p} could not set up verbs: {why}"),
                 });
             }
@@ -720,7 +725,12 @@ impl VerbsEndpoint {
     }
 
     fn dead_err(&self) -> Error {
-        Error::Transport { rank: self.rank, peer: self.peer, transport: "verbs", what: "the queue pair is cut or failed".into() }
+        Error::Transport {
+            rank: self.rank,
+            peer: Some(self.peer),
+            transport: TransportKind::Verbs,
+            what: "the queue pair is cut or failed".into(),
+        }
     }
 
     /// Sends a message through the next eager slot, waiting (polling) for a credit.
