@@ -41,8 +41,8 @@ use std::time::Instant;
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::Result;
-pub(crate) use crate::proto::RemoteBuf;
 pub(crate) use crate::transport_kind::TransportKind;
+pub(crate) use crate::wire::RemoteBuf;
 
 /// How a transport publishes its own setup data to its peers while the mesh is built, and
 /// collects theirs (mesh setup implements it over the job's store). `topic` names the
