@@ -205,7 +205,25 @@ impl WriteReq<'_> {
 pub(crate) enum WriteTicket {
     /// The source was copied during the post; it may be reused now.
     Done,
-    /// The target pulls the data (shm single copy); the source must stay registered until
-    /// the ticket reports completion. Dropping the ticket revokes the target's access.
-    Pending(shm::PullTicket),
+    /// The target pulls the data; the source must stay registered until the ticket reports
+    /// completion. Dropping the ticket revokes the target's access.
+    Pending(PendingWrite),
+}
+
+/// A write that the target completes by copying from our memory (shm's single copy, a
+/// pull slot lent to the peer): see [`WriteTicket::Pending`]. What it holds stays behind
+/// the transport.
+#[derive(Debug)]
+pub(crate) struct PendingWrite(shm::PullTicket);
+
+impl PendingWrite {
+    /// `None` while the target copies; then whether it could.
+    pub(crate) fn status(&self) -> Option<std::result::Result<(), ()>> {
+        self.0.status()
+    }
+
+    /// The transport that carries it.
+    pub(crate) fn transport(&self) -> TransportKind {
+        TransportKind::Shm
+    }
 }

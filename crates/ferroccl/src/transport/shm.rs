@@ -36,7 +36,7 @@ use ferroccl_mem::segment::ShmSegment;
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, BellWords, Inbox};
-use crate::transport::{TransportKind, WriteReq, WriteTicket};
+use crate::transport::{PendingWrite, TransportKind, WriteReq, WriteTicket};
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.
 const HEADER_BYTES: usize = 4096;
@@ -610,7 +610,7 @@ impl ShmEndpoint {
                 // The ticket releases the slot if the post fails, or when the send ends.
                 let ticket = PullTicket { shm: self.local.clone(), slot, gen };
                 self.produce(&h, 0, |_, _| Ok(()), deadline, poll)?;
-                return Ok(WriteTicket::Pending(ticket));
+                return Ok(WriteTicket::Pending(PendingWrite(ticket)));
             }
             // Every pull slot busy: fall through and copy through the ring.
         }
