@@ -365,3 +365,74 @@ fn choose_transports(rank: usize, choice: TransportChoice, descs: &[Descriptor])
     }
     Ok(kinds)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FaultKind;
+    use crate::transport::descriptor::{QpInfo, VerbsReady, QP_CONNECT_LEN};
+    use crate::transport::{ShmInfo, TcpInfo};
+
+    /// A descriptor of rank `rank` on host `host`, with shm and tcp, and verbs as given.
+    fn desc(rank: u32, host: &str, verbs: VerbsInfo) -> Descriptor {
+        Descriptor {
+            rank,
+            pid: 100 + rank,
+            host_id: host.into(),
+            hostname: format!("node-{host}"),
+            eager_max: 65536,
+            shm: Some(ShmInfo { name: format!("seg-{rank}"), fd: 3, probe_addr: 0x1000, ring_bytes: 1 << 20 }),
+            tcp: Some(TcpInfo { addr: format!("10.0.0.{rank}:4000") }),
+            verbs,
+        }
+    }
+
+    /// Verbs ready on `rank`, with a queue pair for each of `world` ranks but itself.
+    fn ready(rank: u32, world: u32) -> VerbsInfo {
+        let qps = (0..world)
+            .filter(|&p| p != rank)
+            .map(|peer| QpInfo { peer, connect: [0; QP_CONNECT_LEN], ring_addr: 0x2000, ring_rkey: 7 })
+            .collect();
+        VerbsInfo::Ready(VerbsReady { dev: "rxe0".into(), mtu: 1024, qps })
+    }
+
+    #[test]
+    fn auto_prefers_shm_on_a_host_and_verbs_across_hosts() {
+        let descs = [desc(0, "a", ready(0, 3)), desc(1, "a", ready(1, 3)), desc(2, "b", ready(2, 3))];
+        let kinds = choose_transports(0, TransportChoice::Auto, &descs).expect("auto always finds one");
+        // Without the `verbs` feature, verbs reaches nobody and tcp carries the other host.
+        let across = if cfg!(feature = "verbs") { TransportKind::Verbs } else { TransportKind::Tcp };
+        assert_eq!(kinds, [None, Some(TransportKind::Shm), Some(across)]);
+        // A rank on this host without a segment: tcp, not verbs (auto keeps verbs for other hosts).
+        let descs = [desc(0, "a", ready(0, 2)), Descriptor { shm: None, ..desc(1, "a", ready(1, 2)) }];
+        assert_eq!(choose_transports(0, TransportChoice::Auto, &descs).unwrap(), [None, Some(TransportKind::Tcp)]);
+    }
+
+    #[test]
+    fn a_forced_transport_that_cannot_reach_says_why() {
+        let descs = [desc(0, "a", VerbsInfo::Off), desc(1, "b", VerbsInfo::Off)];
+        let e = choose_transports(0, TransportChoice::Shm, &descs).expect_err("shm across hosts");
+        assert_eq!(
+            e.to_string(),
+            "rank 0: shm transport to rank 1: FERROCCL_TRANSPORT=shm but it is on another host (node-b, this is node-a)"
+        );
+        let descs = [desc(0, "a", ready(0, 2)), desc(1, "a", VerbsInfo::Failed("rank 1: no device".into()))];
+        let e = choose_transports(0, TransportChoice::Verbs, &descs).expect_err("a peer without verbs");
+        let why = if cfg!(feature = "verbs") {
+            "rank 1 (on node-a) has no usable RDMA device: rank 1: no device"
+        } else {
+            "this build lacks the `verbs` cargo feature"
+        };
+        assert_eq!(e.to_string(), format!("rank 0: verbs transport to rank 1: FERROCCL_TRANSPORT=verbs but {why}"));
+        let cause = e.root_cause().expect("a fault of the job");
+        assert_eq!((cause.kind, cause.rank), (FaultKind::Failed, Some(1)));
+    }
+
+    #[test]
+    fn a_transport_error_without_a_peer_is_this_ranks_own() {
+        let e = Error::Transport { rank: 1, peer: None, transport: TransportKind::Verbs, what: "port 1 is down".into() };
+        assert_eq!(e.to_string(), "rank 1: verbs transport: port 1 is down");
+        let cause = e.root_cause().expect("a fault of the job");
+        assert_eq!((cause.kind, cause.rank), (FaultKind::Other, Some(1)));
+    }
+}

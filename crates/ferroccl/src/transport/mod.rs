@@ -44,7 +44,7 @@
 //! (one RC queue pair per peer, RDMA WRITE WITH IMMEDIATE into registered memory; only
 //! with the `verbs` cargo feature, otherwise its types are uninhabited).
 
-mod descriptor;
+pub(crate) mod descriptor;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
