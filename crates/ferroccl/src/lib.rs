@@ -58,6 +58,7 @@ pub(crate) mod registry;
 pub(crate) mod transport;
 pub(crate) mod wire;
 
+pub use algo::{Algo, Collective};
 pub use comm::{Communicator, InitConfig};
 pub use error::{Departure, Error, FaultKind, Op, Result, RootCause};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};

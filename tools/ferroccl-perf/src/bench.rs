@@ -88,7 +88,7 @@ struct Ctx<'a, T> {
 }
 
 fn coll_err(comm: &Communicator, coll: Coll, l: &Layout, variant: &str, e: ferroccl::Error) -> Failure {
-    Failure::Collective { rank: comm.rank(), what: format!("{coll} {} B {variant}", l.bytes), source: e }
+    Failure::Collective { rank: comm.rank(), what: format!("{coll} {} B {variant}", l.bytes), source: Box::new(e) }
 }
 
 /// One out-of-place call.
@@ -307,8 +307,11 @@ impl<T: Val> Ctx<'_, T> {
             ip.map_or(0.0, |c| c.time_us),
             ip.map_or(0.0, |c| c.wrong as f64),
         ];
-        let Some(all) =
-            gather(comm, &mine).map_err(|e| Failure::Collective { rank: comm.rank(), what: "collecting times".into(), source: e })?
+        let Some(all) = gather(comm, &mine).map_err(|e| Failure::Collective {
+            rank: comm.rank(),
+            what: "collecting times".into(),
+            source: Box::new(e),
+        })?
         else {
             return Ok(None);
         };
@@ -329,16 +332,13 @@ impl<T: Val> Ctx<'_, T> {
             dtype: self.o.dtype,
             op: coll.reduces().then_some(self.o.op),
             root: coll.rooted().then_some(self.o.root),
-            algo: if coll == Coll::SendRecv {
-                "p2p".to_string()
-            } else if self.algo == "auto" {
-                let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
-                self.comm
-                    .algorithm_for(coll.name(), self.o.dtype, self.o.op, per_rank)
-                    .map(str::to_string)
-                    .unwrap_or_else(|_| "auto".into())
-            } else {
-                self.algo.to_string()
+            algo: match coll.collective(self.o.root) {
+                None => "p2p".to_string(),
+                Some(c) if self.algo == "auto" => {
+                    let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
+                    self.comm.algorithm_for(c, self.o.dtype, self.o.op, per_rank).to_string()
+                }
+                Some(_) => self.algo.to_string(),
             },
             oop: do_oop.then(|| cell(0)),
             ip: do_ip.then(|| cell(2)),
