@@ -93,6 +93,7 @@ pub mod latency;
 pub mod overlap;
 pub mod plot;
 pub mod report;
+pub mod results;
 pub mod sub;
 
 use std::path::PathBuf;
@@ -101,8 +102,8 @@ use std::time::Instant;
 use ferroccl::{Communicator, DType, Params};
 
 use crate::args::{ArgError, Cmd, Options, USAGE};
-use crate::bench::CollResult;
 use crate::report::JobInfo;
+use crate::results::CollResult;
 
 /// Why a run failed.
 #[non_exhaustive]
