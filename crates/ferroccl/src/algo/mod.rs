@@ -86,7 +86,7 @@ impl Slice {
 
 /// What a step does.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Op {
+pub(crate) enum Action {
     /// Send `src` to communicator rank `peer`.
     Send { peer: usize, src: Slice },
     /// Receive from communicator rank `peer` into `dst` (same length as the matching send).
@@ -107,7 +107,7 @@ pub(crate) enum Op {
 /// One step and what it waits for.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Step {
-    pub(crate) op: Op,
+    pub(crate) op: Action,
     /// Indices of earlier steps that must complete first.
     pub(crate) deps: Vec<usize>,
 }
@@ -121,7 +121,7 @@ pub(crate) struct Schedule {
 
 impl Schedule {
     /// Appends a step; returns its index.
-    pub(crate) fn push(&mut self, op: Op, deps: Vec<usize>) -> usize {
+    pub(crate) fn push(&mut self, op: Action, deps: Vec<usize>) -> usize {
         debug_assert!(deps.iter().all(|&d| d < self.steps.len()));
         self.steps.push(Step { op, deps });
         self.steps.len() - 1
