@@ -350,3 +350,23 @@ impl CompletionChannel {
         Ok(true)
     }
 }
+
+/// A context makes its completion queues and channels here, next to them (the device
+/// module knows nothing above it).
+impl Context {
+    /// Creates a completion queue with room for at least `capacity` completions.
+    pub fn create_cq(&self, capacity: u32) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, capacity, None)
+    }
+
+    /// Creates a completion channel, for completion queues whose waiters sleep.
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        CompletionChannel::new(self)
+    }
+
+    /// Creates a completion queue that reports to `channel` when armed
+    /// ([`CompletionQueue::req_notify`]).
+    pub fn create_cq_with_channel(&self, capacity: u32, channel: &CompletionChannel) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, capacity, Some(channel))
+    }
+}

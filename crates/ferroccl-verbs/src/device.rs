@@ -8,8 +8,6 @@ use std::sync::Arc;
 
 use rdma_sys as sys;
 
-use crate::cq::{CompletionChannel, CompletionQueue};
-use crate::mr::ProtectionDomain;
 use crate::{Error, Result};
 
 /// The RDMA devices present on this host (`ibv_get_device_list`).
@@ -205,27 +203,6 @@ impl Context {
         }
         // SAFETY: every bit pattern is a valid `[u8; 16]`.
         Ok(Gid(unsafe { gid.raw }))
-    }
-
-    /// Allocates a protection domain.
-    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
-        ProtectionDomain::new(self)
-    }
-
-    /// Creates a completion queue with room for at least `capacity` completions.
-    pub fn create_cq(&self, capacity: u32) -> Result<CompletionQueue> {
-        CompletionQueue::new(self, capacity, None)
-    }
-
-    /// Creates a completion channel, for completion queues whose waiters sleep.
-    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
-        CompletionChannel::new(self)
-    }
-
-    /// Creates a completion queue that reports to `channel` when armed
-    /// ([`CompletionQueue::req_notify`]).
-    pub fn create_cq_with_channel(&self, capacity: u32, channel: &CompletionChannel) -> Result<CompletionQueue> {
-        CompletionQueue::new(self, capacity, Some(channel))
     }
 }
 

@@ -10,9 +10,7 @@ use std::sync::Arc;
 use ferroccl_mem::RegionLease;
 use rdma_sys as sys;
 
-use crate::cq::CompletionQueue;
 use crate::device::Context;
-use crate::qp::{Init, QpOptions, QueuePair};
 use crate::{Error, Result};
 
 /// A protection domain (`ibv_pd`): memory regions and queue pairs of one PD work
@@ -141,10 +139,12 @@ impl ProtectionDomain {
         let (lkey, rkey) = unsafe { ((*mr.as_ptr()).lkey, (*mr.as_ptr()).rkey) };
         Ok(MemoryRegion { inner: Arc::new(MrInner { mr, addr, len, lkey, rkey, access, owned, _lease: lease, _pd: self.clone() }) })
     }
+}
 
-    /// Creates an RC queue pair in the INIT state; see [`QueuePair`].
-    pub fn create_rc_qp(&self, send_cq: &CompletionQueue, recv_cq: &CompletionQueue, options: &QpOptions) -> Result<QueuePair<Init>> {
-        QueuePair::create(self, send_cq, recv_cq, options)
+impl Context {
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        ProtectionDomain::new(self)
     }
 }
 

@@ -547,6 +547,13 @@ impl QueuePair<ReadyToSend> {
     }
 }
 
+impl ProtectionDomain {
+    /// Creates an RC queue pair in the INIT state; see [`QueuePair`].
+    pub fn create_rc_qp(&self, send_cq: &CompletionQueue, recv_cq: &CompletionQueue, options: &QpOptions) -> Result<QueuePair<Init>> {
+        QueuePair::create(self, send_cq, recv_cq, options)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,7 +68,7 @@ impl Call<'_> {
 impl Communicator {
     fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
         let p = &self.fabric().params;
-        if let Some(a) = p.algo.as_deref().and_then(Algo::parse) {
+        if let Some(a) = p.algo {
             if a.supports_op(coll, dtype, op) {
                 return a;
             }
@@ -109,7 +109,7 @@ impl Communicator {
                 };
                 let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
                 let desc = encode_desc(&shape, algo, p.proto);
-                let id = Op::collective(name, dtype, count, coll.reduces().then_some(op), coll.root(), algo.name());
+                let id = Op::collective(coll, dtype, count, op, algo);
                 let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op };
                 self.sched_cache.insert(key, prep.clone());
                 prep
@@ -181,22 +181,21 @@ impl Communicator {
         Ok(len / n)
     }
 
-    /// The algorithm this communicator uses for a call (`"ring"`, `"mesh"`, `"oneshot"` or
-    /// `"chain"`): `FERROCCL_ALGO` where it applies, else the cost model's choice.
-    /// `collective` is `allreduce`, `allgather`, `reduce_scatter`, `broadcast`, `reduce` or
-    /// `alltoall`; `count` means what it means for that call (per rank for allgather,
-    /// reduce_scatter and alltoall).
-    pub fn algorithm_for(&self, collective: &str, dtype: DType, op: ReduceOp, count: usize) -> Result<&'static str> {
-        let coll = match collective {
-            "allreduce" => Collective::AllReduce,
-            "allgather" => Collective::AllGather,
-            "reduce_scatter" => Collective::ReduceScatter,
-            "broadcast" => Collective::Broadcast { root: 0 },
-            "reduce" => Collective::Reduce { root: 0 },
-            "alltoall" => Collective::AllToAll,
-            other => return Err(Error::invalid(format!("algorithm_for: {other:?} is not a collective"))),
-        };
-        Ok(self.pick_algo(coll, dtype, op, count).name())
+    /// The algorithm this communicator uses for a call of `collective` with `dtype`, `op` and
+    /// `count` (what `count` means for that call: per rank for allgather, reduce_scatter and
+    /// alltoall): [`Params::algo`](crate::Params::algo) where it implements the call, else the
+    /// cost model's choice. Every rank answers the same for the same arguments.
+    ///
+    /// ```no_run
+    /// # let comm = ferroccl::Communicator::init()?;
+    /// use ferroccl::{Algo, Collective, DType, ReduceOp};
+    /// let algo = comm.algorithm_for(Collective::AllReduce, DType::F32, ReduceOp::Sum, 1 << 20);
+    /// println!("1 Mi f32 allreduce runs {algo}"); // "ring", on most setups
+    /// # let _: Algo = algo;
+    /// # Ok::<(), ferroccl::Error>(())
+    /// ```
+    pub fn algorithm_for(&self, collective: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
+        self.pick_algo(collective, dtype, op, count)
     }
 
     /// Reduces `buf` across all ranks, in place: every rank ends with the same result.

@@ -22,7 +22,7 @@ use std::ops::Range;
 use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
-use crate::algo::{Buf, Op, Schedule, Slice};
+use crate::algo::{Action, Buf, Schedule, Slice};
 use crate::error::{Error, Result};
 use crate::p2p::{RecvOp, SendOp, XferCtx};
 use crate::params::FaultSite;
@@ -81,8 +81,8 @@ pub(crate) fn assign_seqs(sched: &Schedule, next: &mut dyn FnMut(bool, usize) ->
     out.clear();
     for step in &sched.steps {
         out.push(match &step.op {
-            Op::Send { peer, .. } => next(true, *peer),
-            Op::Recv { peer, .. } => next(false, *peer),
+            Action::Send { peer, .. } => next(true, *peer),
+            Action::Recv { peer, .. } => next(false, *peer),
             _ => 0,
         });
     }
@@ -172,16 +172,16 @@ impl Exec {
                 run.members.get(peer).copied().ok_or_else(|| Error::internal(format!("{}: step {i}: rank {peer} out of range", cx.op)))
             };
             let started = match &step.op {
-                Op::Send { peer, src } => {
+                Action::Send { peer, src } => {
                     let h = run.bufs.handle(src.buf).clone();
                     Some((2 * *peer + 1, Xfer::Send(SendOp::new(*peer, world(*peer)?, run.seqs[i], h, src.range.start, src.len()))))
                 }
-                Op::Recv { peer, dst } => {
+                Action::Recv { peer, dst } => {
                     let h = run.bufs.handle(dst.buf).clone();
                     Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
                 }
                 local => {
-                    if matches!(local, Op::Reduce { .. } | Op::ReduceMany { .. })
+                    if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })
                         && cx.fabric.params.injects(FaultSite::ReduceStep, cx.fabric.rank)
                     {
                         return Err(Error::internal(format!("{}: step {i}: injected by FERROCCL_INJECT_FAULT", cx.op)));
@@ -223,7 +223,7 @@ struct Views<'v> {
     scr: &'v mut [u8],
 }
 
-fn run_local(op: &Op, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
+fn run_local(op: &Action, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
     let (out_len, scr_len) = (bufs.output.len(), bufs.scratch.len());
     let res = bufs.output.with_slice_mut(0, out_len, |out| {
         bufs.scratch.with_slice_mut(0, scr_len, |scr| match bufs.input {
@@ -335,17 +335,17 @@ fn with_dst_srcs<R>(
     Ok(f(mid, views))
 }
 
-fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
+fn local_on(op: &Action, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
     let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
     match op {
-        Op::Reduce { dst, src } => {
+        Action::Reduce { dst, src } => {
             with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?
                 .map_err(|e| e.to_string())
         }
-        Op::ReduceMany { dst, srcs } => {
+        Action::ReduceMany { dst, srcs } => {
             with_dst_srcs(v, dst, srcs, aside, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
         }
-        Op::Copy { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| {
+        Action::Copy { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| {
             if d.len() == s[0].len() {
                 d.copy_from_slice(s[0]);
                 Ok(())
@@ -353,7 +353,9 @@ fn local_on(op: &Op, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut
                 Err(format!("copy of {} bytes into {}", s[0].len(), d.len()))
             }
         })?,
-        Op::FinishAvg { dst, n } => with_dst_srcs(v, dst, &[], aside, |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string()),
-        Op::Send { .. } | Op::Recv { .. } => Err("internal: a transfer as a local step".into()),
+        Action::FinishAvg { dst, n } => {
+            with_dst_srcs(v, dst, &[], aside, |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string())
+        }
+        Action::Send { .. } | Action::Recv { .. } => Err("internal: a transfer as a local step".into()),
     }
 }

@@ -59,6 +59,7 @@ pub(crate) mod transport;
 pub(crate) mod transport_kind;
 pub(crate) mod wire;
 
+pub use algo::{Algo, Collective};
 pub use comm::{Communicator, InitConfig};
 pub use error::{Departure, Error, FaultKind, Op, Result, RootCause};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};

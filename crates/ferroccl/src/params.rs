@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use crate::algo::Algo;
 use crate::error::{Error, Result};
 
 /// One declared knob.
@@ -112,8 +113,9 @@ pub struct Params {
     pub debug: bool,
     /// `FERROCCL_STORE_MAX_VALUE` (read by whoever serves the store).
     pub store_max_value: usize,
-    /// `FERROCCL_ALGO`: `None` for the cost model, else an algorithm name.
-    pub algo: Option<String>,
+    /// `FERROCCL_ALGO`: `None` for the cost model, else the algorithm to use for the
+    /// collectives it implements (the others keep the cost model's choice).
+    pub algo: Option<Algo>,
     /// `FERROCCL_PROTO`.
     pub proto: ProtoChoice,
     /// `FERROCCL_CHUNK_BYTES`.
@@ -167,9 +169,6 @@ pub struct InjectedFault {
     /// On which world rank.
     pub rank: usize,
 }
-
-/// The algorithm names `FERROCCL_ALGO` accepts (besides `auto`).
-pub const ALGO_NAMES: [&str; 4] = ["ring", "mesh", "oneshot", "chain"];
 
 impl Default for Params {
     fn default() -> Self {
@@ -274,15 +273,13 @@ impl Params {
             p.reg_cache_entries = parse_num("FERROCCL_REG_CACHE_ENTRIES", &v)?;
         }
         if let Some(v) = get("FERROCCL_ALGO") {
-            let name = v.trim().to_ascii_lowercase();
-            if name != "auto" {
-                if !ALGO_NAMES.contains(&name.as_str()) {
-                    return Err(Error::Env {
-                        var: "FERROCCL_ALGO".into(),
-                        problem: format!("{v:?} is not one of auto, {}", ALGO_NAMES.join(", ")),
-                    });
-                }
-                p.algo = Some(name);
+            if !v.trim().eq_ignore_ascii_case("auto") {
+                let Some(algo) = Algo::parse(&v) else {
+                    let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
+                    let problem = format!("{v:?} is not one of auto, {}", names.join(", "));
+                    return Err(Error::Env { var: "FERROCCL_ALGO".into(), problem });
+                };
+                p.algo = Some(algo);
             }
         }
         if let Some(v) = get("FERROCCL_PROTO") {
@@ -361,11 +358,6 @@ impl Params {
         }
         if !(1..=31).contains(&self.ib_timeout) {
             return bad(format!("ib_timeout {} must be between 1 and 31", self.ib_timeout));
-        }
-        if let Some(a) = &self.algo {
-            if !ALGO_NAMES.contains(&a.as_str()) {
-                return bad(format!("algo {a:?} is not one of {}", ALGO_NAMES.join(", ")));
-            }
         }
         Ok(())
     }

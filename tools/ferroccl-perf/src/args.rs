@@ -455,8 +455,9 @@ fn check(v: &str) -> Result<bool, Expected> {
 /// `--algo`, lower-cased: auto or one of the library's algorithms.
 fn algo(v: &str) -> Result<String, Expected> {
     let a = v.trim().to_ascii_lowercase();
-    if a != "auto" && !ferroccl::params::ALGO_NAMES.contains(&a.as_str()) {
-        return Err(Expected(format!("must be one of auto, {}", ferroccl::params::ALGO_NAMES.join(", "))));
+    if a != "auto" && ferroccl::Algo::parse(&a).is_none() {
+        let names: Vec<&str> = ferroccl::Algo::ALL.iter().map(|a| a.name()).collect();
+        return Err(Expected(format!("must be one of auto, {}", names.join(", "))));
     }
     Ok(a)
 }

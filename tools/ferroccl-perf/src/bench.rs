@@ -4,73 +4,14 @@
 use std::io::Write;
 use std::time::Instant;
 
-use ferroccl::{Communicator, DType, ReduceOp};
+use ferroccl::{Communicator, ReduceOp};
 
 use crate::args::{format_size, Options, Variants};
 use crate::colls::{self, Coll, Layout};
 use crate::data::{corrupt, count_wrong, Patterns, Val};
 use crate::report;
+use crate::results::{Cell, CollResult, Row};
 use crate::Failure;
-
-/// One variant (out-of-place or in-place) of one row, as rank 0 reports it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Cell {
-    /// Mean time of one call in microseconds, the slowest rank's.
-    pub time_us: f64,
-    /// `size / time` in GB/s.
-    pub algbw: f64,
-    /// `algbw * bus factor` in GB/s.
-    pub busbw: f64,
-    /// Wrong elements summed over the ranks; `None` with `-c 0`.
-    pub wrong: Option<u64>,
-}
-
-/// One row of the table.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Row {
-    /// The `size` column (bytes).
-    pub size: usize,
-    /// The `count` column (elements).
-    pub count: usize,
-    /// The element type.
-    pub dtype: DType,
-    /// The reduction (`None` for collectives that do not reduce).
-    pub op: Option<ReduceOp>,
-    /// The root (`None` for collectives without one).
-    pub root: Option<usize>,
-    /// The algorithm setting the row ran with.
-    pub algo: String,
-    /// Out of place (`None`: not run, or FerroCCL has no such form).
-    pub oop: Option<Cell>,
-    /// In place (`None`: not run, or FerroCCL has no such form).
-    pub ip: Option<Cell>,
-}
-
-/// The rows of one collective.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CollResult {
-    /// The collective.
-    pub coll: Coll,
-    /// Its rows, smallest size first.
-    pub rows: Vec<Row>,
-}
-
-impl CollResult {
-    /// nccl-tests' "Avg bus bandwidth": the mean busbw over every cell of the table.
-    pub fn avg_busbw(&self) -> f64 {
-        let v: Vec<f64> = self.rows.iter().flat_map(|r| [r.oop, r.ip]).flatten().map(|c| c.busbw).collect();
-        if v.is_empty() {
-            0.0
-        } else {
-            v.iter().sum::<f64>() / v.len() as f64
-        }
-    }
-
-    /// Wrong elements over every cell.
-    pub fn wrong(&self) -> u64 {
-        self.rows.iter().flat_map(|r| [r.oop, r.ip]).flatten().filter_map(|c| c.wrong).sum()
-    }
-}
 
 /// What a rank measured for one variant: time (us) and wrong elements.
 #[derive(Clone, Copy, Debug, Default)]
@@ -88,7 +29,7 @@ struct Ctx<'a, T> {
 }
 
 fn coll_err(comm: &Communicator, coll: Coll, l: &Layout, variant: &str, e: ferroccl::Error) -> Failure {
-    Failure::Collective { rank: comm.rank(), what: format!("{coll} {} B {variant}", l.bytes), source: e }
+    Failure::Collective { rank: comm.rank(), what: format!("{coll} {} B {variant}", l.bytes), source: Box::new(e) }
 }
 
 /// One out-of-place call.
@@ -307,8 +248,11 @@ impl<T: Val> Ctx<'_, T> {
             ip.map_or(0.0, |c| c.time_us),
             ip.map_or(0.0, |c| c.wrong as f64),
         ];
-        let Some(all) =
-            gather(comm, &mine).map_err(|e| Failure::Collective { rank: comm.rank(), what: "collecting times".into(), source: e })?
+        let Some(all) = gather(comm, &mine).map_err(|e| Failure::Collective {
+            rank: comm.rank(),
+            what: "collecting times".into(),
+            source: Box::new(e),
+        })?
         else {
             return Ok(None);
         };
@@ -329,16 +273,13 @@ impl<T: Val> Ctx<'_, T> {
             dtype: self.o.dtype,
             op: coll.reduces().then_some(self.o.op),
             root: coll.rooted().then_some(self.o.root),
-            algo: if coll == Coll::SendRecv {
-                "p2p".to_string()
-            } else if self.algo == "auto" {
-                let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
-                self.comm
-                    .algorithm_for(coll.name(), self.o.dtype, self.o.op, per_rank)
-                    .map(str::to_string)
-                    .unwrap_or_else(|_| "auto".into())
-            } else {
-                self.algo.to_string()
+            algo: match coll.collective(self.o.root) {
+                None => "p2p".to_string(),
+                Some(c) if self.algo == "auto" => {
+                    let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
+                    self.comm.algorithm_for(c, self.o.dtype, self.o.op, per_rank).to_string()
+                }
+                Some(_) => self.algo.to_string(),
             },
             oop: do_oop.then(|| cell(0)),
             ip: do_ip.then(|| cell(2)),

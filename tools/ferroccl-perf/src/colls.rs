@@ -68,6 +68,21 @@ impl Coll {
         Coll::ALL.into_iter().find(|c| c.name() == norm)
     }
 
+    /// The library's collective (with `root` for the rooted ones); `None` for sendrecv,
+    /// which is point-to-point.
+    pub const fn collective(self, root: usize) -> Option<ferroccl::Collective> {
+        use ferroccl::Collective as C;
+        Some(match self {
+            Coll::AllReduce => C::AllReduce,
+            Coll::AllGather => C::AllGather,
+            Coll::ReduceScatter => C::ReduceScatter,
+            Coll::Broadcast => C::Broadcast { root },
+            Coll::Reduce => C::Reduce { root },
+            Coll::AllToAll => C::AllToAll,
+            Coll::SendRecv => return None,
+        })
+    }
+
     /// Whether the collective reduces (uses `-o`).
     pub const fn reduces(self) -> bool {
         matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce)

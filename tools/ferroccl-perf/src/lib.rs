@@ -93,6 +93,7 @@ pub mod latency;
 pub mod overlap;
 pub mod plot;
 pub mod report;
+pub mod results;
 pub mod sub;
 
 use std::path::PathBuf;
@@ -101,8 +102,8 @@ use std::time::Instant;
 use ferroccl::{Communicator, DType, Params, TransportKind};
 
 use crate::args::{ArgError, Cmd, Options, USAGE};
-use crate::bench::CollResult;
 use crate::report::JobInfo;
+use crate::results::CollResult;
 
 /// Why a run failed.
 #[non_exhaustive]
@@ -125,7 +126,7 @@ pub enum Failure {
         what: String,
         /// The library's error.
         #[source]
-        source: ferroccl::Error,
+        source: Box<ferroccl::Error>,
     },
     /// Writing `--json` or `--plot`, or reading `--baseline`, failed.
     #[error("{}: {what}", path.display())]
@@ -312,7 +313,7 @@ fn load_baseline(path: &std::path::Path) -> Result<Vec<plot::Series>, Failure> {
 fn algo_setting(o: &Options, params: &Params) -> String {
     match &o.algo {
         Some(a) => a.clone(),
-        None => params.algo.clone().unwrap_or_else(|| "auto".into()),
+        None => params.algo.map_or_else(|| "auto".into(), |a| a.to_string()),
     }
 }
 
@@ -320,7 +321,8 @@ fn algo_setting(o: &Options, params: &Params) -> String {
 fn run_rank(o: &Options) -> Result<(), Failure> {
     let mut params = Params::from_env().map_err(Failure::Init)?;
     if let Some(a) = &o.algo {
-        params.algo = (a != "auto").then(|| a.clone());
+        // `algo` checked the name: anything but auto parses.
+        params.algo = ferroccl::Algo::parse(a);
     }
     if let Some(t) = o.transport {
         params.transport = t;
@@ -346,7 +348,7 @@ fn run_rank(o: &Options) -> Result<(), Failure> {
     let times = bench::gather(&comm, &[init_ms, 0.0, 0.0, 0.0]).map_err(|e| Failure::Collective {
         rank: comm.rank(),
         what: "collecting init times".into(),
-        source: e,
+        source: Box::new(e),
     })?;
     let info = times.map(|t| JobInfo {
         ranks: n,
@@ -378,7 +380,7 @@ fn run_rank(o: &Options) -> Result<(), Failure> {
         Some(info) => finish(info, o, &results, baseline),
         None => Ok(()),
     };
-    comm.finalize().map_err(|e| Failure::Collective { rank: 0, what: "finalize".into(), source: e })?;
+    comm.finalize().map_err(|e| Failure::Collective { rank: 0, what: "finalize".into(), source: Box::new(e) })?;
     done
 }
 

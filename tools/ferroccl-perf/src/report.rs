@@ -5,8 +5,8 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::args::{format_size, Options};
-use crate::bench::{Cell, CollResult, Row};
 use crate::colls::Coll;
+use crate::results::{Cell, CollResult, Row};
 use crate::Failure;
 
 /// What the header and the JSON metadata say about the job.

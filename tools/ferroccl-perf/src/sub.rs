@@ -32,13 +32,13 @@ impl Common {
 /// A library error on this rank, with what it was doing.
 pub fn fail(comm: &Communicator, what: impl Into<String>) -> impl FnOnce(ferroccl::Error) -> Failure {
     let (rank, what) = (comm.rank(), what.into());
-    move |source| Failure::Collective { rank, what, source }
+    move |source| Failure::Collective { rank, what, source: Box::new(source) }
 }
 
 /// The end of a subcommand on one rank: finalize, then fail if any checked element was wrong.
 pub fn finish(comm: Communicator, wrong: u64) -> Result<(), Failure> {
     let rank = comm.rank();
-    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: e })?;
+    comm.finalize().map_err(|e| Failure::Collective { rank, what: "finalize".into(), source: Box::new(e) })?;
     if wrong > 0 {
         return Err(Failure::Wrong(wrong));
     }

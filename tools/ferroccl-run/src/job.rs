@@ -10,8 +10,6 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use crate::signals::signal_name;
-
 /// Between `SIGTERM` and `SIGKILL` when the runner stops ranks after a failure or a timeout.
 pub(crate) const TERM_TO_KILL: Duration = Duration::from_secs(1);
 
@@ -34,6 +32,14 @@ impl fmt::Display for Describe {
         } else {
             write!(f, "ended with {:?}", self.0)
         }
+    }
+}
+
+/// "SIGKILL (9)", or "42" for a signal nix does not name.
+pub(crate) fn signal_name(sig: i32) -> String {
+    match Signal::try_from(sig) {
+        Ok(s) => format!("{} ({sig})", s.as_str()),
+        Err(_) => format!("{sig}"),
     }
 }
 
@@ -154,6 +160,11 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signal_names() {
+        assert_eq!(signal_name(9), "SIGKILL (9)");
+    }
 
     #[test]
     fn formatting() {

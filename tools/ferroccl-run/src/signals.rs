@@ -8,7 +8,7 @@ use nix::sys::signal::Signal;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-use crate::job::{rank_list, Job, Stopping};
+use crate::job::{rank_list, signal_name, Job, Stopping};
 
 /// Between `SIGTERM` and `SIGKILL` when the runner itself was asked to stop.
 pub(crate) const SIGNAL_TERM_TO_KILL: Duration = Duration::from_secs(2);
@@ -34,23 +34,5 @@ pub(crate) fn forward(signals: &mut Signals, job: &Job, running: &[usize], got: 
                 s.kill_sent = true;
             }
         }
-    }
-}
-
-/// "SIGKILL (9)", or "signal 42" for one nix does not name.
-pub(crate) fn signal_name(sig: i32) -> String {
-    match Signal::try_from(sig) {
-        Ok(s) => format!("{} ({sig})", s.as_str()),
-        Err(_) => format!("{sig}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names() {
-        assert_eq!(signal_name(9), "SIGKILL (9)");
     }
 }

@@ -2,16 +2,16 @@
 //! send, receive and sendrecv, the dissemination barrier, and the all-to-all exchange of
 //! fixed-size records that `split` runs.
 
-use super::{Buf, Op, Schedule, Slice, Step};
+use super::{Action, Buf, Schedule, Slice, Step};
 
 /// One send of `len` bytes of `Output` to `peer`.
 pub(crate) fn send(peer: usize, len: usize) -> Schedule {
-    Schedule { steps: vec![Step { op: Op::Send { peer, src: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
+    Schedule { steps: vec![Step { op: Action::Send { peer, src: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
 }
 
 /// One receive of `len` bytes into `Output` from `peer`.
 pub(crate) fn recv(peer: usize, len: usize) -> Schedule {
-    Schedule { steps: vec![Step { op: Op::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
+    Schedule { steps: vec![Step { op: Action::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
 }
 
 /// The receive first (its clear-to-send goes out before anything waits), then the send of
@@ -19,8 +19,8 @@ pub(crate) fn recv(peer: usize, len: usize) -> Schedule {
 pub(crate) fn sendrecv(to: usize, send_len: usize, from: usize, recv_len: usize) -> Schedule {
     Schedule {
         steps: vec![
-            Step { op: Op::Recv { peer: from, dst: Slice::new(Buf::Output, 0, recv_len) }, deps: vec![] },
-            Step { op: Op::Send { peer: to, src: Slice::new(Buf::Input, 0, send_len) }, deps: vec![] },
+            Step { op: Action::Recv { peer: from, dst: Slice::new(Buf::Output, 0, recv_len) }, deps: vec![] },
+            Step { op: Action::Send { peer: to, src: Slice::new(Buf::Input, 0, send_len) }, deps: vec![] },
         ],
         scratch_bytes: 0,
     }
@@ -33,8 +33,8 @@ pub(crate) fn barrier(rank: usize, n: usize) -> Schedule {
     let mut k = 1;
     while k < n {
         let deps: Vec<usize> = if steps.is_empty() { vec![] } else { vec![steps.len() - 1] };
-        steps.push(Step { op: Op::Send { peer: (rank + k) % n, src: Slice::new(Buf::Output, 0, 0) }, deps: deps.clone() });
-        steps.push(Step { op: Op::Recv { peer: (rank + n - k) % n, dst: Slice::new(Buf::Output, 0, 0) }, deps });
+        steps.push(Step { op: Action::Send { peer: (rank + k) % n, src: Slice::new(Buf::Output, 0, 0) }, deps: deps.clone() });
+        steps.push(Step { op: Action::Recv { peer: (rank + n - k) % n, dst: Slice::new(Buf::Output, 0, 0) }, deps });
         k *= 2;
     }
     Schedule { steps, scratch_bytes: 0 }
@@ -46,8 +46,8 @@ pub(crate) fn barrier(rank: usize, n: usize) -> Schedule {
 pub(crate) fn exchange(rank: usize, n: usize, rec: usize) -> Schedule {
     let mut steps = Vec::new();
     for p in (0..n).filter(|&p| p != rank) {
-        steps.push(Step { op: Op::Send { peer: p, src: Slice::new(Buf::Input, 0, rec) }, deps: vec![] });
-        steps.push(Step { op: Op::Recv { peer: p, dst: Slice::new(Buf::Output, p * rec, rec) }, deps: vec![] });
+        steps.push(Step { op: Action::Send { peer: p, src: Slice::new(Buf::Input, 0, rec) }, deps: vec![] });
+        steps.push(Step { op: Action::Recv { peer: p, dst: Slice::new(Buf::Output, p * rec, rec) }, deps: vec![] });
     }
     Schedule { steps, scratch_bytes: 0 }
 }

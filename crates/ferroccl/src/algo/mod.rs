@@ -86,7 +86,7 @@ impl Slice {
 
 /// What a step does.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Op {
+pub(crate) enum Action {
     /// Send `src` to communicator rank `peer`.
     Send { peer: usize, src: Slice },
     /// Receive from communicator rank `peer` into `dst` (same length as the matching send).
@@ -107,7 +107,7 @@ pub(crate) enum Op {
 /// One step and what it waits for.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Step {
-    pub(crate) op: Op,
+    pub(crate) op: Action,
     /// Indices of earlier steps that must complete first.
     pub(crate) deps: Vec<usize>,
 }
@@ -121,16 +121,19 @@ pub(crate) struct Schedule {
 
 impl Schedule {
     /// Appends a step; returns its index.
-    pub(crate) fn push(&mut self, op: Op, deps: Vec<usize>) -> usize {
+    pub(crate) fn push(&mut self, op: Action, deps: Vec<usize>) -> usize {
         debug_assert!(deps.iter().all(|&d| d < self.steps.len()));
         self.steps.push(Step { op, deps });
         self.steps.len() - 1
     }
 }
 
-/// The collectives.
+/// The collectives, as data: what [`crate::Communicator::algorithm_for`] asks about and what
+/// an [`crate::Op::Collective`] in an error names. `count` below means what the call's own
+/// count means.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Collective {
+pub enum Collective {
     /// Every rank ends with the reduction of all inputs (`count` elements each).
     AllReduce,
     /// Input `count` elements per rank; output `count * n`, rank r's input at block r.
@@ -139,16 +142,25 @@ pub(crate) enum Collective {
     ReduceScatter,
     /// `count` elements from `root` to everyone (in the output buffer; the root's input is
     /// its output).
-    Broadcast { root: usize },
+    Broadcast {
+        /// The rank whose buffer is sent.
+        root: usize,
+    },
     /// The reduction of all inputs (`count` each) lands in `root`'s output.
-    Reduce { root: usize },
+    Reduce {
+        /// The rank that receives the result.
+        root: usize,
+    },
     /// Input `count * n` per rank; block j goes to rank j; output block i comes from rank i.
     AllToAll,
 }
 
-/// Algorithms (not every one applies to every collective: see [`Algo::supports`]).
+/// The collective algorithms (not every one implements every collective: see
+/// [`Algo::supports`]). `FERROCCL_ALGO` / [`crate::Params::algo`] names one; docs/algorithms.md
+/// describes each.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Algo {
+pub enum Algo {
     /// Neighbour to neighbour around a ring, chunked and pipelined.
     Ring,
     /// Direct: every rank talks to every other at once (rank-order reductions).
@@ -186,7 +198,7 @@ pub(crate) struct Shape {
 
 impl Collective {
     /// The name users and docs use (`allreduce`, `broadcast`, ...).
-    pub(crate) const fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Collective::AllReduce => "allreduce",
             Collective::AllGather => "allgather",
@@ -198,12 +210,12 @@ impl Collective {
     }
 
     /// Whether the collective combines values with a [`ReduceOp`].
-    pub(crate) const fn reduces(self) -> bool {
+    pub const fn reduces(self) -> bool {
         matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. })
     }
 
     /// The root, for rooted collectives.
-    pub(crate) const fn root(self) -> Option<usize> {
+    pub const fn root(self) -> Option<usize> {
         match self {
             Collective::Broadcast { root } | Collective::Reduce { root } => Some(root),
             _ => None,
@@ -234,10 +246,10 @@ impl std::fmt::Display for Collective {
 
 impl Algo {
     /// Every algorithm.
-    pub(crate) const ALL: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
+    pub const ALL: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
 
-    /// The name users write (`FERROCCL_ALGO`-style overrides): `ring`, `mesh`, `oneshot`, `chain`.
-    pub(crate) const fn name(self) -> &'static str {
+    /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`.
+    pub const fn name(self) -> &'static str {
         match self {
             Algo::Ring => "ring",
             Algo::Mesh => "mesh",
@@ -246,14 +258,14 @@ impl Algo {
         }
     }
 
-    /// Parses [`Algo::name`] (case-insensitive).
-    pub(crate) fn parse(name: &str) -> Option<Algo> {
+    /// Parses [`Algo::name`] (case-insensitive, surrounding blanks ignored).
+    pub fn parse(name: &str) -> Option<Algo> {
         Algo::ALL.into_iter().find(|a| a.name().eq_ignore_ascii_case(name.trim()))
     }
 
-    /// Whether this algorithm has a builder for `coll` (for some dtype and op; see
-    /// [`Algo::supports_op`] for the combinations it refuses).
-    pub(crate) const fn supports(self, coll: Collective) -> bool {
+    /// Whether this algorithm implements `coll` (for some dtype and op: the ring refuses
+    /// integer `Avg`, whose pairwise sums may wrap).
+    pub const fn supports(self, coll: Collective) -> bool {
         match self {
             Algo::Ring => matches!(coll, Collective::AllReduce | Collective::AllGather | Collective::ReduceScatter),
             Algo::Mesh => true,
@@ -273,6 +285,18 @@ impl Algo {
 impl std::fmt::Display for Algo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algo {
+    type Err = String;
+
+    /// [`Algo::parse`], with an error that lists the names.
+    fn from_str(s: &str) -> Result<Algo, String> {
+        Algo::parse(s).ok_or_else(|| {
+            let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
+            format!("{s:?} is not one of {}", names.join(", "))
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 
-use super::{Buf, Op, Schedule, Shape, Slice};
+use super::{Action, Buf, Schedule, Shape, Slice};
 
 /// Receive slots per peer that the windowed builders (mesh, in-place ring) cycle through
 /// when `Shape::slots` is 0: up to this many chunks from one peer are in flight at once.
@@ -128,7 +128,7 @@ impl Blocks {
 #[derive(Debug)]
 pub(super) struct Emitter<K> {
     sched: Schedule,
-    pending: VecDeque<(K, Op, Vec<usize>)>,
+    pending: VecDeque<(K, Action, Vec<usize>)>,
     emitted: HashMap<K, usize>,
     lookahead: usize,
 }
@@ -139,12 +139,12 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> Emitter<K> {
     }
 
     /// Appends a step now; returns its index.
-    pub(super) fn now(&mut self, op: Op, deps: Vec<usize>) -> usize {
+    pub(super) fn now(&mut self, op: Action, deps: Vec<usize>) -> usize {
         self.sched.push(op, deps)
     }
 
     /// Queues a local step under `key`; appends the oldest queued steps beyond the lookahead.
-    pub(super) fn later(&mut self, key: K, op: Op, deps: Vec<usize>) {
+    pub(super) fn later(&mut self, key: K, op: Action, deps: Vec<usize>) {
         self.pending.push_back((key, op, deps));
         while self.pending.len() > self.lookahead {
             self.pop();

@@ -25,7 +25,7 @@ use std::fmt;
 
 use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, KernelError, ReduceOp};
 
-use super::{Buf, Op, Schedule, Slice};
+use super::{Action, Buf, Schedule, Slice};
 
 /// Why a simulated call failed.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,14 +107,14 @@ impl Mem {
 }
 
 /// The byte ranges a step reads and writes.
-pub(crate) fn accesses(op: &Op) -> (Vec<&Slice>, Vec<&Slice>) {
+pub(crate) fn accesses(op: &Action) -> (Vec<&Slice>, Vec<&Slice>) {
     match op {
-        Op::Send { src, .. } => (vec![src], vec![]),
-        Op::Recv { dst, .. } => (vec![], vec![dst]),
-        Op::Reduce { dst, src } => (vec![dst, src], vec![dst]),
-        Op::ReduceMany { dst, srcs } => (srcs.iter().collect(), vec![dst]),
-        Op::Copy { dst, src } => (vec![src], vec![dst]),
-        Op::FinishAvg { dst, .. } => (vec![dst], vec![dst]),
+        Action::Send { src, .. } => (vec![src], vec![]),
+        Action::Recv { dst, .. } => (vec![], vec![dst]),
+        Action::Reduce { dst, src } => (vec![dst, src], vec![dst]),
+        Action::ReduceMany { dst, srcs } => (srcs.iter().collect(), vec![dst]),
+        Action::Copy { dst, src } => (vec![src], vec![dst]),
+        Action::FinishAvg { dst, .. } => (vec![dst], vec![dst]),
     }
 }
 
@@ -122,7 +122,7 @@ pub(crate) fn accesses(op: &Op) -> (Vec<&Slice>, Vec<&Slice>) {
 /// writes).
 type Access = (Buf, usize, usize, bool);
 
-fn access_list(op: &Op, in_place: bool) -> Vec<Access> {
+fn access_list(op: &Action, in_place: bool) -> Vec<Access> {
     let (reads, writes) = accesses(op);
     let canon = |s: &Slice| if in_place && s.buf == Buf::Input { Buf::Output } else { s.buf };
     let r = reads.into_iter().map(|s| (canon(s), s.range.start, s.range.end, false));
@@ -163,7 +163,7 @@ fn validate(rank: usize, step: usize, s: &Schedule, n: usize, elem: usize, lens:
         }
     }
     match &st.op {
-        Op::Send { peer, src: sl } | Op::Recv { peer, dst: sl } => {
+        Action::Send { peer, src: sl } | Action::Recv { peer, dst: sl } => {
             if *peer >= n || *peer == rank {
                 return bad(format!("transfer with peer {peer}"));
             }
@@ -171,19 +171,19 @@ fn validate(rank: usize, step: usize, s: &Schedule, n: usize, elem: usize, lens:
                 return bad("zero-length transfer".into());
             }
         }
-        Op::Reduce { dst, src } | Op::Copy { dst, src } if dst.len() != src.len() => {
+        Action::Reduce { dst, src } | Action::Copy { dst, src } if dst.len() != src.len() => {
             return bad(format!("operands of {} and {} bytes", dst.len(), src.len()));
         }
-        Op::Reduce { dst, src } | Op::Copy { dst, src } if overlap(dst, src, in_place) => {
+        Action::Reduce { dst, src } | Action::Copy { dst, src } if overlap(dst, src, in_place) => {
             return bad("dst and src overlap".into());
         }
-        Op::ReduceMany { dst, srcs } if srcs.is_empty() || srcs.iter().any(|s| s.len() != dst.len()) => {
+        Action::ReduceMany { dst, srcs } if srcs.is_empty() || srcs.iter().any(|s| s.len() != dst.len()) => {
             return bad("ReduceMany operands differ in length".into());
         }
-        Op::ReduceMany { dst, srcs } if srcs.iter().any(|s| overlap(dst, s, in_place) && s.range != dst.range) => {
+        Action::ReduceMany { dst, srcs } if srcs.iter().any(|s| overlap(dst, s, in_place) && s.range != dst.range) => {
             return bad("ReduceMany dst partly overlaps a source".into());
         }
-        Op::FinishAvg { n: 0, .. } => return bad("FinishAvg by 0".into()),
+        Action::FinishAvg { n: 0, .. } => return bad("FinishAvg by 0".into()),
         _ => {}
     }
     Ok(())
@@ -240,11 +240,11 @@ pub(crate) fn run(
                     return Err(SimError::Race { rank: r, step: i, other });
                 }
                 match &steps[i].op {
-                    Op::Send { peer, .. } => {
+                    Action::Send { peer, .. } => {
                         sends[r * n + peer].push_back(i);
                         in_flight[r].push(i);
                     }
-                    Op::Recv { peer, .. } => {
+                    Action::Recv { peer, .. } => {
                         recvs[peer * n + r].push_back(i);
                         in_flight[r].push(i);
                     }
@@ -260,7 +260,8 @@ pub(crate) fn run(
                 let k = from * n + to;
                 while !sends[k].is_empty() && !recvs[k].is_empty() {
                     let (si, ri) = (sends[k].pop_front().unwrap_or_default(), recvs[k].pop_front().unwrap_or_default());
-                    let (Op::Send { src, .. }, Op::Recv { dst, .. }) = (&schedules[from].steps[si].op, &schedules[to].steps[ri].op) else {
+                    let (Action::Send { src, .. }, Action::Recv { dst, .. }) = (&schedules[from].steps[si].op, &schedules[to].steps[ri].op)
+                    else {
                         unreachable!("the queues hold only sends and receives")
                     };
                     if src.len() != dst.len() {
@@ -298,30 +299,30 @@ pub(crate) fn run(
     }
 }
 
-fn exec_local(m: &mut Mem, op: &Op, dtype: DType, rop: ReduceOp) -> Result<(), KernelError> {
+fn exec_local(m: &mut Mem, op: &Action, dtype: DType, rop: ReduceOp) -> Result<(), KernelError> {
     match op {
-        Op::Reduce { dst, src } => {
+        Action::Reduce { dst, src } => {
             let mut acc = m.read(dst);
             reduce_into_bytes(dtype, rop, &mut acc, &m.read(src))?;
             m.write(dst, &acc);
         }
-        Op::ReduceMany { dst, srcs } => {
+        Action::ReduceMany { dst, srcs } => {
             let data: Vec<Vec<u8>> = srcs.iter().map(|s| m.read(s)).collect();
             let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
             let mut out = vec![0u8; dst.len()];
             reduce_many_bytes(dtype, rop, &refs, &mut out)?;
             m.write(dst, &out);
         }
-        Op::Copy { dst, src } => {
+        Action::Copy { dst, src } => {
             let data = m.read(src);
             m.write(dst, &data);
         }
-        Op::FinishAvg { dst, n } => {
+        Action::FinishAvg { dst, n } => {
             let mut acc = m.read(dst);
             finish_avg_bytes(dtype, &mut acc, *n)?;
             m.write(dst, &acc);
         }
-        Op::Send { .. } | Op::Recv { .. } => unreachable!("transfers are not local"),
+        Action::Send { .. } | Action::Recv { .. } => unreachable!("transfers are not local"),
     }
     Ok(())
 }

@@ -4,7 +4,7 @@ use ferroccl_kernels::{bf16, f16, reduce_many_bytes, DType, ReduceOp};
 use proptest::prelude::*;
 
 use super::sim::{self, SimError};
-use super::{build, is_float, Algo, Buf, Collective, Op, Schedule, Shape, Slice};
+use super::{build, is_float, Action, Algo, Buf, Collective, Schedule, Shape, Slice};
 
 const DTYPES: [DType; 6] = [DType::F32, DType::F16, DType::Bf16, DType::I32, DType::U8, DType::F64];
 
@@ -446,7 +446,7 @@ fn bytes_on_the_wire() {
             &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false, slots: 0 },
         )
         .unwrap();
-        s.steps.iter().map(|st| if let Op::Send { src, .. } = &st.op { src.len() } else { 0 }).sum()
+        s.steps.iter().map(|st| if let Action::Send { src, .. } = &st.op { src.len() } else { 0 }).sum()
     };
     let sends = |algo, coll, n, count| -> usize {
         let s = build(
@@ -454,7 +454,7 @@ fn bytes_on_the_wire() {
             &Shape { coll, n, rank: 0, count, dtype: DType::F32, op: ReduceOp::Sum, chunk_bytes: 0, in_place: false, slots: 0 },
         )
         .unwrap();
-        s.steps.iter().filter(|st| matches!(st.op, Op::Send { .. })).count()
+        s.steps.iter().filter(|st| matches!(st.op, Action::Send { .. })).count()
     };
     let (n, count) = (8, 8000);
     let s = count * 4;
@@ -476,8 +476,8 @@ fn slice(buf: Buf, start: usize, len: usize) -> Slice {
 fn simulator_reports_deadlock_mismatch_and_races() {
     let recv_then_send = |peer| {
         let mut a = Schedule::default();
-        let r = a.push(Op::Recv { peer, dst: slice(Buf::Output, 0, 4) }, vec![]);
-        a.push(Op::Send { peer, src: slice(Buf::Input, 0, 4) }, vec![r]);
+        let r = a.push(Action::Recv { peer, dst: slice(Buf::Output, 0, 4) }, vec![]);
+        a.push(Action::Send { peer, src: slice(Buf::Input, 0, 4) }, vec![r]);
         a
     };
     let run = |s: Vec<Schedule>| sim::run(&s, DType::F32, ReduceOp::Sum, false, vec![vec![0; 4]; 2], vec![vec![0; 4]; 2]);
@@ -485,25 +485,25 @@ fn simulator_reports_deadlock_mismatch_and_races() {
     assert!(matches!(r, Err(SimError::Deadlock(_))), "{r:?}");
 
     let mut b = Schedule::default();
-    b.push(Op::Send { peer: 1, src: slice(Buf::Input, 0, 4) }, vec![]);
+    b.push(Action::Send { peer: 1, src: slice(Buf::Input, 0, 4) }, vec![]);
     let mut c = Schedule::default();
-    c.push(Op::Recv { peer: 0, dst: slice(Buf::Output, 0, 8) }, vec![]);
+    c.push(Action::Recv { peer: 0, dst: slice(Buf::Output, 0, 8) }, vec![]);
     let r = sim::run(&[b.clone(), c], DType::F32, ReduceOp::Sum, false, vec![vec![0; 4], vec![0; 8]], vec![vec![0; 4], vec![0; 8]]);
     assert!(matches!(r, Err(SimError::LengthMismatch { .. })), "{r:?}");
 
     // A copy over a chunk still being sent.
     let mut d = Schedule::default();
-    d.push(Op::Send { peer: 1, src: slice(Buf::Output, 0, 4) }, vec![]);
-    d.push(Op::Copy { dst: slice(Buf::Output, 0, 4), src: slice(Buf::Input, 0, 4) }, vec![]);
+    d.push(Action::Send { peer: 1, src: slice(Buf::Output, 0, 4) }, vec![]);
+    d.push(Action::Copy { dst: slice(Buf::Output, 0, 4), src: slice(Buf::Input, 0, 4) }, vec![]);
     let mut e = Schedule::default();
-    e.push(Op::Recv { peer: 0, dst: slice(Buf::Output, 0, 4) }, vec![]);
+    e.push(Action::Recv { peer: 0, dst: slice(Buf::Output, 0, 4) }, vec![]);
     assert!(matches!(run(vec![d.clone(), e]), Err(SimError::Race { rank: 0, step: 1, other: 0 })));
     assert!(matches!(sim::check_deps(0, &d, false), Err(SimError::Unordered { first: 0, second: 1, .. })));
 
     let mut z = Schedule::default();
-    z.push(Op::Send { peer: 1, src: slice(Buf::Input, 0, 0) }, vec![]);
+    z.push(Action::Send { peer: 1, src: slice(Buf::Input, 0, 0) }, vec![]);
     assert!(matches!(run(vec![z, Schedule::default()]), Err(SimError::Invalid { .. })));
     let mut oob = Schedule::default();
-    oob.push(Op::Copy { dst: slice(Buf::Output, 0, 4), src: slice(Buf::Scratch, 0, 4) }, vec![]);
+    oob.push(Action::Copy { dst: slice(Buf::Output, 0, 4), src: slice(Buf::Scratch, 0, 4) }, vec![]);
     assert!(matches!(run(vec![oob, Schedule::default()]), Err(SimError::Invalid { .. })));
 }

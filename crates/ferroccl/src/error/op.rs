@@ -5,6 +5,8 @@ use std::fmt;
 
 use ferroccl_kernels::{DType, ReduceOp};
 
+use crate::algo::{Algo, Collective};
+
 /// The operation an error is about, as data. `Display` gives the words errors use
 /// ("allreduce (1000 x f32, sum, ring) call #3", "send to rank 2", "finalize").
 ///
@@ -16,9 +18,8 @@ use ferroccl_kernels::{DType, ReduceOp};
 pub enum Op {
     /// A collective call.
     Collective {
-        /// `"allreduce"`, `"allgather"`, `"reduce_scatter"`, `"broadcast"`, `"reduce"` or
-        /// `"alltoall"`.
-        name: &'static str,
+        /// Which collective (with its root, for broadcast and reduce).
+        coll: Collective,
         /// The element type.
         dtype: DType,
         /// The element count (per rank for allgather, reduce_scatter and alltoall; of the
@@ -26,10 +27,8 @@ pub enum Op {
         count: usize,
         /// The reduction, for the calls that reduce.
         reduce: Option<ReduceOp>,
-        /// The root, for broadcast and reduce.
-        root: Option<usize>,
-        /// The algorithm that ran it (`"ring"`, `"mesh"`, ...).
-        algo: &'static str,
+        /// The algorithm that ran it.
+        algo: Algo,
         /// How many calls of a group were packed into this one (1: not fused).
         fused: usize,
         /// Its number among the calls every member makes, once started.
@@ -90,15 +89,8 @@ impl Op {
     }
 
     /// The collective calls' identity, before it has a call number.
-    pub(crate) fn collective(
-        name: &'static str,
-        dtype: DType,
-        count: usize,
-        reduce: Option<ReduceOp>,
-        root: Option<usize>,
-        algo: &'static str,
-    ) -> Op {
-        Op::Collective { name, dtype, count, reduce, root, algo, fused: 1, call: None }
+    pub(crate) fn collective(coll: Collective, dtype: DType, count: usize, op: ReduceOp, algo: Algo) -> Op {
+        Op::Collective { coll, dtype, count, reduce: coll.reduces().then_some(op), algo, fused: 1, call: None }
     }
 
     /// The call's number among the calls every member makes, if it has one.
@@ -133,8 +125,8 @@ impl Op {
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Op::Collective { name, dtype, count, reduce, algo, fused, .. } => {
-                write!(f, "{name} ({count} x {dtype}")?;
+            Op::Collective { coll, dtype, count, reduce, algo, fused, .. } => {
+                write!(f, "{} ({count} x {dtype}", coll.name())?;
                 if let Some(r) = reduce {
                     write!(f, ", {r}")?;
                 }
@@ -174,12 +166,12 @@ mod tests {
 
     #[test]
     fn ops_read_as_errors_always_said_them() {
-        let ar = Op::collective("allreduce", DType::F32, 1000, Some(ReduceOp::Sum), None, "ring");
+        let ar = Op::collective(Collective::AllReduce, DType::F32, 1000, ReduceOp::Sum, Algo::Ring);
         assert_eq!(ar.to_string(), "allreduce (1000 x f32, sum, ring)");
         assert_eq!(ar.numbered(3).to_string(), "allreduce (1000 x f32, sum, ring) call #3");
         assert_eq!(ar.numbered(3).call(), Some(3));
         assert_eq!(ar.numbered(0), ar);
-        let bc = Op::collective("broadcast", DType::U8, 7, None, Some(1), "chain");
+        let bc = Op::collective(Collective::Broadcast { root: 1 }, DType::U8, 7, ReduceOp::Sum, Algo::Chain);
         assert_eq!(bc.to_string(), "broadcast (7 x u8, chain)");
         assert_eq!(Op::Barrier { call: Some(2) }.to_string(), "barrier call #2");
         assert_eq!(Op::Send { peer: 2, count: 4, dtype: DType::F32 }.numbered(9).to_string(), "send to rank 2");

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use ferroccl::{Communicator, Element, Params, ProtoChoice, ReduceOp};
+use ferroccl::{Algo, Communicator, Element, Params, ProtoChoice, ReduceOp};
 use ferroccl_kernels::{bf16, f16, reduce_many};
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
@@ -175,9 +175,9 @@ fn check_all<X: T>(comm: &Communicator, count: usize, op: ReduceOp, seed: u64, e
     Ok(all)
 }
 
-fn params(s: &Suite, algo: Option<&str>, proto: ProtoChoice, chunk: usize, rank: usize) -> Params {
+fn params(s: &Suite, algo: Option<Algo>, proto: ProtoChoice, chunk: usize, rank: usize) -> Params {
     let mut p = Params { timeout: Duration::from_secs(60), proto, chunk_bytes: chunk, ..s.params(rank) };
-    p.algo = algo.map(str::to_string);
+    p.algo = algo;
     p.shm_ring_bytes = 1 << 16;
     p
 }
@@ -187,7 +187,7 @@ fn params(s: &Suite, algo: Option<&str>, proto: ProtoChoice, chunk: usize, rank:
 fn run_case(
     s: &Suite,
     n: usize,
-    algo: Option<&str>,
+    algo: Option<Algo>,
     proto: ProtoChoice,
     chunk: usize,
     counts: &[usize],
@@ -234,7 +234,7 @@ fn run_case(
 pub fn collectives_equal_the_reference_exact_values(s: &Suite) {
     let case = (
         1usize..=s.collective_ranks,
-        prop::sample::select(vec![None, Some("ring"), Some("mesh"), Some("oneshot"), Some("chain")]),
+        prop::sample::select(vec![None, Some(Algo::Ring), Some(Algo::Mesh), Some(Algo::OneShot), Some(Algo::Chain)]),
         prop::sample::select(vec![ProtoChoice::Auto, ProtoChoice::Eager, ProtoChoice::Rendezvous]),
         12u32..=17,
         prop::sample::select(vec![0usize, 1, 2, 3, 5, 17, 100, 1023, 4099]),
@@ -258,7 +258,7 @@ pub fn collectives_equal_the_reference_three_ranks_counts_0_and_1(s: &Suite) {
 /// reference; auto (whatever it picks) is checked through the same path with exact values
 /// above.
 pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
-    for algo in ["mesh", "oneshot"] {
+    for algo in [Algo::Mesh, Algo::OneShot] {
         for &n in s.float_ranks {
             run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
                 .unwrap_or_else(|e| panic!("{algo}: {e}"));
@@ -268,7 +268,7 @@ pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suit
 
 /// Large buffers through the pipeline: many chunks, rendezvous.
 pub fn large_allreduce_through_the_pipeline(s: &Suite) {
-    for algo in ["ring", "mesh"] {
+    for algo in [Algo::Ring, Algo::Mesh] {
         let res = run_world(
             4,
             |r| params(s, Some(algo), ProtoChoice::Auto, 1 << 16, r),
@@ -332,7 +332,7 @@ pub fn bad_arguments_are_errors_not_panics(s: &Suite) {
 pub fn mismatched_calls_fail_on_every_rank(s: &Suite) {
     let res = run_world(
         2,
-        |r| params(s, Some("mesh"), ProtoChoice::Auto, 1 << 19, r),
+        |r| params(s, Some(Algo::Mesh), ProtoChoice::Auto, 1 << 19, r),
         |comm| {
             let mut b = vec![1f32; 64];
             let r = if comm.rank() == 0 { comm.allreduce(&mut b, ReduceOp::Sum) } else { comm.allreduce(&mut b, ReduceOp::Max) };

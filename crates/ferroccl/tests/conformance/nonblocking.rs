@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferroccl::{Communicator, Error, Op, Params, ReduceOp, Request};
+use ferroccl::{Collective, Communicator, Error, Op, Params, ReduceOp, Request};
 use ferroccl_kernels::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
@@ -425,7 +425,7 @@ pub fn abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes(s: &Suite) {
             let took = t0.elapsed();
             done.store(true, Ordering::SeqCst);
             match err {
-                Err(Error::Aborted { rank: 0, op: Op::Collective { name: "allreduce", .. }, by: None }) => {}
+                Err(Error::Aborted { rank: 0, op: Op::Collective { coll: Collective::AllReduce, .. }, by: None }) => {}
                 other => return Err(format!("rank 0: {other:?}")),
             }
             // Promptly: the abort came at 0.3 s; allow a slow machine plenty. (Without clocks,

@@ -7,7 +7,7 @@
 //! This is the ring variant of broadcast.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
     let cx = Geometry::new(shape);
@@ -19,15 +19,15 @@ pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
     for (c, &(off, len)) in cx.chunks(total).iter().enumerate() {
         if pos == 0 {
             if n > 1 {
-                em.now(Op::Send { peer: next, src: cx.input(off, len) }, vec![]);
+                em.now(Action::Send { peer: next, src: cx.input(off, len) }, vec![]);
             }
             if c == 0 && !cx.in_place {
-                em.now(Op::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
+                em.now(Action::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
             }
         } else {
-            let recv = em.now(Op::Recv { peer: prev, dst: cx.output(off, len) }, vec![]);
+            let recv = em.now(Action::Recv { peer: prev, dst: cx.output(off, len) }, vec![]);
             if pos + 1 < n {
-                em.now(Op::Send { peer: next, src: cx.output(off, len) }, vec![recv]);
+                em.now(Action::Send { peer: next, src: cx.output(off, len) }, vec![recv]);
             }
         }
     }

@@ -3,7 +3,7 @@
 //! block `r`. One latency; no scratch.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let cx = Geometry::new(shape);
@@ -15,11 +15,11 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     for (c, &(off, len)) in cx.chunks(blk).iter().enumerate() {
         for k in 1..n {
             let p = cx.peer(k);
-            em.now(Op::Recv { peer: p, dst: cx.output(blocks.off(p) + off, len) }, vec![]);
-            em.now(Op::Send { peer: p, src: input(off, len) }, vec![]);
+            em.now(Action::Recv { peer: p, dst: cx.output(blocks.off(p) + off, len) }, vec![]);
+            em.now(Action::Send { peer: p, src: input(off, len) }, vec![]);
         }
         if c == 0 && !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(0, blk) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(0, blk) }, vec![]);
         }
     }
     em.finish(0)

@@ -4,7 +4,7 @@
 //! `2 (n - 1) / n` of the message.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 use super::{reduce_scatter, Key};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
@@ -14,7 +14,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut em = Emitter::new(LOOKAHEAD);
     if n == 1 {
         if !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
         }
         return em.finish(0);
     }
@@ -27,13 +27,13 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
             if let Some(&(off, len)) = chunks[p].get(c) {
                 // In place, block `p` of `Output` is also the input this rank sent to `p`.
                 let deps = if cx.in_place { vec![rs.sends[p][c]] } else { vec![] };
-                em.now(Op::Recv { peer: p, dst: cx.output(blocks.off(p) + off, len) }, deps);
+                em.now(Action::Recv { peer: p, dst: cx.output(blocks.off(p) + off, len) }, deps);
             }
         }
         if let Some(&(off, len)) = chunks[r].get(c) {
             let reduced = em.idx(Key::Reduce(c));
             for k in 1..n {
-                em.now(Op::Send { peer: cx.peer(k), src: cx.output(blocks.off(r) + off, len) }, vec![reduced]);
+                em.now(Action::Send { peer: cx.peer(k), src: cx.output(blocks.off(r) + off, len) }, vec![reduced]);
             }
         }
     }

@@ -8,7 +8,7 @@
 //! has left.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 use super::Key;
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
@@ -31,19 +31,19 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
             let at = blocks.off(p) + off;
             if cx.in_place {
                 let deps = if c >= cx.slots { vec![em.idx(Key::Copy(k, c - cx.slots))] } else { vec![] };
-                let recv = em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps);
-                let send = em.now(Op::Send { peer: p, src: cx.output(at, len) }, vec![]);
-                copies.push((Key::Copy(k, c), Op::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]));
+                let recv = em.now(Action::Recv { peer: p, dst: slot(k, c, len) }, deps);
+                let send = em.now(Action::Send { peer: p, src: cx.output(at, len) }, vec![]);
+                copies.push((Key::Copy(k, c), Action::Copy { dst: cx.output(at, len), src: slot(k, c, len) }, vec![recv, send]));
             } else {
-                em.now(Op::Recv { peer: p, dst: cx.output(at, len) }, vec![]);
-                em.now(Op::Send { peer: p, src: cx.input(at, len) }, vec![]);
+                em.now(Action::Recv { peer: p, dst: cx.output(at, len) }, vec![]);
+                em.now(Action::Send { peer: p, src: cx.input(at, len) }, vec![]);
             }
         }
         for (key, op, deps) in copies {
             em.later(key, op, deps);
         }
         if c == 0 && !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(blocks.off(r), blk) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(blocks.off(r), blk), src: cx.input(blocks.off(r), blk) }, vec![]);
         }
     }
     let scratch = if cx.in_place && n > 1 { (n - 1) * per * slot_len } else { 0 };

@@ -3,7 +3,7 @@
 //! choice for small messages (large ones go along the chain).
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
     let cx = Geometry::new(shape);
@@ -13,13 +13,13 @@ pub(in crate::algo) fn build(shape: &Shape, root: usize) -> Schedule {
     for (c, &(off, len)) in cx.chunks(total).iter().enumerate() {
         if r == root {
             for k in 1..n {
-                em.now(Op::Send { peer: cx.peer(k), src: cx.input(off, len) }, vec![]);
+                em.now(Action::Send { peer: cx.peer(k), src: cx.input(off, len) }, vec![]);
             }
             if c == 0 && !cx.in_place {
-                em.now(Op::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
+                em.now(Action::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
             }
         } else {
-            em.now(Op::Recv { peer: root, dst: cx.output(off, len) }, vec![]);
+            em.now(Action::Recv { peer: root, dst: cx.output(off, len) }, vec![]);
         }
     }
     em.finish(0)

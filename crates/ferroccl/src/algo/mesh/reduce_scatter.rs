@@ -7,7 +7,7 @@
 //! [`phase`] is also the first half of the mesh allreduce.
 
 use super::super::plan::{Blocks, Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 use super::Key;
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
@@ -17,7 +17,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut em = Emitter::new(LOOKAHEAD);
     if cx.n == 1 {
         if !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
         }
         return em.finish(0);
     }
@@ -50,15 +50,15 @@ pub(super) fn phase(cx: &Geometry, blocks: &Blocks, res_off: usize, em: &mut Emi
             let p = cx.peer(k);
             if let Some(&(_, len)) = chunks[r].get(c) {
                 let deps = if c >= cx.slots { vec![em.idx(Key::Reduce(c - cx.slots))] } else { vec![] };
-                recvs.push(em.now(Op::Recv { peer: p, dst: slot(k, c, len) }, deps));
+                recvs.push(em.now(Action::Recv { peer: p, dst: slot(k, c, len) }, deps));
             }
             if let Some(&(off, len)) = chunks[p].get(c) {
-                sends[p].push(em.now(Op::Send { peer: p, src: cx.input(blocks.off(p) + off, len) }, vec![]));
+                sends[p].push(em.now(Action::Send { peer: p, src: cx.input(blocks.off(p) + off, len) }, vec![]));
             }
         }
         if let Some(&(off, len)) = chunks[r].get(c) {
             let srcs = (0..n).map(|q| if q == r { cx.input(blocks.off(r) + off, len) } else { slot(cx.back(q, r), c, len) }).collect();
-            em.later(Key::Reduce(c), Op::ReduceMany { dst: cx.output(res_off + off, len), srcs }, recvs);
+            em.later(Key::Reduce(c), Action::ReduceMany { dst: cx.output(res_off + off, len), srcs }, recvs);
         }
     }
     let slots_per_peer = chunks[r].len().min(cx.slots);

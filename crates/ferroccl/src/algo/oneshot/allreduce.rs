@@ -5,7 +5,7 @@
 //! message on the wire per rank: for small messages.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let cx = Geometry::new(shape);
@@ -14,7 +14,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut em = Emitter::<usize>::new(LOOKAHEAD);
     if n == 1 {
         if !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(0, total), src: cx.input(0, total) }, vec![]);
         }
         return em.finish(0);
     }
@@ -23,15 +23,15 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
         let mut deps = Vec::with_capacity(2 * (n - 1));
         for k in 1..n {
             let p = cx.peer(k);
-            deps.push(em.now(Op::Recv { peer: p, dst: peer_buf(k, off, len) }, vec![]));
-            let send = em.now(Op::Send { peer: p, src: cx.input(off, len) }, vec![]);
+            deps.push(em.now(Action::Recv { peer: p, dst: peer_buf(k, off, len) }, vec![]));
+            let send = em.now(Action::Send { peer: p, src: cx.input(off, len) }, vec![]);
             // In place, the reduction overwrites what the sends read.
             if cx.in_place {
                 deps.push(send);
             }
         }
         let srcs = (0..n).map(|q| if q == r { cx.input(off, len) } else { peer_buf(cx.back(q, r), off, len) }).collect();
-        em.later(c, Op::ReduceMany { dst: cx.output(off, len), srcs }, deps);
+        em.later(c, Action::ReduceMany { dst: cx.output(off, len), srcs }, deps);
     }
     em.finish((n - 1) * total)
 }

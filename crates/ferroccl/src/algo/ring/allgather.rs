@@ -5,7 +5,7 @@
 //! arithmetic.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let cx = Geometry::new(shape);
@@ -15,7 +15,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     // In place, the input is block `r` of the one buffer.
     let input = |off: usize, len: usize| if cx.in_place { cx.output(blocks.off(r) + off, len) } else { cx.input(off, len) };
     let mut em = Emitter::<()>::new(LOOKAHEAD);
-    let copy = Op::Copy { dst: cx.output(blocks.off(r), blk), src: input(0, blk) };
+    let copy = Action::Copy { dst: cx.output(blocks.off(r), blk), src: input(0, blk) };
     if n == 1 {
         if !cx.in_place {
             em.now(copy, vec![]);
@@ -29,9 +29,9 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
         let (sb, rb) = (cx.back(r, s), cx.back(r, s + 1));
         let mut this_recv = Vec::with_capacity(chunks.len());
         for (c, &(off, len)) in chunks.iter().enumerate() {
-            this_recv.push(em.now(Op::Recv { peer: left, dst: cx.output(blocks.off(rb) + off, len) }, vec![]));
+            this_recv.push(em.now(Action::Recv { peer: left, dst: cx.output(blocks.off(rb) + off, len) }, vec![]));
             let (src, deps) = if s == 0 { (input(off, len), vec![]) } else { (cx.output(blocks.off(sb) + off, len), vec![prev_recv[c]]) };
-            em.now(Op::Send { peer: right, src }, deps);
+            em.now(Action::Send { peer: right, src }, deps);
         }
         if s == 0 && !cx.in_place {
             em.now(copy.clone(), vec![]);

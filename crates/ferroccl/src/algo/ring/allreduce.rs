@@ -19,7 +19,7 @@
 //! reduced into `Output`.
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Key {
@@ -34,7 +34,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut em = Emitter::<Key>::new(LOOKAHEAD);
     if n == 1 {
         if !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
         }
         return em.finish(0);
     }
@@ -60,18 +60,18 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
                     let deps = slot_user[slot].map(|k| vec![em.idx(k)]).unwrap_or_default();
                     slot_user[slot] = Some(Key::Reduce(s, c));
                     let tmp = cx.scratch(slot * slot_len, len);
-                    (tmp.clone(), deps, Op::Reduce { dst: cx.output(at, len), src: tmp })
+                    (tmp.clone(), deps, Action::Reduce { dst: cx.output(at, len), src: tmp })
                 } else {
-                    (cx.output(at, len), vec![], Op::Reduce { dst: cx.output(at, len), src: cx.input(at, len) })
+                    (cx.output(at, len), vec![], Action::Reduce { dst: cx.output(at, len), src: cx.input(at, len) })
                 };
-                let recv = em.now(Op::Recv { peer: left, dst }, deps);
+                let recv = em.now(Action::Recv { peer: left, dst }, deps);
                 em.later(Key::Reduce(s, c), reduce, vec![recv]);
             }
             if let Some(&(off, len)) = chunks[sb].get(c) {
                 let at = blocks.off(sb) + off;
                 let (src, deps) =
                     if s == 0 { (cx.input(at, len), vec![]) } else { (cx.output(at, len), vec![em.idx(Key::Reduce(s - 1, c))]) };
-                let send = em.now(Op::Send { peer: right, src }, deps);
+                let send = em.now(Action::Send { peer: right, src }, deps);
                 rs_send[sb].push(send);
             }
         }
@@ -86,7 +86,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
         for c in 0..chunks[sb].len().max(chunks[rb].len()) {
             if let Some(&(off, len)) = chunks[rb].get(c) {
                 let dst = cx.output(blocks.off(rb) + off, len);
-                this_recv.push(em.now(Op::Recv { peer: left, dst }, vec![rs_send[rb][c]]));
+                this_recv.push(em.now(Action::Recv { peer: left, dst }, vec![rs_send[rb][c]]));
             }
             if let Some(&(off, len)) = chunks[sb].get(c) {
                 let deps = if s > 0 {
@@ -94,11 +94,11 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
                 } else if avg {
                     // Divide the owned chunk by n just before it is first shared.
                     let reduced = em.idx(Key::Reduce(n - 2, c));
-                    vec![em.now(Op::FinishAvg { dst: cx.output(blocks.off(sb) + off, len), n }, vec![reduced])]
+                    vec![em.now(Action::FinishAvg { dst: cx.output(blocks.off(sb) + off, len), n }, vec![reduced])]
                 } else {
                     vec![em.idx(Key::Reduce(n - 2, c))]
                 };
-                em.now(Op::Send { peer: right, src: cx.output(blocks.off(sb) + off, len) }, deps);
+                em.now(Action::Send { peer: right, src: cx.output(blocks.off(sb) + off, len) }, deps);
             }
         }
         ag_recv = this_recv;

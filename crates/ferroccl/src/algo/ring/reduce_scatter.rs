@@ -13,7 +13,7 @@
 //! into scratch (in place, where `Output` is the input).
 
 use super::super::plan::{Emitter, Geometry, LOOKAHEAD};
-use super::super::{Op, Schedule, Shape};
+use super::super::{Action, Schedule, Shape};
 
 pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let cx = Geometry::new(shape);
@@ -25,7 +25,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let mut em = Emitter::<(usize, usize)>::new(LOOKAHEAD);
     if n == 1 {
         if !cx.in_place {
-            em.now(Op::Copy { dst: cx.output(0, blk), src: cx.input(0, blk) }, vec![]);
+            em.now(Action::Copy { dst: cx.output(0, blk), src: cx.input(0, blk) }, vec![]);
         }
         return em.finish(0);
     }
@@ -45,25 +45,25 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
         for (c, &(off, len)) in chunks.iter().enumerate() {
             let own = cx.input(blocks.off(rb) + off, len);
             let (dst, reduce) = if s < last {
-                (tmp(s, off, len), Op::Reduce { dst: tmp(s, off, len), src: own })
+                (tmp(s, off, len), Action::Reduce { dst: tmp(s, off, len), src: own })
             } else if cx.in_place {
-                (tmp(s, off, len), Op::Reduce { dst: cx.output(res_off + off, len), src: tmp(s, off, len) })
+                (tmp(s, off, len), Action::Reduce { dst: cx.output(res_off + off, len), src: tmp(s, off, len) })
             } else {
-                (cx.output(res_off + off, len), Op::Reduce { dst: cx.output(res_off + off, len), src: own })
+                (cx.output(res_off + off, len), Action::Reduce { dst: cx.output(res_off + off, len), src: own })
             };
             let deps = if s >= 2 { vec![sends[s - 1][c]] } else { vec![] };
-            let recv = em.now(Op::Recv { peer: left, dst }, deps);
+            let recv = em.now(Action::Recv { peer: left, dst }, deps);
             em.later((s, c), reduce, vec![recv]);
             let (src, deps) =
                 if s == 0 { (cx.input(blocks.off(sb) + off, len), vec![]) } else { (tmp(s - 1, off, len), vec![em.idx((s - 1, c))]) };
-            this_send.push(em.now(Op::Send { peer: right, src }, deps));
+            this_send.push(em.now(Action::Send { peer: right, src }, deps));
         }
         sends.push(this_send);
     }
     if shape.op == ferroccl_kernels::ReduceOp::Avg {
         for (c, &(off, len)) in chunks.iter().enumerate() {
             let reduced = em.idx((last, c));
-            em.later((n, c), Op::FinishAvg { dst: cx.output(res_off + off, len), n }, vec![reduced]);
+            em.later((n, c), Action::FinishAvg { dst: cx.output(res_off + off, len), n }, vec![reduced]);
         }
     }
     em.finish(nbuf * blk)
