@@ -21,7 +21,7 @@ use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
 use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
 use crate::registry::RegStats;
-use crate::transport::TransportKind;
+use crate::transport_kind::TransportKind;
 
 /// How to reach the other ranks of a job, when not read from the environment.
 #[derive(Debug, Clone)]
@@ -149,7 +149,7 @@ impl Communicator {
         if fabric.params.debug {
             for p in 0..fabric.size {
                 if p != fabric.rank {
-                    eprintln!("ferroccl: rank {} -> rank {p}: {}", fabric.rank, fabric.transport_name(p));
+                    eprintln!("ferroccl: rank {} -> rank {p}: {}", fabric.rank, fabric.transport_kind(p).map_or("?", TransportKind::name));
                 }
             }
             eprintln!("ferroccl: rank {} connected in {:?}", fabric.rank, fabric.setup_time);
@@ -187,9 +187,20 @@ impl Communicator {
         self.members.get(rank).copied()
     }
 
-    /// The transport to member `peer`: `"shm"`, `"tcp"` or `"self"`.
-    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
-        self.members.get(peer).map(|&w| self.fabric().transport_name(w))
+    /// The transport that carries this rank's traffic to member `peer`: `None` for this
+    /// rank itself (nothing goes over a transport) and for a `peer` out of range.
+    ///
+    /// ```no_run
+    /// # fn show(comm: &ferroccl::Communicator) {
+    /// use ferroccl::TransportKind;
+    /// for p in (0..comm.size()).filter(|&p| p != comm.rank()) {
+    ///     let t = comm.transport_to(p).map_or("?", TransportKind::name);
+    ///     println!("rank {} -> rank {p}: {t}", comm.rank());
+    /// }
+    /// # }
+    /// ```
+    pub fn transport_to(&self, peer: usize) -> Option<TransportKind> {
+        self.members.get(peer).and_then(|&w| self.fabric().transport_kind(w))
     }
 
     /// Host name of member `peer`.

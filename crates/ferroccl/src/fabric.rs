@@ -108,14 +108,9 @@ impl Fabric {
         self.mesh.endpoint(peer)
     }
 
-    /// The transport to world rank `peer` (`None`: itself).
+    /// The transport to world rank `peer` (`None`: itself, or out of range).
     pub(crate) fn transport_kind(&self, peer: usize) -> Option<TransportKind> {
         self.mesh.kind(peer)
-    }
-
-    /// `shm`, `tcp`, `verbs` or `self` for a world rank.
-    pub(crate) fn transport_name(&self, peer: usize) -> &'static str {
-        self.transport_kind(peer).map_or("self", TransportKind::name)
     }
 
     /// Facts about world rank `peer` for reports.

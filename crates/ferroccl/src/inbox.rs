@@ -15,6 +15,7 @@ use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::proto::{self, Cts, Leave, ProtoMsg, StreamKey};
+use crate::transport_kind::TransportKind;
 
 /// An eager message waiting to be received.
 #[derive(Debug)]
@@ -346,9 +347,11 @@ impl Inbox {
     }
 
     /// Lands `len` bytes of a one-sided write at `addr` in registration `key`, using `fill`
-    /// to produce them straight into the registered memory.
+    /// to produce them straight into the registered memory. `via` is the transport that
+    /// carried it (named in the error when the write is refused).
     pub(crate) fn land_write(
         &self,
+        via: TransportKind,
         peer: usize,
         key: u64,
         addr: u64,
@@ -357,7 +360,7 @@ impl Inbox {
     ) -> Result<()> {
         let region = self.regions.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
         let fail = |what: String| {
-            let e = Error::Transport { rank: self.rank, peer, transport: "fabric", what: what.clone() };
+            let e = Error::Transport { rank: self.rank, peer: Some(peer), transport: via, what: what.clone() };
             self.lock().set_fatal(peer, what);
             e
         };

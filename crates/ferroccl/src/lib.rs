@@ -56,6 +56,7 @@ pub(crate) mod prepared;
 pub(crate) mod proto;
 pub(crate) mod registry;
 pub(crate) mod transport;
+pub(crate) mod transport_kind;
 pub(crate) mod wire;
 
 pub use algo::{Algo, Collective};
@@ -66,3 +67,4 @@ pub use nonblocking::{Group, Request, Scope};
 pub use params::{FaultSite, InjectedFault, Params, ProtoChoice, TransportChoice};
 pub use persistent::Plan;
 pub use registry::RegStats;
+pub use transport_kind::TransportKind;

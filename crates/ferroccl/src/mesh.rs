@@ -1,79 +1,26 @@
-//! Mesh setup: what each rank publishes about itself (one packed [`Descriptor`] per rank,
-//! one store round trip), the choice of a transport per peer (both sides decide from the
-//! same facts), and connecting every endpoint: shm inboxes mapped through the peer's memfd,
-//! tcp sockets authenticated with the job's token (the lower rank connects), verbs queue
-//! pairs (their own setup data through a [`SetupExchange`] over the store). The result is a
-//! [`Mesh`]: one endpoint per peer, and the processes to watch.
+//! Mesh setup: every rank opens its transports' local sides, publishes one packed
+//! [`Descriptor`] (one store round trip for everyone's), chooses a transport per peer by
+//! asking the transports, in order of preference, whether they can reach it (both sides
+//! decide from the same two descriptors), and lets each transport connect the peers chosen
+//! for it. The result is a [`Mesh`]: one endpoint per peer, what the transports keep for
+//! all their peers, and the processes to watch. See `crate::transport` for the setup
+//! contract.
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferroccl_mem::process::{can_read_process, ProcessWatch};
+use ferroccl_mem::process::ProcessWatch;
 
 use crate::bootstrap::auth;
 use crate::bootstrap::StoreClient;
-use crate::error::{Error, Fault, Op, Result};
-use crate::inbox::{Bell, BellWords, Inbox};
+use crate::error::{Error, Fault, Result};
+use crate::inbox::{Bell, Inbox};
 use crate::params::{Params, TransportChoice};
-use crate::transport::shm::{LocalShm, ShmEndpoint};
-use crate::transport::tcp::TcpEndpoint;
-use crate::transport::verbs::{VerbsDevice, VerbsEndpoint, VerbsNet};
-use crate::transport::{Endpoint, SetupExchange, TransportKind};
-use crate::wire::{DResult, Reader, Writer};
-
-/// What each rank publishes about itself, in one packed store value.
-#[derive(Debug, Clone)]
-struct Descriptor {
-    pid: u32,
-    host_id: String,
-    hostname: String,
-    /// The inbox segment's memfd name and descriptor number ("" / 0 when none).
-    shm_name: String,
-    shm_fd: u32,
-    tcp_addr: String,
-    probe_addr: u64,
-    ring_bytes: u64,
-    eager_max: u64,
-    /// The RDMA device this rank can use for verbs ("" when none).
-    ib_dev: String,
-}
-
-impl Descriptor {
-    fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
-        w.u32(self.pid)
-            .str(&self.host_id)
-            .str(&self.hostname)
-            .str(&self.shm_name)
-            .u32(self.shm_fd)
-            .str(&self.tcp_addr)
-            .u64(self.probe_addr)
-            .u64(self.ring_bytes)
-            .u64(self.eager_max)
-            .str(&self.ib_dev);
-        w.finish()
-    }
-    fn decode(b: &[u8]) -> DResult<Descriptor> {
-        let mut r = Reader::new(b);
-        let d = Descriptor {
-            pid: r.u32()?,
-            host_id: r.str()?.to_string(),
-            hostname: r.str()?.to_string(),
-            shm_name: r.str()?.to_string(),
-            shm_fd: r.u32()?,
-            tcp_addr: r.str()?.to_string(),
-            probe_addr: r.u64()?,
-            ring_bytes: r.u64()?,
-            eager_max: r.u64()?,
-            ib_dev: r.str()?.to_string(),
-        };
-        r.end()?;
-        Ok(d)
-    }
-}
+use crate::transport::shm::{ShmNet, ShmSetup};
+use crate::transport::tcp::TcpSetup;
+use crate::transport::verbs::{VerbsNet, VerbsSetup};
+use crate::transport::{self, Connected, Descriptor, Endpoint, Handshake, SetupCx, SetupExchange, TransportKind, VerbsInfo};
 
 /// This host's identity: ranks with equal ids use shared memory. Same boot, same mount
 /// namespace (so the same /dev/shm) and same pid namespace (so pids mean the same process).
@@ -104,18 +51,15 @@ pub(crate) type Watch = (Option<usize>, ProcessWatch);
 pub(crate) struct Mesh {
     rank: usize,
     endpoints: Vec<Option<Endpoint>>,
-    local_shm: Option<Arc<LocalShm>>,
+    /// The shm side (drained in `progress`), when any peer uses shm.
+    shm: Option<ShmNet>,
     /// The verbs mesh (polled in `progress`), when any peer uses verbs.
     verbs: Option<Arc<VerbsNet>>,
     pub(crate) peers: Vec<PeerInfo>,
-    /// shm peers still to greet, and whether each may pull from us.
-    hellos: Vec<(usize, bool)>,
-    /// Kept alive: peers probe cross-memory attach by reading it.
-    _probe: Box<[u8; 64]>,
 }
 
-/// Publishes and gathers a transport's own setup data through the job's store, under the
-/// init's key prefix (only verbs has any).
+/// Publishes and gathers a transport's values after the descriptor exchange through the
+/// job's store, under the init's key prefix (verbs' ready mark).
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 struct StoreExchange<'a> {
     store: &'a StoreClient,
@@ -133,12 +77,48 @@ impl SetupExchange for StoreExchange<'_> {
     }
 }
 
+/// The job's token handshake (`bootstrap::auth`, context "mesh"), lent to tcp.
+struct TokenHandshake {
+    token: String,
+}
+
+impl Handshake for TokenHandshake {
+    fn connecting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()> {
+        auth::client_handshake(s, &self.token, "mesh", peer, deadline)
+    }
+    fn accepting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()> {
+        auth::server_handshake(s, &self.token, "mesh", peer, deadline)
+    }
+}
+
+/// The transports in mesh setup's order of preference: the first that `FERROCCL_TRANSPORT`
+/// allows and that can reach a peer carries its traffic.
+const PREFERENCE: [TransportKind; 3] = [TransportKind::Shm, TransportKind::Verbs, TransportKind::Tcp];
+
+/// Whether `choice` lets `kind` carry the traffic between two ranks (`same_host`: on one
+/// host). `auto` keeps verbs for ranks on other hosts: on one host it is shm, or tcp
+/// where a rank has no segment.
+fn allows(choice: TransportChoice, kind: TransportKind, same_host: bool) -> bool {
+    match choice {
+        TransportChoice::Auto => !(kind == TransportKind::Verbs && same_host),
+        TransportChoice::Shm => kind == TransportKind::Shm,
+        TransportChoice::Tcp => kind == TransportKind::Tcp,
+        TransportChoice::Verbs => kind == TransportKind::Verbs,
+    }
+}
+
+/// Whether `choice` may use `kind` with any peer: whether to open its local side.
+fn may_use(choice: TransportChoice, kind: TransportKind) -> bool {
+    allows(choice, kind, false) || allows(choice, kind, true)
+}
+
 impl Mesh {
-    /// Builds the mesh: publishes this rank's descriptor, fetches everyone's in one round
-    /// trip, picks a transport per peer and connects shm, verbs and tcp endpoints. Returns
-    /// the mesh, the inbox its transports deliver into, and the processes to watch. The shm
-    /// greeting ([`Mesh::greet`], [`Mesh::ungreeted`]) is left to the caller, which owns the
-    /// wait loop.
+    /// Builds the mesh: opens the local side of each transport `FERROCCL_TRANSPORT` allows,
+    /// publishes this rank's descriptor, fetches everyone's in one round trip, picks a
+    /// transport per peer and lets shm, verbs and tcp connect theirs. Returns the mesh, the
+    /// inbox its transports deliver into, and the processes to watch. The shm greeting
+    /// ([`Mesh::greet`], [`Mesh::ungreeted`]) is left to the caller, which owns the wait
+    /// loop.
     pub(crate) fn connect(
         rank: usize,
         size: usize,
@@ -148,58 +128,49 @@ impl Mesh {
         key_prefix: &str,
         deadline: Instant,
     ) -> Result<(Mesh, Arc<Inbox>, Vec<Watch>)> {
-        let host_id = host_identity(params);
-        let probe = Box::new([0x5au8; 64]);
+        let choice = params.transport;
+        let open = |kind| size > 1 && may_use(choice, kind);
 
-        // This rank's inbox segment (unless shm is switched off or unavailable).
-        let local_shm = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Shm) && size > 1 {
-            let name = format!("ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
-            match LocalShm::create(&name, rank, size, params.shm_ring_bytes) {
-                Ok(s) => Some(Arc::new(s)),
-                Err(e) if params.transport == TransportChoice::Shm => {
-                    return Err(Error::io(format!("rank {rank}: create shared-memory segment {name}"), e))
-                }
-                Err(_) => None,
-            }
-        } else {
-            None
+        // This rank's inbox segment (unless shm is switched off or unavailable); the inbox
+        // rings the doorbell in it, so that peers on this host can wake us.
+        let shm = match open(TransportKind::Shm).then(|| ShmSetup::create(rank, size, params)) {
+            Some(Ok(s)) => Some(s),
+            Some(Err(e)) if choice == TransportChoice::Shm => return Err(e),
+            _ => None,
         };
-        let bell = match &local_shm {
-            Some(s) => Bell::Mapped(s.clone() as Arc<dyn BellWords>),
-            None => Bell::heap(),
-        };
-        let inbox = Arc::new(Inbox::new(rank, bell));
-
+        let inbox = Arc::new(Inbox::new(rank, shm.as_ref().map_or_else(Bell::heap, |s| Bell::Mapped(s.bell()))));
         // A listener for tcp peers.
-        let listener = if matches!(params.transport, TransportChoice::Auto | TransportChoice::Tcp) && size > 1 {
+        let tcp = if open(TransportKind::Tcp) {
             let ip: IpAddr = params.socket_addr.unwrap_or_else(|| store.local_addr().ip());
-            let l = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
-            Some(l)
+            Some(TcpSetup::listen(rank, ip)?)
         } else {
             None
         };
         // verbs: FERROCCL_TRANSPORT=verbs needs a usable device; auto uses one if there is.
-        // Without one, this rank still publishes its descriptor (with no device) before it
-        // fails, so that its peers fail at once too, instead of waiting for it.
-        let (ib, ib_err) = match params.transport {
-            TransportChoice::Verbs if size > 1 => match VerbsDevice::open(rank, params) {
-                Ok(d) => (Some(d), None),
-                Err(e) => (None, Some(e)),
+        // Without one, this rank still publishes its descriptor (saying why) before it
+        // fails, so that its peers fail at once too, with the reason, instead of waiting.
+        let (verbs, verbs_info, verbs_err) = match choice {
+            TransportChoice::Verbs if size > 1 => match VerbsSetup::open(rank, size, params).and_then(|v| Ok((v.info()?, v))) {
+                Ok((info, v)) => (Some(v), info, None),
+                Err(e) => (None, VerbsInfo::Failed(e.to_string()), Some(e)),
             },
-            TransportChoice::Auto if size > 1 && ferroccl_verbs::ENABLED => (VerbsDevice::open(rank, params).ok(), None),
-            _ => (None, None),
+            TransportChoice::Auto if open(TransportKind::Verbs) && ferroccl_verbs::ENABLED => {
+                match VerbsSetup::open(rank, size, params).and_then(|v| Ok((v.info()?, v))) {
+                    Ok((info, v)) => (Some(v), info, None),
+                    Err(_) => (None, VerbsInfo::Off, None),
+                }
+            }
+            _ => (None, VerbsInfo::Off, None),
         };
         let me = Descriptor {
+            rank: rank as u32,
             pid: std::process::id(),
-            host_id: host_id.clone(),
+            host_id: host_identity(params),
             hostname: hostname(),
-            shm_name: local_shm.as_ref().map(|s| s.name().to_string()).unwrap_or_default(),
-            shm_fd: local_shm.as_ref().and_then(|s| s.fd()).and_then(|f| u32::try_from(f).ok()).unwrap_or(0),
-            tcp_addr: listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
-            probe_addr: probe.as_ptr() as u64,
-            ring_bytes: params.shm_ring_bytes as u64,
             eager_max: params.eager_max as u64,
-            ib_dev: ib.as_ref().map(|d| d.name()).unwrap_or_default(),
+            shm: shm.as_ref().map(ShmSetup::info),
+            tcp: tcp.as_ref().map(TcpSetup::info),
+            verbs: verbs_info,
         };
         store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
         let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
@@ -208,6 +179,9 @@ impl Mesh {
         let mut descs = Vec::with_capacity(size);
         for (r, b) in raw.iter().enumerate() {
             let d = Descriptor::decode(b).map_err(|e| Error::protocol(format!("rank {r}'s descriptor"), e.to_string()))?;
+            if d.rank as usize != r {
+                return Err(Error::protocol(format!("rank {r}'s descriptor"), format!("it says rank {}", d.rank)));
+            }
             if d.eager_max != me.eager_max {
                 return Err(Error::invalid(format!(
                     "FERROCCL_EAGER_MAX differs between ranks: {} on rank {rank}, {} on rank {r}",
@@ -216,58 +190,51 @@ impl Mesh {
             }
             descs.push(d);
         }
-        if let Some(e) = ib_err {
+        if let Some(e) = verbs_err {
             return Err(e);
         }
 
-        let kinds = choose_transports(rank, params, &me, &descs, local_shm.is_some())?;
+        let kinds = choose_transports(rank, choice, &descs)?;
+        let chosen = |kind| (0..size).filter(|&p| kinds[p] == Some(kind)).collect::<Vec<usize>>();
+        let handshake: Arc<dyn Handshake> = Arc::new(TokenHandshake { token: token.to_string() });
+        let exchange = StoreExchange { store, key_prefix, rank };
+        let cx =
+            SetupCx { rank, size, deadline, descs: &descs, inbox: &inbox, handshake: &handshake, mesh_id: key_prefix, exchange: &exchange };
         let mut endpoints: Vec<Option<Endpoint>> = (0..size).map(|_| None).collect();
         let mut watches: Vec<Watch> = Vec::new();
-        let mut hellos = Vec::new();
-        for p in 0..size {
-            if kinds[p] != Some(TransportKind::Shm) {
-                continue;
+        let mut take = |c: Connected| {
+            for (p, e) in c.endpoints {
+                endpoints[p] = Some(e);
             }
-            let d = &descs[p];
-            let local = local_shm.clone().ok_or_else(|| Error::internal("shm peer without a local segment"))?;
-            let ep = ShmEndpoint::connect(
-                rank,
-                p,
-                d.pid as i32,
-                d.shm_fd as i32,
-                &d.shm_name,
-                size,
-                params.shm_ring_bytes,
-                params.shm_inline_max,
-                params.shm_cma,
-                local,
-            )?;
-            let watch =
-                ProcessWatch::new(d.pid as i32).map_err(|e| Error::io(format!("rank {rank}: watch rank {p} (pid {})", d.pid), e))?;
-            watches.push((Some(p), watch));
-            let can_pull = params.shm_cma && can_read_process(d.pid as i32, d.probe_addr);
-            hellos.push((p, can_pull));
-            endpoints[p] = Some(Endpoint::Shm(ep));
-        }
-        // verbs: one RC queue pair per peer. Peers on this host are watched like shm peers,
-        // so that a dead one is noticed without waiting for a work request to fail.
-        let verbs_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == Some(TransportKind::Verbs)).collect();
-        let verbs = match ib {
-            Some(dev) if !verbs_peers.is_empty() => {
-                let exchange = StoreExchange { store, key_prefix, rank };
-                Some(VerbsNet::connect(dev, rank, &verbs_peers, &exchange, size, deadline, inbox.clone())?)
+            watches.extend(c.watches.into_iter().map(|(p, w)| (Some(p), w)));
+        };
+        // shm, then verbs (its ready round waits in the store for every verbs peer), then
+        // tcp (the lower rank connects, the higher accepts): the same order on every rank.
+        let (shm_peers, verbs_peers, tcp_peers) = (chosen(TransportKind::Shm), chosen(TransportKind::Verbs), chosen(TransportKind::Tcp));
+        let shm = match shm {
+            Some(s) if !shm_peers.is_empty() => {
+                let (net, c) = s.connect(&cx, &shm_peers)?;
+                take(c);
+                Some(net)
+            }
+            // No shm peer: nobody opens the segment (the inbox keeps it for its doorbell).
+            Some(s) => {
+                s.withdraw();
+                None
+            }
+            None => None,
+        };
+        let verbs = match verbs {
+            Some(v) if !verbs_peers.is_empty() => {
+                let (net, c) = v.connect(&cx, &verbs_peers)?;
+                take(c);
+                Some(net)
             }
             _ => None,
         };
-        if let Some(net) = &verbs {
-            for &p in &verbs_peers {
-                endpoints[p] = Some(Endpoint::Verbs(VerbsEndpoint::new(net.clone(), p)));
-                if descs[p].host_id == host_id {
-                    if let Ok(w) = ProcessWatch::new(descs[p].pid as i32) {
-                        watches.push((Some(p), w));
-                    }
-                }
-            }
+        if !tcp_peers.is_empty() {
+            let tcp = tcp.ok_or_else(|| Error::internal("tcp peer without a listener"))?;
+            take(tcp.connect(&cx, &tcp_peers)?);
         }
         if let Some(pid) = params.launcher_pid {
             if let Ok(w) = ProcessWatch::new(pid) {
@@ -275,60 +242,30 @@ impl Mesh {
             }
         }
 
-        // TCP: the lower rank connects, the higher accepts.
-        let tcp_peers: Vec<usize> = (0..size).filter(|&p| kinds[p] == Some(TransportKind::Tcp)).collect();
-        if !tcp_peers.is_empty() {
-            let listener = listener.as_ref().ok_or_else(|| Error::internal("tcp peer without a listener"))?;
-            let expect: Vec<usize> = tcp_peers.iter().copied().filter(|&p| p < rank).collect();
-            let streams = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
-                let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, token, key_prefix, deadline));
-                let mut out = Vec::new();
-                for &p in tcp_peers.iter().filter(|&&p| p > rank) {
-                    out.push((p, connect_peer(rank, p, &descs[p].tcp_addr, token, key_prefix, deadline)?));
-                }
-                let accepted = acceptor.join().map_err(|_| Error::internal("tcp acceptor panicked"))??;
-                out.extend(accepted);
-                Ok(out)
-            })?;
-            for (p, stream) in streams {
-                endpoints[p] = Some(Endpoint::Tcp(TcpEndpoint::start(rank, p, stream, inbox.clone())?));
-            }
-        }
-        drop(listener);
-
         let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone() }).collect();
-        let mesh = Mesh { rank, endpoints, local_shm, verbs, peers, hellos, _probe: probe };
+        let mesh = Mesh { rank, endpoints, shm, verbs, peers };
         Ok((mesh, inbox, watches))
     }
 
     /// Says hello to every shm peer: once each has said hello back ([`Mesh::ungreeted`] is
     /// empty), it has mapped our segment, whose descriptor can then go ([`Mesh::withdraw`]).
     pub(crate) fn greet(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        for &(p, can_pull) in &self.hellos {
-            if let Some(Endpoint::Shm(ep)) = &self.endpoints[p] {
-                ep.post_hello(can_pull, deadline, poll)?;
-            }
-        }
-        Ok(())
+        self.shm.as_ref().map_or(Ok(()), |s| s.greet(deadline, poll))
     }
 
     /// The shm peers whose hello has not arrived yet.
     pub(crate) fn ungreeted(&self) -> Vec<usize> {
-        self.hellos
-            .iter()
-            .filter(|(p, _)| matches!(&self.endpoints[*p], Some(Endpoint::Shm(ep)) if !ep.hello_received()))
-            .map(|(p, _)| *p)
-            .collect()
+        self.shm.as_ref().map_or_else(Vec::new, ShmNet::ungreeted)
     }
 
     /// The shm peers (those greeted at setup).
     pub(crate) fn shm_peers(&self) -> Vec<usize> {
-        self.hellos.iter().map(|(p, _)| *p).collect()
+        self.shm.as_ref().map_or_else(Vec::new, ShmNet::peers)
     }
 
     /// Closes the descriptor peers open our inbox segment through (the mapping stays).
     pub(crate) fn withdraw(&self) {
-        if let Some(s) = &self.local_shm {
+        if let Some(s) = &self.shm {
             s.withdraw();
         }
     }
@@ -358,13 +295,9 @@ impl Mesh {
             // Completions: lands messages and immediates; a failed one fails its peer.
             v.poll()?;
         }
-        if let Some(shm) = &self.local_shm {
+        if let Some(shm) = &self.shm {
             // Called on every round of every wait: no allocation here.
-            let peers = self.endpoints.iter().enumerate().filter_map(|(p, e)| match e {
-                Some(Endpoint::Shm(ep)) => Some((p, ep)),
-                _ => None,
-            });
-            match shm.drain(peers, inbox) {
+            match shm.drain(inbox) {
                 // Something arrived: another thread of this process may be waiting for it.
                 Ok(true) => inbox.notify(),
                 Ok(false) => {}
@@ -379,7 +312,7 @@ impl Mesh {
 
     /// Whether records wait in our shm rings (looked at before sleeping on the doorbell).
     pub(crate) fn has_pending(&self) -> bool {
-        self.local_shm.as_ref().is_some_and(|s| s.has_pending())
+        self.shm.as_ref().is_some_and(ShmNet::has_pending)
     }
 
     /// Sends `msg` to every peer without waiting (a full ring or a busy socket is skipped),
@@ -403,188 +336,103 @@ impl Mesh {
     }
 }
 
-/// Picks a transport per peer; both sides decide from the same facts.
-fn choose_transports(
-    rank: usize,
-    params: &Params,
-    me: &Descriptor,
-    descs: &[Descriptor],
-    have_shm: bool,
-) -> Result<Vec<Option<TransportKind>>> {
+/// Picks a transport per peer: the first in [`PREFERENCE`] that `choice` allows and that
+/// can reach the peer ([`transport::can_connect`]). Both sides decide from the same two
+/// descriptors. When none is left, the error is the last candidate's reason.
+fn choose_transports(rank: usize, choice: TransportChoice, descs: &[Descriptor]) -> Result<Vec<Option<TransportKind>>> {
+    let me = &descs[rank];
     let mut kinds = vec![None; descs.len()];
-    for (p, d) in descs.iter().enumerate() {
-        if p == rank {
-            continue;
-        }
+    for (p, d) in descs.iter().enumerate().filter(|&(p, _)| p != rank) {
         let same_host = d.host_id == me.host_id;
-        let shm_ok = same_host && have_shm && !d.shm_name.is_empty();
-        let kind = match params.transport {
-            TransportChoice::Tcp => TransportKind::Tcp,
-            TransportChoice::Shm if shm_ok => TransportKind::Shm,
-            TransportChoice::Shm => {
-                return Err(Error::Transport {
-                    rank,
-                    peer: p,
-                    transport: "shm",
-                    what: if same_host {
-                        "FERROCCL_TRANSPORT=shm but it has no shared-memory segment".into()
-                    } else {
-                        format!("FERROCCL_TRANSPORT=shm but it is on another host ({}, this is {})", d.hostname, me.hostname)
-                    },
-                })
+        let mut why_not = None;
+        for kind in PREFERENCE.into_iter().filter(|&k| allows(choice, k, same_host)) {
+            match transport::can_connect(kind, me, d) {
+                Ok(()) => {
+                    kinds[p] = Some(kind);
+                    break;
+                }
+                Err(why) => why_not = Some((kind, why)),
             }
-            TransportChoice::Auto if shm_ok => TransportKind::Shm,
-            TransportChoice::Auto if !same_host && !me.ib_dev.is_empty() && !d.ib_dev.is_empty() => TransportKind::Verbs,
-            TransportChoice::Auto => TransportKind::Tcp,
-            TransportChoice::Verbs if !d.ib_dev.is_empty() => TransportKind::Verbs,
-            TransportChoice::Verbs => {
-                return Err(Error::Transport {
-                    rank,
-                    peer: p,
-                    transport: "verbs",
-                    what: format!(
-                        "FERROCCL_TRANSPORT=verbs but rank {p} (on {}) has no usable RDMA device (its own error says why), or FERROCCL_TRANSPORT differs between ranks",
-                        d.hostname
-                    ),
-                })
-            }
-        };
-        if kind == TransportKind::Shm && d.ring_bytes != me.ring_bytes {
-            return Err(Error::invalid(format!(
-                "FERROCCL_SHM_RING_BYTES differs between ranks: {} on rank {rank}, {} on rank {p}",
-                me.ring_bytes, d.ring_bytes
-            )));
         }
-        if kind == TransportKind::Tcp && d.tcp_addr.is_empty() {
-            return Err(Error::Transport {
-                rank,
-                peer: p,
-                transport: "tcp",
-                what: "the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into(),
-            });
+        if kinds[p].is_none() {
+            let (kind, why) = why_not.ok_or_else(|| Error::internal(format!("FERROCCL_TRANSPORT={choice:?} allows no transport")))?;
+            let what = match choice {
+                TransportChoice::Auto => why,
+                _ => format!("FERROCCL_TRANSPORT={kind} but {why}"),
+            };
+            return Err(Error::Transport { rank, peer: Some(p), transport: kind, what });
         }
-        kinds[p] = Some(kind);
     }
     Ok(kinds)
 }
 
-fn unique_suffix() -> String {
-    let mut b = [0u8; 6];
-    let _ = getrandom::fill(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FaultKind;
+    use crate::transport::descriptor::{QpInfo, VerbsReady, QP_CONNECT_LEN};
+    use crate::transport::{ShmInfo, TcpInfo};
 
-/// Mesh hello sent by the connecting side after authentication.
-fn encode_hello(key_prefix: &str, rank: usize) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.str(key_prefix).u32(rank as u32);
-    w.finish()
-}
-
-fn write_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(b.len() as u32).to_le_bytes())?;
-    s.write_all(b)
-}
-
-fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
-    let mut l = [0u8; 4];
-    s.read_exact(&mut l)?;
-    let n = u32::from_le_bytes(l) as usize;
-    if n > max {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {n} bytes exceeds {max}")));
-    }
-    let mut b = vec![0u8; n];
-    s.read_exact(&mut b)?;
-    Ok(b)
-}
-
-fn connect_peer(rank: usize, peer: usize, addr: &str, token: &str, key_prefix: &str, deadline: Instant) -> Result<TcpStream> {
-    let sa: SocketAddr = addr.parse().map_err(|_| Error::protocol(format!("rank {peer}"), format!("bad tcp address {addr:?}")))?;
-    let label = format!("rank {peer} ({addr})");
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(1))) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() < deadline && e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            Err(e) => return Err(Error::io(format!("rank {rank}: connect to {label}"), e)),
-        }
-    };
-    s.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
-    auth::client_handshake(&mut s, token, "mesh", &label, deadline)?;
-    s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
-        .map_err(|e| Error::io("set timeout", e))?;
-    write_frame(&mut s, &encode_hello(key_prefix, rank)).map_err(|e| Error::io(format!("rank {rank}: hello to {label}"), e))?;
-    s.set_read_timeout(None).and_then(|_| s.set_write_timeout(None)).map_err(|e| Error::io("clear timeouts", e))?;
-    Ok(s)
-}
-
-/// Accepts one authenticated connection from each rank in `expect`. Strangers (wrong token,
-/// garbage, unexpected ranks) are dropped and do not disturb the job.
-fn accept_peers(
-    listener: &TcpListener,
-    rank: usize,
-    expect: &[usize],
-    token: &str,
-    key_prefix: &str,
-    deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>> {
-    let mut got: HashMap<usize, TcpStream> = HashMap::new();
-    if expect.is_empty() {
-        return Ok(vec![]);
-    }
-    listener.set_nonblocking(true).map_err(|e| Error::io("listener nonblocking", e))?;
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, TcpStream)>();
-    {
-        while got.len() < expect.len() {
-            while let Ok((p, st)) = rx.try_recv() {
-                if expect.contains(&p) && !got.contains_key(&p) {
-                    got.insert(p, st);
-                }
-            }
-            if got.len() == expect.len() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                let missing: Vec<String> = expect.iter().filter(|p| !got.contains_key(p)).map(|p| format!("rank {p}")).collect();
-                return Err(Error::Timeout {
-                    rank: Some(rank),
-                    op: Op::other("tcp mesh accept"),
-                    after: Duration::ZERO,
-                    waiting_for: missing,
-                });
-            }
-            match listener.accept() {
-                Ok((mut st, from)) => {
-                    let tx = tx.clone();
-                    let (token, key_prefix) = (token.to_string(), key_prefix.to_string());
-                    // Detached: a silent stranger must not hold up the job; it is dropped
-                    // within a few seconds by its own deadline.
-                    std::thread::spawn(move || {
-                        // A stranger gets at most a few seconds of our attention.
-                        let dl = deadline.min(Instant::now() + Duration::from_secs(5));
-                        let _ = st.set_nonblocking(false);
-                        let label = format!("{from}");
-                        if auth::server_handshake(&mut st, &token, "mesh", &label, dl).is_err() {
-                            return;
-                        }
-                        let _ = st.set_read_timeout(Some(dl.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
-                        let Ok(b) = read_frame(&mut st, 4096) else { return };
-                        let mut r = Reader::new(&b);
-                        let (Ok(prefix), Ok(p)) = (r.str(), r.u32()) else { return };
-                        if prefix != key_prefix {
-                            return;
-                        }
-                        let _ = st.set_read_timeout(None);
-                        let _ = st.set_nodelay(true);
-                        let _ = tx.send((p as usize, st));
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
-                Err(e) => return Err(Error::io(format!("rank {rank}: accept"), e)),
-            }
+    /// A descriptor of rank `rank` on host `host`, with shm and tcp, and verbs as given.
+    fn desc(rank: u32, host: &str, verbs: VerbsInfo) -> Descriptor {
+        Descriptor {
+            rank,
+            pid: 100 + rank,
+            host_id: host.into(),
+            hostname: format!("node-{host}"),
+            eager_max: 65536,
+            shm: Some(ShmInfo { name: format!("seg-{rank}"), fd: 3, probe_addr: 0x1000, ring_bytes: 1 << 20 }),
+            tcp: Some(TcpInfo { addr: format!("10.0.0.{rank}:4000") }),
+            verbs,
         }
     }
-    Ok(got.into_iter().collect())
+
+    /// Verbs ready on `rank`, with a queue pair for each of `world` ranks but itself.
+    fn ready(rank: u32, world: u32) -> VerbsInfo {
+        let qps = (0..world)
+            .filter(|&p| p != rank)
+            .map(|peer| QpInfo { peer, connect: [0; QP_CONNECT_LEN], ring_addr: 0x2000, ring_rkey: 7 })
+            .collect();
+        VerbsInfo::Ready(VerbsReady { dev: "rxe0".into(), mtu: 1024, qps })
+    }
+
+    #[test]
+    fn auto_prefers_shm_on_a_host_and_verbs_across_hosts() {
+        let descs = [desc(0, "a", ready(0, 3)), desc(1, "a", ready(1, 3)), desc(2, "b", ready(2, 3))];
+        let kinds = choose_transports(0, TransportChoice::Auto, &descs).expect("auto always finds one");
+        // Without the `verbs` feature, verbs reaches nobody and tcp carries the other host.
+        let across = if cfg!(feature = "verbs") { TransportKind::Verbs } else { TransportKind::Tcp };
+        assert_eq!(kinds, [None, Some(TransportKind::Shm), Some(across)]);
+        // A rank on this host without a segment: tcp, not verbs (auto keeps verbs for other hosts).
+        let descs = [desc(0, "a", ready(0, 2)), Descriptor { shm: None, ..desc(1, "a", ready(1, 2)) }];
+        assert_eq!(choose_transports(0, TransportChoice::Auto, &descs).unwrap(), [None, Some(TransportKind::Tcp)]);
+    }
+
+    #[test]
+    fn a_forced_transport_that_cannot_reach_says_why() {
+        let descs = [desc(0, "a", VerbsInfo::Off), desc(1, "b", VerbsInfo::Off)];
+        let e = choose_transports(0, TransportChoice::Shm, &descs).expect_err("shm across hosts");
+        assert_eq!(
+            e.to_string(),
+            "rank 0: shm transport to rank 1: FERROCCL_TRANSPORT=shm but it is on another host (node-b, this is node-a)"
+        );
+        let descs = [desc(0, "a", ready(0, 2)), desc(1, "a", VerbsInfo::Failed("rank 1: no device".into()))];
+        let e = choose_transports(0, TransportChoice::Verbs, &descs).expect_err("a peer without verbs");
+        let why = if cfg!(feature = "verbs") {
+            "rank 1 (on node-a) has no usable RDMA device: rank 1: no device"
+        } else {
+            "this build lacks the `verbs` cargo feature"
+        };
+        assert_eq!(e.to_string(), format!("rank 0: verbs transport to rank 1: FERROCCL_TRANSPORT=verbs but {why}"));
+        let cause = e.root_cause().expect("a fault of the job");
+        assert_eq!((cause.kind, cause.rank), (FaultKind::Failed, Some(1)));
+    }
+
+    #[test]
+    fn a_transport_error_without_a_peer_is_this_ranks_own() {
+        let e = Error::Transport { rank: 1, peer: None, transport: TransportKind::Verbs, what: "port 1 is down".into() };
+        assert_eq!(e.to_string(), "rank 1: verbs transport: port 1 is down");
+        let cause = e.root_cause().expect("a fault of the job");
+        assert_eq!((cause.kind, cause.rank), (FaultKind::Other, Some(1)));
+    }
 }

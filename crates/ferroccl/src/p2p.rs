@@ -15,8 +15,7 @@ use crate::fabric::Fabric;
 use crate::inbox::{Events, Incoming};
 use crate::params::FaultSite;
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
-use crate::transport::shm::PullTicket;
-use crate::transport::{WriteGrant, WriteReq, WriteTicket};
+use crate::transport::{PendingWrite, WriteGrant, WriteReq, WriteTicket};
 
 /// Which ordered stream a transfer belongs to, and what is reported in errors.
 #[derive(Clone, Copy, Debug)]
@@ -172,9 +171,9 @@ pub(crate) struct SendOp {
     offset: usize,
     len: usize,
     state: SendState,
-    /// A pull slot lent to the receiver (shm single copy): revoked on completion or drop,
-    /// so that whatever happens, the receiver cannot read our buffer once it is handed back.
-    pull: Option<PullTicket>,
+    /// A write the receiver pulls (shm single copy): revoked on completion or drop, so
+    /// that whatever happens, the receiver cannot read our buffer once it is handed back.
+    pull: Option<PendingWrite>,
 }
 
 impl SendOp {
@@ -271,11 +270,12 @@ impl SendOp {
                 match ticket.status() {
                     None => Ok(false),
                     Some(r) => {
+                        let transport = ticket.transport();
                         self.pull = None;
                         r.map_err(|()| Error::Transport {
                             rank: cx.rank,
-                            peer: self.peer,
-                            transport: "shm",
+                            peer: Some(self.peer),
+                            transport,
                             what: format!("{}: rank {} could not copy the data", cx.op, self.peer),
                         })?;
                         self.state = SendState::Done;

@@ -64,7 +64,8 @@ pub enum ProtoChoice {
 /// Which transport to use between ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportChoice {
-    /// shm on the same host, tcp otherwise.
+    /// shm on the same host; verbs to other hosts where both ends have an RDMA device;
+    /// tcp otherwise.
     Auto,
     /// shm only (an error if a peer is on another host).
     Shm,

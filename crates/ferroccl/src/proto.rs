@@ -39,17 +39,7 @@ use ferroccl_kernels::{DType, ReduceOp};
 use crate::algo::{Algo, Collective, Shape};
 use crate::error::{Departure, Fault, FaultKind};
 use crate::params::ProtoChoice;
-use crate::wire::{DResult, DecodeError, Reader, Writer};
-
-/// What a peer needs to write into one of our registered regions: the verbs (addr, len,
-/// rkey) triple, advertised in a clear-to-send. `key` names the registration in the owning
-/// process (for a verbs peer it is the memory region's rkey).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RemoteBuf {
-    pub(crate) addr: u64,
-    pub(crate) len: u64,
-    pub(crate) key: u64,
-}
+use crate::wire::{DResult, DecodeError, Reader, RemoteBuf, Writer};
 
 /// Channels: separate ordered streams inside one communicator.
 pub(crate) const CHAN_USER: u8 = 0;

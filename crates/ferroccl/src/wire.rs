@@ -1,5 +1,18 @@
 //! A tiny bounds-checked binary codec (little endian) for store frames, mesh handshakes and
 //! endpoint descriptors. Reading past the end or a bad length is an error, never a panic.
+//! Also [`RemoteBuf`], the remote side of a one-sided write: the protocols advertise it,
+//! the transports write into it, so it lives below both.
+
+/// What a peer needs to write into one of our registered regions: the verbs (addr, len,
+/// rkey) triple, advertised in a clear-to-send (`crate::proto`) and the target of every
+/// one-sided write (`crate::transport`). `key` names the registration in the owning
+/// process (for a verbs peer it is the memory region's rkey).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RemoteBuf {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) key: u64,
+}
 
 /// Appends values to a byte vector.
 #[derive(Debug, Default)]

@@ -113,6 +113,31 @@ fn every_import_runs_down_the_layer_table() {
     assert!(problems.is_empty(), "the layering is broken:\n  {}", problems.join("\n  "));
 }
 
+/// The transports (`src/transport/`) deliver into the inbox below them and know nothing
+/// else of the crate above the wire: not the protocols (`proto`), not the store or the
+/// token (`bootstrap`: what a transport publishes goes through the one descriptor exchange
+/// that mesh setup does), not mesh setup, the fabric or anything that drives them. The
+/// floors alone would allow `proto`, `prepared` and `bootstrap` (they sit lower).
+#[test]
+fn transports_import_only_the_inbox_and_the_base() {
+    const ALLOWED: [&str; 7] = ["transport", "transport_kind", "inbox", "wire", "error", "params", "poll"];
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/transport");
+    let mut files = Vec::new();
+    sources(&dir, &mut files);
+    files.sort();
+    assert!(!files.is_empty(), "no sources under {}", dir.display());
+    let mut problems = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+        for (target, line) in imports(&text) {
+            if !ALLOWED.contains(&target.as_str()) {
+                problems.push(format!("{}:{line}: a transport imports `crate::{target}`", file.display()));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "transports import only {ALLOWED:?}:\n  {}", problems.join("\n  "));
+}
+
 #[test]
 fn the_scanner_sees_grouped_and_nested_paths_but_not_comments() {
     let text = "use crate::{error::Error, inbox::Inbox};\n// crate::engine\nlet x = crate::fabric::PARK_NAP; // crate::comm\n";

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use clap::CommandFactory;
-use ferroccl::{Communicator, ReduceOp};
+use ferroccl::{Communicator, ReduceOp, TransportKind};
 
 use crate::args::{self, ArgError};
 use crate::sub::{self, Common};
@@ -196,7 +196,7 @@ pub fn run(o: &IdleOptions) -> Result<(), Failure> {
     if let Some(all) = all {
         println!(
             "# ferroccl-perf idle: {n} ranks, transport {}, idle {:.1} s after blocking, non-blocking and plan calls",
-            comm.transport_to((rank + 1) % n).unwrap_or("?"),
+            comm.transport_to((rank + 1) % n).map_or("self", TransportKind::name),
             o.seconds
         );
         println!("#{:>5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>8}", "rank", "idle_s", "cpu_ms", "stat_ms", "cpu_%", "wakeups", "threads");

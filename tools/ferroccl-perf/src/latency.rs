@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use clap::CommandFactory;
-use ferroccl::{Communicator, ReduceOp};
+use ferroccl::{Communicator, ReduceOp, TransportKind};
 
 use crate::args::{self, parse_size, ArgError, Expected};
 use crate::sub::{self, Common};
@@ -106,7 +106,7 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
     if rank == 0 {
         println!(
             "# ferroccl-perf latency: allreduce f32 sum in place, {n} ranks, transport {}",
-            comm.transport_to((rank + 1) % n).unwrap_or("?")
+            comm.transport_to((rank + 1) % n).map_or("self", TransportKind::name)
         );
         println!("#  blocking: comm.allreduce; plan: comm.allreduce_plan once per size, then plan.run()");
         println!(

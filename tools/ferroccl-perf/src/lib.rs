@@ -99,7 +99,7 @@ pub mod sub;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use ferroccl::{Communicator, DType, Params};
+use ferroccl::{Communicator, DType, Params, TransportKind};
 
 use crate::args::{ArgError, Cmd, Options, USAGE};
 use crate::report::JobInfo;
@@ -352,7 +352,9 @@ fn run_rank(o: &Options) -> Result<(), Failure> {
     })?;
     let info = times.map(|t| JobInfo {
         ranks: n,
-        transports: (0..n).map(|p| comm.transport_to(p).unwrap_or("?").to_string()).collect(),
+        transports: (0..n)
+            .map(|p| if p == comm.rank() { "self" } else { comm.transport_to(p).map_or("?", TransportKind::name) }.to_string())
+            .collect(),
         hostname: comm.hostname_of(0).unwrap_or("?").to_string(),
         nproc: std::thread::available_parallelism().map_or(0, |p| p.get()),
         init_ms: t.iter().map(|v| v[0]).fold(0.0, f64::max),

@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use clap::CommandFactory;
-use ferroccl::{Communicator, ReduceOp};
+use ferroccl::{Communicator, ReduceOp, TransportKind};
 
 use crate::args::{self, parse_size, ArgError, Expected};
 use crate::sub::{self, Common};
@@ -184,7 +184,7 @@ pub fn run(o: &OverlapOptions) -> Result<(), Failure> {
     if rank == 0 {
         println!(
             "# ferroccl-perf overlap: {n} ranks, transport {}, allreduce {} B f32 sum, nproc {}",
-            comm.transport_to((rank + 1) % n).unwrap_or("?"),
+            comm.transport_to((rank + 1) % n).map_or("self", TransportKind::name),
             o.size,
             std::thread::available_parallelism().map_or(0, |p| p.get())
         );

@@ -111,9 +111,11 @@ impl Fault {
         let me = err.reporter();
         let (kind, culprit, op, what) = match err {
             Error::PeerFailed { peer, op, reason, .. } => (FaultKind::Failed, Some(*peer), op.to_string(), reason.clone()),
-            Error::Transport { peer, transport, what, .. } => {
+            Error::Transport { peer: Some(peer), transport, what, .. } => {
                 (FaultKind::Failed, Some(*peer), format!("{transport} transport"), what.clone())
             }
+            // No peer involved: the trouble is this rank's own (as with a verbs call).
+            Error::Transport { peer: None, transport, what, .. } => (FaultKind::Other, me, format!("{transport} transport"), what.clone()),
             Error::Mismatch { peer, op, what, .. } => (FaultKind::Mismatch, Some(world(*peer)), op.to_string(), what.clone()),
             Error::PeerLeft { peer, op, how, peer_calls, p2p, .. } => {
                 // Said so that it reads the same on every rank.

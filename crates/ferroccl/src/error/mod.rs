@@ -127,15 +127,16 @@ pub enum Error {
         pid: u32,
     },
 
-    /// A transport could not be set up or used with a peer.
-    #[error("rank {rank}: {transport} transport to rank {peer}: {what}")]
+    /// A transport could not be set up or used (with a peer, where one is involved).
+    #[error("rank {rank}: {transport} transport{}: {what}", .peer.map_or(String::new(), |p| format!(" to rank {p}")))]
     Transport {
         /// The rank reporting.
         rank: usize,
-        /// The peer (a world rank).
-        peer: usize,
-        /// `shm`, `tcp`, ...
-        transport: &'static str,
+        /// The peer (a world rank); `None` when the trouble is this rank's own (its RDMA
+        /// port is not active).
+        peer: Option<usize>,
+        /// Which transport.
+        transport: crate::transport_kind::TransportKind,
         /// What went wrong.
         what: String,
     },
@@ -303,7 +304,7 @@ impl Error {
                 Error::PeerFailed { rank: *rank, peer: *peer, op: op.clone(), reason: reason.clone(), cause: cause.clone() }
             }
             Error::Transport { rank, peer, transport, what } => {
-                Error::Transport { rank: *rank, peer: *peer, transport, what: what.clone() }
+                Error::Transport { rank: *rank, peer: *peer, transport: *transport, what: what.clone() }
             }
             Error::Mismatch { rank, peer, op, what, cause } => {
                 Error::Mismatch { rank: *rank, peer: *peer, op: op.clone(), what: what.clone(), cause: cause.clone() }

@@ -12,11 +12,27 @@
 //!   immediates, peer failures) land in the inbox (`crate::inbox`) below every transport,
 //!   which the waiting thread polls.
 //!
-//! Setup is part of the contract too: which transport reaches which peer is a
-//! [`TransportKind`], chosen by mesh setup (`crate::mesh`) from the descriptors every rank
-//! publishes; a transport that needs more setup data than the descriptor carries (verbs:
-//! its queue-pair numbers) exchanges it through a [`SetupExchange`], never through the
-//! store directly.
+//! Setup is part of the contract too (NCCL's `canConnect` / `connect`, gloo's device and
+//! pair). Each transport has the same three steps, which mesh setup (`crate::mesh`) drives:
+//!
+//! 1. **Open** (`ShmSetup::create`, `TcpSetup::listen`, `VerbsSetup::open`): this rank's
+//!    side, made before anything is published: the inbox segment, the listener, the
+//!    device with a queue pair and eager ring per other rank. Its `info` is the
+//!    transport's part of this rank's [`Descriptor`]; all descriptors are exchanged in one
+//!    all-gather.
+//! 2. **Can connect** ([`can_connect`]): whether the transport reaches a peer, decided from
+//!    this rank's descriptor and the peer's alone, so both ends decide alike. Mesh setup
+//!    asks the transports in its order of preference (restricted by `FERROCCL_TRANSPORT`)
+//!    and takes the first that can; the reason a transport cannot is the error when none is
+//!    left.
+//! 3. **Connect** (`connect` of each setup, given the peers chosen for it and a
+//!    [`SetupCx`]): the endpoints to those peers ([`Connected`]), and whatever the
+//!    transport keeps for all of them (shm's `ShmNet`, verbs' `VerbsNet`).
+//!
+//! What a transport needs from above while it connects comes through [`SetupCx`]: the
+//! descriptors, the inbox to deliver into, a [`Handshake`] for new connections (the job's
+//! token belongs to the bootstrap) and a [`SetupExchange`] for a round after the
+//! descriptors (verbs' ready mark); no transport touches the store or the token.
 //!
 //! A local completion means the local buffer may be reused; that the data has landed at the
 //! target is signalled only by the target's `WriteImm` (the weakest guarantee of the three
@@ -28,6 +44,7 @@
 //! (one RC queue pair per peer, RDMA WRITE WITH IMMEDIATE into registered memory; only
 //! with the `verbs` cargo feature, otherwise its types are uninhabited).
 
+pub(crate) mod descriptor;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
@@ -36,36 +53,61 @@ pub(crate) mod verbs;
 #[path = "verbs_off.rs"]
 pub(crate) mod verbs;
 
+use std::net::TcpStream;
+use std::sync::Arc;
 use std::time::Instant;
 
+use ferroccl_mem::process::ProcessWatch;
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::Result;
-pub(crate) use crate::proto::RemoteBuf;
+use crate::inbox::Inbox;
+pub(crate) use crate::transport_kind::TransportKind;
+pub(crate) use crate::wire::RemoteBuf;
+pub(crate) use descriptor::{Descriptor, ShmInfo, TcpInfo, VerbsInfo};
 
-/// The transports, as mesh setup chooses them per peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum TransportKind {
-    /// Shared memory (same host).
-    Shm,
-    /// TCP sockets.
-    Tcp,
-    /// RDMA verbs (the `verbs` feature).
-    Verbs,
-}
-
-impl TransportKind {
-    /// `shm`, `tcp` or `verbs`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Verbs => "verbs",
-        }
+/// Whether transport `kind` can reach `peer`, from this rank's descriptor (`me`) and the
+/// peer's alone: both ends of a pair get the same answer. `Err` says why not, in words
+/// that may follow "FERROCCL_TRANSPORT=... but" (mesh setup reports it when no other
+/// transport is allowed or able).
+pub(crate) fn can_connect(kind: TransportKind, me: &Descriptor, peer: &Descriptor) -> std::result::Result<(), String> {
+    match kind {
+        TransportKind::Shm => shm::can_connect(me, peer),
+        TransportKind::Tcp => tcp::can_connect(me, peer),
+        TransportKind::Verbs => verbs::can_connect(me, peer),
     }
 }
 
-/// How a transport publishes its own setup data to its peers while the mesh is built, and
+/// What mesh setup lends a transport while it connects.
+pub(crate) struct SetupCx<'a> {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) deadline: Instant,
+    /// Every rank's descriptor, ours included (`descs[rank]`).
+    pub(crate) descs: &'a [Descriptor],
+    /// Where the endpoints deliver.
+    pub(crate) inbox: &'a Arc<Inbox>,
+    /// Authenticates new connections (tcp).
+    pub(crate) handshake: &'a Arc<dyn Handshake>,
+    /// Names this mesh (unique per init in the job): a connecting rank sends it after the
+    /// handshake, so that a connection meant for another mesh is dropped.
+    pub(crate) mesh_id: &'a str,
+    /// Rounds among the peers after the descriptor exchange (verbs' ready mark).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) exchange: &'a dyn SetupExchange,
+}
+
+/// What a transport's `connect` returns besides what it keeps for all its peers.
+#[derive(Debug, Default)]
+pub(crate) struct Connected {
+    /// One endpoint per peer it connected.
+    pub(crate) endpoints: Vec<(usize, Endpoint)>,
+    /// Peer processes to watch (world rank, watch): peers on this host, whose death the
+    /// fabric then sees at once instead of through the transport.
+    pub(crate) watches: Vec<(usize, ProcessWatch)>,
+}
+
+/// How a transport publishes a value to its peers after the descriptor exchange, and
 /// collects theirs (mesh setup implements it over the job's store). `topic` names the
 /// round; every rank publishes once per topic.
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
@@ -76,11 +118,23 @@ pub(crate) trait SetupExchange {
     fn gather(&self, topic: &str, peers: &[usize], deadline: Instant) -> Result<Vec<Vec<u8>>>;
 }
 
+/// The job's handshake on a new connection: each end proves it knows the job's token
+/// (mesh setup implements it over the bootstrap's authentication). Shared with the
+/// threads that vet incoming connections, hence `Send + Sync`.
+pub(crate) trait Handshake: Send + Sync {
+    /// On a connection this rank opened to `peer` (named in errors).
+    fn connecting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()>;
+    /// On a connection this rank accepted from `peer`.
+    fn accepting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()>;
+}
+
 /// One peer's connection, whichever transport carries it.
 #[derive(Debug)]
 pub(crate) enum Endpoint {
-    Shm(shm::ShmEndpoint),
+    Shm(Arc<shm::ShmEndpoint>),
     Tcp(tcp::TcpEndpoint),
+    /// Never built without the `verbs` feature (no verbs endpoint can exist then).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     Verbs(verbs::VerbsEndpoint),
 }
 
@@ -226,7 +280,25 @@ impl WriteReq<'_> {
 pub(crate) enum WriteTicket {
     /// The source was copied during the post; it may be reused now.
     Done,
-    /// The target pulls the data (shm single copy); the source must stay registered until
-    /// the ticket reports completion. Dropping the ticket revokes the target's access.
-    Pending(shm::PullTicket),
+    /// The target pulls the data; the source must stay registered until the ticket reports
+    /// completion. Dropping the ticket revokes the target's access.
+    Pending(PendingWrite),
+}
+
+/// A write that the target completes by copying from our memory (shm's single copy, a
+/// pull slot lent to the peer): see [`WriteTicket::Pending`]. What it holds stays behind
+/// the transport.
+#[derive(Debug)]
+pub(crate) struct PendingWrite(shm::PullTicket);
+
+impl PendingWrite {
+    /// `None` while the target copies; then whether it could.
+    pub(crate) fn status(&self) -> Option<std::result::Result<(), ()>> {
+        self.0.status()
+    }
+
+    /// The transport that carries it.
+    pub(crate) fn transport(&self) -> TransportKind {
+        TransportKind::Shm
+    }
 }

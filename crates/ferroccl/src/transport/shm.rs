@@ -31,12 +31,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ferroccl_mem::futex::futex_wake;
-use ferroccl_mem::process::read_process_memory;
+use ferroccl_mem::process::{can_read_process, read_process_memory, ProcessWatch};
 use ferroccl_mem::segment::ShmSegment;
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, BellWords, Inbox};
-use crate::transport::{WriteReq, WriteTicket};
+use crate::params::Params;
+use crate::transport::{Connected, Descriptor, Endpoint, PendingWrite, SetupCx, ShmInfo, TransportKind, WriteReq, WriteTicket};
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.
 const HEADER_BYTES: usize = 4096;
@@ -126,10 +127,173 @@ impl Header {
     }
 }
 
+/// Whether shm reaches `peer`: both on one host (equal host identities) and both with an
+/// inbox segment.
+pub(crate) fn can_connect(me: &Descriptor, peer: &Descriptor) -> std::result::Result<(), String> {
+    if peer.host_id != me.host_id {
+        return Err(format!("it is on another host ({}, this is {})", peer.hostname, me.hostname));
+    }
+    match (&me.shm, &peer.shm) {
+        (Some(_), Some(_)) => Ok(()),
+        (_, None) => Err("it has no shared-memory segment".into()),
+        (None, Some(_)) => Err("this rank has no shared-memory segment".into()),
+    }
+}
+
+/// This rank's side of shm while the mesh is built: its inbox segment (the descriptor
+/// names it) and the probe its peers read to learn whether they may pull from us.
+#[derive(Debug)]
+pub(crate) struct ShmSetup {
+    local: Arc<LocalShm>,
+    /// Kept alive: peers probe cross-memory attach by reading it.
+    probe: Box<[u8; 64]>,
+    ring_bytes: usize,
+    inline_max: usize,
+    cma: bool,
+}
+
+impl ShmSetup {
+    /// Creates this rank's inbox segment, sized for `world` senders.
+    pub(crate) fn create(rank: usize, world: usize, params: &Params) -> Result<ShmSetup> {
+        let name = format!("ferroccl-{}-{}-{}", std::process::id(), rank, unique_suffix());
+        let local = LocalShm::create(&name, rank, world, params.shm_ring_bytes)
+            .map_err(|e| Error::io(format!("rank {rank}: create shared-memory segment {name}"), e))?;
+        Ok(ShmSetup {
+            local: Arc::new(local),
+            probe: Box::new([0x5a; 64]),
+            ring_bytes: params.shm_ring_bytes,
+            inline_max: params.shm_inline_max,
+            cma: params.shm_cma,
+        })
+    }
+
+    /// The doorbell peers ring (it lives in the segment, so that they can).
+    pub(crate) fn bell(&self) -> Arc<dyn BellWords> {
+        self.local.clone()
+    }
+
+    /// Closes the descriptor peers would open the segment through (when no peer uses shm;
+    /// otherwise [`ShmNet::withdraw`], once every peer mapped it).
+    pub(crate) fn withdraw(&self) {
+        self.local.withdraw();
+    }
+
+    /// Our part of the descriptor.
+    pub(crate) fn info(&self) -> ShmInfo {
+        ShmInfo {
+            name: self.local.name().to_string(),
+            fd: self.local.fd().and_then(|f| u32::try_from(f).ok()).unwrap_or(0),
+            probe_addr: self.probe.as_ptr() as u64,
+            ring_bytes: self.ring_bytes as u64,
+        }
+    }
+
+    /// Maps the inbox of every peer in `peers` (chosen for shm), opens a watch on each
+    /// peer's process (a dead peer never drains its ring, so the fabric must see it go),
+    /// and probes whether we may pull from it (said in our hello, [`ShmNet::greet`]).
+    pub(crate) fn connect(self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<(ShmNet, Connected)> {
+        let rank = cx.rank;
+        let mut out = Connected::default();
+        let mut net = ShmNet { local: self.local.clone(), peers: Vec::with_capacity(peers.len()), _probe: self.probe };
+        for &p in peers {
+            let d = &cx.descs[p];
+            let info = d.shm.as_ref().ok_or_else(|| Error::internal(format!("shm chosen for rank {p}, which has no segment")))?;
+            if info.ring_bytes != self.ring_bytes as u64 {
+                return Err(Error::invalid(format!(
+                    "FERROCCL_SHM_RING_BYTES differs between ranks: {} on rank {rank}, {} on rank {p}",
+                    self.ring_bytes, info.ring_bytes
+                )));
+            }
+            let ep = Arc::new(ShmEndpoint::connect(
+                rank,
+                p,
+                d.pid as i32,
+                info.fd as i32,
+                &info.name,
+                cx.size,
+                self.ring_bytes,
+                self.inline_max,
+                self.cma,
+                self.local.clone(),
+            )?);
+            let watch =
+                ProcessWatch::new(d.pid as i32).map_err(|e| Error::io(format!("rank {rank}: watch rank {p} (pid {})", d.pid), e))?;
+            out.watches.push((p, watch));
+            let can_pull = self.cma && can_read_process(d.pid as i32, info.probe_addr);
+            net.peers.push(ShmPeer { peer: p, ep: ep.clone(), can_pull });
+            out.endpoints.push((p, Endpoint::Shm(ep)));
+        }
+        Ok((net, out))
+    }
+}
+
+fn unique_suffix() -> String {
+    let mut b = [0u8; 6];
+    let _ = getrandom::fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// One connected shm peer, as [`ShmNet`] keeps it.
+#[derive(Debug)]
+struct ShmPeer {
+    peer: usize,
+    ep: Arc<ShmEndpoint>,
+    /// Whether we may pull from it (our hello says so).
+    can_pull: bool,
+}
+
+/// This rank's shm side once connected: the inbox segment it drains, and the peers that
+/// produce into it (each greeted once at setup).
+#[derive(Debug)]
+pub(crate) struct ShmNet {
+    local: Arc<LocalShm>,
+    peers: Vec<ShmPeer>,
+    /// Kept alive while a peer may still probe it.
+    _probe: Box<[u8; 64]>,
+}
+
+impl ShmNet {
+    /// Says hello to every shm peer: once each has said hello back ([`ShmNet::ungreeted`]
+    /// is empty), it has mapped our segment, whose descriptor can then go
+    /// ([`ShmNet::withdraw`]).
+    pub(crate) fn greet(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        for p in &self.peers {
+            p.ep.post_hello(p.can_pull, deadline, poll)?;
+        }
+        Ok(())
+    }
+
+    /// The peers whose hello has not arrived yet.
+    pub(crate) fn ungreeted(&self) -> Vec<usize> {
+        self.peers.iter().filter(|p| !p.ep.hello_received()).map(|p| p.peer).collect()
+    }
+
+    /// The shm peers (world ranks).
+    pub(crate) fn peers(&self) -> Vec<usize> {
+        self.peers.iter().map(|p| p.peer).collect()
+    }
+
+    /// Closes the descriptor peers open our inbox segment through (the mapping stays).
+    pub(crate) fn withdraw(&self) {
+        self.local.withdraw();
+    }
+
+    /// Drains every peer's ring in our segment into `inbox` (allocates nothing unless a
+    /// message arrives); returns whether anything was consumed.
+    pub(crate) fn drain(&self, inbox: &Inbox) -> Result<bool> {
+        self.local.drain(self.peers.iter().map(|p| (p.peer, &*p.ep)), inbox)
+    }
+
+    /// Whether records wait in our rings (looked at before sleeping on the doorbell).
+    pub(crate) fn has_pending(&self) -> bool {
+        self.local.has_pending()
+    }
+}
+
 /// This rank's own segment and what goes with it, shared by all shm endpoints.
 #[derive(Debug)]
-pub(crate) struct LocalShm {
-    pub(crate) seg: Arc<ShmSegment>,
+struct LocalShm {
+    seg: Arc<ShmSegment>,
     rank: usize,
     ring_bytes: usize,
     /// Consumer positions, one per sender (only the polling thread touches them).
@@ -140,7 +304,7 @@ pub(crate) struct LocalShm {
 }
 
 impl LocalShm {
-    pub(crate) fn create(name: &str, rank: usize, world: usize, ring_bytes: usize) -> std::io::Result<LocalShm> {
+    fn create(name: &str, rank: usize, world: usize, ring_bytes: usize) -> std::io::Result<LocalShm> {
         let seg = ShmSegment::create_anonymous(name, segment_len(world, ring_bytes))?;
         Ok(LocalShm {
             seg: Arc::new(seg),
@@ -153,29 +317,29 @@ impl LocalShm {
         })
     }
 
-    pub(crate) fn name(&self) -> &str {
+    fn name(&self) -> &str {
         self.seg.name()
     }
 
     /// The descriptor number peers open the segment through (`/proc/<pid>/fd/<fd>`), until
     /// [`LocalShm::withdraw`].
-    pub(crate) fn fd(&self) -> Option<i32> {
+    fn fd(&self) -> Option<i32> {
         self.seg.fd()
     }
 
     /// The doorbell word producers bump.
-    pub(crate) fn bell(&self) -> &AtomicU32 {
+    fn bell(&self) -> &AtomicU32 {
         self.seg.atomic_u32(BELL_OFF)
     }
 
     /// Set while the owner sleeps on the doorbell.
-    pub(crate) fn sleeping(&self) -> &AtomicU32 {
+    fn sleeping(&self) -> &AtomicU32 {
         self.seg.atomic_u32(SLEEPING_OFF)
     }
 
     /// Closes the descriptor peers open the segment through (the mappings stay); done once
     /// every peer mapped it.
-    pub(crate) fn withdraw(&self) {
+    fn withdraw(&self) {
         if !self.withdrawn.swap(true, Ordering::AcqRel) {
             self.seg.withdraw();
         }
@@ -226,7 +390,7 @@ impl LocalShm {
     /// Whether any sender's ring holds a record not yet drained. A waiter calls it after
     /// announcing that it sleeps (see `ShmEndpoint::ring_peer_bell`) and sleeps only if it
     /// is `false`.
-    pub(crate) fn has_pending(&self) -> bool {
+    fn has_pending(&self) -> bool {
         fence(Ordering::SeqCst);
         let heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
         heads.iter().enumerate().any(|(p, &h)| self.seg.atomic_u64(ring_off(p, self.ring_bytes)).load(Ordering::SeqCst) != h)
@@ -234,7 +398,7 @@ impl LocalShm {
 
     /// Drains the ring of every sender in `peers` (world rank, endpoint), handing records to
     /// `inbox`. Returns whether anything was consumed.
-    pub(crate) fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, inbox: &Inbox) -> Result<bool> {
+    fn drain<'e>(&self, peers: impl IntoIterator<Item = (usize, &'e ShmEndpoint)>, inbox: &Inbox) -> Result<bool> {
         let mut heads = self.heads.lock().unwrap_or_else(|e| e.into_inner());
         let mut any = false;
         let r = self.ring_bytes as u64;
@@ -243,8 +407,12 @@ impl LocalShm {
             let mut tail = self.seg.atomic_u64(base).load(Ordering::Acquire);
             let mut head = heads[peer];
             let mut revoked = false;
-            let corrupt =
-                |what: String| Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("corrupt ring: {what}") };
+            let corrupt = |what: String| Error::Transport {
+                rank: self.rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("corrupt ring: {what}"),
+            };
             if tail < head || tail - head > r {
                 return Err(corrupt(format!("tail {tail} is not within one ring of head {head}")));
             }
@@ -287,7 +455,7 @@ impl LocalShm {
                     }
                     K_WRITE => {
                         let seg = &self.seg;
-                        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+                        inbox.land_write(TransportKind::Shm, peer, h.key, h.dst_addr, h.len as usize, |s| {
                             seg.read(payload_off, s);
                             Ok(())
                         })?;
@@ -301,8 +469,8 @@ impl LocalShm {
                     k => {
                         return Err(Error::Transport {
                             rank: self.rank,
-                            peer,
-                            transport: "shm",
+                            peer: Some(peer),
+                            transport: TransportKind::Shm,
                             what: format!("unknown ring record kind {k}"),
                         })
                     }
@@ -325,13 +493,18 @@ impl LocalShm {
     fn serve_pull(&self, peer: usize, ep: &ShmEndpoint, h: &Header, inbox: &Inbox) -> Result<bool> {
         let slot = h.slot as usize;
         if slot >= PULL_SLOTS {
-            return Err(Error::Transport { rank: self.rank, peer, transport: "shm", what: format!("pull slot {slot} out of range") });
+            return Err(Error::Transport {
+                rank: self.rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("pull slot {slot} out of range"),
+            });
         }
         let pid = ep.peer_pid;
         let mut read_err = None;
         // A bad destination is a protocol error (fatal in land_write); a failed read is judged
         // below, together with the slot's generation.
-        inbox.land_write(peer, h.key, h.dst_addr, h.len as usize, |s| {
+        inbox.land_write(TransportKind::Shm, peer, h.key, h.dst_addr, h.len as usize, |s| {
             if let Err(e) = read_process_memory(pid, h.src_addr, s) {
                 read_err = Some(e);
             }
@@ -354,8 +527,8 @@ impl LocalShm {
         if let Some(e) = read_err {
             return Err(Error::Transport {
                 rank: self.rank,
-                peer,
-                transport: "shm",
+                peer: Some(peer),
+                transport: TransportKind::Shm,
                 what: format!("single-copy read of {} bytes from pid {pid} failed: {e}", h.len),
             });
         }
@@ -407,7 +580,7 @@ impl Drop for LocalShm {
 pub(crate) struct ShmEndpoint {
     rank: usize,
     peer: usize,
-    pub(crate) peer_pid: i32,
+    peer_pid: i32,
     /// The peer's inbox segment; we produce into ring `rank` there.
     peer_seg: Arc<ShmSegment>,
     local: Arc<LocalShm>,
@@ -416,12 +589,12 @@ pub(crate) struct ShmEndpoint {
     cma: bool,
     tail: Mutex<u64>,
     /// 0 unknown (no HELLO yet), 1 the peer can pull from us, 2 it cannot.
-    pub(crate) peer_can_pull: AtomicU8,
+    peer_can_pull: AtomicU8,
 }
 
 impl ShmEndpoint {
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn connect(
+    fn connect(
         rank: usize,
         peer: usize,
         peer_pid: i32,
@@ -441,7 +614,12 @@ impl ShmEndpoint {
                 }
                 _ => "FERROCCL_TRANSPORT=tcp avoids shm",
             };
-            Error::Transport { rank, peer, transport: "shm", what: format!("cannot map its segment: {e} ({hint})") }
+            Error::Transport {
+                rank,
+                peer: Some(peer),
+                transport: TransportKind::Shm,
+                what: format!("cannot map its segment: {e} ({hint})"),
+            }
         })?;
         Ok(ShmEndpoint {
             rank,
@@ -462,7 +640,7 @@ impl ShmEndpoint {
     }
 
     fn err(&self, what: impl Into<String>) -> Error {
-        Error::Transport { rank: self.rank, peer: self.peer, transport: "shm", what: what.into() }
+        Error::Transport { rank: self.rank, peer: Some(self.peer), transport: TransportKind::Shm, what: what.into() }
     }
 
     /// Wakes the peer if it sleeps. Only then is its doorbell touched: a message costs no
@@ -567,12 +745,12 @@ impl ShmEndpoint {
 
     /// Tells the peer whether it may pull from us (`we_can_be_pulled` is the peer's probe
     /// result as seen from our side: can *we* pull from *it*; see `fabric`).
-    pub(crate) fn post_hello(&self, we_can_pull_from_peer: bool, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+    fn post_hello(&self, we_can_pull_from_peer: bool, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
         let h = Header { kind: K_HELLO, flags: if we_can_pull_from_peer { F_CAN_PULL } else { 0 }, ..Header::default() };
         self.produce(&h, 0, |_, _| Ok(()), deadline, poll)
     }
 
-    pub(crate) fn hello_received(&self) -> bool {
+    fn hello_received(&self) -> bool {
         self.peer_can_pull.load(Ordering::Acquire) != 0
     }
 
@@ -596,7 +774,7 @@ impl ShmEndpoint {
                 // The ticket releases the slot if the post fails, or when the send ends.
                 let ticket = PullTicket { shm: self.local.clone(), slot, gen };
                 self.produce(&h, 0, |_, _| Ok(()), deadline, poll)?;
-                return Ok(WriteTicket::Pending(ticket));
+                return Ok(WriteTicket::Pending(PendingWrite(ticket)));
             }
             // Every pull slot busy: fall through and copy through the ring.
         }

@@ -7,8 +7,9 @@
 //! copy), then their immediate is reported. EOF or an error without a goodbye marks the
 //! peer failed, which wakes and fails every waiter.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
-use crate::transport::WriteReq;
+use crate::transport::{Connected, Descriptor, Endpoint, Handshake, SetupCx, TcpInfo, TransportKind, WriteReq};
+use crate::wire::{Reader, Writer};
 
 const HDR: usize = 40;
 const K_MSG: u8 = 1;
@@ -33,6 +35,169 @@ fn header(kind: u8, imm: u32, len: u64, key: u64, addr: u64) -> [u8; HDR] {
     h[16..24].copy_from_slice(&key.to_le_bytes());
     h[24..32].copy_from_slice(&addr.to_le_bytes());
     h
+}
+
+/// Whether tcp reaches `peer`: both listen (the lower rank of a pair connects to the
+/// higher one's listener).
+pub(crate) fn can_connect(me: &Descriptor, peer: &Descriptor) -> std::result::Result<(), String> {
+    match (&me.tcp, &peer.tcp) {
+        (Some(_), Some(_)) => Ok(()),
+        (_, None) => Err("the peer has no tcp listener (FERROCCL_TRANSPORT differs between ranks?)".into()),
+        (None, Some(_)) => Err("this rank has no tcp listener".into()),
+    }
+}
+
+/// This rank's side of tcp while the mesh is built: a listener (the descriptor gives its
+/// address).
+#[derive(Debug)]
+pub(crate) struct TcpSetup {
+    listener: TcpListener,
+}
+
+impl TcpSetup {
+    /// Listens on `ip` (the interface that reaches the store, or `FERROCCL_SOCKET_ADDR`'s).
+    pub(crate) fn listen(rank: usize, ip: IpAddr) -> Result<TcpSetup> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
+        Ok(TcpSetup { listener })
+    }
+
+    /// Our part of the descriptor.
+    pub(crate) fn info(&self) -> TcpInfo {
+        TcpInfo { addr: self.listener.local_addr().map(|a| a.to_string()).unwrap_or_default() }
+    }
+
+    /// One authenticated socket to every peer in `peers` (chosen for tcp): the lower rank
+    /// of each pair connects, the higher accepts; both run the job's handshake, then the
+    /// connecting side names its rank and the mesh. The listener closes when this returns.
+    pub(crate) fn connect(self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<Connected> {
+        let rank = cx.rank;
+        let expect: Vec<usize> = peers.iter().copied().filter(|&p| p < rank).collect();
+        let (listener, handshake, mesh_id, deadline) = (&self.listener, cx.handshake, cx.mesh_id, cx.deadline);
+        let streams = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
+            let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, handshake, mesh_id, deadline));
+            let mut out = Vec::new();
+            for &p in peers.iter().filter(|&&p| p > rank) {
+                let addr = cx.descs[p].tcp.as_ref().map_or("", |t| t.addr.as_str());
+                out.push((p, connect_peer(cx, p, addr)?));
+            }
+            let accepted = acceptor.join().map_err(|_| Error::internal("tcp acceptor panicked"))??;
+            out.extend(accepted);
+            Ok(out)
+        })?;
+        let mut connected = Connected::default();
+        for (p, stream) in streams {
+            connected.endpoints.push((p, Endpoint::Tcp(TcpEndpoint::start(rank, p, stream, cx.inbox.clone())?)));
+        }
+        Ok(connected)
+    }
+}
+
+/// What the connecting side sends after the handshake: the mesh it means and its rank.
+fn encode_hello(mesh_id: &str, rank: usize) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.str(mesh_id).u32(rank as u32);
+    w.finish()
+}
+
+fn write_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(b.len() as u32).to_le_bytes())?;
+    s.write_all(b)
+}
+
+fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut l = [0u8; 4];
+    s.read_exact(&mut l)?;
+    let n = u32::from_le_bytes(l) as usize;
+    if n > max {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {n} bytes exceeds {max}")));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn connect_peer(cx: &SetupCx<'_>, peer: usize, addr: &str) -> Result<TcpStream> {
+    let (rank, deadline) = (cx.rank, cx.deadline);
+    let sa: SocketAddr = addr.parse().map_err(|_| Error::protocol(format!("rank {peer}"), format!("bad tcp address {addr:?}")))?;
+    let label = format!("rank {peer} ({addr})");
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(1))) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => return Err(Error::io(format!("rank {rank}: connect to {label}"), e)),
+        }
+    };
+    s.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+    cx.handshake.connecting(&mut s, &label, deadline)?;
+    s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+        .map_err(|e| Error::io("set timeout", e))?;
+    write_frame(&mut s, &encode_hello(cx.mesh_id, rank)).map_err(|e| Error::io(format!("rank {rank}: hello to {label}"), e))?;
+    s.set_read_timeout(None).and_then(|_| s.set_write_timeout(None)).map_err(|e| Error::io("clear timeouts", e))?;
+    Ok(s)
+}
+
+/// Accepts one authenticated connection from each rank in `expect`. Strangers (wrong token,
+/// garbage, unexpected ranks) are dropped and do not disturb the job.
+fn accept_peers(
+    listener: &TcpListener,
+    rank: usize,
+    expect: &[usize],
+    handshake: &Arc<dyn Handshake>,
+    mesh_id: &str,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>> {
+    let mut got: HashMap<usize, TcpStream> = HashMap::new();
+    if expect.is_empty() {
+        return Ok(vec![]);
+    }
+    listener.set_nonblocking(true).map_err(|e| Error::io("listener nonblocking", e))?;
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, TcpStream)>();
+    while got.len() < expect.len() {
+        while let Ok((p, st)) = rx.try_recv() {
+            if expect.contains(&p) && !got.contains_key(&p) {
+                got.insert(p, st);
+            }
+        }
+        if got.len() == expect.len() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<String> = expect.iter().filter(|p| !got.contains_key(p)).map(|p| format!("rank {p}")).collect();
+            return Err(Error::Timeout { rank: Some(rank), op: Op::other("tcp mesh accept"), after: Duration::ZERO, waiting_for: missing });
+        }
+        match listener.accept() {
+            Ok((mut st, from)) => {
+                let tx = tx.clone();
+                let (handshake, mesh_id) = (handshake.clone(), mesh_id.to_string());
+                // Detached: a silent stranger must not hold up the job; it is dropped
+                // within a few seconds by its own deadline.
+                std::thread::spawn(move || {
+                    // A stranger gets at most a few seconds of our attention.
+                    let dl = deadline.min(Instant::now() + Duration::from_secs(5));
+                    let _ = st.set_nonblocking(false);
+                    if handshake.accepting(&mut st, &format!("{from}"), dl).is_err() {
+                        return;
+                    }
+                    let _ = st.set_read_timeout(Some(dl.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
+                    let Ok(b) = read_frame(&mut st, 4096) else { return };
+                    let mut r = Reader::new(&b);
+                    let (Ok(id), Ok(p)) = (r.str(), r.u32()) else { return };
+                    if id != mesh_id {
+                        return;
+                    }
+                    let _ = st.set_read_timeout(None);
+                    let _ = st.set_nodelay(true);
+                    let _ = tx.send((p as usize, st));
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => return Err(Error::io(format!("rank {rank}: accept"), e)),
+        }
+    }
+    Ok(got.into_iter().collect())
 }
 
 /// This rank's socket to one peer.
@@ -109,8 +274,8 @@ impl TcpEndpoint {
         if self.broken.load(Ordering::Acquire) {
             return Err(Error::Transport {
                 rank: self.rank,
-                peer: self.peer,
-                transport: "tcp",
+                peer: Some(self.peer),
+                transport: TransportKind::Tcp,
                 what: "connection is unusable after an earlier failed send".into(),
             });
         }
@@ -273,7 +438,7 @@ fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<At
                 inbox.notify();
             }
             K_WRITE => {
-                let r = inbox.land_write(peer, key, addr, len as usize, |dst| {
+                let r = inbox.land_write(TransportKind::Tcp, peer, key, addr, len as usize, |dst| {
                     s.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
                 if r.is_err() {

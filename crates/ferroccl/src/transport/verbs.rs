@@ -15,6 +15,21 @@
 //! | `110` | the peer closes cleanly (goodbye) |
 //! | `111` | keepalive: nothing to do (its failure is what counts) |
 //!
+//! # Setup
+//!
+//! Which peers verbs will carry is known only once every rank's descriptor is in, and the
+//! queue pairs' data must be in the descriptors: so [`VerbsSetup::open`] makes a queue pair
+//! and an eager receive ring for every other rank before the descriptor is published, and
+//! its `info` (QPN, PSN, LID, GID, ring address and rkey per peer, the port MTU) is verbs'
+//! part of it. [`VerbsSetup::connect`] connects the queue pairs of the peers mesh setup
+//! chose for verbs (RTR with the smaller of the two MTUs, then RTS; the others are dropped)
+//! and then waits in one store round, `verbs-ready`, until each of them has connected too:
+//! a queue pair not yet ready to receive silently drops what arrives, and the sender would
+//! learn of it only through its retries (seconds at the default ACK timeout), or not at all
+//! once they run out. A rank that fails before publishing puts the reason in its descriptor
+//! (under `FERROCCL_TRANSPORT=verbs`), one that fails while connecting in place of its ready
+//! mark: either way its peers fail at once, naming it and the reason.
+//!
 //! # Memory
 //!
 //! * **Eager slots.** Each side of each connection has [`SLOTS`] receive slots of
@@ -59,6 +74,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use ferroccl_mem::process::ProcessWatch;
 use ferroccl_mem::region::RegionHandle;
 use ferroccl_verbs::{
     Access, Completion, CompletionQueue, ConnectInfo, Context, DeviceList, MemoryRegion, Mtu, ProtectionDomain, QpOptions, QueuePair,
@@ -68,8 +84,11 @@ use ferroccl_verbs::{
 use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, Inbox};
 use crate::params::Params;
-use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
+use crate::transport::descriptor::{QpInfo, VerbsReady, QP_CONNECT_LEN};
+use crate::transport::{Connected, Descriptor, Endpoint, RemoteBuf, SetupCx, TransportKind, VerbsInfo, WriteReq};
 use crate::wire::{Reader, Writer};
+
+const _: () = assert!(ConnectInfo::LEN == QP_CONNECT_LEN, "the descriptor's queue-pair entries hold a ConnectInfo");
 
 /// Eager receive slots per peer (and send slots: one each).
 pub(crate) const SLOTS: usize = 8;
@@ -121,9 +140,9 @@ fn verr(rank: usize, what: impl Into<String>) -> impl FnOnce(ferroccl_verbs::Err
     move |source| Error::Verbs { rank, what, source }
 }
 
-/// An opened, usable device: what a rank advertises before the mesh is built.
+/// An opened, usable device.
 #[derive(Debug)]
-pub(crate) struct VerbsDevice {
+struct VerbsDevice {
     ctx: Context,
     gid_index: u8,
     /// `FERROCCL_IB_TIMEOUT`.
@@ -133,7 +152,7 @@ pub(crate) struct VerbsDevice {
 impl VerbsDevice {
     /// Opens `FERROCCL_IB_DEV` (or the first device) and checks that port 1 is active
     /// and has a usable GID. Every failure says why verbs cannot be used here.
-    pub(crate) fn open(rank: usize, params: &Params) -> Result<VerbsDevice> {
+    fn open(rank: usize, params: &Params) -> Result<VerbsDevice> {
         let list = DeviceList::new().map_err(verr(rank, "list RDMA devices"))?;
         let dev = match &params.ib_dev {
             Some(name) => list.find(name).map_err(verr(rank, "FERROCCL_IB_DEV"))?,
@@ -145,8 +164,8 @@ impl VerbsDevice {
         if port.state != ferroccl_verbs::PortState::Active {
             return Err(Error::Transport {
                 rank,
-                peer: usize::MAX,
-                transport: "verbs",
+                peer: None,
+                transport: TransportKind::Verbs,
                 what: format!("port 1 of RDMA device {name} is not active ({:?})", port.state),
             });
         }
@@ -168,8 +187,26 @@ impl VerbsDevice {
     }
 
     /// The device's name, advertised in the rank's descriptor.
-    pub(crate) fn name(&self) -> String {
+    fn name(&self) -> String {
         self.ctx.name().to_string()
+    }
+
+    /// How every queue pair on this device is made.
+    fn qp_options(&self) -> QpOptions {
+        QpOptions {
+            gid_index: self.gid_index,
+            max_send_wr: SQ_DEPTH,
+            max_recv_wr: RQ_DEPTH,
+            remote_access: Access::REMOTE_WRITE,
+            // Dead peers must be noticed: retry transport errors a bounded number of
+            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
+            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
+            // keepalive to a dead peer then never fails.
+            retry_cnt: 6,
+            timeout: self.ack_timeout,
+            rnr_retry: 7,
+            ..QpOptions::default()
+        }
     }
 }
 
@@ -275,62 +312,133 @@ fn wake_loop(
     }
 }
 
-/// One queue pair before it is connected.
-struct PreparedQp {
-    peer: usize,
-    qp: QueuePair<ferroccl_verbs::Init>,
-    send_ring: MemoryRegion,
-    recv_ring: MemoryRegion,
-    /// This port's active MTU.
-    mtu: Mtu,
-}
-
-impl VerbsNet {
-    /// Builds the QP mesh to `peers` (world ranks): creates a queue pair and eager rings
-    /// per peer, exchanges (QPN, PSN, LID, GID, ring address and key) through `exchange`,
-    /// connects, and waits until every peer is connected too, so that no work request
-    /// reaches a queue pair that is not ready.
-    pub(crate) fn connect(
-        dev: VerbsDevice,
-        rank: usize,
-        peers: &[usize],
-        exchange: &dyn SetupExchange,
-        size: usize,
-        deadline: Instant,
-        inbox: Arc<Inbox>,
-    ) -> Result<Arc<VerbsNet>> {
-        // A rank that fails here publishes why (in place of its connect info, or of its
-        // ready mark), so that its peers fail at once with the reason instead of waiting.
-        let (info_topic, ready_topic) = ("verbs", "verbs-ready");
-        let publish_err = |topic: &str, e: &Error| {
-            let mut w = Writer::new();
-            w.u8(TAG_ERR).str(&e.to_string());
-            let _ = exchange.publish(topic, &w.finish());
-        };
-        let (pd, cq, chan, stage, prepared, blob) = match Self::prepare(&dev, rank, peers) {
-            Ok(x) => x,
-            Err(e) => {
-                publish_err(info_topic, &e);
-                return Err(e);
-            }
-        };
-        exchange.publish(info_topic, &blob)?;
-        let blobs = exchange.gather(info_topic, peers, deadline)?;
-        let slots = match Self::connect_qps(rank, size, prepared, &blobs) {
-            Ok(s) => s,
-            Err(e) => {
-                publish_err(ready_topic, &e);
-                return Err(e);
-            }
-        };
-        exchange.publish(ready_topic, &[TAG_OK])?;
-        let readies = exchange.gather(ready_topic, peers, deadline)?;
-        for (&p, b) in peers.iter().zip(&readies) {
-            if let Some(why) = peer_error(b) {
-                return Err(Error::Transport { rank, peer: p, transport: "verbs", what: format!("rank {p} could not connect: {why}") });
+/// Whether verbs reaches `peer`: both ranks have a usable device and made a queue pair for
+/// each other.
+pub(crate) fn can_connect(me: &Descriptor, peer: &Descriptor) -> std::result::Result<(), String> {
+    let them = format!("rank {} (on {})", peer.rank, peer.hostname);
+    match (&me.verbs, &peer.verbs) {
+        (VerbsInfo::Ready(mine), VerbsInfo::Ready(theirs)) => {
+            if theirs.qp_for(me.rank as usize).is_some() && mine.qp_for(peer.rank as usize).is_some() {
+                Ok(())
+            } else {
+                Err(format!("{them} and rank {} made no queue pair for each other (FERROCCL_TRANSPORT differs between ranks?)", me.rank))
             }
         }
+        (VerbsInfo::Ready(_), VerbsInfo::Failed(why)) => Err(format!("{them} has no usable RDMA device: {why}")),
+        (VerbsInfo::Ready(_), VerbsInfo::Off) => {
+            Err(format!("{them} has no usable RDMA device (FERROCCL_TRANSPORT differs between ranks?)"))
+        }
+        (_, _) => Err(format!("rank {} has no usable RDMA device", me.rank)),
+    }
+}
+
+/// One queue pair made before the descriptor is published, for one peer: its data and
+/// its receive ring's go into the descriptor.
+struct PreparedQp {
+    qp: QueuePair<ferroccl_verbs::Init>,
+    recv_ring: MemoryRegion,
+}
+
+/// This rank's side of verbs while the mesh is built: the device, the protection domain,
+/// the completion queue, and a queue pair with its eager receive ring for every other rank
+/// (which peers verbs will carry is known only once every descriptor is in; the queue
+/// pairs of the others are dropped then).
+pub(crate) struct VerbsSetup {
+    rank: usize,
+    dev: VerbsDevice,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    chan: ferroccl_verbs::CompletionChannel,
+    /// This port's active MTU.
+    mtu: Mtu,
+    /// Indexed by world rank (`None` for this rank).
+    qps: Vec<Option<PreparedQp>>,
+}
+
+impl std::fmt::Debug for VerbsSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsSetup").field("rank", &self.rank).field("dev", &self.dev.name()).finish_non_exhaustive()
+    }
+}
+
+impl VerbsSetup {
+    /// Opens `FERROCCL_IB_DEV` (or the first device) and creates the protection domain,
+    /// the completion queue and channel, and per other rank a queue pair with its eager
+    /// receive slots. Every failure says why verbs cannot be used here.
+    pub(crate) fn open(rank: usize, size: usize, params: &Params) -> Result<VerbsSetup> {
+        let dev = VerbsDevice::open(rank, params)?;
+        let ctx = &dev.ctx;
+        let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
+        let npeers = size.saturating_sub(1) as u32;
+        let cq_cap = npeers.saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
+        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
+        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
+        let options = dev.qp_options();
+        // Both ends of a queue pair must use one path MTU: each publishes its port's, and
+        // each uses the smaller of the two.
+        let mtu = ctx.query_port(1).map_err(verr(rank, "query port 1"))?.active_mtu;
+        let mut qps = Vec::with_capacity(size);
+        for p in 0..size {
+            if p == rank {
+                qps.push(None);
+                continue;
+            }
+            let qp = pd.create_rc_qp(&cq, &cq, &options).map_err(verr(rank, format!("create a queue pair for rank {p}")))?;
+            let recv_ring = pd
+                .alloc_region(SLOTS * SLOT_BYTES, Access::REMOTE_WRITE)
+                .map_err(verr(rank, format!("register receive slots for rank {p}")))?;
+            qps.push(Some(PreparedQp { qp, recv_ring }));
+        }
+        Ok(VerbsSetup { rank, dev, pd, cq, chan, mtu, qps })
+    }
+
+    /// Our part of the descriptor: the device, the MTU, and per peer the queue pair's
+    /// (QPN, PSN, LID, GID) and the receive ring's address and key.
+    pub(crate) fn info(&self) -> Result<VerbsInfo> {
+        let rank = self.rank;
+        let mut qps = Vec::with_capacity(self.qps.len());
+        for (p, prep) in self.qps.iter().enumerate() {
+            let Some(prep) = prep else { continue };
+            let info = prep.qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
+            let ring = prep.recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
+            qps.push(QpInfo { peer: p as u32, connect: info.to_bytes(), ring_addr: ring.addr, ring_rkey: ring.rkey });
+        }
+        Ok(VerbsInfo::Ready(VerbsReady { dev: self.dev.name(), mtu: self.mtu.bytes(), qps }))
+    }
+
+    /// Connects the queue pairs of `peers` (chosen for verbs) to theirs, with the data in
+    /// their descriptors (RTR, then RTS), then waits until every one of them is connected
+    /// too (the `verbs-ready` round): a queue pair not yet ready to receive drops what
+    /// arrives, and the sender would see it only after its retries (seconds). A rank that
+    /// fails here publishes why in place of its ready mark, so its peers fail at once.
+    /// The queue pairs made for other peers are dropped.
+    pub(crate) fn connect(mut self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<(Arc<VerbsNet>, Connected)> {
+        const READY: &str = "verbs-ready";
+        let rank = cx.rank;
+        let (stage, slots) = match self.connect_qps(cx, peers) {
+            Ok(x) => x,
+            Err(e) => {
+                let mut w = Writer::new();
+                w.u8(TAG_ERR).str(&e.to_string());
+                let _ = cx.exchange.publish(READY, &w.finish());
+                return Err(e);
+            }
+        };
+        cx.exchange.publish(READY, &[TAG_OK])?;
+        let readies = cx.exchange.gather(READY, peers, cx.deadline)?;
+        for (&p, b) in peers.iter().zip(&readies) {
+            if let Some(why) = peer_error(b) {
+                return Err(Error::Transport {
+                    rank,
+                    peer: Some(p),
+                    transport: TransportKind::Verbs,
+                    what: format!("rank {p} could not connect: {why}"),
+                });
+            }
+        }
+        let VerbsSetup { pd, cq, chan, .. } = self;
         let stop = Arc::new(AtomicBool::new(false));
+        let inbox = cx.inbox.clone();
         let net = Arc::new(VerbsNet {
             waker_stop: stop.clone(),
             waker: Mutex::new(None),
@@ -352,81 +460,51 @@ impl VerbsNet {
                 .map_err(|e| Error::io(format!("rank {rank}: spawn the verbs completion thread"), e))?
         };
         *lock(&net.waker) = Some(waker);
-        Ok(net)
-    }
-
-    /// Creates the protection domain, the completion queue and channel, the staging slots,
-    /// and per peer a queue pair (receives posted) with its eager slots; returns them and
-    /// this rank's connect blob.
-    #[allow(clippy::type_complexity)]
-    fn prepare(
-        dev: &VerbsDevice,
-        rank: usize,
-        peers: &[usize],
-    ) -> Result<(ProtectionDomain, CompletionQueue, ferroccl_verbs::CompletionChannel, MemoryRegion, Vec<PreparedQp>, Vec<u8>)> {
-        let ctx = &dev.ctx;
-        let pd = ctx.alloc_pd().map_err(verr(rank, "ibv_alloc_pd"))?;
-        let cq_cap = (peers.len() as u32).saturating_mul(SQ_DEPTH + RQ_DEPTH).saturating_add(64);
-        let chan = ctx.create_comp_channel().map_err(verr(rank, "ibv_create_comp_channel"))?;
-        let cq = ctx.create_cq_with_channel(cq_cap, &chan).map_err(verr(rank, "ibv_create_cq"))?;
-        let stage = pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
-        let options = QpOptions {
-            gid_index: dev.gid_index,
-            max_send_wr: SQ_DEPTH,
-            max_recv_wr: RQ_DEPTH,
-            remote_access: Access::REMOTE_WRITE,
-            // Dead peers must be noticed: retry transport errors a bounded number of
-            // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
-            // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
-            // keepalive to a dead peer then never fails.
-            retry_cnt: 6,
-            timeout: dev.ack_timeout,
-            rnr_retry: 7,
-            ..QpOptions::default()
-        };
-        // Both ends of a queue pair must use one path MTU: each publishes its port's, and
-        // each uses the smaller of the two.
-        let mtu = ctx.query_port(1).map_err(verr(rank, "query port 1"))?.active_mtu;
-        let mut prepared = Vec::with_capacity(peers.len());
-        let mut blob = Writer::new();
-        blob.u8(TAG_OK);
+        // Peers on this host are watched like shm peers, so that a dead one is noticed
+        // without waiting for a work request to fail.
+        let mut out = Connected::default();
+        let me = &cx.descs[rank];
         for &p in peers {
-            let qp = pd.create_rc_qp(&cq, &cq, &options).map_err(verr(rank, format!("create a queue pair for rank {p}")))?;
-            let send_ring =
-                pd.alloc_region(SLOTS * SLOT_BYTES, Access::empty()).map_err(verr(rank, format!("register send slots for rank {p}")))?;
-            let recv_ring = pd
-                .alloc_region(SLOTS * SLOT_BYTES, Access::REMOTE_WRITE)
-                .map_err(verr(rank, format!("register receive slots for rank {p}")))?;
-            for _ in 0..RQ_DEPTH {
-                qp.post_recv_empty(wr_id(WR_RECV, p, 0)).map_err(verr(rank, format!("post receives for rank {p}")))?;
+            out.endpoints.push((p, Endpoint::Verbs(VerbsEndpoint::new(net.clone(), p))));
+            let d = &cx.descs[p];
+            if d.host_id == me.host_id {
+                if let Ok(w) = ProcessWatch::new(d.pid as i32) {
+                    out.watches.push((p, w));
+                }
             }
-            let info = qp.info().map_err(verr(rank, format!("connect info for rank {p}")))?;
-            let ring = recv_ring.remote(0..SLOTS * SLOT_BYTES).map_err(verr(rank, "receive slots"))?;
-            blob.u32(p as u32).raw(&info.to_bytes()).u64(ring.addr).u32(ring.rkey).u32(mtu.bytes());
-            prepared.push(PreparedQp { peer: p, qp, send_ring, recv_ring, mtu });
         }
-        Ok((pd, cq, chan, stage, prepared, blob.finish()))
+        Ok((net, out))
     }
 
-    /// Connects every prepared queue pair to its peer's (RTR, then RTS).
-    fn connect_qps(rank: usize, size: usize, prepared: Vec<PreparedQp>, blobs: &[Vec<u8>]) -> Result<Vec<Option<Peer>>> {
-        let mut slots: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
-        for (prep, b) in prepared.into_iter().zip(blobs) {
-            let p = prep.peer;
-            if let Some(why) = peer_error(b) {
-                return Err(Error::Transport {
-                    rank,
-                    peer: p,
-                    transport: "verbs",
-                    what: format!("rank {p} could not set up verbs: {why}"),
-                });
-            }
+    /// Registers the staging slots, and per peer in `peers` the send slots, posts its
+    /// receives and connects its queue pair (RTR, RTS) to the peer's.
+    fn connect_qps(&mut self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<(MemoryRegion, Vec<Option<Peer>>)> {
+        let rank = self.rank;
+        let stage = self.pd.alloc_region(STAGE_SLOTS * STAGE_BYTES, Access::empty()).map_err(verr(rank, "register the staging slots"))?;
+        let mut slots: Vec<Option<Peer>> = (0..cx.size).map(|_| None).collect();
+        for &p in peers {
             let bad = |what: String| Error::protocol(format!("rank {p}"), format!("verbs connect info: {what}"));
-            let (info, remote, their_mtu) = find_entry(b, rank)
-                .map_err(|e| bad(e.to_string()))?
+            let Some(VerbsInfo::Ready(theirs)) = cx.descs.get(p).map(|d| &d.verbs) else {
+                return Err(bad("it published no queue pairs".into()));
+            };
+            let entry = theirs
+                .qp_for(rank)
                 .ok_or_else(|| bad(format!("no queue pair for rank {rank} (FERROCCL_TRANSPORT differs between ranks?)")))?;
-            let their_mtu = Mtu::from_bytes(their_mtu).ok_or_else(|| bad(format!("path MTU {their_mtu}")))?;
-            let mtu = if their_mtu.bytes() < prep.mtu.bytes() { their_mtu } else { prep.mtu };
+            let info = ConnectInfo::from_bytes(&entry.connect).map_err(|e| bad(e.to_string()))?;
+            let their_mtu = Mtu::from_bytes(theirs.mtu).ok_or_else(|| bad(format!("path MTU {}", theirs.mtu)))?;
+            let mtu = if their_mtu.bytes() < self.mtu.bytes() { their_mtu } else { self.mtu };
+            let prep = self
+                .qps
+                .get_mut(p)
+                .and_then(Option::take)
+                .ok_or_else(|| Error::internal(format!("rank {rank}: no verbs queue pair made for rank {p}")))?;
+            let send_ring = self
+                .pd
+                .alloc_region(SLOTS * SLOT_BYTES, Access::empty())
+                .map_err(verr(rank, format!("register send slots for rank {p}")))?;
+            for _ in 0..RQ_DEPTH {
+                prep.qp.post_recv_empty(wr_id(WR_RECV, p, 0)).map_err(verr(rank, format!("post receives for rank {p}")))?;
+            }
             let qp = prep
                 .qp
                 .ready_to_receive_with_mtu(&info, Some(mtu))
@@ -435,15 +513,17 @@ impl VerbsNet {
             slots[p] = Some(Peer {
                 peer: p,
                 qp,
-                send_ring: prep.send_ring,
+                send_ring,
                 recv_ring: prep.recv_ring,
-                remote,
+                remote: RemoteRing { addr: entry.ring_addr, rkey: entry.ring_rkey },
                 st: Mutex::new(PeerState::default()),
             });
         }
-        Ok(slots)
+        Ok((stage, slots))
     }
+}
 
+impl VerbsNet {
     /// Posts a keepalive to every peer with nothing in flight (see the module docs).
     fn ping_idle(&self) {
         for pe in self.peers.iter().flatten() {
@@ -654,8 +734,8 @@ fn post_ctrl(pe: &Peer, imm: u32) -> ferroccl_verbs::Result<()> {
     pe.qp.post_write_imm_empty(wr_id(WR_CTRL, pe.peer, 0), target, imm)
 }
 
-/// First byte of a published connect blob or ready mark: the rest is the data, or the
-/// reason the rank could not go on.
+/// First byte of a published ready mark: the rest is empty, or the reason the rank could
+/// not connect.
 const TAG_OK: u8 = 1;
 const TAG_ERR: u8 = 2;
 
@@ -666,25 +746,6 @@ fn peer_error(b: &[u8]) -> Option<String> {
         Ok(TAG_ERR) => Some(r.str().map(str::to_string).unwrap_or_else(|_| "(unreadable reason)".into())),
         _ => None,
     }
-}
-
-/// Decodes a peer's connect blob and picks the entry for `me`.
-fn find_entry(b: &[u8], me: usize) -> crate::wire::DResult<Option<(ConnectInfo, RemoteRing, u32)>> {
-    let mut r = Reader::new(b);
-    if r.u8()? != TAG_OK {
-        return Err(crate::wire::DecodeError("unknown verbs connect blob tag".into()));
-    }
-    let mut found = None;
-    while r.remaining() > 0 {
-        let p = r.u32()? as usize;
-        let info = r.raw(ConnectInfo::LEN)?;
-        let (addr, rkey, mtu) = (r.u64()?, r.u32()?, r.u32()?);
-        if p == me {
-            let info = ConnectInfo::from_bytes(info).map_err(|e| crate::wire::DecodeError(e.to_string()))?;
-            found = Some((info, RemoteRing { addr, rkey }, mtu));
-        }
-    }
-    Ok(found)
 }
 
 /// A memory region over a receive target: the rendezvous registration of a verbs peer.
@@ -707,7 +768,7 @@ pub(crate) struct VerbsEndpoint {
 }
 
 impl VerbsEndpoint {
-    pub(crate) fn new(net: Arc<VerbsNet>, peer: usize) -> VerbsEndpoint {
+    fn new(net: Arc<VerbsNet>, peer: usize) -> VerbsEndpoint {
         VerbsEndpoint { rank: net.rank, peer, net }
     }
 
@@ -720,7 +781,12 @@ impl VerbsEndpoint {
     }
 
     fn dead_err(&self) -> Error {
-        Error::Transport { rank: self.rank, peer: self.peer, transport: "verbs", what: "the queue pair is cut or failed".into() }
+        Error::Transport {
+            rank: self.rank,
+            peer: Some(self.peer),
+            transport: TransportKind::Verbs,
+            what: "the queue pair is cut or failed".into(),
+        }
     }
 
     /// Sends a message through the next eager slot, waiting (polling) for a credit.

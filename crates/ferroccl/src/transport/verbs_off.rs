@@ -1,6 +1,6 @@
 //! The verbs transport in a build without the `verbs` feature: the device never opens (the
-//! error says how to get verbs), so no verbs endpoint can exist. The types are uninhabited,
-//! which makes every method below provably unreachable rather than a stub.
+//! error says how to get verbs), so no verbs setup, mesh or endpoint can exist. The types
+//! are uninhabited, which makes every method below provably unreachable rather than a stub.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,22 +8,30 @@ use std::time::Instant;
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{Error, Result};
-use crate::inbox::Inbox;
 use crate::params::Params;
-use crate::transport::{RemoteBuf, SetupExchange, WriteReq};
+use crate::transport::{Connected, Descriptor, RemoteBuf, SetupCx, VerbsInfo, WriteReq};
+
+/// Verbs reaches no peer in this build.
+pub(crate) fn can_connect(_me: &Descriptor, _peer: &Descriptor) -> std::result::Result<(), String> {
+    Err("this build lacks the `verbs` cargo feature".into())
+}
 
 /// No device can be opened in this build.
 #[derive(Debug)]
-pub(crate) enum VerbsDevice {}
+pub(crate) enum VerbsSetup {}
 
-impl VerbsDevice {
+impl VerbsSetup {
     /// Always the feature error (which names the `verbs` feature and its build needs).
-    pub(crate) fn open(rank: usize, _params: &Params) -> Result<VerbsDevice> {
+    pub(crate) fn open(rank: usize, _size: usize, _params: &Params) -> Result<VerbsSetup> {
         Err(Error::Verbs { rank, what: "open an RDMA device".into(), source: ferroccl_verbs::Error::FeatureDisabled })
     }
 
-    pub(crate) fn name(&self) -> String {
+    pub(crate) fn info(&self) -> Result<VerbsInfo> {
         match *self {}
+    }
+
+    pub(crate) fn connect(self, _cx: &SetupCx<'_>, _peers: &[usize]) -> Result<(Arc<VerbsNet>, Connected)> {
+        match self {}
     }
 }
 
@@ -32,18 +40,6 @@ impl VerbsDevice {
 pub(crate) enum VerbsNet {}
 
 impl VerbsNet {
-    pub(crate) fn connect(
-        dev: VerbsDevice,
-        _rank: usize,
-        _peers: &[usize],
-        _exchange: &dyn SetupExchange,
-        _size: usize,
-        _deadline: Instant,
-        _inbox: Arc<Inbox>,
-    ) -> Result<Arc<VerbsNet>> {
-        match dev {}
-    }
-
     pub(crate) fn poll(&self) -> Result<bool> {
         match *self {}
     }
@@ -64,9 +60,6 @@ pub(crate) struct VerbsEndpoint {
 }
 
 impl VerbsEndpoint {
-    pub(crate) fn new(net: Arc<VerbsNet>, _peer: usize) -> VerbsEndpoint {
-        VerbsEndpoint { net }
-    }
     pub(crate) fn net(&self) -> &Arc<VerbsNet> {
         &self.net
     }

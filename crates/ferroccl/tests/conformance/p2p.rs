@@ -35,7 +35,7 @@
 use std::time::{Duration, Instant};
 
 use ferroccl::bootstrap::{new_token, StoreServer};
-use ferroccl::{Communicator, Element, Error, Params};
+use ferroccl::{Communicator, Element, Error, Params, TransportKind};
 use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -131,13 +131,13 @@ impl Knobs {
     }
 
     /// The transport two ranks must end up with.
-    fn transport_between(&self, a: usize, b: usize) -> &'static str {
+    fn transport_between(&self, a: usize, b: usize) -> TransportKind {
         match self.wire {
-            Wire::Shm => "shm",
-            Wire::Tcp => "tcp",
-            Wire::Verbs => "verbs",
-            Wire::Mixed if self.hosts[a] == self.hosts[b] => "shm",
-            Wire::Mixed => "tcp",
+            Wire::Shm => TransportKind::Shm,
+            Wire::Tcp => TransportKind::Tcp,
+            Wire::Verbs => TransportKind::Verbs,
+            Wire::Mixed if self.hosts[a] == self.hosts[b] => TransportKind::Shm,
+            Wire::Mixed => TransportKind::Tcp,
         }
     }
 

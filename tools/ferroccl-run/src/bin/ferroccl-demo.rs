@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use ferroccl::comm::Communicator;
-use ferroccl::ReduceOp;
+use ferroccl::{ReduceOp, TransportKind};
 use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
@@ -106,7 +106,7 @@ fn run(comm: &Communicator, init_s: f64) -> R<()> {
         for round in 0..rounds(n) {
             if let Some(p) = partner(n, round, me) {
                 let t = pingpong(comm, p, size, iters, 100 + si as u64)?;
-                let code = TRANSPORTS.iter().position(|&x| Some(x) == comm.transport_to(p)).unwrap_or(3);
+                let code = TRANSPORTS.iter().position(|&x| Some(x) == comm.transport_to(p).map(TransportKind::name)).unwrap_or(3);
                 rows.push((me, p, size, t, code));
             }
             comm.barrier()?;

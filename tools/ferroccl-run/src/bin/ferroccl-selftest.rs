@@ -26,6 +26,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use ferroccl::comm::Communicator;
+use ferroccl::TransportKind;
 use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
@@ -209,7 +210,11 @@ fn exchange(comm: &Communicator, args: &[String]) -> R<()> {
         sizes.len(),
         n - 1,
         t.elapsed().as_secs_f64(),
-        (0..n).filter(|&p| p != me).map(|p| format!("{p}:{}", comm.transport_to(p).unwrap_or("?"))).collect::<Vec<_>>().join(" ")
+        (0..n)
+            .filter(|&p| p != me)
+            .map(|p| format!("{p}:{}", comm.transport_to(p).map_or("?", TransportKind::name)))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     Ok(())
 }
