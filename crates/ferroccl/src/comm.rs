@@ -187,6 +187,12 @@ impl Communicator {
         self.members.get(rank).copied()
     }
 
+    /// The member of this communicator that is world rank `world` (the inverse of
+    /// [`Communicator::world_rank`]); `None` if it is not a member.
+    pub fn rank_of_world(&self, world: usize) -> Option<usize> {
+        self.members.iter().position(|&w| w == world)
+    }
+
     /// The transport that carries this rank's traffic to member `peer`: `None` for this
     /// rank itself (nothing goes over a transport) and for a `peer` out of range.
     ///
@@ -360,7 +366,7 @@ impl Communicator {
     }
 
     /// Submits a one-part job and waits for it: the blocking calls.
-    fn run_part(&self, part: Part) -> Result<()> {
+    pub(crate) fn run_part(&self, part: Part) -> Result<()> {
         let job = Job::new(self.job_body(vec![part]));
         self.submit(&job, true, false)?;
         self.wait_job(&job)

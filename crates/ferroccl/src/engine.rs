@@ -41,6 +41,7 @@ use crate::p2p::XferCtx;
 use crate::params::FaultSite;
 use crate::poll::Poll;
 use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
+use crate::rma::RmaServer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -361,6 +362,10 @@ struct Park {
     pending: AtomicUsize,
     /// Threads in `wait`.
     waiters: AtomicUsize,
+    /// Live one-sided windows: while there are any, the background thread keeps driving
+    /// (asleep on the doorbell between requests), so that peers' requests are served
+    /// whether or not this rank is in a call.
+    serving: AtomicUsize,
     state: Mutex<ParkState>,
     wake: Condvar,
 }
@@ -386,6 +391,8 @@ pub(crate) struct Engine {
     /// The stream state of every communicator on this fabric, to answer probes.
     comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
     closed: AtomicBool,
+    /// The window server (see `crate::rma`).
+    rma: RmaServer,
 }
 
 /// Rounds between clock reads.
@@ -408,6 +415,7 @@ impl Engine {
             rounds: AtomicU32::new(0),
             comms: Mutex::default(),
             closed: AtomicBool::new(false),
+            rma: RmaServer::default(),
         })
     }
 
@@ -493,6 +501,22 @@ impl Engine {
         self.park.wake.notify_one();
     }
 
+    /// A window was registered: serve requests from now on, in the background too.
+    pub(crate) fn serve_window(self: &Arc<Self>) {
+        self.park.serving.fetch_add(1, Ordering::SeqCst);
+        self.wake_background();
+    }
+
+    /// A window was dropped.
+    pub(crate) fn unserve_window(&self) {
+        self.park.serving.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether the background thread has anything to drive: jobs, or windows to serve.
+    fn busy(park: &Park) -> bool {
+        park.pending.load(Ordering::SeqCst) > 0 || park.serving.load(Ordering::SeqCst) > 0
+    }
+
     /// Makes sure the background thread drives the jobs in flight (an async caller waits
     /// without driving).
     pub(crate) fn ensure_background(self: &Arc<Self>) {
@@ -531,7 +555,7 @@ impl Engine {
         loop {
             {
                 let mut p = lock(&park.state);
-                while !p.shutdown && (park.pending.load(Ordering::SeqCst) == 0 || park.waiters.load(Ordering::SeqCst) > 0) {
+                while !p.shutdown && (!Engine::busy(park) || park.waiters.load(Ordering::SeqCst) > 0) {
                     p = park.wake.wait(p).unwrap_or_else(|e| e.into_inner());
                 }
                 if p.shutdown {
@@ -545,8 +569,7 @@ impl Engine {
                     loop {
                         let seen = engine.fabric.inbox.bell_seen();
                         let moved = engine.round(&mut jobs, backoff.is_slow());
-                        if park.pending.load(Ordering::SeqCst) == 0 || park.waiters.load(Ordering::SeqCst) > 0 || lock(&park.state).shutdown
-                        {
+                        if !Engine::busy(park) || park.waiters.load(Ordering::SeqCst) > 0 || lock(&park.state).shutdown {
                             break;
                         }
                         if moved {
@@ -610,7 +633,7 @@ impl Engine {
         if left > 0 {
             // Another waiter may be asleep until the driver role is free.
             fabric.inbox.notify();
-        } else if self.park.pending.load(Ordering::SeqCst) > 0 {
+        } else if Engine::busy(&self.park) {
             let _p = lock(&self.park.state);
             self.park.wake.notify_one();
         }
@@ -628,7 +651,8 @@ impl Engine {
                 jobs.append(&mut s);
             }
         }
-        if jobs.is_empty() {
+        let serving = self.park.serving.load(Ordering::Relaxed) > 0;
+        if jobs.is_empty() && !serving {
             return false;
         }
         if let Err(e) = fabric.progress() {
@@ -648,7 +672,8 @@ impl Engine {
             self.answer_probes();
         }
         let fatal = fabric.inbox.has_fatal();
-        let mut moved = false;
+        // Peers' one-sided requests first: they wait for nothing but this rank.
+        let mut moved = serving && !fatal && self.rma.serve(fabric);
         let mut i = 0;
         while i < jobs.len() {
             let outcome = {

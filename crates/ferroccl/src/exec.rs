@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::p2p::{RecvOp, SendOp, XferCtx};
 use crate::params::FaultSite;
 use crate::poll::{poll_of, Poll};
+use crate::rma::{GetOp, PutOp};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
 /// address the output buffer.
@@ -51,6 +52,8 @@ impl Buffers<'_> {
 enum Xfer {
     Send(SendOp),
     Recv(RecvOp),
+    Get(GetOp),
+    Put(PutOp),
 }
 
 impl Xfer {
@@ -58,18 +61,24 @@ impl Xfer {
         match self {
             Xfer::Send(s) => s.advance(cx),
             Xfer::Recv(r) => r.advance(cx),
+            Xfer::Get(g) => g.advance(cx),
+            Xfer::Put(p) => p.advance(cx),
         }
     }
     fn is_done(&self) -> bool {
         match self {
             Xfer::Send(s) => s.is_done(),
             Xfer::Recv(r) => r.is_done(),
+            Xfer::Get(g) => g.is_done(),
+            Xfer::Put(p) => p.is_done(),
         }
     }
     fn waiting_for(&self) -> Option<usize> {
         match self {
             Xfer::Send(s) => s.waiting_for(),
             Xfer::Recv(r) => r.waiting_for(),
+            Xfer::Get(g) => g.waiting_for(),
+            Xfer::Put(p) => p.waiting_for(),
         }
     }
 }
@@ -179,6 +188,16 @@ impl Exec {
                 Action::Recv { peer, dst } => {
                     let h = run.bufs.handle(dst.buf).clone();
                     Some((2 * *peer, Xfer::Recv(RecvOp::new(*peer, world(*peer)?, run.seqs[i], h, dst.range.start, dst.len()))))
+                }
+                // One-sided steps share the (peer, direction) queues: they complete in the
+                // order they were posted to one owner.
+                Action::Get { peer, remote, offset, dst } => {
+                    let h = run.bufs.handle(dst.buf).clone();
+                    Some((2 * *peer, Xfer::Get(GetOp::new(*peer, world(*peer)?, *remote, *offset, h, dst.range.start, dst.len()))))
+                }
+                Action::Put { peer, remote, offset, src } => {
+                    let h = run.bufs.handle(src.buf).clone();
+                    Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, src.len()))))
                 }
                 local => {
                     if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })
@@ -356,6 +375,8 @@ fn local_on(op: &Action, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: 
         Action::FinishAvg { dst, n } => {
             with_dst_srcs(v, dst, &[], aside, |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string())
         }
-        Action::Send { .. } | Action::Recv { .. } => Err("internal: a transfer as a local step".into()),
+        Action::Send { .. } | Action::Recv { .. } | Action::Get { .. } | Action::Put { .. } => {
+            Err("internal: a transfer as a local step".into())
+        }
     }
 }

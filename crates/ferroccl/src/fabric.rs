@@ -25,7 +25,7 @@ use crate::inbox::{Backoff, Events, Inbox};
 use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
-use crate::registry::{RegStats, Registry};
+use crate::registry::{RegStats, Registry, Windows};
 use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
 
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
@@ -55,6 +55,13 @@ pub(crate) struct Fabric {
     pub(crate) inbox: Arc<Inbox>,
     mesh: Mesh,
     registry: Registry,
+    /// The one-sided windows of this process (see `crate::rma`).
+    pub(crate) windows: Windows,
+    /// This job's (and this `init`'s) identity in one-sided handles: a handle made by
+    /// another job, or another `init` of this one, is refused.
+    pub(crate) job: u64,
+    /// Numbers of this rank's one-sided requests (their owners' replies name them).
+    next_req: std::sync::atomic::AtomicU64,
     health: Health,
     store: Mutex<Option<StoreClient>>,
     server: Mutex<Option<StoreServer>>,
@@ -77,6 +84,9 @@ impl Fabric {
             rank,
             size,
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
+            windows: Windows::default(),
+            job: job_id(&token, &key_prefix),
+            next_req: std::sync::atomic::AtomicU64::new(1),
             health: Health::new(rank, inbox.clone(), watches),
             params,
             inbox,
@@ -134,9 +144,15 @@ impl Fabric {
         self.registry.deregister(h)
     }
 
-    /// The registration cache's counters.
+    /// The registration cache's counters, and the windows'.
     pub(crate) fn reg_stats(&self) -> RegStats {
-        self.registry.stats()
+        let (windows, window_bytes, windows_registered) = self.windows.stats();
+        RegStats { windows, window_bytes, windows_registered, ..self.registry.stats() }
+    }
+
+    /// `n` fresh numbers for one-sided requests: the first of them.
+    pub(crate) fn next_reqs(&self, n: u64) -> u64 {
+        self.next_req.fetch_add(n.max(1), Ordering::Relaxed)
     }
 
     /// A fresh immediate for a rendezvous write.
@@ -331,4 +347,16 @@ impl Drop for Fabric {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// The identity of a job's `init` in one-sided handles: the first 8 bytes of SHA-256 over
+/// the job's token and the init's store prefix (every rank computes the same; another job,
+/// or another `init` of this one, gets another).
+fn job_id(token: &str, key_prefix: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let d =
+        Sha256::new().chain_update(b"ferroccl-window-job\0").chain_update(token).chain_update(b"\0").chain_update(key_prefix).finalize();
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(b)
 }

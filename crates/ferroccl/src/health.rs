@@ -87,7 +87,10 @@ impl Health {
     /// without coming here, and leave the communicator usable. A call refused because the
     /// world was finalized is not a fault, and passes through.
     pub(crate) fn poison_in(&self, mesh: &Mesh, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
-        if matches!(err, Error::Finalized { .. }) {
+        // A call refused because the world was finalized is not a fault; nor is a window
+        // owner's refusal of a one-sided access (an answer: nothing moved, no stream is out
+        // of step).
+        if matches!(err, Error::Finalized { .. } | Error::Refused { .. }) {
             return err;
         }
         let mut fault = Fault::from_error(&err, world);

@@ -14,8 +14,9 @@ use ferroccl_mem::futex::{futex_wait, futex_wake};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{Error, Fault, FaultKind, Result};
-use crate::proto::{self, Cts, Leave, ProtoMsg, StreamKey};
+use crate::proto::{self, Cts, Leave, ProtoMsg, RmaStatus, RmaTarget, StreamKey};
 use crate::transport_kind::TransportKind;
+use crate::wire::RemoteBuf;
 
 /// An eager message waiting to be received.
 #[derive(Debug)]
@@ -62,6 +63,22 @@ pub(crate) struct Events {
     /// a reported cause (an `ERR`, a watched process's death) comes first; and then the
     /// earliest one.
     pub(crate) suspects: Vec<(usize, String, Instant)>,
+    /// One-sided requests for this rank's windows, not yet served: (requester world
+    /// rank, request), in arrival order (a requester has at most its transfers in flight
+    /// here, and the server takes them all every round).
+    pub(crate) rma_requests: VecDeque<(usize, RmaRequest)>,
+    /// The owners' answers to this rank's one-sided requests: (owner world rank, request
+    /// number) -> status.
+    pub(crate) rma_replies: HashMap<(usize, u64), RmaStatus>,
+}
+
+/// A one-sided request from a peer (see [`ProtoMsg::Get`], [`ProtoMsg::Put`]).
+#[derive(Debug)]
+pub(crate) enum RmaRequest {
+    /// Write `target`'s range of the window into `buf` with immediate `imm`.
+    Get { target: RmaTarget, buf: RemoteBuf, imm: u32 },
+    /// Land `data` in `target`'s range of the window.
+    Put { target: RmaTarget, data: Vec<u8> },
 }
 
 /// Probes kept for the engine at most.
@@ -192,6 +209,8 @@ pub(crate) struct Inbox {
     any_left: AtomicBool,
     /// Raised while probes wait in [`Events::probes`].
     any_probe: AtomicBool,
+    /// Raised when a one-sided request arrives (the window server looks every round).
+    any_rma: AtomicBool,
     /// Message buffers for reuse, so that receiving an eager message allocates nothing once
     /// the pool is warm.
     bufs: Mutex<Vec<Vec<u8>>>,
@@ -216,6 +235,7 @@ impl Inbox {
             fatal_flag,
             any_left: AtomicBool::new(false),
             any_probe: AtomicBool::new(false),
+            any_rma: AtomicBool::new(false),
             regions: RwLock::new(HashMap::new()),
             bell,
             bufs: Mutex::new((0..BUF_POOL_START).map(|_| Vec::with_capacity(BUF_MIN_BYTES)).collect()),
@@ -328,6 +348,17 @@ impl Inbox {
                     self.any_probe.store(true, Ordering::Release);
                 }
             }
+            Ok(ProtoMsg::Get { target, buf, imm }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Get { target, buf, imm }));
+                self.any_rma.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Put { target, data }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Put { target, data }));
+                self.any_rma.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Reply { req, status }) => {
+                ev.rma_replies.insert((peer, req), status);
+            }
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
         }
     }
@@ -339,6 +370,15 @@ impl Inbox {
             return Vec::new();
         }
         std::mem::take(&mut self.lock().probes)
+    }
+
+    /// The one-sided requests that arrived since the last call, oldest first; no lock when
+    /// there are none.
+    pub(crate) fn take_rma_requests(&self) -> VecDeque<(usize, RmaRequest)> {
+        if !self.any_rma.swap(false, Ordering::AcqRel) {
+            return VecDeque::new();
+        }
+        std::mem::take(&mut self.lock().rma_requests)
     }
 
     /// Whether any peer has left a communicator (a `LEAVE` arrived); no lock.

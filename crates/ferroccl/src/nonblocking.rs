@@ -70,8 +70,8 @@ pub(crate) struct ScopeState {
 /// [module documentation](self).
 #[derive(Clone, Copy)]
 pub struct Scope<'s, 'env> {
-    comm: &'env Communicator,
-    regions: &'s RegionScope<'s, 'env>,
+    pub(crate) comm: &'env Communicator,
+    pub(crate) regions: &'s RegionScope<'s, 'env>,
     state: &'s ScopeState,
 }
 
@@ -231,7 +231,7 @@ impl<'s, 'env> Scope<'s, 'env> {
         Ok(self.comm.coll_part(prep, input, output, scratch))
     }
 
-    fn submit(&self, parts: Vec<Part>) -> Result<Request<'s>> {
+    pub(crate) fn submit(&self, parts: Vec<Part>) -> Result<Request<'s>> {
         let job = Job::new(self.comm.job_body(parts));
         self.comm.submit(&job, false, false)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());

@@ -43,11 +43,11 @@ impl XferCtx<'_> {
         Ok(len <= self.eager_max && proto::EAGER_HEADER.saturating_add(len) <= ep.max_send())
     }
 
-    fn pump(&self) -> Result<()> {
+    pub(crate) fn pump(&self) -> Result<()> {
         self.fabric.pump(self.op)
     }
 
-    fn closed(&self, peer: usize) -> Error {
+    pub(crate) fn closed(&self, peer: usize) -> Error {
         Error::PeerFailed {
             rank: self.rank,
             peer,

@@ -30,6 +30,14 @@
 //!   A rank that found something sends `ERR` instead, so `finalize` returns `Ok` on a rank
 //!   only when every member agreed, and fails on every member otherwise.
 //!
+//! * **`GET`, `PUT`, `REPLY`** (one-sided access to a registered window, see
+//!   `crate::rma`): a `GET` asks the window's owner to write a range of it into the
+//!   requester's registered buffer (it completes on the write's immediate); a `PUT` carries
+//!   bytes for a range of the window (at most one message's worth; larger writes are several
+//!   `PUT`s); the owner answers a `PUT`, and any request it refuses, with a `REPLY` (the
+//!   request's number and a [`RmaStatus`]). They belong to no stream: a window is reached by
+//!   whoever holds its handle, in any order.
+//!
 //! Both sides know the length (typed buffers), so both pick the same protocol. A length
 //! mismatch is found on the wire: the side that sees it fails and sends `ERR` so the other
 //! side fails too, instead of hanging or truncating.
@@ -137,6 +145,63 @@ const K_RTS: u8 = 4;
 const K_LEAVE: u8 = 5;
 const K_PROBE: u8 = 6;
 const K_AGREED: u8 = 7;
+const K_GET: u8 = 8;
+const K_PUT: u8 = 9;
+const K_REPLY: u8 = 10;
+
+/// What a one-sided request names: a window of the receiving rank, by id and key (the
+/// handle's capability), in the job `job`, and a byte range of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RmaTarget {
+    /// The request's number at the requester (replies name it).
+    pub(crate) req: u64,
+    pub(crate) job: u64,
+    pub(crate) window: u32,
+    pub(crate) key: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
+/// How the owner of a window answered a one-sided request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RmaStatus {
+    /// A `PUT`'s bytes landed.
+    Done,
+    /// No live window has this id and key (never had, or dropped since).
+    NoWindow,
+    /// The handle belongs to another job.
+    OtherJob,
+    /// The range is not inside the window.
+    OutOfRange,
+    /// A write through a read-only window.
+    ReadOnly,
+    /// The owner could not serve it (it is closing, or its side of the transfer failed).
+    Failed,
+}
+
+impl RmaStatus {
+    fn code(self) -> u8 {
+        match self {
+            RmaStatus::Done => 0,
+            RmaStatus::NoWindow => 1,
+            RmaStatus::OtherJob => 2,
+            RmaStatus::OutOfRange => 3,
+            RmaStatus::ReadOnly => 4,
+            RmaStatus::Failed => 5,
+        }
+    }
+    fn from_code(c: u8) -> Option<RmaStatus> {
+        Some(match c {
+            0 => RmaStatus::Done,
+            1 => RmaStatus::NoWindow,
+            2 => RmaStatus::OtherJob,
+            3 => RmaStatus::OutOfRange,
+            4 => RmaStatus::ReadOnly,
+            5 => RmaStatus::Failed,
+            _ => return None,
+        })
+    }
+}
 
 /// Where a message belongs: (communicator id, channel, peer world rank).
 pub(crate) type StreamKey = (u32, u8, usize);
@@ -207,6 +272,22 @@ pub(crate) enum ProtoMsg {
         comm: u32,
         call: u32,
         desc: Desc,
+    },
+    /// "Write this range of your window into my buffer `buf`, with immediate `imm`."
+    Get {
+        target: RmaTarget,
+        buf: RemoteBuf,
+        imm: u32,
+    },
+    /// "Land these bytes in this range of your window" (`target.len == data.len()`).
+    Put {
+        target: RmaTarget,
+        data: Vec<u8>,
+    },
+    /// The owner's answer to request `req`.
+    Reply {
+        req: u64,
+        status: RmaStatus,
     },
 }
 
@@ -339,6 +420,46 @@ pub(crate) fn encode_probe(comm: u32, call: u32, desc: &Desc) -> [u8; EAGER_HEAD
     b
 }
 
+fn rma_head(kind: u8, extra: usize) -> Writer {
+    head_vec(kind, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC }, extra)
+}
+
+fn put_target(w: &mut Writer, t: &RmaTarget) {
+    w.u64(t.req).u64(t.job).u32(t.window).u64(t.key).u64(t.offset).u64(t.len);
+}
+
+fn read_target(r: &mut Reader<'_>) -> DResult<RmaTarget> {
+    Ok(RmaTarget { req: r.u64()?, job: r.u64()?, window: r.u32()?, key: r.u64()?, offset: r.u64()?, len: r.u64()? })
+}
+
+/// Bytes of a `PUT` before its data.
+pub(crate) const PUT_HEADER: usize = EAGER_HEADER + 44;
+
+/// A `GET` (see [`ProtoMsg::Get`]).
+pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32) -> Vec<u8> {
+    let mut w = rma_head(K_GET, 72);
+    put_target(&mut w, t);
+    w.u64(buf.addr).u64(buf.len).u64(buf.key).u32(imm);
+    w.finish()
+}
+
+/// The header of a `PUT` of `t.len` bytes (the data follows it in the same message).
+pub(crate) fn put_header(t: &RmaTarget) -> [u8; PUT_HEADER] {
+    let mut w = rma_head(K_PUT, PUT_HEADER - EAGER_HEADER);
+    put_target(&mut w, t);
+    let v = w.finish();
+    let mut b = [0u8; PUT_HEADER];
+    b.copy_from_slice(&v);
+    b
+}
+
+/// A `REPLY` to request `req`.
+pub(crate) fn encode_reply(req: u64, status: RmaStatus) -> Vec<u8> {
+    let mut w = rma_head(K_REPLY, 9);
+    w.u64(req).u8(status.code());
+    w.finish()
+}
+
 #[cfg(test)]
 pub(crate) fn decode(msg: Vec<u8>) -> DResult<ProtoMsg> {
     decode_keep(msg).map(|(m, _)| m)
@@ -347,6 +468,7 @@ pub(crate) fn decode(msg: Vec<u8>) -> DResult<ProtoMsg> {
 /// [`decode`], handing back the message's buffer when the decoded message does not own it
 /// (everything but eager data), so that it can be reused.
 pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>>)> {
+    let mut put_target_later = None;
     let m = {
         let mut r = Reader::new(&msg);
         let comm = r.u32()?;
@@ -404,13 +526,41 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 r.end()?;
                 Some(ProtoMsg::Agreed { comm })
             }
+            K_GET => {
+                let target = read_target(&mut r)?;
+                let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
+                let imm = r.u32()?;
+                r.end()?;
+                Some(ProtoMsg::Get { target, buf, imm })
+            }
+            K_PUT => {
+                let target = read_target(&mut r)?;
+                if r.remaining() as u64 != target.len {
+                    return Err(DecodeError(format!("a PUT of {} bytes carries {}", target.len, r.remaining())));
+                }
+                // The data is the rest of the message: handed over below without a copy.
+                put_target_later = Some(target);
+                None
+            }
+            K_REPLY => {
+                let req = r.u64()?;
+                let code = r.u8()?;
+                let status = RmaStatus::from_code(code).ok_or_else(|| DecodeError(format!("unknown one-sided status {code}")))?;
+                r.end()?;
+                Some(ProtoMsg::Reply { req, status })
+            }
             k => return Err(DecodeError(format!("unknown message kind {k}"))),
         }
         .ok_or((comm, chan, seq, call, desc))
     };
     match m {
         Ok(m) => Ok((m, Some(msg))),
-        Err((comm, chan, seq, call, desc)) => {
+        Err(head) => {
+            if let Some(target) = put_target_later {
+                msg.drain(..PUT_HEADER);
+                return Ok((ProtoMsg::Put { target, data: msg }, None));
+            }
+            let (comm, chan, seq, call, desc) = head;
             msg.drain(..EAGER_HEADER);
             Ok((ProtoMsg::Eager { comm, chan, seq, call, desc, data: msg }, None))
         }

@@ -29,6 +29,60 @@ pub struct RegStats {
     pub entries: usize,
     /// Bytes covered by the cached registrations.
     pub registered_bytes: u64,
+    /// One-sided windows live now (registered once, reached by handle; see
+    /// [`crate::Window`]).
+    pub windows: usize,
+    /// Bytes of the live windows.
+    pub window_bytes: u64,
+    /// Windows registered so far.
+    pub windows_registered: u64,
+}
+
+/// A live one-sided window, as the window server checks requests against it.
+#[derive(Debug, Clone)]
+pub(crate) struct WindowEntry {
+    /// The capability: a random 64-bit key that every request must name.
+    pub(crate) key: u64,
+    pub(crate) region: RegionHandle,
+    pub(crate) writable: bool,
+}
+
+/// The windows of one fabric, by id. Ids are never reused, so a handle to a dropped
+/// window finds nothing (and a key is random, so a forged one finds nothing either).
+#[derive(Debug, Default)]
+pub(crate) struct Windows {
+    table: Mutex<HashMap<u32, WindowEntry>>,
+    next: AtomicU32,
+    registered: std::sync::atomic::AtomicU64,
+}
+
+impl Windows {
+    /// Adds a window over `region`; returns its id and key.
+    pub(crate) fn insert(&self, region: RegionHandle, writable: bool) -> Result<(u32, u64)> {
+        let mut k = [0u8; 8];
+        getrandom::fill(&mut k).map_err(|e| crate::error::Error::internal(format!("the OS random number generator failed: {e}")))?;
+        let key = u64::from_le_bytes(k);
+        let id = self.next.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable });
+        self.registered.fetch_add(1, Ordering::Relaxed);
+        Ok((id, key))
+    }
+
+    /// Removes window `id`: requests naming it are refused from now on.
+    pub(crate) fn remove(&self, id: u32) {
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    }
+
+    /// Window `id`, if it is live and `key` is its key.
+    pub(crate) fn get(&self, id: u32, key: u64) -> Option<WindowEntry> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).get(&id).filter(|e| e.key == key).cloned()
+    }
+
+    /// (live windows, their bytes, windows registered so far).
+    pub(crate) fn stats(&self) -> (usize, u64, u64) {
+        let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        (t.len(), t.values().map(|e| e.region.len() as u64).sum(), self.registered.load(Ordering::Relaxed))
+    }
 }
 
 #[derive(Debug)]

@@ -102,6 +102,21 @@ pub(crate) enum Action {
     Copy { dst: Slice, src: Slice },
     /// Divides the sums in `dst` by `n` (the end of an `Avg` built from `Reduce` steps).
     FinishAvg { dst: Slice, n: usize },
+    /// One-sided: read `dst.len()` bytes at byte `offset` of window `remote` of
+    /// communicator rank `peer` into `dst` (the owner writes them; nothing is matched on
+    /// any stream).
+    Get { peer: usize, remote: Remote, offset: u64, dst: Slice },
+    /// One-sided: write `src` at byte `offset` of window `remote` of communicator rank
+    /// `peer`; complete when the owner says the bytes have landed.
+    Put { peer: usize, remote: Remote, offset: u64, src: Slice },
+}
+
+/// A window of another rank, as a one-sided step names it: the owner's window id and the
+/// key that is the handle's capability.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Remote {
+    pub(crate) window: u32,
+    pub(crate) key: u64,
 }
 
 /// One step and what it waits for.

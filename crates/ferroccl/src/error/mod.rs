@@ -228,6 +228,50 @@ pub enum Error {
         /// Whether it was the world communicator (this one being a split of it).
         world: bool,
     },
+
+    /// The owner of a window refused a one-sided access made through a handle: the window
+    /// was dropped (or never existed: a forged key), the handle belongs to another job, the
+    /// range is outside the window, or the window is read-only. Nothing was read or
+    /// written, and the communicator stays usable.
+    #[error("rank {rank}: {op} was refused by rank {owner}: {reason}")]
+    Refused {
+        /// The rank reporting.
+        rank: usize,
+        /// The window's owner (a world rank).
+        owner: usize,
+        /// The access.
+        op: Op,
+        /// Why.
+        reason: Refusal,
+    },
+}
+
+/// Why the owner of a window refused an access ([`Error::Refused`]).
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No live window has the handle's id and key: it was dropped, or the key is wrong.
+    NoWindow,
+    /// The handle was made by another job (or another `init` of this one).
+    OtherJob,
+    /// The range is not inside the window.
+    OutOfRange,
+    /// A write through a read-only window.
+    ReadOnly,
+    /// The owner could not serve the access (it is closing, or its side failed).
+    Failed,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refusal::NoWindow => "no live window has this handle's id and key (dropped, or a forged handle)",
+            Refusal::OtherJob => "the handle belongs to another job",
+            Refusal::OutOfRange => "the range is outside the window",
+            Refusal::ReadOnly => "the window is read-only",
+            Refusal::Failed => "the owner could not serve it",
+        })
+    }
 }
 
 /// How a peer left a communicator ([`Error::PeerLeft`]).
@@ -322,6 +366,7 @@ impl Error {
                 cause: cause.clone(),
             },
             Error::Finalized { rank, op, world } => Error::Finalized { rank: *rank, op: op.clone(), world: *world },
+            Error::Refused { rank, owner, op, reason } => Error::Refused { rank: *rank, owner: *owner, op: op.clone(), reason: *reason },
             Error::LauncherExited { rank, pid } => Error::LauncherExited { rank: *rank, pid: *pid },
         }
     }
@@ -374,6 +419,7 @@ impl Error {
             | Error::Verbs { rank, .. }
             | Error::Poisoned { rank, .. }
             | Error::Finalized { rank, .. }
+            | Error::Refused { rank, .. }
             | Error::LauncherExited { rank, .. } => Some(*rank),
             Error::Timeout { rank, .. } | Error::Internal { rank, .. } => *rank,
             _ => None,

@@ -75,6 +75,30 @@ pub enum Op {
         /// Their type.
         dtype: DType,
     },
+    /// A one-sided read of `count` elements of `dtype` from rank `owner`'s window, at
+    /// element `offset` ([`crate::Communicator::read_into`]).
+    Read {
+        /// The window's owner (a world rank).
+        owner: usize,
+        /// Where in the window, in elements.
+        offset: u64,
+        /// Elements read.
+        count: usize,
+        /// Their type.
+        dtype: DType,
+    },
+    /// A one-sided write of `count` elements of `dtype` into rank `owner`'s window, at
+    /// element `offset` ([`crate::Communicator::write_from`]).
+    Write {
+        /// The window's owner (a world rank).
+        owner: usize,
+        /// Where in the window, in elements.
+        offset: u64,
+        /// Elements written.
+        count: usize,
+        /// Their type.
+        dtype: DType,
+    },
     /// [`crate::Communicator::finalize`].
     Finalize,
     /// Anything else, in words: setting up the communicator, a store request, a step of a
@@ -140,6 +164,10 @@ impl fmt::Display for Op {
             Op::Send { peer, .. } => write!(f, "send to rank {peer}")?,
             Op::Recv { peer, .. } => write!(f, "recv from rank {peer}")?,
             Op::SendRecv { to, from, .. } => write!(f, "sendrecv (to rank {to}, from rank {from})")?,
+            Op::Read { owner, offset, count, dtype } => write!(f, "read of {count} {dtype} at element {offset} of rank {owner}'s window")?,
+            Op::Write { owner, offset, count, dtype } => {
+                write!(f, "write of {count} {dtype} at element {offset} of rank {owner}'s window")?
+            }
             Op::Finalize => f.write_str("finalize")?,
             Op::Other(s) => f.write_str(s)?,
         }

@@ -4,7 +4,7 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs`, `collectives.rs` or `nonblocking.rs`; `conformance_suite!` makes one
+//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs` or `onesided.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -24,6 +24,7 @@
 mod collectives;
 mod harness;
 mod nonblocking;
+mod onesided;
 mod p2p;
 
 use harness::{Suite, Wire};
@@ -61,6 +62,10 @@ macro_rules! conformance_suite {
             nonblocking::abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes,
             nonblocking::plans_start_in_scopes_next_to_other_operations,
             nonblocking::eight_ranks_on_two_cores_make_progress_without_waiters,
+            onesided::windows_read_and_write_exactly,
+            onesided::concurrent_reads_of_one_window,
+            onesided::refused_accesses_touch_nothing,
+            onesided::allocated_windows_are_written_by_peers,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

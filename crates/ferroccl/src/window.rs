@@ -1,0 +1,360 @@
+//! One-sided memory: registered windows, remote handles, `read_into` / `write_from`.
+//!
+//! A rank registers memory once as a [`Window`] and gives its [`RemoteHandle`] to other
+//! ranks (in a message, through the store, in its own metadata: the handle is 40 bytes,
+//! [`RemoteHandle::to_bytes`]); any rank of the job holding the handle reads the window with
+//! [`Communicator::read_into`] and, if the window is writable, writes it with
+//! [`Communicator::write_from`], while the owner goes on with its own work. Registration is
+//! paid once; each access is one round trip.
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! let mut weights = vec![1.5f32; 1024];
+//! comm.scope(|s| {
+//!     let w = s.register_mut(&mut weights)?; // registered once, for the scope
+//!     let h = w.handle(); // Copy; send it anywhere (to_bytes / from_bytes)
+//!     let mut got = [0f32; 4];
+//!     comm.read_into(&h, 10, &mut got)?; // any rank holding `h` (here: the owner itself)
+//!     assert_eq!(got, [1.5; 4]);
+//!     comm.write_from(&h, 0, &[2.0f32, 3.0])?;
+//!     w.read(0, &mut got[..2])?; // the owner reads and writes through its window
+//!     assert_eq!(got[..2], [2.0, 3.0]);
+//!     Ok(())
+//! })?;
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+//!
+//! # Guarantees
+//!
+//! * **The borrow checker keeps the memory alive.** A window over caller memory is made in
+//!   a [`Scope`] ([`Scope::register`], [`Scope::register_mut`]) and borrows the buffer until
+//!   the scope ends; the scope's end (not the window's `Drop`, which a program may skip
+//!   with `mem::forget`) ends every access, waiting for any in progress. A window the
+//!   library allocates ([`Communicator::alloc_window`]) owns its memory and has no scope.
+//! * **A handle is a capability.** It names the owner (a world rank), the window's id, a
+//!   random 64-bit key, the job (and `init`) it belongs to, the window's length and the
+//!   access it grants. The owner checks every request against its live windows before a
+//!   byte moves; a forged key, a dropped window, another job's handle, a range outside the
+//!   window or a write through a read-only window is refused with [`Error::Refused`] (the
+//!   communicator stays usable) and nothing outside a live window of the right access is
+//!   read or written.
+//! * **Dropping a window while peers use it** ends it for new requests at once (they are
+//!   refused, [`Refusal::NoWindow`]); a request already being served finishes first.
+//! * **Concurrent access.** Requests are served in arrival order by the owner's progress
+//!   engine (its background thread runs while the owner has windows, so the owner need not
+//!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the peers'
+//!   accesses exclude each other per byte range, so nobody sees a torn element; nothing
+//!   else is ordered: what a read returns while the owner (or another rank) writes the
+//!   same range is either version of each piece. Order them with a collective or a
+//!   message (as with RDMA: a barrier after the writes, then the reads).
+//! * **Every access has a deadline** (`FERROCCL_TIMEOUT`); an owner that dies fails it
+//!   with [`Error::PeerFailed`] naming the owner.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use ferroccl_kernels::{as_bytes, as_bytes_mut, Element};
+use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
+
+use crate::algo::{Action, Buf, Remote, Schedule, Slice, Step};
+use crate::comm::Communicator;
+use crate::engine::{Engine, Part};
+use crate::error::{Error, Op, Refusal, Result};
+use crate::nonblocking::{Request, Scope};
+use crate::proto::CHAN_USER;
+
+/// The access a window grants to the ranks holding its handle.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Reads only (a window over `&[T]`).
+    ReadOnly,
+    /// Reads and writes (a window over `&mut [T]`, or one the library allocated).
+    ReadWrite,
+}
+
+/// A window of some rank, as any rank of the job reaches it: small, `Copy`, and a
+/// capability (see the [module documentation](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteHandle {
+    owner: u32,
+    window: u32,
+    key: u64,
+    job: u64,
+    len: u64,
+    access: Access,
+}
+
+/// The first bytes of a serialised handle: "FCW" and the format's version.
+const HANDLE_MAGIC: [u8; 4] = *b"FCW1";
+
+impl RemoteHandle {
+    /// Bytes of [`RemoteHandle::to_bytes`].
+    pub const BYTES: usize = 40;
+
+    /// The owner's world rank.
+    pub fn owner(&self) -> usize {
+        self.owner as usize
+    }
+
+    /// The window's length in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.len
+    }
+
+    /// The access the window grants.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// The handle as bytes, to travel in a message, through the store or in the
+    /// program's own metadata.
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..4].copy_from_slice(&HANDLE_MAGIC);
+        b[4..8].copy_from_slice(&self.owner.to_le_bytes());
+        b[8..12].copy_from_slice(&self.window.to_le_bytes());
+        b[12] = match self.access {
+            Access::ReadOnly => 1,
+            Access::ReadWrite => 2,
+        };
+        b[16..24].copy_from_slice(&self.key.to_le_bytes());
+        b[24..32].copy_from_slice(&self.job.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// A handle from [`RemoteHandle::to_bytes`]. Fails on bytes that are not a handle
+    /// (wrong length or format); whether the handle reaches a live window is for its owner
+    /// to say, at the first access.
+    pub fn from_bytes(b: &[u8]) -> Result<RemoteHandle> {
+        let bad = |what: &str| Error::invalid(format!("RemoteHandle::from_bytes: {what}"));
+        if b.len() != Self::BYTES {
+            return Err(bad(&format!("{} bytes, a handle has {}", b.len(), Self::BYTES)));
+        }
+        if b[0..4] != HANDLE_MAGIC {
+            return Err(bad("not a FerroCCL window handle (or another version's)"));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        let access = match b[12] {
+            1 => Access::ReadOnly,
+            2 => Access::ReadWrite,
+            a => return Err(bad(&format!("unknown access {a}"))),
+        };
+        if b[13..16] != [0, 0, 0] {
+            return Err(bad("reserved bytes are not zero"));
+        }
+        Ok(RemoteHandle { owner: u32_at(4), window: u32_at(8), key: u64_at(16), job: u64_at(24), len: u64_at(32), access })
+    }
+}
+
+/// A registered window: memory that ranks holding its [`RemoteHandle`] read (and, if
+/// writable, write) one-sidedly. Made by [`Scope::register`], [`Scope::register_mut`] or
+/// [`Communicator::alloc_window`]; dropping it ends peers' access (see the
+/// [module documentation](self)).
+pub struct Window<'s> {
+    engine: Arc<Engine>,
+    handle: RemoteHandle,
+    region: RegionHandle,
+    _mem: PhantomData<&'s mut [u8]>,
+}
+
+impl std::fmt::Debug for Window<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window").field("handle", &self.handle).finish()
+    }
+}
+
+impl<'s> Window<'s> {
+    fn new(comm: &Communicator, region: RegionHandle, access: Access) -> Result<Window<'s>> {
+        let fabric = comm.fabric();
+        let owner = u32::try_from(fabric.rank).map_err(|_| Error::invalid("a window's owner must be a rank below 2^32"))?;
+        let (window, key) = fabric.windows.insert(region.clone(), access == Access::ReadWrite)?;
+        let handle = RemoteHandle { owner, window, key, job: fabric.job, len: region.len() as u64, access };
+        comm.engine().serve_window();
+        Ok(Window { engine: comm.engine().clone(), handle, region, _mem: PhantomData })
+    }
+
+    /// The handle to give to the ranks that may access this window.
+    pub fn handle(&self) -> RemoteHandle {
+        self.handle
+    }
+
+    /// The window's length in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Reads `dst.len()` elements at element `offset` of the window (the owner's own view;
+    /// excludes peers' accesses to the same bytes while it copies).
+    pub fn read<T: Element>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        let (start, _) = self.range::<T>(offset, dst.len())?;
+        self.region.read_at(start, as_bytes_mut(dst)).map_err(|e| Error::invalid(format!("window read: {e}")))
+    }
+
+    /// Writes `src` at element `offset` of the window (a trainer updating its weights in
+    /// place); fails on a read-only window.
+    pub fn write<T: Element>(&self, offset: usize, src: &[T]) -> Result<()> {
+        let (start, _) = self.range::<T>(offset, src.len())?;
+        self.region.write_at(start, as_bytes(src)).map_err(|e| Error::invalid(format!("window write: {e}")))
+    }
+
+    fn range<T: Element>(&self, offset: usize, count: usize) -> Result<(usize, usize)> {
+        let size = std::mem::size_of::<T>();
+        let r = offset.checked_mul(size).and_then(|s| Some((s, count.checked_mul(size)?)));
+        match r {
+            Some((s, n)) if s.checked_add(n).is_some_and(|e| e <= self.region.len()) => Ok((s, n)),
+            _ => Err(Error::invalid(format!(
+                "{count} {} at element {offset} do not fit in a window of {} bytes",
+                T::DTYPE,
+                self.region.len()
+            ))),
+        }
+    }
+}
+
+impl Drop for Window<'_> {
+    fn drop(&mut self) {
+        self.engine.fabric().windows.remove(self.handle.window);
+        self.engine.unserve_window();
+    }
+}
+
+impl<'s> Scope<'s, '_> {
+    /// Registers `buf` as a read-only window until the scope ends (or the window is
+    /// dropped): ranks holding its handle may read it.
+    pub fn register<T: Element>(&self, buf: &'s [T]) -> Result<Window<'s>> {
+        let region = self.regions.register_ro(as_bytes(buf));
+        Window::new(self.comm, region, Access::ReadOnly)
+    }
+
+    /// Registers `buf` as a readable and writable window until the scope ends (or the
+    /// window is dropped). The owner reaches the memory through the window
+    /// ([`Window::read`], [`Window::write`]) meanwhile.
+    pub fn register_mut<T: Element>(&self, buf: &'s mut [T]) -> Result<Window<'s>> {
+        let region = self.regions.register(as_bytes_mut(buf));
+        Window::new(self.comm, region, Access::ReadWrite)
+    }
+
+    /// [`Communicator::read_into`], in the background: `dst` stays borrowed until the scope
+    /// ends.
+    pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &'s mut [T]) -> Result<Request<'s>> {
+        let op = read_op::<T>(h, offset, dst.len());
+        let Some(plan) = self.comm.rma_plan::<T>(h, offset, dst.len(), &op, false)? else { return self.submit(Vec::new()) };
+        let region = self.regions.register(as_bytes_mut(dst));
+        let part = self.comm.rma_part(op, plan, region);
+        self.submit(vec![part])
+    }
+
+    /// [`Communicator::write_from`], in the background: `src` stays borrowed until the scope
+    /// ends.
+    pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &'s [T]) -> Result<Request<'s>> {
+        let op = write_op::<T>(h, offset, src.len());
+        let Some(plan) = self.comm.rma_plan::<T>(h, offset, src.len(), &op, true)? else { return self.submit(Vec::new()) };
+        let region = self.regions.register_ro(as_bytes(src));
+        let part = self.comm.rma_part(op, plan, region);
+        self.submit(vec![part])
+    }
+}
+
+fn read_op<T: Element>(h: &RemoteHandle, offset: usize, count: usize) -> Op {
+    Op::Read { owner: h.owner(), offset: offset as u64, count, dtype: T::DTYPE }
+}
+
+fn write_op<T: Element>(h: &RemoteHandle, offset: usize, count: usize) -> Op {
+    Op::Write { owner: h.owner(), offset: offset as u64, count, dtype: T::DTYPE }
+}
+
+/// One access, checked: the owner as a member of the communicator, and the byte range.
+struct RmaPlan {
+    peer: usize,
+    remote: Remote,
+    offset: u64,
+    len: usize,
+}
+
+impl Communicator {
+    /// Allocates a zeroed window of `len` elements, owned by the library (no scope: it
+    /// lives until dropped) and readable and writable by the ranks holding its handle.
+    pub fn alloc_window<T: Element>(&self, len: usize) -> Result<Window<'static>> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Error::invalid(format!("alloc_window: {len} {} do not fit in memory", T::DTYPE)))?;
+        self.check_usable(&Op::other("alloc_window"))?;
+        Window::new(self, RegionHandle::owned(bytes), Access::ReadWrite)
+    }
+
+    /// Reads `dst.len()` elements at element `offset` of the window `h` names into `dst`;
+    /// returns when they have landed. The owner may be any member of this communicator,
+    /// this rank included.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] when the owner refuses (see [`Refusal`]) or the handle is already
+    /// known to be wrong here (another job's, a range outside its length): nothing was
+    /// read, and the communicator stays usable. [`Error::InvalidArgument`] for an owner
+    /// that is not a member. A dead owner or a deadline fail it as any call.
+    pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &mut [T]) -> Result<()> {
+        let op = read_op::<T>(h, offset, dst.len());
+        let Some(plan) = self.rma_plan::<T>(h, offset, dst.len(), &op, false)? else { return Ok(()) };
+        with_region(as_bytes_mut(dst), |region| self.run_part(self.rma_part(op, plan, region.clone())))
+    }
+
+    /// Writes `src` at element `offset` of the window `h` names; returns when the owner has
+    /// landed every byte. Errors as [`Communicator::read_into`], and [`Refusal::ReadOnly`]
+    /// for a read-only window.
+    pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T]) -> Result<()> {
+        let op = write_op::<T>(h, offset, src.len());
+        let Some(plan) = self.rma_plan::<T>(h, offset, src.len(), &op, true)? else { return Ok(()) };
+        with_region_ro(as_bytes(src), |region| self.run_part(self.rma_part(op, plan, region.clone())))
+    }
+
+    /// Checks an access before anything goes on the wire; `None` for an empty one (done).
+    fn rma_plan<T: Element>(&self, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<Option<RmaPlan>> {
+        let refuse = |reason| Error::Refused { rank: self.rank(), owner: h.owner(), op: op.clone(), reason };
+        if h.job != self.fabric().job {
+            return Err(refuse(Refusal::OtherJob));
+        }
+        if write && h.access != Access::ReadWrite {
+            return Err(refuse(Refusal::ReadOnly));
+        }
+        let size = std::mem::size_of::<T>() as u64;
+        let range = (offset as u64).checked_mul(size).and_then(|s| Some((s, (count as u64).checked_mul(size)?)));
+        let Some((start, len)) = range.filter(|&(s, n)| s.checked_add(n).is_some_and(|e| e <= h.len)) else {
+            return Err(refuse(Refusal::OutOfRange));
+        };
+        let peer = self.rank_of_world(h.owner()).ok_or_else(|| {
+            Error::invalid(format!("rank {}: {op}: world rank {} is not a member of this communicator", self.rank(), h.owner()))
+        })?;
+        self.check_usable(op)?;
+        if len == 0 {
+            return Ok(None);
+        }
+        let len = usize::try_from(len).map_err(|_| refuse(Refusal::OutOfRange))?;
+        Ok(Some(RmaPlan { peer, remote: Remote { window: h.window, key: h.key }, offset: start, len }))
+    }
+
+    /// The part that runs one checked access over `local` (the destination of a read, the
+    /// source of a write). An access to this rank's own window is served locally by the
+    /// same checks.
+    fn rma_part(&self, op: Op, plan: RmaPlan, local: RegionHandle) -> Part {
+        let RmaPlan { peer, remote, offset, len } = plan;
+        let action = match op {
+            Op::Write { .. } => Action::Put { peer, remote, offset, src: Slice::new(Buf::Output, 0, len) },
+            _ => Action::Get { peer, remote, offset, dst: Slice::new(Buf::Output, 0, len) },
+        };
+        let sched = Schedule { steps: vec![Step { op: action, deps: vec![] }], scratch_bytes: 0 };
+        self.p2p_part(op, CHAN_USER, sched, None, local)
+    }
+}

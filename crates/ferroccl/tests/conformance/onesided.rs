@@ -1,0 +1,310 @@
+//! One-sided windows: reads and writes between random ranks checked byte for byte against
+//! a model, concurrent readers of one window, and every refusal (forged key, dropped
+//! window, another job's handle, out of range, write through a read-only handle) leaving
+//! every byte outside a live window, and inside it, as it was (guard bytes around every
+//! window).
+
+use std::time::Duration;
+
+use ferroccl::{Access, Communicator, Error, Params, Refusal, RemoteHandle};
+use proptest::prelude::*;
+use proptest::test_runner::Config as ProptestConfig;
+
+use crate::harness::{all_ok, check_cases, run_world, RankResult, Suite};
+
+/// Bytes of guard on each side of every window.
+const GUARD: usize = 64;
+const GUARD_BYTE: u8 = 0xEE;
+
+fn params(s: &Suite, rank: usize) -> Params {
+    Params { timeout: Duration::from_secs(20), ..s.params(rank) }
+}
+
+/// Every rank's handle, gathered (each rank contributes its own).
+fn gather_handles(comm: &Communicator, mine: &RemoteHandle) -> RankResult<Vec<RemoteHandle>> {
+    let n = comm.size();
+    let mut all = vec![0u8; RemoteHandle::BYTES * n];
+    comm.allgather(&mine.to_bytes(), &mut all).map_err(|e| format!("rank {}: allgather handles: {e}", comm.rank()))?;
+    all.chunks(RemoteHandle::BYTES).map(|c| RemoteHandle::from_bytes(c).map_err(|e| e.to_string())).collect()
+}
+
+/// The byte rank `r` writes at position `i` of rank `owner`'s window in `round`.
+fn byte(owner: usize, r: usize, i: usize, round: u64) -> u8 {
+    (owner as u64 * 131 + r as u64 * 31 + i as u64 * 7 + round * 13) as u8
+}
+
+/// A case: ranks, window bytes per rank, rounds of (writes, then reads) and a seed that
+/// cuts each owner's window into stripes written by different ranks.
+#[derive(Debug, Clone)]
+struct Case {
+    n: usize,
+    len: usize,
+    rounds: u64,
+    seed: u64,
+}
+
+fn case(max_ranks: usize) -> impl Strategy<Value = Case> {
+    (2..=max_ranks, prop_oneof![1..64usize, 64..5000usize, Just(300_000usize)], 1..3u64, any::<u64>())
+        .prop_map(|(n, len, rounds, seed)| Case { n, len, rounds, seed })
+}
+
+/// Which rank writes byte `i` of `owner`'s window in `round` (stripes of a seeded width).
+fn writer(c: &Case, owner: usize, i: usize, round: u64) -> usize {
+    let width = 1 + (c.seed as usize % 97) * (1 + owner) * (1 + round as usize);
+    (i / width + owner + round as usize) % c.n
+}
+
+/// The contiguous stripes of `owner`'s window that rank `r` writes in `round`.
+fn stripes(c: &Case, owner: usize, r: usize, round: u64) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < c.len {
+        let w = writer(c, owner, i, round);
+        let start = i;
+        while i < c.len && writer(c, owner, i, round) == w {
+            i += 1;
+        }
+        if w == r {
+            out.push((start, i - start));
+        }
+    }
+    out
+}
+
+fn run_case(s: &Suite, c: &Case) -> Result<(), String> {
+    let res = run_world(
+        c.n,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let e = |what: &str| {
+                let what = what.to_string();
+                move |err: Error| format!("rank {me}: {what}: {err}")
+            };
+            let mut mem = vec![GUARD_BYTE; c.len + 2 * GUARD];
+            let (head, rest) = mem.split_at_mut(GUARD);
+            let (win, tail) = rest.split_at_mut(c.len);
+            win.fill(0);
+            comm.scope(|sc| {
+                let w = sc.register_mut(&mut *win)?;
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                for round in 0..c.rounds {
+                    // Writes: my stripes of every window (mine included), then a barrier.
+                    for (owner, h) in hs.iter().enumerate() {
+                        for (start, len) in stripes(c, owner, me, round) {
+                            let data: Vec<u8> = (start..start + len).map(|i| byte(owner, me, i, round)).collect();
+                            comm.write_from(h, start, &data)?;
+                        }
+                    }
+                    comm.barrier()?;
+                    // Reads: every window whole, from a rank-dependent starting owner.
+                    for k in 0..c.n {
+                        let owner = (me + k) % c.n;
+                        let mut got = vec![0u8; c.len];
+                        comm.read_into(&hs[owner], 0, &mut got)?;
+                        for (i, &b) in got.iter().enumerate() {
+                            let want = byte(owner, writer(c, owner, i, round), i, round);
+                            if b != want {
+                                return Err(Error::InvalidArgument(format!(
+                                    "round {round}: byte {i} of rank {owner}'s window reads {b}, expected {want}"
+                                )));
+                            }
+                        }
+                    }
+                    comm.barrier()?;
+                }
+                drop(w);
+                Ok(())
+            })
+            .map_err(e("windows"))?;
+            if head.iter().chain(tail.iter()).any(|&b| b != GUARD_BYTE) {
+                return Err(format!("rank {me}: a guard byte around the window changed"));
+            }
+            comm.finalize().map_err(e("finalize"))
+        },
+    );
+    all_ok(res).map(|_| ())
+}
+
+/// Random windows, writes in seeded stripes from every rank, then every window read whole
+/// by every rank: every byte equals the model, and no guard byte changes.
+pub fn windows_read_and_write_exactly(s: &Suite) {
+    let cases = s.nonblocking_cases.max(2) * 2;
+    check_cases(ProptestConfig { cases, ..ProptestConfig::default() }, case(s.p2p_ranks.min(4)), |c| run_case(s, &c));
+}
+
+/// Every rank reads rank 0's window many times at once, in scopes (several reads in flight
+/// per rank); every read sees the window's bytes.
+pub fn concurrent_reads_of_one_window(s: &Suite) {
+    let n = s.p2p_ranks.min(4);
+    let len = 100_003;
+    let res = run_world(
+        n,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let src: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+            comm.scope(|sc| {
+                let w = sc.register(&src)?;
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                let h0 = hs[0];
+                let mut bufs: Vec<Vec<u32>> = (0..6).map(|_| vec![0u32; len / 3]).collect();
+                comm.scope(|inner| {
+                    let mut reqs = Vec::new();
+                    for (k, b) in bufs.iter_mut().enumerate() {
+                        reqs.push(inner.read_into(&h0, (k % 3) * (len / 3), b)?);
+                    }
+                    for r in reqs {
+                        r.wait()?;
+                    }
+                    Ok(())
+                })?;
+                for (k, b) in bufs.iter().enumerate() {
+                    let off = (k % 3) * (len / 3);
+                    if b[..] != src[off..off + len / 3] {
+                        return Err(Error::InvalidArgument(format!("rank {me}: read {k} of rank 0's window differs")));
+                    }
+                }
+                comm.barrier()
+            })
+            .map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// Forged keys, another job's handle, ranges outside the window, writes through a
+/// read-only handle, handles of dropped windows, and bytes that are not a handle: each is
+/// refused with its reason (or an invalid argument, for the bytes), nothing in or around
+/// any window changes, and the communicator stays usable.
+pub fn refused_accesses_touch_nothing(s: &Suite) {
+    let res = run_world(
+        3,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let n = comm.size();
+            let len = 4096;
+            let mut rw = vec![GUARD_BYTE; len + 2 * GUARD];
+            let ro_src: Vec<u8> = (0..len).map(|i| (i * 3) as u8).collect();
+            let mut ro = vec![GUARD_BYTE; len + 2 * GUARD];
+            ro[GUARD..GUARD + len].copy_from_slice(&ro_src);
+            let mut dead_mem = vec![0u8; 64];
+            let rw_before = rw.clone();
+            let ro_before = ro.clone();
+            let expect = |what: &str, r: ferroccl::Result<()>, want: Refusal| -> ferroccl::Result<()> {
+                match r {
+                    Err(Error::Refused { reason, .. }) if reason == want => Ok(()),
+                    other => Err(Error::InvalidArgument(format!("rank {me}: {what}: expected a refusal ({want:?}), got {other:?}"))),
+                }
+            };
+            comm.scope(|sc| {
+                let w_rw = sc.register_mut(&mut rw[GUARD..GUARD + len])?;
+                let w_ro = sc.register(&ro[GUARD..GUARD + len])?;
+                let dead = sc.register_mut(&mut dead_mem)?;
+                let rws = gather_handles(&comm, &w_rw.handle()).map_err(Error::InvalidArgument)?;
+                let ros = gather_handles(&comm, &w_ro.handle()).map_err(Error::InvalidArgument)?;
+                let deads = gather_handles(&comm, &dead.handle()).map_err(Error::InvalidArgument)?;
+                drop(dead);
+                // Every rank's dead window is dropped before anyone uses a handle to one.
+                comm.barrier()?;
+                let peer = (me + 1) % n;
+                let mut buf = vec![0u8; 256];
+                // A forged key: the right owner, window and job; another key.
+                let mut forged = rws[peer].to_bytes();
+                forged[16] ^= 0x5a;
+                let forged = RemoteHandle::from_bytes(&forged)?;
+                expect("read with a forged key", comm.read_into(&forged, 0, &mut buf), Refusal::NoWindow)?;
+                expect("write with a forged key", comm.write_from(&forged, 0, &buf), Refusal::NoWindow)?;
+                // Another window id (one that was never made) with the real key.
+                let mut other_id = rws[peer].to_bytes();
+                other_id[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+                let other_id = RemoteHandle::from_bytes(&other_id)?;
+                expect("read of a window id never made", comm.read_into(&other_id, 0, &mut buf), Refusal::NoWindow)?;
+                // A dropped window.
+                expect("read of a dropped window", comm.read_into(&deads[peer], 0, &mut buf[..8]), Refusal::NoWindow)?;
+                expect("write to a dropped window", comm.write_from(&deads[peer], 0, &buf[..8]), Refusal::NoWindow)?;
+                // Another job: caught here, and (with the length forged larger) at the owner.
+                let mut job = rws[peer].to_bytes();
+                job[24] ^= 1;
+                let job = RemoteHandle::from_bytes(&job)?;
+                expect("read with another job's handle", comm.read_into(&job, 0, &mut buf), Refusal::OtherJob)?;
+                // Out of range: caught here by the handle's length...
+                expect("read past the end", comm.read_into(&rws[peer], len - 100, &mut buf), Refusal::OutOfRange)?;
+                expect("write past the end", comm.write_from(&rws[peer], len, &buf[..1]), Refusal::OutOfRange)?;
+                expect("offset overflow", comm.read_into(&rws[peer], usize::MAX, &mut buf), Refusal::OutOfRange)?;
+                // ... and by the owner when the handle lies about its length.
+                let mut long = rws[peer].to_bytes();
+                long[32..40].copy_from_slice(&(len as u64 * 4).to_le_bytes());
+                let long = RemoteHandle::from_bytes(&long)?;
+                expect("read past the real end", comm.read_into(&long, len, &mut buf), Refusal::OutOfRange)?;
+                expect("write past the real end", comm.write_from(&long, len - 8, &buf[..16]), Refusal::OutOfRange)?;
+                // Read-only: refused here, and by the owner when the handle claims more.
+                if ros[peer].access() != Access::ReadOnly {
+                    return Err(Error::InvalidArgument(format!("rank {me}: a window over &[u8] is not read-only")));
+                }
+                expect("write through a read-only handle", comm.write_from(&ros[peer], 0, &buf[..8]), Refusal::ReadOnly)?;
+                let mut claims = ros[peer].to_bytes();
+                claims[12] = 2;
+                let claims = RemoteHandle::from_bytes(&claims)?;
+                expect("write through a forged read-write handle", comm.write_from(&claims, 0, &buf[..8]), Refusal::ReadOnly)?;
+                // Bytes that are not a handle.
+                if RemoteHandle::from_bytes(&[0u8; 39]).is_ok() || RemoteHandle::from_bytes(&[7u8; 40]).is_ok() {
+                    return Err(Error::InvalidArgument(format!("rank {me}: garbage parsed as a handle")));
+                }
+                // Nothing of that poisoned anything: a legal read of the read-only window.
+                comm.read_into(&ros[peer], 0, &mut buf)?;
+                if buf[..] != ro_src[..256] {
+                    return Err(Error::InvalidArgument(format!("rank {me}: read-only window reads wrong")));
+                }
+                comm.barrier()?;
+                drop((w_rw, w_ro));
+                Ok(())
+            })
+            .map_err(|e| format!("rank {me}: {e}"))?;
+            if rw != rw_before || ro != ro_before {
+                return Err(format!("rank {me}: a refused access changed a window or its guard bytes"));
+            }
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// A library-allocated window: written by every other rank, read back by its owner.
+pub fn allocated_windows_are_written_by_peers(s: &Suite) {
+    let n = 3;
+    let res = run_world(
+        n,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let run = || -> ferroccl::Result<()> {
+                let w = comm.alloc_window::<u64>(n * 1000)?;
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                for (owner, h) in hs.iter().enumerate() {
+                    let data: Vec<u64> = (0..1000).map(|i| (owner * 1_000_000 + me * 1000 + i) as u64).collect();
+                    comm.write_from(h, me * 1000, &data)?;
+                }
+                comm.barrier()?;
+                let mut mine = vec![0u64; n * 1000];
+                w.read(0, &mut mine)?;
+                for (i, &v) in mine.iter().enumerate() {
+                    let want = (me * 1_000_000 + i) as u64;
+                    if v != want {
+                        return Err(Error::InvalidArgument(format!("rank {me}: element {i} is {v}, expected {want}")));
+                    }
+                }
+                let st = comm.registration_stats();
+                if st.windows != 1 || st.window_bytes != (n * 1000 * 8) as u64 || st.windows_registered != 1 {
+                    return Err(Error::InvalidArgument(format!("rank {me}: window statistics {st:?}")));
+                }
+                comm.barrier()
+            };
+            run().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
