@@ -372,13 +372,12 @@ impl Inbox {
         std::mem::take(&mut self.lock().probes)
     }
 
-    /// The one-sided requests that arrived since the last call, oldest first; no lock when
-    /// there are none.
-    pub(crate) fn take_rma_requests(&self) -> VecDeque<(usize, RmaRequest)> {
-        if !self.any_rma.swap(false, Ordering::AcqRel) {
-            return VecDeque::new();
+    /// Moves the one-sided requests that arrived since the last call into `into` (empty,
+    /// its capacity kept: the server reuses it), oldest first; no lock when there are none.
+    pub(crate) fn take_rma_requests(&self, into: &mut VecDeque<(usize, RmaRequest)>) {
+        if self.any_rma.swap(false, Ordering::AcqRel) {
+            std::mem::swap(&mut self.lock().rma_requests, into);
         }
-        std::mem::take(&mut self.lock().rma_requests)
     }
 
     /// Whether any peer has left a communicator (a `LEAVE` arrived); no lock.

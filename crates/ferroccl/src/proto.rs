@@ -420,14 +420,6 @@ pub(crate) fn encode_probe(comm: u32, call: u32, desc: &Desc) -> [u8; EAGER_HEAD
     b
 }
 
-fn rma_head(kind: u8, extra: usize) -> Writer {
-    head_vec(kind, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC }, extra)
-}
-
-fn put_target(w: &mut Writer, t: &RmaTarget) {
-    w.u64(t.req).u64(t.job).u32(t.window).u64(t.key).u64(t.offset).u64(t.len);
-}
-
 fn read_target(r: &mut Reader<'_>) -> DResult<RmaTarget> {
     Ok(RmaTarget { req: r.u64()?, job: r.u64()?, window: r.u32()?, key: r.u64()?, offset: r.u64()?, len: r.u64()? })
 }
@@ -435,29 +427,52 @@ fn read_target(r: &mut Reader<'_>) -> DResult<RmaTarget> {
 /// Bytes of a `PUT` before its data.
 pub(crate) const PUT_HEADER: usize = EAGER_HEADER + 44;
 
-/// A `GET` (see [`ProtoMsg::Get`]).
-pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32) -> Vec<u8> {
-    let mut w = rma_head(K_GET, 72);
-    put_target(&mut w, t);
-    w.u64(buf.addr).u64(buf.len).u64(buf.key).u32(imm);
-    w.finish()
-}
+/// Bytes of a `GET`.
+pub(crate) const GET_LEN: usize = PUT_HEADER + 28;
 
-/// The header of a `PUT` of `t.len` bytes (the data follows it in the same message).
-pub(crate) fn put_header(t: &RmaTarget) -> [u8; PUT_HEADER] {
-    let mut w = rma_head(K_PUT, PUT_HEADER - EAGER_HEADER);
-    put_target(&mut w, t);
-    let v = w.finish();
-    let mut b = [0u8; PUT_HEADER];
-    b.copy_from_slice(&v);
+/// A `GET` (see [`ProtoMsg::Get`]), on the stack: a plan's reads allocate nothing.
+pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32) -> [u8; GET_LEN] {
+    let mut b = [0u8; GET_LEN];
+    b[..PUT_HEADER].copy_from_slice(&put_header(t));
+    b[5] = K_GET;
+    let mut at = PUT_HEADER;
+    for v in [buf.addr, buf.len, buf.key] {
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        at += 8;
+    }
+    b[at..at + 4].copy_from_slice(&imm.to_le_bytes());
     b
 }
 
-/// A `REPLY` to request `req`.
-pub(crate) fn encode_reply(req: u64, status: RmaStatus) -> Vec<u8> {
-    let mut w = rma_head(K_REPLY, 9);
-    w.u64(req).u8(status.code());
-    w.finish()
+/// The header of a `PUT` of `t.len` bytes (the data follows it in the same message), on
+/// the stack.
+pub(crate) fn put_header(t: &RmaTarget) -> [u8; PUT_HEADER] {
+    let mut b = [0u8; PUT_HEADER];
+    put_head(&mut b, K_PUT, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    let mut at = EAGER_HEADER;
+    for v in [t.req, t.job] {
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        at += 8;
+    }
+    b[at..at + 4].copy_from_slice(&t.window.to_le_bytes());
+    at += 4;
+    for v in [t.key, t.offset, t.len] {
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        at += 8;
+    }
+    b
+}
+
+/// Bytes of a `REPLY`.
+pub(crate) const REPLY_LEN: usize = EAGER_HEADER + 9;
+
+/// A `REPLY` to request `req`, on the stack.
+pub(crate) fn encode_reply(req: u64, status: RmaStatus) -> [u8; REPLY_LEN] {
+    let mut b = [0u8; REPLY_LEN];
+    put_head(&mut b, K_REPLY, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    b[EAGER_HEADER..EAGER_HEADER + 8].copy_from_slice(&req.to_le_bytes());
+    b[EAGER_HEADER + 8] = status.code();
+    b
 }
 
 #[cfg(test)]

@@ -251,10 +251,20 @@ impl PutOp {
 }
 
 /// The owner's side: answers the one-sided requests for this rank's windows.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RmaServer {
+    /// What the server's waits are named in errors (made once: serving allocates nothing).
+    op: Op,
     /// Reads whose data the requester pulls (shm single-copy): kept until the pull ends.
     pulls: Mutex<Vec<PendingWrite>>,
+    /// The requests being served (kept between rounds for its capacity).
+    queue: Mutex<VecDeque<(usize, RmaRequest)>>,
+}
+
+impl Default for RmaServer {
+    fn default() -> RmaServer {
+        RmaServer { op: Op::other("serving a one-sided access to a window"), pulls: Mutex::default(), queue: Mutex::default() }
+    }
 }
 
 impl RmaServer {
@@ -267,14 +277,14 @@ impl RmaServer {
             let mut pulls = self.pulls.lock().unwrap_or_else(|e| e.into_inner());
             pulls.retain(|p| p.status().is_none());
         }
-        let requests: VecDeque<(usize, RmaRequest)> = fabric.inbox.take_rma_requests();
-        if requests.is_empty() {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        fabric.inbox.take_rma_requests(&mut queue);
+        if queue.is_empty() {
             return false;
         }
-        let op = Op::other("serving a one-sided access to a window");
         let deadline = Instant::now() + fabric.params.timeout;
-        let pump = || fabric.pump(&op);
-        for (peer, req) in requests {
+        let pump = || fabric.pump(&self.op);
+        while let Some((peer, req)) = queue.pop_front() {
             let Ok(ep) = fabric.endpoint(peer) else { continue };
             match req {
                 RmaRequest::Get { target, buf, imm } => {

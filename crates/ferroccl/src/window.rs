@@ -112,6 +112,18 @@ impl RemoteHandle {
         self.access
     }
 
+    pub(crate) fn job(&self) -> u64 {
+        self.job
+    }
+
+    pub(crate) fn window_id(&self) -> u32 {
+        self.window
+    }
+
+    pub(crate) fn key(&self) -> u64 {
+        self.key
+    }
+
     /// The handle as bytes, to travel in a message, through the store or in the
     /// program's own metadata.
     pub fn to_bytes(&self) -> [u8; Self::BYTES] {
@@ -193,6 +205,10 @@ impl<'s> Window<'s> {
     /// The window's length in bytes.
     pub fn len_bytes(&self) -> usize {
         self.region.len()
+    }
+
+    pub(crate) fn region(&self) -> &RegionHandle {
+        &self.region
     }
 
     /// Reads `dst.len()` elements at element `offset` of the window (the owner's own view;

@@ -66,6 +66,8 @@ macro_rules! conformance_suite {
             onesided::concurrent_reads_of_one_window,
             onesided::refused_accesses_touch_nothing,
             onesided::allocated_windows_are_written_by_peers,
+            onesided::transfer_plans_run_many_times_with_rewritten_sources,
+            onesided::transfer_plans_refuse_bad_entries,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -308,3 +308,174 @@ pub fn allocated_windows_are_written_by_peers(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// A transfer plan of scattered reads (three "tensors" of every other rank into one
+/// buffer, as in the Monarch notebook) and writes (a slice of each tensor into the next
+/// rank's inbox window), run many times with the sources rewritten between runs: every run
+/// moves the current bytes.
+pub fn transfer_plans_run_many_times_with_rewritten_sources(s: &Suite) {
+    let n = s.p2p_ranks.clamp(2, 3);
+    let sizes = [1000usize, 5000, 2000];
+    let total: usize = sizes.iter().sum();
+    let runs = s.plan_runs;
+    let res = run_world(
+        n,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let from = (me + 1) % n;
+            let to = (me + n - 1) % n;
+            let mut tensors: Vec<Vec<f32>> = sizes.iter().map(|&len| vec![0f32; len]).collect();
+            let mut dst = vec![0f32; total];
+            let mut inbox = vec![0f32; 3 * 16];
+            let value = |rank: usize, t: usize, i: usize, run: usize| (rank * 100_000 + t * 10_000 + i + run) as f32;
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let mut ws = Vec::new();
+                    for t in tensors.iter_mut() {
+                        ws.push(sc.register_mut(t)?);
+                    }
+                    let wd = sc.register_mut(&mut dst)?;
+                    let wi = sc.register_mut(&mut inbox)?;
+                    let mut mine: Vec<RemoteHandle> = ws.iter().map(|w| w.handle()).collect();
+                    mine.push(wi.handle());
+                    let mut all = vec![0u8; RemoteHandle::BYTES * 4 * n];
+                    let bytes: Vec<u8> = mine.iter().flat_map(|h| h.to_bytes()).collect();
+                    comm.allgather(&bytes, &mut all)?;
+                    let hs: Vec<RemoteHandle> =
+                        all.chunks(RemoteHandle::BYTES).map(RemoteHandle::from_bytes).collect::<ferroccl::Result<_>>()?;
+                    let theirs = &hs[4 * from..4 * from + 4];
+                    let mut b = comm.transfer_plan();
+                    let mut at = 0;
+                    for (t, &len) in sizes.iter().enumerate() {
+                        b = b.read::<f32>(&theirs[t], 0, &wd, at, len);
+                        at += len;
+                    }
+                    let next_inbox = hs[4 * to + 3];
+                    for (t, w) in ws.iter().enumerate() {
+                        b = b.write::<f32>(w, 0, &next_inbox, t * 16, 16);
+                    }
+                    let mut plan = b.build()?;
+                    if plan.transfers() != 6 {
+                        return Err(Error::InvalidArgument(format!("rank {me}: {} transfers", plan.transfers())));
+                    }
+                    for run in 0..runs {
+                        // Rewrite: the first 16 and the last element of every tensor.
+                        for (t, w) in ws.iter().enumerate() {
+                            let head: Vec<f32> = (0..16).map(|i| value(me, t, i, run)).collect();
+                            w.write(0, &head)?;
+                            w.write(sizes[t] - 1, &[value(me, t, sizes[t] - 1, run)])?;
+                        }
+                        comm.barrier()?;
+                        plan.run()?;
+                        comm.barrier()?;
+                        let mut at = 0;
+                        for (t, &len) in sizes.iter().enumerate() {
+                            let (mut head, mut last) = ([0f32; 16], [0f32]);
+                            wd.read(at, &mut head)?;
+                            wd.read(at + len - 1, &mut last)?;
+                            let mut inb = [0f32; 16];
+                            wi.read(t * 16, &mut inb)?;
+                            for i in 0..16 {
+                                // My inbox holds what rank `from` (whose next rank down I am) wrote.
+                                if head[i] != value(from, t, i, run) || inb[i] != value(from, t, i, run) {
+                                    return Err(Error::InvalidArgument(format!(
+                                        "rank {me}: run {run}: tensor {t} element {i}: read {} (want {}), inbox {} (want {})",
+                                        head[i],
+                                        value(from, t, i, run),
+                                        inb[i],
+                                        value(from, t, i, run)
+                                    )));
+                                }
+                            }
+                            if last[0] != value(from, t, len - 1, run) {
+                                return Err(Error::InvalidArgument(format!("rank {me}: run {run}: tensor {t}: last element")));
+                            }
+                            at += len;
+                        }
+                    }
+                    if plan.runs() != runs as u64 {
+                        return Err(Error::InvalidArgument(format!("rank {me}: {} runs", plan.runs())));
+                    }
+                    Ok(())
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// A plan's entries are checked when it is built: overlapping destinations (named by their
+/// indices), ranges outside either window, reads into a read-only window, writes through a
+/// read-only handle, another job's handle.
+pub fn transfer_plans_refuse_bad_entries(s: &Suite) {
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let src = vec![1u32; 100];
+            let mut dst = vec![0u32; 100];
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let ro = sc.register(&src)?;
+                    let rw = sc.register_mut(&mut dst)?;
+                    let mut all = vec![0u8; RemoteHandle::BYTES * 4];
+                    let mine: Vec<u8> = [ro.handle(), rw.handle()].iter().flat_map(|h| h.to_bytes()).collect();
+                    comm.allgather(&mine, &mut all)?;
+                    let peer = 1 - me;
+                    let h_ro = RemoteHandle::from_bytes(&all[(2 * peer) * 40..(2 * peer + 1) * 40])?;
+                    let h_rw = RemoteHandle::from_bytes(&all[(2 * peer + 1) * 40..(2 * peer + 2) * 40])?;
+                    let expect = |what: &str, r: ferroccl::Result<ferroccl::TransferPlan<'_>>, needle: &str| -> ferroccl::Result<()> {
+                        match r {
+                            Err(Error::InvalidArgument(m)) if m.contains(needle) => Ok(()),
+                            Err(e) => Err(Error::InvalidArgument(format!("rank {me}: {what}: expected {needle:?}, got {e}"))),
+                            Ok(_) => Err(Error::InvalidArgument(format!("rank {me}: {what}: built"))),
+                        }
+                    };
+                    expect(
+                        "overlapping reads",
+                        comm.transfer_plan().read::<u32>(&h_ro, 0, &rw, 0, 10).read::<u32>(&h_ro, 50, &rw, 5, 10).build(),
+                        "entries 0 and 1 land in overlapping bytes",
+                    )?;
+                    expect(
+                        "overlapping writes",
+                        comm.transfer_plan()
+                            .write::<u32>(&ro, 0, &h_rw, 0, 10)
+                            .read::<u32>(&h_ro, 0, &rw, 0, 1)
+                            .write::<u32>(&ro, 20, &h_rw, 9, 3)
+                            .build(),
+                        "entries 0 and 2 land in overlapping bytes",
+                    )?;
+                    expect("remote range", comm.transfer_plan().read::<u32>(&h_ro, 95, &rw, 0, 10).build(), "entry 0")?;
+                    expect("local range", comm.transfer_plan().read::<u32>(&h_ro, 0, &rw, 95, 10).build(), "local window")?;
+                    expect(
+                        "read into read-only",
+                        comm.transfer_plan().read::<u32>(&h_ro, 0, &ro, 0, 10).build(),
+                        "read-only local window",
+                    )?;
+                    expect("write to read-only", comm.transfer_plan().write::<u32>(&rw, 0, &h_ro, 0, 10).build(), "read-only")?;
+                    let mut other = h_rw.to_bytes();
+                    other[24] ^= 1;
+                    let other = RemoteHandle::from_bytes(&other)?;
+                    expect("another job", comm.transfer_plan().read::<u32>(&other, 0, &rw, 0, 1).build(), "another job")?;
+                    expect("overflow", comm.transfer_plan().read::<u32>(&h_ro, usize::MAX, &rw, 0, 1).build(), "overflow")?;
+                    // Disjoint entries build and run.
+                    let mut ok = comm.transfer_plan().read::<u32>(&h_ro, 0, &rw, 0, 50).read::<u32>(&h_ro, 50, &rw, 50, 50).build()?;
+                    ok.run()?;
+                    let mut got = vec![0u32; 100];
+                    rw.read(0, &mut got)?;
+                    if got != vec![1u32; 100] {
+                        return Err(Error::InvalidArgument(format!("rank {me}: plan read wrong values")));
+                    }
+                    comm.barrier()
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}

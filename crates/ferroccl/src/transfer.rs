@@ -1,0 +1,272 @@
+//! Transfer plans: many one-sided reads and writes between local windows and remote
+//! handles, checked once and run many times (Monarch's `RDMAAction`, NIXL's prepared
+//! transfers, Mooncake's batches).
+//!
+//! A plan is built from entries, each a read (a range of a remote window into a range of
+//! a local [`Window`]) or a write (the other way). Building checks every entry once:
+//! lengths and offsets against both windows, the access each needs (a read lands in a
+//! local window that must be writable; a write needs a read-write handle), handles of
+//! another job, owners outside the communicator, and destinations that overlap (two
+//! entries landing in the same bytes would race: refused, naming both). [`TransferPlan::run`]
+//! then starts every transfer at once (all in flight together, not one round trip each)
+//! and waits for all of them; a run allocates nothing and registers nothing, because the
+//! local memory is windows, registered when they were made.
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! // The "trainer" side: scattered tensors, each a window (here on the same rank).
+//! let (mut a, mut b) = (vec![1.0f32; 10_000], vec![2.0f32; 50_000]);
+//! // The "inference" side: one buffer the tensors land in.
+//! let mut dst = vec![0.0f32; 60_000];
+//! comm.scope(|s| {
+//!     let (wa, wb) = (s.register_mut(&mut a)?, s.register_mut(&mut b)?);
+//!     let wd = s.register_mut(&mut dst)?;
+//!     let (ha, hb) = (wa.handle(), wb.handle()); // what the trainer would publish
+//!     let mut plan = comm
+//!         .transfer_plan()
+//!         .read::<f32>(&ha, 0, &wd, 0, 10_000)
+//!         .read::<f32>(&hb, 0, &wd, 10_000, 50_000)
+//!         .build()?;
+//!     for step in 0..3 {
+//!         wa.write(0, &[step as f32])?; // the trainer updates a weight in place
+//!         plan.run()?; // both reads in flight at once
+//!         let mut first = [0.0f32];
+//!         wd.read(0, &mut first)?;
+//!         assert_eq!(first[0], step as f32);
+//!     }
+//!     Ok(())
+//! })?;
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferroccl_kernels::{DType, Element};
+
+use crate::algo::{Action, Buf, Remote, Schedule, Slice, Step};
+use crate::comm::Communicator;
+use crate::engine::{Job, Part};
+use crate::error::{Error, Op, Result};
+use crate::proto::CHAN_USER;
+use crate::window::{Access, RemoteHandle, Window};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Read,
+    Write,
+}
+
+/// Where a transfer lands: (0 for a local window, 1 for a remote one; the owner's world
+/// rank; the window's id).
+type DestKey = (u8, u64, u64);
+/// A destination range: (first byte, end, entry index).
+type DestRange = (u64, u64, usize);
+
+/// One entry, in bytes.
+#[derive(Debug)]
+struct Entry<'w> {
+    dir: Dir,
+    remote: RemoteHandle,
+    remote_offset: Option<u64>,
+    local: &'w Window<'w>,
+    local_offset: Option<usize>,
+    len: Option<usize>,
+    dtype: DType,
+    count: usize,
+}
+
+/// Builds a [`TransferPlan`]; see the [module documentation](self).
+#[must_use = "a builder does nothing until `build`"]
+#[derive(Debug)]
+pub struct TransferPlanBuilder<'w> {
+    comm: &'w Communicator,
+    entries: Vec<Entry<'w>>,
+}
+
+fn bytes<T: Element>(n: usize) -> Option<usize> {
+    n.checked_mul(std::mem::size_of::<T>())
+}
+
+impl<'w> TransferPlanBuilder<'w> {
+    /// Adds a read of `count` elements at element `from_offset` of the window `from` names,
+    /// into `into` at element `into_offset`.
+    pub fn read<T: Element>(
+        mut self,
+        from: &RemoteHandle,
+        from_offset: usize,
+        into: &'w Window<'w>,
+        into_offset: usize,
+        count: usize,
+    ) -> Self {
+        self.entries.push(Entry {
+            dir: Dir::Read,
+            remote: *from,
+            remote_offset: bytes::<T>(from_offset).map(|b| b as u64),
+            local: into,
+            local_offset: bytes::<T>(into_offset),
+            len: bytes::<T>(count),
+            dtype: T::DTYPE,
+            count,
+        });
+        self
+    }
+
+    /// Adds a write of `count` elements at element `from_offset` of the local window
+    /// `from`, into the window `to` names at element `to_offset`.
+    pub fn write<T: Element>(
+        mut self,
+        from: &'w Window<'w>,
+        from_offset: usize,
+        to: &RemoteHandle,
+        to_offset: usize,
+        count: usize,
+    ) -> Self {
+        self.entries.push(Entry {
+            dir: Dir::Write,
+            remote: *to,
+            remote_offset: bytes::<T>(to_offset).map(|b| b as u64),
+            local: from,
+            local_offset: bytes::<T>(from_offset),
+            len: bytes::<T>(count),
+            dtype: T::DTYPE,
+            count,
+        });
+        self
+    }
+
+    /// Checks every entry and builds the plan (see the [module documentation](self)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the entry (by its index, in the order added) and
+    /// what is wrong with it, or the two entries whose destinations overlap.
+    pub fn build(self) -> Result<TransferPlan<'w>> {
+        let comm = self.comm;
+        let me = comm.rank();
+        let bad = |i: usize, what: String| Error::invalid(format!("rank {me}: transfer plan entry {i}: {what}"));
+        let mut dests: HashMap<DestKey, Vec<DestRange>> = HashMap::new();
+        let mut parts: Vec<(&'w Window<'w>, Vec<Step>)> = Vec::new();
+        let mut count = 0;
+        for (i, e) in self.entries.iter().enumerate() {
+            let (Some(roff), Some(loff), Some(len)) = (e.remote_offset, e.local_offset, e.len) else {
+                return Err(bad(i, format!("{} {} overflow the address space", e.count, e.dtype)));
+            };
+            let h = &e.remote;
+            if h.job() != comm.fabric().job {
+                return Err(bad(i, "the handle belongs to another job".into()));
+            }
+            if roff.checked_add(len as u64).is_none_or(|end| end > h.len_bytes()) {
+                return Err(bad(
+                    i,
+                    format!("{} {} at byte {roff} do not fit in rank {}'s window of {} bytes", e.count, e.dtype, h.owner(), h.len_bytes()),
+                ));
+            }
+            if loff.checked_add(len).is_none_or(|end| end > e.local.len_bytes()) {
+                return Err(bad(
+                    i,
+                    format!("{} {} at byte {loff} do not fit in the local window of {} bytes", e.count, e.dtype, e.local.len_bytes()),
+                ));
+            }
+            match e.dir {
+                Dir::Write if h.access() != Access::ReadWrite => return Err(bad(i, format!("rank {}'s window is read-only", h.owner()))),
+                Dir::Read if e.local.handle().access() != Access::ReadWrite => {
+                    return Err(bad(i, "a read lands in a read-only local window".into()))
+                }
+                _ => {}
+            }
+            let peer = comm
+                .rank_of_world(h.owner())
+                .ok_or_else(|| bad(i, format!("world rank {} is not a member of this communicator", h.owner())))?;
+            if len == 0 {
+                continue;
+            }
+            let lh = e.local.handle();
+            let (key, start) = match e.dir {
+                Dir::Read => ((0, lh.owner() as u64, u64::from(lh.window_id())), loff as u64),
+                Dir::Write => ((1, h.owner() as u64, u64::from(h.window_id())), roff),
+            };
+            dests.entry(key).or_default().push((start, start + len as u64, i));
+            let remote = Remote { window: h.window_id(), key: h.key() };
+            let action = match e.dir {
+                Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len) },
+                Dir::Write => Action::Put { peer, remote, offset: roff, src: Slice::new(Buf::Output, loff, len) },
+            };
+            let step = Step { op: action, deps: vec![] };
+            match parts.iter_mut().find(|(w, _)| std::ptr::eq(*w, e.local)) {
+                Some((_, steps)) => steps.push(step),
+                None => parts.push((e.local, vec![step])),
+            }
+            count += 1;
+        }
+        for ranges in dests.values_mut() {
+            ranges.sort_unstable();
+            for pair in ranges.windows(2) {
+                let ((_, end_a, a), (start_b, _, b)) = (pair[0], pair[1]);
+                if start_b < end_a {
+                    let (a, b) = (a.min(b), a.max(b));
+                    return Err(Error::invalid(format!("rank {me}: transfer plan entries {a} and {b} land in overlapping bytes")));
+                }
+            }
+        }
+        let op = Op::other(format!("transfer plan of {count} transfers"));
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .map(|(w, steps)| {
+                let sched = Schedule { steps, scratch_bytes: 0 };
+                comm.p2p_part(op.clone(), CHAN_USER, sched, None, w.region().clone())
+            })
+            .collect();
+        let job = Job::new(comm.job_body(parts));
+        Ok(TransferPlan { comm, job, transfers: count, runs: 0 })
+    }
+}
+
+/// Reads and writes between local windows and remote ones, checked once and run many
+/// times; see the [module documentation](self). It borrows its local windows, which
+/// therefore outlive it.
+#[derive(Debug)]
+pub struct TransferPlan<'w> {
+    comm: &'w Communicator,
+    job: Arc<Job>,
+    transfers: usize,
+    runs: u64,
+}
+
+impl TransferPlan<'_> {
+    /// Runs every transfer of the plan, all in flight at once, and waits for all of them.
+    /// Moves data only: no allocation, no registration, no handle exchange.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] when an owner refuses an entry (its window was dropped since the
+    /// plan was built, or the handle was forged): the other entries have run or fail too;
+    /// a dead owner or the deadline fail it as any call.
+    pub fn run(&mut self) -> Result<()> {
+        self.comm.submit(&self.job, true, true)?;
+        self.runs += 1;
+        self.comm.wait_job(&self.job)
+    }
+
+    /// Transfers in the plan (entries of length 0 are not counted).
+    pub fn transfers(&self) -> usize {
+        self.transfers
+    }
+
+    /// How many times the plan has run.
+    pub fn runs(&self) -> u64 {
+        self.runs
+    }
+}
+
+impl Communicator {
+    /// Starts a [`TransferPlan`]: add reads and writes, then `build`.
+    pub fn transfer_plan(&self) -> TransferPlanBuilder<'_> {
+        TransferPlanBuilder { comm: self, entries: Vec::new() }
+    }
+}
