@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::p2p::{RecvOp, SendOp, XferCtx};
 use crate::params::FaultSite;
 use crate::poll::{poll_of, Poll};
-use crate::rma::{GetOp, PutOp};
+use crate::rma::{GetOp, PutOp, SignalOp};
 
 /// The registered buffers of one call. `input: None` means in place: `Buf::Input` ranges
 /// address the output buffer.
@@ -54,6 +54,7 @@ enum Xfer {
     Recv(RecvOp),
     Get(GetOp),
     Put(PutOp),
+    Signal(SignalOp),
 }
 
 impl Xfer {
@@ -63,6 +64,7 @@ impl Xfer {
             Xfer::Recv(r) => r.advance(cx),
             Xfer::Get(g) => g.advance(cx),
             Xfer::Put(p) => p.advance(cx),
+            Xfer::Signal(s) => s.advance(cx),
         }
     }
     fn is_done(&self) -> bool {
@@ -71,6 +73,7 @@ impl Xfer {
             Xfer::Recv(r) => r.is_done(),
             Xfer::Get(g) => g.is_done(),
             Xfer::Put(p) => p.is_done(),
+            Xfer::Signal(s) => s.is_done(),
         }
     }
     fn waiting_for(&self) -> Option<usize> {
@@ -79,6 +82,7 @@ impl Xfer {
             Xfer::Recv(r) => r.waiting_for(),
             Xfer::Get(g) => g.waiting_for(),
             Xfer::Put(p) => p.waiting_for(),
+            Xfer::Signal(s) => s.waiting_for(),
         }
     }
 }
@@ -199,6 +203,9 @@ impl Exec {
                     let h = run.bufs.handle(src.buf).clone();
                     Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, src.len()))))
                 }
+                // Behind the puts to the same peer, so raised after they landed.
+                Action::Signal { peer, value } => Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, *value)))),
+                Action::WaitSignal { peer, value } => Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, *value)))),
                 local => {
                     if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })
                         && cx.fabric.params.injects(FaultSite::ReduceStep, cx.fabric.rank)
@@ -375,8 +382,11 @@ fn local_on(op: &Action, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: 
         Action::FinishAvg { dst, n } => {
             with_dst_srcs(v, dst, &[], aside, |d, _| finish_avg_bytes(dtype, d, *n))?.map_err(|e| e.to_string())
         }
-        Action::Send { .. } | Action::Recv { .. } | Action::Get { .. } | Action::Put { .. } => {
-            Err("internal: a transfer as a local step".into())
-        }
+        Action::Send { .. }
+        | Action::Recv { .. }
+        | Action::Get { .. }
+        | Action::Put { .. }
+        | Action::Signal { .. }
+        | Action::WaitSignal { .. } => Err("internal: a transfer as a local step".into()),
     }
 }

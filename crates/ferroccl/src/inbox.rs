@@ -70,6 +70,8 @@ pub(crate) struct Events {
     /// The owners' answers to this rank's one-sided requests: (owner world rank, request
     /// number) -> status.
     pub(crate) rma_replies: HashMap<(usize, u64), RmaStatus>,
+    /// The last value each peer (world rank) signalled this rank (`put_signal`, `signal`).
+    pub(crate) signals: HashMap<usize, u64>,
 }
 
 /// A one-sided request from a peer (see [`ProtoMsg::Get`], [`ProtoMsg::Put`]).
@@ -79,6 +81,8 @@ pub(crate) enum RmaRequest {
     Get { target: RmaTarget, buf: RemoteBuf, imm: u32 },
     /// Land `data` in `target`'s range of the window.
     Put { target: RmaTarget, data: Vec<u8> },
+    /// Raise the requester's signal to `value`.
+    Signal { req: u64, value: u64 },
 }
 
 /// Probes kept for the engine at most.
@@ -354,6 +358,10 @@ impl Inbox {
             }
             Ok(ProtoMsg::Put { target, data }) => {
                 ev.rma_requests.push_back((peer, RmaRequest::Put { target, data }));
+                self.any_rma.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Signal { req, value }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Signal { req, value }));
                 self.any_rma.store(true, Ordering::Release);
             }
             Ok(ProtoMsg::Reply { req, status }) => {

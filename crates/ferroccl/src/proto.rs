@@ -148,6 +148,7 @@ const K_AGREED: u8 = 7;
 const K_GET: u8 = 8;
 const K_PUT: u8 = 9;
 const K_REPLY: u8 = 10;
+const K_SIGNAL: u8 = 11;
 
 /// What a one-sided request names: a window of the receiving rank, by id and key (the
 /// handle's capability), in the job `job`, and a byte range of it.
@@ -288,6 +289,12 @@ pub(crate) enum ProtoMsg {
     Reply {
         req: u64,
         status: RmaStatus,
+    },
+    /// "Raise the signal I give you to `value`" (sent after a `PUT`'s pieces, so the owner,
+    /// serving in order, raises it once they have landed); answered with a `REPLY`.
+    Signal {
+        req: u64,
+        value: u64,
     },
 }
 
@@ -463,6 +470,18 @@ pub(crate) fn put_header(t: &RmaTarget) -> [u8; PUT_HEADER] {
     b
 }
 
+/// Bytes of a `SIGNAL`.
+pub(crate) const SIGNAL_LEN: usize = EAGER_HEADER + 16;
+
+/// A `SIGNAL` (see [`ProtoMsg::Signal`]), on the stack.
+pub(crate) fn encode_signal(req: u64, value: u64) -> [u8; SIGNAL_LEN] {
+    let mut b = [0u8; SIGNAL_LEN];
+    put_head(&mut b, K_SIGNAL, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    b[EAGER_HEADER..EAGER_HEADER + 8].copy_from_slice(&req.to_le_bytes());
+    b[EAGER_HEADER + 8..].copy_from_slice(&value.to_le_bytes());
+    b
+}
+
 /// Bytes of a `REPLY`.
 pub(crate) const REPLY_LEN: usize = EAGER_HEADER + 9;
 
@@ -557,6 +576,12 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 put_target_later = Some(target);
                 None
             }
+            K_SIGNAL => {
+                let req = r.u64()?;
+                let value = r.u64()?;
+                r.end()?;
+                Some(ProtoMsg::Signal { req, value })
+            }
             K_REPLY => {
                 let req = r.u64()?;
                 let code = r.u8()?;
@@ -585,6 +610,41 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_sided_messages_round_trip() {
+        let t = RmaTarget { req: 11, job: 0xfeed, window: 3, key: 0xdead_beef, offset: 4096, len: 5 };
+        let buf = RemoteBuf { addr: 0x1000, len: 5, key: 77 };
+        match decode(encode_get(&t, &buf, 9).to_vec()).unwrap() {
+            ProtoMsg::Get { target, buf: b, imm: 9 } => assert_eq!((target, b), (t, buf)),
+            m => panic!("{m:?}"),
+        }
+        let mut put = put_header(&t).to_vec();
+        put.extend_from_slice(b"hello");
+        match decode(put.clone()).unwrap() {
+            ProtoMsg::Put { target, data } => assert_eq!((target, data), (t, b"hello".to_vec())),
+            m => panic!("{m:?}"),
+        }
+        // A PUT whose data is not the length its header says is malformed.
+        put.push(0);
+        assert!(decode(put).is_err());
+        for st in [RmaStatus::Done, RmaStatus::NoWindow, RmaStatus::OtherJob, RmaStatus::OutOfRange, RmaStatus::ReadOnly, RmaStatus::Failed]
+        {
+            match decode(encode_reply(5, st).to_vec()).unwrap() {
+                ProtoMsg::Reply { req: 5, status } => assert_eq!(status, st),
+                m => panic!("{m:?}"),
+            }
+        }
+        let mut bad = encode_reply(5, RmaStatus::Done).to_vec();
+        bad[EAGER_HEADER + 8] = 200;
+        assert!(decode(bad).is_err());
+        match decode(encode_signal(8, u64::MAX).to_vec()).unwrap() {
+            ProtoMsg::Signal { req: 8, value: u64::MAX } => {}
+            m => panic!("{m:?}"),
+        }
+        let get = encode_get(&t, &buf, 9);
+        assert!(decode(get[..GET_LEN - 1].to_vec()).is_err());
+    }
 
     #[test]
     fn messages_round_trip() {

@@ -250,6 +250,77 @@ impl PutOp {
     }
 }
 
+/// A signal to raise at a peer, or to wait for from one.
+#[derive(Debug)]
+pub(crate) struct SignalOp {
+    wpeer: usize,
+    value: u64,
+    /// Raise (send and wait for the answer) or wait.
+    raise: bool,
+    req: u64,
+    state: State,
+}
+
+impl SignalOp {
+    pub(crate) fn raise(wpeer: usize, value: u64) -> SignalOp {
+        SignalOp { wpeer, value, raise: true, req: 0, state: State::Start }
+    }
+
+    pub(crate) fn wait(wpeer: usize, value: u64) -> SignalOp {
+        SignalOp { wpeer, value, raise: false, req: 0, state: State::Start }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    pub(crate) fn waiting_for(&self) -> Option<usize> {
+        (self.state == State::Wait).then_some(self.wpeer)
+    }
+
+    pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
+        match self.state {
+            State::Start if self.raise && self.wpeer == cx.fabric.rank => {
+                let mut ev = cx.fabric.inbox.lock();
+                let s = ev.signals.entry(self.wpeer).or_insert(0);
+                *s = (*s).max(self.value);
+                self.state = State::Done;
+                Ok(true)
+            }
+            State::Start if self.raise => {
+                self.req = cx.fabric.next_reqs(1);
+                cx.fabric.endpoint(self.wpeer)?.post_send(&proto::encode_signal(self.req, self.value), cx.deadline, &|| cx.pump())?;
+                self.state = State::Wait;
+                Ok(true)
+            }
+            State::Start => {
+                self.state = State::Wait;
+                self.advance(cx).map(|_| true)
+            }
+            State::Wait => {
+                let mut ev = cx.fabric.inbox.lock();
+                if self.raise {
+                    if let Some(st) = ev.rma_replies.remove(&(self.wpeer, self.req)) {
+                        self.state = State::Done;
+                        return match st.refusal() {
+                            None => Ok(true),
+                            Some(r) => Err(refused(cx, self.wpeer, r)),
+                        };
+                    }
+                } else if ev.signals.get(&self.wpeer).is_some_and(|&v| v >= self.value) {
+                    self.state = State::Done;
+                    return Ok(true);
+                }
+                if self.wpeer != cx.fabric.rank && ev.closed.contains(&self.wpeer) {
+                    return Err(cx.closed(self.wpeer));
+                }
+                Ok(false)
+            }
+            State::Done => Ok(false),
+        }
+    }
+}
+
 /// The owner's side: answers the one-sided requests for this rank's windows.
 #[derive(Debug)]
 pub(crate) struct RmaServer {
@@ -321,6 +392,16 @@ impl RmaServer {
                     };
                     fabric.inbox.give_buf(data);
                     let _ = ep.post_send(&proto::encode_reply(target.req, status), deadline, &pump);
+                }
+                RmaRequest::Signal { req, value } => {
+                    {
+                        let mut ev = fabric.inbox.lock();
+                        let s = ev.signals.entry(peer).or_insert(0);
+                        *s = (*s).max(value);
+                    }
+                    // A thread of this rank may be waiting for it.
+                    fabric.inbox.notify();
+                    let _ = ep.post_send(&proto::encode_reply(req, RmaStatus::Done), deadline, &pump);
                 }
             }
         }

@@ -336,6 +336,60 @@ impl Communicator {
         with_region_ro(as_bytes(src), |region| self.run_part(self.rma_part(op, plan, region.clone())))
     }
 
+    /// [`Communicator::write_from`], then raises this rank's signal at the window's owner to
+    /// `value` once every byte has landed (NCCL's `ncclPutSignal`): the owner's
+    /// [`Communicator::wait_signal`] for this rank and `value` returns only after the data
+    /// is in its window. Returns when the owner has raised it.
+    pub fn put_signal<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], value: u64) -> Result<()> {
+        let op = write_op::<T>(h, offset, src.len());
+        let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+        let peer = self.rank_of_world(h.owner()).ok_or_else(|| {
+            Error::invalid(format!("rank {}: {op}: world rank {} is not a member of this communicator", self.rank(), h.owner()))
+        })?;
+        let mut steps: Vec<Step> = plan.into_iter().map(rma_step(&op)).collect();
+        steps.push(Step { op: Action::Signal { peer, value }, deps: vec![] });
+        let sched = Schedule { steps, scratch_bytes: 0 };
+        with_region_ro(as_bytes(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
+    }
+
+    /// Raises this rank's signal at member `peer` to `value` (no data): `peer`'s
+    /// [`Communicator::wait_signal`] for this rank sees it. Signals are ordered after this
+    /// rank's earlier writes to `peer`'s windows. A signal only rises: raising it to a value
+    /// below the current one leaves it.
+    pub fn signal(&self, peer: usize, value: u64) -> Result<()> {
+        let op = Op::other(format!("signal {value} to rank {peer}"));
+        self.check_peer_or_self(peer, &op)?;
+        let sched = Schedule { steps: vec![Step { op: Action::Signal { peer, value }, deps: vec![] }], scratch_bytes: 0 };
+        let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
+        self.run_part(part)
+    }
+
+    /// Waits until member `from` has raised its signal at this rank to at least `value`
+    /// (with [`Communicator::put_signal`] or [`Communicator::signal`]); returns the signal.
+    /// Fails as any call at the deadline (`FERROCCL_TIMEOUT`) or when `from` dies.
+    pub fn wait_signal(&self, from: usize, value: u64) -> Result<u64> {
+        let op = Op::other(format!("wait for signal {value} from rank {from}"));
+        let wfrom = self.check_peer_or_self(from, &op)?;
+        let sched = Schedule { steps: vec![Step { op: Action::WaitSignal { peer: from, value }, deps: vec![] }], scratch_bytes: 0 };
+        let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
+        self.run_part(part)?;
+        Ok(self.fabric().inbox.lock().signals.get(&wfrom).copied().unwrap_or(0))
+    }
+
+    /// The signal member `peer` has raised at this rank so far (0 if none); never waits.
+    pub fn signal_value(&self, peer: usize) -> u64 {
+        self.world_rank(peer).and_then(|w| self.fabric().inbox.lock().signals.get(&w).copied()).unwrap_or(0)
+    }
+
+    /// Member `peer` (this rank included) as a world rank, for a one-sided call.
+    fn check_peer_or_self(&self, peer: usize, op: &Op) -> Result<usize> {
+        let w = self.world_rank(peer).ok_or_else(|| {
+            Error::invalid(format!("rank {}: {op}: peer {peer} is out of range (communicator of {} ranks)", self.rank(), self.size()))
+        })?;
+        self.check_usable(op)?;
+        Ok(w)
+    }
+
     /// Checks an access before anything goes on the wire; `None` for an empty one (done).
     fn rma_plan<T: Element>(&self, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<Option<RmaPlan>> {
         let refuse = |reason| Error::Refused { rank: self.rank(), owner: h.owner(), op: op.clone(), reason };
@@ -365,12 +419,19 @@ impl Communicator {
     /// source of a write). An access to this rank's own window is served locally by the
     /// same checks.
     fn rma_part(&self, op: Op, plan: RmaPlan, local: RegionHandle) -> Part {
-        let RmaPlan { peer, remote, offset, len } = plan;
+        let sched = Schedule { steps: vec![rma_step(&op)(plan)], scratch_bytes: 0 };
+        self.p2p_part(op, CHAN_USER, sched, None, local)
+    }
+}
+
+/// The step of one checked access whose local side is `Output` from byte 0: a write for
+/// [`Op::Write`], a read otherwise.
+fn rma_step(op: &Op) -> impl Fn(RmaPlan) -> Step + '_ {
+    move |RmaPlan { peer, remote, offset, len }| {
         let action = match op {
             Op::Write { .. } => Action::Put { peer, remote, offset, src: Slice::new(Buf::Output, 0, len) },
             _ => Action::Get { peer, remote, offset, dst: Slice::new(Buf::Output, 0, len) },
         };
-        let sched = Schedule { steps: vec![Step { op: action, deps: vec![] }], scratch_bytes: 0 };
-        self.p2p_part(op, CHAN_USER, sched, None, local)
+        Step { op: action, deps: vec![] }
     }
 }

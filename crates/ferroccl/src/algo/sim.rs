@@ -112,6 +112,7 @@ pub(crate) fn accesses(op: &Action) -> (Vec<&Slice>, Vec<&Slice>) {
         Action::Send { src, .. } => (vec![src], vec![]),
         Action::Recv { dst, .. } | Action::Get { dst, .. } => (vec![], vec![dst]),
         Action::Put { src, .. } => (vec![src], vec![]),
+        Action::Signal { .. } | Action::WaitSignal { .. } => (vec![], vec![]),
         Action::Reduce { dst, src } => (vec![dst, src], vec![dst]),
         Action::ReduceMany { dst, srcs } => (srcs.iter().collect(), vec![dst]),
         Action::Copy { dst, src } => (vec![src], vec![dst]),
@@ -164,7 +165,9 @@ fn validate(rank: usize, step: usize, s: &Schedule, n: usize, elem: usize, lens:
         }
     }
     match &st.op {
-        Action::Get { .. } | Action::Put { .. } => return bad("one-sided steps are not simulated".into()),
+        Action::Get { .. } | Action::Put { .. } | Action::Signal { .. } | Action::WaitSignal { .. } => {
+            return bad("one-sided steps are not simulated".into())
+        }
         Action::Send { peer, src: sl } | Action::Recv { peer, dst: sl } => {
             if *peer >= n || *peer == rank {
                 return bad(format!("transfer with peer {peer}"));
@@ -324,7 +327,12 @@ fn exec_local(m: &mut Mem, op: &Action, dtype: DType, rop: ReduceOp) -> Result<(
             finish_avg_bytes(dtype, &mut acc, *n)?;
             m.write(dst, &acc);
         }
-        Action::Send { .. } | Action::Recv { .. } | Action::Get { .. } | Action::Put { .. } => unreachable!("transfers are not local"),
+        Action::Send { .. }
+        | Action::Recv { .. }
+        | Action::Get { .. }
+        | Action::Put { .. }
+        | Action::Signal { .. }
+        | Action::WaitSignal { .. } => unreachable!("transfers are not local"),
     }
     Ok(())
 }

@@ -68,6 +68,7 @@ macro_rules! conformance_suite {
             onesided::allocated_windows_are_written_by_peers,
             onesided::transfer_plans_run_many_times_with_rewritten_sources,
             onesided::transfer_plans_refuse_bad_entries,
+            onesided::put_signal_lands_the_data_before_the_signal,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -479,3 +479,61 @@ pub fn transfer_plans_refuse_bad_entries(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// `put_signal` raises the signal only after its bytes have landed: the owner, waiting for
+/// each round's signal, finds that round's data complete in its window; `signal` (no data)
+/// and `signal_value` read the same signal; signals only rise.
+pub fn put_signal_lands_the_data_before_the_signal(s: &Suite) {
+    let rounds = 40usize;
+    let len = 3000usize;
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let mut slots = vec![0u32; rounds * len];
+            let data = |k: usize| -> Vec<u32> { (0..len).map(|i| (k * 1_000_003 + i) as u32).collect() };
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let w = sc.register_mut(&mut slots)?;
+                    let mut all = vec![0u8; RemoteHandle::BYTES * 2];
+                    comm.allgather(&w.handle().to_bytes(), &mut all)?;
+                    let h1 = RemoteHandle::from_bytes(&all[40..80])?;
+                    if me == 0 {
+                        for k in 1..=rounds {
+                            comm.put_signal(&h1, (k - 1) * len, &data(k), k as u64)?;
+                        }
+                        comm.signal(1, 1_000)?;
+                        comm.signal(1, 7)?; // lower: the signal stays at 1000
+                    } else {
+                        for k in 1..=rounds {
+                            let v = comm.wait_signal(0, k as u64)?;
+                            if v < k as u64 {
+                                return Err(Error::InvalidArgument(format!("wait_signal({k}) returned {v}")));
+                            }
+                            let mut got = vec![0u32; len];
+                            w.read((k - 1) * len, &mut got)?;
+                            if got != data(k) {
+                                return Err(Error::InvalidArgument(format!("round {k}: the signal came before the data")));
+                            }
+                        }
+                        comm.wait_signal(0, 1_000)?;
+                    }
+                    comm.barrier()?;
+                    if me == 1 && comm.signal_value(0) != 1_000 {
+                        return Err(Error::InvalidArgument(format!("signal_value(0) is {}", comm.signal_value(0))));
+                    }
+                    // A signal to itself.
+                    comm.signal(me, 5)?;
+                    if comm.wait_signal(me, 5)? != 5 || comm.signal_value(me) != 5 {
+                        return Err(Error::InvalidArgument("a signal to itself".into()));
+                    }
+                    comm.barrier()
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
