@@ -94,6 +94,7 @@ pub mod overlap;
 pub mod plot;
 pub mod report;
 pub mod results;
+pub mod rma;
 pub mod sub;
 
 use std::path::PathBuf;
@@ -167,6 +168,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
         Some("latency") => return subcommand(args, latency::USAGE, latency::help, latency::parse, |o| o.common, latency::run),
         Some("idle") => return subcommand(args, idle::USAGE, idle::help, idle::parse, |o| o.common, idle::run),
         Some("overlap") => return subcommand(args, overlap::USAGE, overlap::help, overlap::parse, |o| o.common, overlap::run),
+        Some("rma") => return subcommand(args, rma::USAGE, rma::help, rma::parse, |o| o.common, rma::run),
         _ => {}
     }
     let o = match args::parse(args) {
