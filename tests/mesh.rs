@@ -194,6 +194,13 @@ fn kill_during_transfer_shm_with_cma() {
     killed_with("shm", "transfer", &[("FERROCCL_SHM_CMA", "1")]);
 }
 #[test]
+fn kill_during_one_sided_reads_and_plans() {
+    for transport in ["shm", "tcp"] {
+        killed(transport, "read");
+        killed(transport, "plan");
+    }
+}
+#[test]
 fn kill_during_barrier_tcp() {
     killed("tcp", "barrier");
 }

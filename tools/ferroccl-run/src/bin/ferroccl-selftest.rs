@@ -285,9 +285,25 @@ fn kill(comm: &Communicator, args: &[String]) -> R<()> {
     let stop = start + Duration::from_secs(60);
     let big = vec![7u8; 8 << 20];
     let mut inb = vec![0u8; 8 << 20];
+    // One-sided: every rank's 8 MiB window, read by the rank below it (whole, or by a plan
+    // of four 2 MiB reads), then a barrier.
+    let window = comm.alloc_window::<u8>(8 << 20)?;
+    let mut all = vec![0u8; ferroccl::RemoteHandle::BYTES * n];
+    comm.allgather(&window.handle().to_bytes(), &mut all)?;
+    let next = ferroccl::RemoteHandle::from_bytes(&all[(me + 1) % n * 40..][..40])?;
+    let landing = comm.alloc_window::<u8>(8 << 20)?;
+    let mut plan = (0..4).fold(comm.transfer_plan(), |b, k| b.read::<u8>(&next, k << 21, &landing, k << 21, 1 << 21)).build()?;
     let res: R<()> = (|| {
         while Instant::now() < stop {
             match during.as_str() {
+                "read" => {
+                    comm.read_into(&next, 0, &mut inb)?;
+                    comm.barrier()?;
+                }
+                "plan" => {
+                    plan.run()?;
+                    comm.barrier()?;
+                }
                 "transfer" => {
                     for round in 0..rounds(n) {
                         if let Some(p) = partner(n, round, me) {
