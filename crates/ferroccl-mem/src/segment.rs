@@ -230,8 +230,15 @@ impl ShmSegment {
                 label(&format!("is {}, not this segment (the process or descriptor was reused)", before.display())),
             ));
         }
-        let file = rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NONBLOCK, Mode::empty())
-            .map_err(|e| seg_os_err(name, &label("open"), e))?;
+        let file = rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NONBLOCK, Mode::empty()).map_err(|e| {
+            // The process (or its descriptor) went away between the look and the open:
+            // the same news as above, in the same words.
+            if e == rustix::io::Errno::NOENT {
+                seg_err(name, io::ErrorKind::NotFound, format_args!("{path} does not exist (the process or its descriptor is gone)"))
+            } else {
+                seg_os_err(name, &label("open"), e)
+            }
+        })?;
         // The decisive check, on the descriptor we hold: nothing can swap it now.
         let mine = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
             .map_err(|e| seg_err(name, e.kind(), label(&format!("readlink of the opened descriptor: {e}"))))?;
