@@ -76,6 +76,14 @@ impl Xfer {
             Xfer::Signal(s) => s.is_done(),
         }
     }
+    /// A one-sided step's refusal: it is over, and the run fails when every step is.
+    fn take_refusal(&mut self) -> Option<Error> {
+        match self {
+            Xfer::Get(g) => g.take_refusal(),
+            Xfer::Put(p) => p.take_refusal(),
+            _ => None,
+        }
+    }
     fn waiting_for(&self) -> Option<usize> {
         match self {
             Xfer::Send(s) => s.waiting_for(),
@@ -128,6 +136,8 @@ pub(crate) struct Exec {
     in_flight: usize,
     /// Where a reduction's source that overlaps its destination is copied first (reused).
     aside: Vec<u8>,
+    /// The first refusal of a one-sided step, reported once every step is over.
+    refused: Option<Error>,
 }
 
 impl Exec {
@@ -144,6 +154,7 @@ impl Exec {
         self.next = 0;
         self.remaining = steps;
         self.in_flight = 0;
+        self.refused = None;
     }
 
     /// Drops every transfer in flight (after a failure): revokes lent buffers.
@@ -170,6 +181,9 @@ impl Exec {
                     moved |= x.advance(cx)?;
                     if !x.is_done() {
                         break;
+                    }
+                    if let Some(e) = x.take_refusal() {
+                        self.refused.get_or_insert(e);
                     }
                     self.done[*step] = true;
                     self.remaining -= 1;
@@ -221,6 +235,9 @@ impl Exec {
                 Some((qi, mut x)) => {
                     let q = self.queues.get_mut(qi).ok_or_else(|| Error::internal(format!("{}: step {i}: peer out of range", cx.op)))?;
                     x.advance(cx)?;
+                    if let Some(e) = x.take_refusal() {
+                        self.refused.get_or_insert(e);
+                    }
                     if x.is_done() && q.is_empty() {
                         self.done[i] = true;
                         self.remaining -= 1;
@@ -237,6 +254,11 @@ impl Exec {
             }
             self.next += 1;
             moved = true;
+        }
+        if self.remaining == 0 {
+            if let Some(e) = self.refused.take() {
+                return Err(e);
+            }
         }
         Ok(poll_of(self.remaining == 0, moved))
     }

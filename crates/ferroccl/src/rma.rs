@@ -75,11 +75,26 @@ pub(crate) struct GetOp {
     imm: u32,
     grant: WriteGrant,
     state: State,
+    /// The owner's refusal: the step is over, and its job fails once its other transfers
+    /// are over too (so that none of them is still landing when the job returns).
+    refusal: Option<Error>,
 }
 
 impl GetOp {
     pub(crate) fn new(_peer: usize, wpeer: usize, remote: Remote, offset: u64, dst: RegionHandle, dst_offset: usize, len: usize) -> GetOp {
-        GetOp { wpeer, remote, offset, dst, dst_offset, len, req: 0, imm: 0, grant: WriteGrant::default(), state: State::Start }
+        GetOp {
+            wpeer,
+            remote,
+            offset,
+            dst,
+            dst_offset,
+            len,
+            req: 0,
+            imm: 0,
+            grant: WriteGrant::default(),
+            state: State::Start,
+            refusal: None,
+        }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -88,6 +103,17 @@ impl GetOp {
 
     pub(crate) fn waiting_for(&self) -> Option<usize> {
         (self.state == State::Wait).then_some(self.wpeer)
+    }
+
+    fn refuse(&mut self, e: Error) -> bool {
+        self.refusal = Some(e);
+        self.state = State::Done;
+        true
+    }
+
+    /// The owner's refusal, once (see `refusal`).
+    pub(crate) fn take_refusal(&mut self) -> Option<Error> {
+        self.refusal.take()
     }
 
     fn target(&self, cx: &XferCtx<'_>, req: u64) -> RmaTarget {
@@ -100,7 +126,10 @@ impl GetOp {
                 if self.wpeer == cx.fabric.rank {
                     // This rank's own window: the same checks, then a copy.
                     let t = self.target(cx, 0);
-                    let e = check(cx.fabric, &t, false).map_err(|st| refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)))?;
+                    let e = match check(cx.fabric, &t, false) {
+                        Ok(e) => e,
+                        Err(st) => return Ok(self.refuse(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)))),
+                    };
                     e.region
                         .with_slice(t.offset as usize, self.len, |s| self.dst.write_at(self.dst_offset, s))
                         .and_then(|r| r)
@@ -129,8 +158,7 @@ impl GetOp {
                 if let Some(st) = ev.rma_replies.remove(&(self.wpeer, self.req)) {
                     drop(ev);
                     self.grant = WriteGrant::default();
-                    self.state = State::Done;
-                    return Err(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)));
+                    return Ok(self.refuse(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed))));
                 }
                 if ev.closed.contains(&self.wpeer) {
                     return Err(cx.closed(self.wpeer));
@@ -160,11 +188,32 @@ pub(crate) struct PutOp {
     acked: u64,
     piece: usize,
     state: State,
+    /// As `GetOp::refusal`.
+    refusal: Option<Error>,
 }
 
 impl PutOp {
+    /// The owner's refusal, once (see `GetOp::refusal`).
+    pub(crate) fn take_refusal(&mut self) -> Option<Error> {
+        self.refusal.take()
+    }
+
     pub(crate) fn new(_peer: usize, wpeer: usize, remote: Remote, offset: u64, src: RegionHandle, src_offset: usize, len: usize) -> PutOp {
-        PutOp { wpeer, remote, offset, src, src_offset, len, req: 0, pieces: 0, sent: 0, acked: 0, piece: 0, state: State::Start }
+        PutOp {
+            wpeer,
+            remote,
+            offset,
+            src,
+            src_offset,
+            len,
+            req: 0,
+            pieces: 0,
+            sent: 0,
+            acked: 0,
+            piece: 0,
+            state: State::Start,
+            refusal: None,
+        }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -188,7 +237,14 @@ impl PutOp {
                         offset: self.offset,
                         len: self.len as u64,
                     };
-                    let e = check(cx.fabric, &t, true).map_err(|st| refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)))?;
+                    let e = match check(cx.fabric, &t, true) {
+                        Ok(e) => e,
+                        Err(st) => {
+                            self.refusal = Some(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)));
+                            self.state = State::Done;
+                            return Ok(true);
+                        }
+                    };
                     self.src
                         .with_slice(self.src_offset, self.len, |s| e.region.write_at(t.offset as usize, s))
                         .and_then(|r| r)
@@ -232,8 +288,9 @@ impl PutOp {
                         for i in self.acked..self.sent {
                             ev.rma_replies.remove(&(self.wpeer, self.req + i));
                         }
+                        self.refusal = Some(refused(cx, self.wpeer, r));
                         self.state = State::Done;
-                        return Err(refused(cx, self.wpeer, r));
+                        return Ok(true);
                     }
                 }
                 if self.acked == self.sent {

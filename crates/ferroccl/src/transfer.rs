@@ -245,8 +245,9 @@ impl TransferPlan<'_> {
     /// # Errors
     ///
     /// [`Error::Refused`] when an owner refuses an entry (its window was dropped since the
-    /// plan was built, or the handle was forged): the other entries have run or fail too;
-    /// a dead owner or the deadline fail it as any call.
+    /// plan was built, or the handle was forged), once every other entry is over (their
+    /// data has landed); the communicator stays usable. A dead owner or the deadline fail
+    /// it as any call.
     pub fn run(&mut self) -> Result<()> {
         self.comm.submit(&self.job, true, true)?;
         self.runs += 1;

@@ -537,3 +537,59 @@ pub fn put_signal_lands_the_data_before_the_signal(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// A plan whose entry names a window dropped since the plan was built fails its run with
+/// the refusal, but only once its other transfers are over: their data has landed, and
+/// nothing lands later (the communicator stays usable, and a rebuilt plan runs).
+pub fn a_refused_plan_entry_fails_the_run_after_the_others_land(s: &Suite) {
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let peer = 1 - me;
+            let src: Vec<u64> = (0..30_000).map(|i| (me * 1_000_000 + i) as u64).collect();
+            let mut gone = vec![0u64; 10];
+            let mut dst = vec![0u64; 30_010];
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let w = sc.register(&src)?;
+                    let g = sc.register_mut(&mut gone)?;
+                    let d = sc.register_mut(&mut dst)?;
+                    let mine: Vec<u8> = [w.handle(), g.handle()].iter().flat_map(|h| h.to_bytes()).collect();
+                    let mut all = vec![0u8; mine.len() * 2];
+                    comm.allgather(&mine, &mut all)?;
+                    let hw = RemoteHandle::from_bytes(&all[peer * 80..peer * 80 + 40])?;
+                    let hg = RemoteHandle::from_bytes(&all[peer * 80 + 40..peer * 80 + 80])?;
+                    let mut plan = comm
+                        .transfer_plan()
+                        .read::<u64>(&hw, 0, &d, 0, 15_000)
+                        .read::<u64>(&hg, 0, &d, 30_000, 10)
+                        .read::<u64>(&hw, 15_000, &d, 15_000, 15_000)
+                        .build()?;
+                    plan.run()?;
+                    drop(g);
+                    comm.barrier()?;
+                    d.write(0, &vec![0u64; 30_010])?;
+                    match plan.run() {
+                        Err(Error::Refused { reason: Refusal::NoWindow, owner, .. }) if owner == peer => {}
+                        other => return Err(Error::InvalidArgument(format!("rank {me}: expected a refusal, got {other:?}"))),
+                    }
+                    let mut got = vec![0u64; 30_000];
+                    d.read(0, &mut got)?;
+                    let want: Vec<u64> = (0..30_000).map(|i| (peer * 1_000_000 + i) as u64).collect();
+                    if got != want {
+                        return Err(Error::InvalidArgument(format!("rank {me}: the other entries had not landed when the run failed")));
+                    }
+                    comm.barrier()?;
+                    let mut ok = comm.transfer_plan().read::<u64>(&hw, 0, &d, 0, 30_000).build()?;
+                    ok.run()?;
+                    comm.barrier()
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
