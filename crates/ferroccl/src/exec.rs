@@ -209,13 +209,14 @@ impl Exec {
                 }
                 // One-sided steps share the (peer, direction) queues: they complete in the
                 // order they were posted to one owner.
-                Action::Get { peer, remote, offset, dst } => {
+                Action::Get { peer, remote, offset, dst, block } => {
                     let h = run.bufs.handle(dst.buf).clone();
-                    Some((2 * *peer, Xfer::Get(GetOp::new(*peer, world(*peer)?, *remote, *offset, h, dst.range.start, dst.len()))))
+                    let op = GetOp::new(*peer, world(*peer)?, *remote, *offset, h, dst.range.start, dst.len(), *block);
+                    Some((2 * *peer, Xfer::Get(op)))
                 }
-                Action::Put { peer, remote, offset, src } => {
+                Action::Put { peer, remote, offset, src, block } => {
                     let h = run.bufs.handle(src.buf).clone();
-                    Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, src.len()))))
+                    Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, *block))))
                 }
                 // Behind the puts to the same peer, so raised after they landed.
                 Action::Signal { peer, value } => Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, *value)))),

@@ -160,6 +160,11 @@ impl Fabric {
         self.registry.next_imm()
     }
 
+    /// `n` fresh consecutive immediates (see [`Registry::next_imms`]).
+    pub(crate) fn next_imms(&self, n: u32) -> u32 {
+        self.registry.next_imms(n)
+    }
+
     /// Drains the shm inbox and the verbs completions. An error here is fatal for the
     /// fabric.
     pub(crate) fn progress(&self) -> Result<()> {

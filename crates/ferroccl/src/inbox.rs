@@ -78,7 +78,7 @@ pub(crate) struct Events {
 #[derive(Debug)]
 pub(crate) enum RmaRequest {
     /// Write `target`'s range of the window into `buf` with immediate `imm`.
-    Get { target: RmaTarget, buf: RemoteBuf, imm: u32 },
+    Get { target: RmaTarget, buf: RemoteBuf, imm: u32, shape: proto::GetShape },
     /// Land `data` in `target`'s range of the window.
     Put { target: RmaTarget, data: Vec<u8> },
     /// Raise the requester's signal to `value`.
@@ -352,8 +352,9 @@ impl Inbox {
                     self.any_probe.store(true, Ordering::Release);
                 }
             }
-            Ok(ProtoMsg::Get { target, buf, imm }) => {
-                ev.rma_requests.push_back((peer, RmaRequest::Get { target, buf, imm }));
+            Ok(ProtoMsg::Get { target, buf, imm, rows, row, src_stride, dst_stride }) => {
+                let shape = proto::GetShape { rows, row, src_stride, dst_stride };
+                ev.rma_requests.push_back((peer, RmaRequest::Get { target, buf, imm, shape }));
                 self.any_rma.store(true, Ordering::Release);
             }
             Ok(ProtoMsg::Put { target, data }) => {

@@ -70,6 +70,6 @@ pub use nonblocking::{Group, Request, Scope};
 pub use params::{FaultSite, InjectedFault, Params, ProtoChoice, TransportChoice};
 pub use persistent::Plan;
 pub use registry::RegStats;
-pub use transfer::{TransferPlan, TransferPlanBuilder};
+pub use transfer::{Strided, TransferPlan, TransferPlanBuilder};
 pub use transport_kind::TransportKind;
 pub use window::{Access, RemoteHandle, Window};

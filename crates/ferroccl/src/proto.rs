@@ -279,6 +279,13 @@ pub(crate) enum ProtoMsg {
         target: RmaTarget,
         buf: RemoteBuf,
         imm: u32,
+        /// Rows of a 2-D read (1: contiguous): `row` bytes each, `src_stride` apart in
+        /// the window (`target` spans them) and `dst_stride` apart in `buf`; row `r` is
+        /// written with immediate `imm + r` (31 bits, wrapping).
+        rows: u32,
+        row: u64,
+        src_stride: u64,
+        dst_stride: u64,
     },
     /// "Land these bytes in this range of your window" (`target.len == data.len()`).
     Put {
@@ -435,10 +442,19 @@ fn read_target(r: &mut Reader<'_>) -> DResult<RmaTarget> {
 pub(crate) const PUT_HEADER: usize = EAGER_HEADER + 44;
 
 /// Bytes of a `GET`.
-pub(crate) const GET_LEN: usize = PUT_HEADER + 28;
+pub(crate) const GET_LEN: usize = PUT_HEADER + 28 + 28;
+
+/// The shape of a `GET` (see [`ProtoMsg::Get`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GetShape {
+    pub(crate) rows: u32,
+    pub(crate) row: u64,
+    pub(crate) src_stride: u64,
+    pub(crate) dst_stride: u64,
+}
 
 /// A `GET` (see [`ProtoMsg::Get`]), on the stack: a plan's reads allocate nothing.
-pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32) -> [u8; GET_LEN] {
+pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32, shape: &GetShape) -> [u8; GET_LEN] {
     let mut b = [0u8; GET_LEN];
     b[..PUT_HEADER].copy_from_slice(&put_header(t));
     b[5] = K_GET;
@@ -448,6 +464,13 @@ pub(crate) fn encode_get(t: &RmaTarget, buf: &RemoteBuf, imm: u32) -> [u8; GET_L
         at += 8;
     }
     b[at..at + 4].copy_from_slice(&imm.to_le_bytes());
+    at += 4;
+    b[at..at + 4].copy_from_slice(&shape.rows.to_le_bytes());
+    at += 4;
+    for v in [shape.row, shape.src_stride, shape.dst_stride] {
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        at += 8;
+    }
     b
 }
 
@@ -564,8 +587,9 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 let target = read_target(&mut r)?;
                 let buf = RemoteBuf { addr: r.u64()?, len: r.u64()?, key: r.u64()? };
                 let imm = r.u32()?;
+                let (rows, row, src_stride, dst_stride) = (r.u32()?, r.u64()?, r.u64()?, r.u64()?);
                 r.end()?;
-                Some(ProtoMsg::Get { target, buf, imm })
+                Some(ProtoMsg::Get { target, buf, imm, rows, row, src_stride, dst_stride })
             }
             K_PUT => {
                 let target = read_target(&mut r)?;
@@ -615,8 +639,9 @@ mod tests {
     fn one_sided_messages_round_trip() {
         let t = RmaTarget { req: 11, job: 0xfeed, window: 3, key: 0xdead_beef, offset: 4096, len: 5 };
         let buf = RemoteBuf { addr: 0x1000, len: 5, key: 77 };
-        match decode(encode_get(&t, &buf, 9).to_vec()).unwrap() {
-            ProtoMsg::Get { target, buf: b, imm: 9 } => assert_eq!((target, b), (t, buf)),
+        let shape = GetShape { rows: 3, row: 4, src_stride: 10, dst_stride: 6 };
+        match decode(encode_get(&t, &buf, 9, &shape).to_vec()).unwrap() {
+            ProtoMsg::Get { target, buf: b, imm: 9, rows: 3, row: 4, src_stride: 10, dst_stride: 6 } => assert_eq!((target, b), (t, buf)),
             m => panic!("{m:?}"),
         }
         let mut put = put_header(&t).to_vec();
@@ -642,7 +667,7 @@ mod tests {
             ProtoMsg::Signal { req: 8, value: u64::MAX } => {}
             m => panic!("{m:?}"),
         }
-        let get = encode_get(&t, &buf, 9);
+        let get = encode_get(&t, &buf, 9, &shape);
         assert!(decode(get[..GET_LEN - 1].to_vec()).is_err());
     }
 

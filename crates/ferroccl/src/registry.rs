@@ -207,6 +207,12 @@ impl Registry {
     /// A fresh immediate for a rendezvous write: 31 bits (verbs keeps the top bit for its
     /// own control messages).
     pub(crate) fn next_imm(&self) -> u32 {
-        self.next_imm.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff
+        self.next_imms(1)
+    }
+
+    /// `n` fresh consecutive immediates (the first; the others follow it, wrapping in 31
+    /// bits).
+    pub(crate) fn next_imms(&self, n: u32) -> u32 {
+        self.next_imm.fetch_add(n.max(1), Ordering::Relaxed) & 0x7fff_ffff
     }
 }

@@ -28,12 +28,12 @@ use std::time::Instant;
 
 use ferroccl_mem::region::RegionHandle;
 
-use crate::algo::Remote;
+use crate::algo::{Block, Remote};
 use crate::error::{Error, Op, Refusal, Result};
 use crate::fabric::Fabric;
 use crate::inbox::RmaRequest;
 use crate::p2p::XferCtx;
-use crate::proto::{self, RmaStatus, RmaTarget};
+use crate::proto::{self, GetShape, RmaStatus, RmaTarget};
 use crate::transport::{PendingWrite, WriteGrant, WriteReq, WriteTicket};
 
 impl RmaStatus {
@@ -61,8 +61,18 @@ enum State {
     Done,
 }
 
-/// A one-sided read in flight: `len` bytes at byte `offset` of window `remote` of world
-/// rank `wpeer` into `dst[dst_offset..]`.
+/// Runs `f(remote offset, local offset, bytes)` for each row of `block`, from `offset` in
+/// the window and `local` in the local buffer.
+fn for_rows(block: &Block, offset: u64, local: usize, mut f: impl FnMut(u64, usize, usize) -> Result<()>) -> Result<()> {
+    for r in 0..u64::from(block.rows) {
+        let (ro, lo) = (offset.saturating_add(r * block.remote_stride), local + (r * block.local_stride) as usize);
+        f(ro, lo, block.row as usize)?;
+    }
+    Ok(())
+}
+
+/// A one-sided read in flight: `block` (rows of bytes) at byte `offset` of window `remote`
+/// of world rank `wpeer` into `dst[dst_offset..]`.
 #[derive(Debug)]
 pub(crate) struct GetOp {
     wpeer: usize,
@@ -70,9 +80,13 @@ pub(crate) struct GetOp {
     offset: u64,
     dst: RegionHandle,
     dst_offset: usize,
+    /// Bytes the step's local slice spans.
     len: usize,
+    block: Block,
     req: u64,
+    /// The first row's immediate (row `r` lands with `imm + r`), and rows landed so far.
     imm: u32,
+    landed: u32,
     grant: WriteGrant,
     state: State,
     /// The owner's refusal: the step is over, and its job fails once its other transfers
@@ -80,8 +94,23 @@ pub(crate) struct GetOp {
     refusal: Option<Error>,
 }
 
+/// The immediate of row `r` of a read whose first row's is `imm`.
+fn row_imm(imm: u32, r: u32) -> u32 {
+    imm.wrapping_add(r) & 0x7fff_ffff
+}
+
 impl GetOp {
-    pub(crate) fn new(_peer: usize, wpeer: usize, remote: Remote, offset: u64, dst: RegionHandle, dst_offset: usize, len: usize) -> GetOp {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        _peer: usize,
+        wpeer: usize,
+        remote: Remote,
+        offset: u64,
+        dst: RegionHandle,
+        dst_offset: usize,
+        len: usize,
+        block: Block,
+    ) -> GetOp {
         GetOp {
             wpeer,
             remote,
@@ -89,8 +118,10 @@ impl GetOp {
             dst,
             dst_offset,
             len,
+            block,
             req: 0,
             imm: 0,
+            landed: 0,
             grant: WriteGrant::default(),
             state: State::Start,
             refusal: None,
@@ -116,39 +147,57 @@ impl GetOp {
         self.refusal.take()
     }
 
+    /// The request: the window range the rows span.
     fn target(&self, cx: &XferCtx<'_>, req: u64) -> RmaTarget {
-        RmaTarget { req, job: cx.fabric.job, window: self.remote.window, key: self.remote.key, offset: self.offset, len: self.len as u64 }
+        let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+        RmaTarget { req, job: cx.fabric.job, window: self.remote.window, key: self.remote.key, offset: self.offset, len: span }
     }
 
     pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         match self.state {
             State::Start => {
                 if self.wpeer == cx.fabric.rank {
-                    // This rank's own window: the same checks, then a copy.
+                    // This rank's own window: the same checks, then a copy per row.
                     let t = self.target(cx, 0);
                     let e = match check(cx.fabric, &t, false) {
                         Ok(e) => e,
                         Err(st) => return Ok(self.refuse(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)))),
                     };
-                    e.region
-                        .with_slice(t.offset as usize, self.len, |s| self.dst.write_at(self.dst_offset, s))
-                        .and_then(|r| r)
-                        .map_err(|err| Error::invalid(format!("{}: {err}", cx.op)))?;
+                    for_rows(&self.block, self.offset, self.dst_offset, |ro, lo, n| {
+                        e.region
+                            .with_slice(ro as usize, n, |s| self.dst.write_at(lo, s))
+                            .and_then(|r| r)
+                            .map_err(|err| Error::invalid(format!("{}: {err}", cx.op)))
+                    })?;
                     self.state = State::Done;
                     return Ok(true);
                 }
                 let (buf, grant) = cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?;
                 self.grant = grant;
-                self.imm = cx.fabric.next_imm();
+                self.imm = cx.fabric.next_imms(self.block.rows);
                 self.req = cx.fabric.next_reqs(1);
                 let target = self.target(cx, self.req);
-                cx.fabric.endpoint(self.wpeer)?.post_send(&proto::encode_get(&target, &buf, self.imm), cx.deadline, &|| cx.pump())?;
+                let shape = GetShape {
+                    rows: self.block.rows,
+                    row: self.block.row,
+                    src_stride: self.block.remote_stride,
+                    dst_stride: self.block.local_stride,
+                };
+                cx.fabric
+                    .endpoint(self.wpeer)?
+                    .post_send(&proto::encode_get(&target, &buf, self.imm, &shape), cx.deadline, &|| cx.pump())?;
                 self.state = State::Wait;
                 Ok(true)
             }
             State::Wait => {
                 let mut ev = cx.fabric.inbox.lock();
-                if ev.imms.remove(&(self.wpeer, self.imm)) {
+                let mut moved = false;
+                // Rows land in order; each with its own immediate.
+                while self.landed < self.block.rows && ev.imms.remove(&(self.wpeer, row_imm(self.imm, self.landed))) {
+                    self.landed += 1;
+                    moved = true;
+                }
+                if self.landed == self.block.rows {
                     drop(ev);
                     // Every byte has landed: end the owner's access to our buffer.
                     self.grant = WriteGrant::default();
@@ -163,15 +212,16 @@ impl GetOp {
                 if ev.closed.contains(&self.wpeer) {
                     return Err(cx.closed(self.wpeer));
                 }
-                Ok(false)
+                Ok(moved)
             }
             State::Done => Ok(false),
         }
     }
 }
 
-/// A one-sided write in flight: `len` bytes of `src[src_offset..]` to byte `offset` of
-/// window `remote` of world rank `wpeer`, in pieces of at most one message each.
+/// A one-sided write in flight: `block` (rows of bytes) of `src[src_offset..]` to byte
+/// `offset` of window `remote` of world rank `wpeer`, in pieces of at most one message
+/// each.
 #[derive(Debug)]
 pub(crate) struct PutOp {
     wpeer: usize,
@@ -179,16 +229,15 @@ pub(crate) struct PutOp {
     offset: u64,
     src: RegionHandle,
     src_offset: usize,
-    len: usize,
+    block: Block,
     /// The first piece's request number (piece `i` is `req + i`).
     req: u64,
-    pieces: u64,
     /// Pieces sent, and pieces the owner has answered.
     sent: u64,
     acked: u64,
-    piece: usize,
     state: State,
-    /// As `GetOp::refusal`.
+    /// As `GetOp::refusal` (the first piece's refusal; the write ends when every piece is
+    /// answered).
     refusal: Option<Error>,
 }
 
@@ -198,22 +247,16 @@ impl PutOp {
         self.refusal.take()
     }
 
-    pub(crate) fn new(_peer: usize, wpeer: usize, remote: Remote, offset: u64, src: RegionHandle, src_offset: usize, len: usize) -> PutOp {
-        PutOp {
-            wpeer,
-            remote,
-            offset,
-            src,
-            src_offset,
-            len,
-            req: 0,
-            pieces: 0,
-            sent: 0,
-            acked: 0,
-            piece: 0,
-            state: State::Start,
-            refusal: None,
-        }
+    pub(crate) fn new(
+        _peer: usize,
+        wpeer: usize,
+        remote: Remote,
+        offset: u64,
+        src: RegionHandle,
+        src_offset: usize,
+        block: Block,
+    ) -> PutOp {
+        PutOp { wpeer, remote, offset, src, src_offset, block, req: 0, sent: 0, acked: 0, state: State::Start, refusal: None }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -224,20 +267,17 @@ impl PutOp {
         (self.state == State::Wait).then_some(self.wpeer)
     }
 
+    fn target(&self, cx: &XferCtx<'_>, req: u64, offset: u64, len: u64) -> RmaTarget {
+        RmaTarget { req, job: cx.fabric.job, window: self.remote.window, key: self.remote.key, offset, len }
+    }
+
     pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         match self.state {
             State::Start => {
                 if self.wpeer == cx.fabric.rank {
-                    // This rank's own window: the same checks, then a copy.
-                    let t = RmaTarget {
-                        req: 0,
-                        job: cx.fabric.job,
-                        window: self.remote.window,
-                        key: self.remote.key,
-                        offset: self.offset,
-                        len: self.len as u64,
-                    };
-                    let e = match check(cx.fabric, &t, true) {
+                    // This rank's own window: the same checks, then a copy per row.
+                    let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+                    let e = match check(cx.fabric, &self.target(cx, 0, self.offset, span), true) {
                         Ok(e) => e,
                         Err(st) => {
                             self.refusal = Some(refused(cx, self.wpeer, st.refusal().unwrap_or(Refusal::Failed)));
@@ -245,34 +285,34 @@ impl PutOp {
                             return Ok(true);
                         }
                     };
-                    self.src
-                        .with_slice(self.src_offset, self.len, |s| e.region.write_at(t.offset as usize, s))
-                        .and_then(|r| r)
-                        .map_err(|err| Error::invalid(format!("{}: {err}", cx.op)))?;
+                    for_rows(&self.block, self.offset, self.src_offset, |ro, lo, n| {
+                        self.src
+                            .with_slice(lo, n, |s| e.region.write_at(ro as usize, s))
+                            .and_then(|r| r)
+                            .map_err(|err| Error::invalid(format!("{}: {err}", cx.op)))
+                    })?;
                     self.state = State::Done;
                     return Ok(true);
                 }
                 let ep = cx.fabric.endpoint(self.wpeer)?;
-                self.piece = ep.max_send().saturating_sub(proto::PUT_HEADER).max(1);
-                self.pieces = (self.len.div_ceil(self.piece) as u64).max(1);
-                self.req = cx.fabric.next_reqs(self.pieces);
-                for i in 0..self.pieces {
-                    let start = i as usize * self.piece;
-                    let n = self.piece.min(self.len - start.min(self.len));
-                    let target = RmaTarget {
-                        req: self.req + i,
-                        job: cx.fabric.job,
-                        window: self.remote.window,
-                        key: self.remote.key,
-                        offset: self.offset.saturating_add(start as u64),
-                        len: n as u64,
-                    };
-                    let head = proto::put_header(&target);
-                    self.src
-                        .with_slice(self.src_offset + start, n, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
-                        .map_err(|e| Error::internal(format!("{}: write source: {e}", cx.op)))??;
-                    self.sent += 1;
-                }
+                let piece = ep.max_send().saturating_sub(proto::PUT_HEADER).max(1);
+                let per_row = (self.block.row as usize).div_ceil(piece).max(1) as u64;
+                let pieces = per_row * u64::from(self.block.rows);
+                self.req = cx.fabric.next_reqs(pieces);
+                let (block, offset, src_offset) = (self.block, self.offset, self.src_offset);
+                for_rows(&block, offset, src_offset, |ro, lo, row| {
+                    for k in 0..per_row as usize {
+                        let start = k * piece;
+                        let n = piece.min(row - start.min(row));
+                        let target = self.target(cx, self.req + self.sent, ro.saturating_add(start as u64), n as u64);
+                        let head = proto::put_header(&target);
+                        self.src
+                            .with_slice(lo + start, n, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
+                            .map_err(|e| Error::internal(format!("{}: write source: {e}", cx.op)))??;
+                        self.sent += 1;
+                    }
+                    Ok(())
+                })?;
                 self.state = State::Wait;
                 Ok(true)
             }
@@ -283,14 +323,8 @@ impl PutOp {
                     let Some(st) = ev.rma_replies.remove(&(self.wpeer, self.req + self.acked)) else { break };
                     moved = true;
                     self.acked += 1;
-                    if let Some(r) = st.refusal() {
-                        // The rest are refused too, or landed: forget their answers.
-                        for i in self.acked..self.sent {
-                            ev.rma_replies.remove(&(self.wpeer, self.req + i));
-                        }
+                    if let (Some(r), None) = (st.refusal(), &self.refusal) {
                         self.refusal = Some(refused(cx, self.wpeer, r));
-                        self.state = State::Done;
-                        return Ok(true);
                     }
                 }
                 if self.acked == self.sent {
@@ -415,25 +449,34 @@ impl RmaServer {
         while let Some((peer, req)) = queue.pop_front() {
             let Ok(ep) = fabric.endpoint(peer) else { continue };
             match req {
-                RmaRequest::Get { target, buf, imm } => {
-                    let status = match check(fabric, &target, false) {
+                RmaRequest::Get { target, buf, imm, shape } => {
+                    let status = match check_get(fabric, &target, &shape) {
                         Err(st) => st,
                         Ok(e) => {
-                            let w = WriteReq {
-                                src: &e.region,
-                                offset: target.offset as usize,
-                                len: target.len as usize,
-                                dst: buf,
-                                dst_offset: 0,
-                                imm,
-                            };
-                            match ep.post_write(&w, deadline, &pump) {
-                                Ok(WriteTicket::Done) => continue,
-                                Ok(WriteTicket::Pending(p)) => {
-                                    self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                                    continue;
+                            // One write per row (a contiguous read is one row), each with its
+                            // own immediate, in order on this connection.
+                            let mut status = None;
+                            for r in 0..shape.rows {
+                                let w = WriteReq {
+                                    src: &e.region,
+                                    offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
+                                    len: shape.row as usize,
+                                    dst: buf,
+                                    dst_offset: u64::from(r) * shape.dst_stride,
+                                    imm: row_imm(imm, r),
+                                };
+                                match ep.post_write(&w, deadline, &pump) {
+                                    Ok(WriteTicket::Done) => {}
+                                    Ok(WriteTicket::Pending(p)) => self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p),
+                                    Err(_) => {
+                                        status = Some(RmaStatus::Failed);
+                                        break;
+                                    }
                                 }
-                                Err(_) => RmaStatus::Failed,
+                            }
+                            match status {
+                                None => continue,
+                                Some(st) => st,
                             }
                         }
                     };
@@ -464,6 +507,16 @@ impl RmaServer {
         }
         true
     }
+}
+
+/// [`check`] for a read of `shape`'s rows: the rows must fit the range the request names,
+/// and the requester's buffer the rows' span.
+fn check_get(fabric: &Fabric, t: &RmaTarget, shape: &GetShape) -> std::result::Result<crate::registry::WindowEntry, RmaStatus> {
+    let block = Block { rows: shape.rows, row: shape.row, remote_stride: shape.src_stride, local_stride: shape.dst_stride };
+    if shape.rows == 0 || block.span(shape.src_stride) != Some(t.len) || block.span(shape.dst_stride).is_none() {
+        return Err(RmaStatus::OutOfRange);
+    }
+    check(fabric, t, false)
 }
 
 /// The live window a request names, if the request may have it: same job, a live window

@@ -3,11 +3,13 @@
 //! transfers, Mooncake's batches).
 //!
 //! A plan is built from entries, each a read (a range of a remote window into a range of
-//! a local [`Window`]) or a write (the other way). Building checks every entry once:
+//! a local [`Window`]) or a write (the other way), contiguous or a 2-D block ([`Strided`]:
+//! a column shard of a matrix moves as one transfer, without a packing buffer). Building checks every entry once:
 //! lengths and offsets against both windows, the access each needs (a read lands in a
 //! local window that must be writable; a write needs a read-write handle), handles of
 //! another job, owners outside the communicator, and destinations that overlap (two
-//! entries landing in the same bytes would race: refused, naming both). [`TransferPlan::run`]
+//! entries landing in the same bytes would race: refused, naming both; rows are compared
+//! one by one, so interleaved column shards are fine). [`TransferPlan::run`]
 //! then starts every transfer at once (all in flight together, not one round trip each)
 //! and waits for all of them; a run allocates nothing and registers nothing, because the
 //! local memory is windows, registered when they were made.
@@ -49,7 +51,7 @@ use std::sync::Arc;
 
 use ferroccl_kernels::{DType, Element};
 
-use crate::algo::{Action, Buf, Remote, Schedule, Slice, Step};
+use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
@@ -68,17 +70,50 @@ type DestKey = (u8, u64, u64);
 /// A destination range: (first byte, end, entry index).
 type DestRange = (u64, u64, usize);
 
-/// One entry, in bytes.
+/// A 2-D block of a transfer plan entry, in elements: `rows` rows of `row_len` elements,
+/// `from_stride` elements apart where they are read and `to_stride` apart where they land
+/// (a column shard of a row-major matrix: `rows` = its rows, `row_len` = the shard's
+/// columns, the strides = the two matrices' row lengths). It moves as one transfer: one
+/// request, no packing buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strided {
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub row_len: usize,
+    /// Elements from one row's start to the next where they are read.
+    pub from_stride: usize,
+    /// Elements from one row's start to the next where they land.
+    pub to_stride: usize,
+}
+
+/// One entry.
 #[derive(Debug)]
 struct Entry<'w> {
     dir: Dir,
     remote: RemoteHandle,
-    remote_offset: Option<u64>,
+    /// In elements.
+    remote_offset: usize,
     local: &'w Window<'w>,
-    local_offset: Option<usize>,
-    len: Option<usize>,
+    local_offset: usize,
+    shape: Strided,
     dtype: DType,
-    count: usize,
+    size: usize,
+}
+
+/// An entry's geometry in bytes: (remote offset, local offset, block), or `None` if it
+/// overflows.
+fn geometry(e: &Entry<'_>) -> Option<(u64, usize, Block)> {
+    let b = |n: usize| n.checked_mul(e.size);
+    let (remote_stride, local_stride) = match e.dir {
+        Dir::Read => (b(e.shape.from_stride)?, b(e.shape.to_stride)?),
+        Dir::Write => (b(e.shape.to_stride)?, b(e.shape.from_stride)?),
+    };
+    let rows = u32::try_from(e.shape.rows).ok()?;
+    let block = Block { rows, row: b(e.shape.row_len)? as u64, remote_stride: remote_stride as u64, local_stride: local_stride as u64 };
+    block.span(block.remote_stride)?;
+    usize::try_from(block.span(block.local_stride)?).ok()?;
+    Some((b(e.remote_offset)? as u64, b(e.local_offset)?, block))
 }
 
 /// Builds a [`TransferPlan`]; see the [module documentation](self).
@@ -89,53 +124,69 @@ pub struct TransferPlanBuilder<'w> {
     entries: Vec<Entry<'w>>,
 }
 
-fn bytes<T: Element>(n: usize) -> Option<usize> {
-    n.checked_mul(std::mem::size_of::<T>())
-}
-
 impl<'w> TransferPlanBuilder<'w> {
     /// Adds a read of `count` elements at element `from_offset` of the window `from` names,
     /// into `into` at element `into_offset`.
-    pub fn read<T: Element>(
+    pub fn read<T: Element>(self, from: &RemoteHandle, from_offset: usize, into: &'w Window<'w>, into_offset: usize, count: usize) -> Self {
+        self.read_strided::<T>(
+            from,
+            from_offset,
+            into,
+            into_offset,
+            Strided { rows: 1, row_len: count, from_stride: count, to_stride: count },
+        )
+    }
+
+    /// Adds a read of a 2-D block ([`Strided`]) starting at element `from_offset` of the
+    /// window `from` names, landing from element `into_offset` of `into`.
+    pub fn read_strided<T: Element>(
         mut self,
         from: &RemoteHandle,
         from_offset: usize,
         into: &'w Window<'w>,
         into_offset: usize,
-        count: usize,
+        shape: Strided,
     ) -> Self {
+        let (remote, remote_offset, local, local_offset) = (*from, from_offset, into, into_offset);
         self.entries.push(Entry {
             dir: Dir::Read,
-            remote: *from,
-            remote_offset: bytes::<T>(from_offset).map(|b| b as u64),
-            local: into,
-            local_offset: bytes::<T>(into_offset),
-            len: bytes::<T>(count),
+            remote,
+            remote_offset,
+            local,
+            local_offset,
+            shape,
             dtype: T::DTYPE,
-            count,
+            size: T::DTYPE.size(),
         });
         self
     }
 
     /// Adds a write of `count` elements at element `from_offset` of the local window
     /// `from`, into the window `to` names at element `to_offset`.
-    pub fn write<T: Element>(
+    pub fn write<T: Element>(self, from: &'w Window<'w>, from_offset: usize, to: &RemoteHandle, to_offset: usize, count: usize) -> Self {
+        self.write_strided::<T>(from, from_offset, to, to_offset, Strided { rows: 1, row_len: count, from_stride: count, to_stride: count })
+    }
+
+    /// Adds a write of a 2-D block ([`Strided`]) starting at element `from_offset` of the
+    /// local window `from`, landing from element `to_offset` of the window `to` names.
+    pub fn write_strided<T: Element>(
         mut self,
         from: &'w Window<'w>,
         from_offset: usize,
         to: &RemoteHandle,
         to_offset: usize,
-        count: usize,
+        shape: Strided,
     ) -> Self {
+        let (remote, remote_offset, local, local_offset) = (*to, to_offset, from, from_offset);
         self.entries.push(Entry {
             dir: Dir::Write,
-            remote: *to,
-            remote_offset: bytes::<T>(to_offset).map(|b| b as u64),
-            local: from,
-            local_offset: bytes::<T>(from_offset),
-            len: bytes::<T>(count),
+            remote,
+            remote_offset,
+            local,
+            local_offset,
+            shape,
             dtype: T::DTYPE,
-            count,
+            size: T::DTYPE.size(),
         });
         self
     }
@@ -154,24 +205,23 @@ impl<'w> TransferPlanBuilder<'w> {
         let mut parts: Vec<(&'w Window<'w>, Vec<Step>)> = Vec::new();
         let mut count = 0;
         for (i, e) in self.entries.iter().enumerate() {
-            let (Some(roff), Some(loff), Some(len)) = (e.remote_offset, e.local_offset, e.len) else {
-                return Err(bad(i, format!("{} {} overflow the address space", e.count, e.dtype)));
+            let what = || format!("{} row(s) of {} {}", e.shape.rows, e.shape.row_len, e.dtype);
+            let Some((roff, loff, block)) = geometry(e) else {
+                return Err(bad(i, format!("{} overflow the address space", what())));
             };
+            let (rspan, lspan) = (block.span(block.remote_stride).unwrap_or(u64::MAX), block.span(block.local_stride).unwrap_or(u64::MAX));
             let h = &e.remote;
             if h.job() != comm.fabric().job {
                 return Err(bad(i, "the handle belongs to another job".into()));
             }
-            if roff.checked_add(len as u64).is_none_or(|end| end > h.len_bytes()) {
+            if roff.checked_add(rspan).is_none_or(|end| end > h.len_bytes()) {
                 return Err(bad(
                     i,
-                    format!("{} {} at byte {roff} do not fit in rank {}'s window of {} bytes", e.count, e.dtype, h.owner(), h.len_bytes()),
+                    format!("{} at byte {roff} do not fit in rank {}'s window of {} bytes", what(), h.owner(), h.len_bytes()),
                 ));
             }
-            if loff.checked_add(len).is_none_or(|end| end > e.local.len_bytes()) {
-                return Err(bad(
-                    i,
-                    format!("{} {} at byte {loff} do not fit in the local window of {} bytes", e.count, e.dtype, e.local.len_bytes()),
-                ));
+            if (loff as u64).checked_add(lspan).is_none_or(|end| end > e.local.len_bytes() as u64) {
+                return Err(bad(i, format!("{} at byte {loff} do not fit in the local window of {} bytes", what(), e.local.len_bytes())));
             }
             match e.dir {
                 Dir::Write if h.access() != Access::ReadWrite => return Err(bad(i, format!("rank {}'s window is read-only", h.owner()))),
@@ -183,19 +233,24 @@ impl<'w> TransferPlanBuilder<'w> {
             let peer = comm
                 .rank_of_world(h.owner())
                 .ok_or_else(|| bad(i, format!("world rank {} is not a member of this communicator", h.owner())))?;
-            if len == 0 {
+            if block.rows == 0 || block.row == 0 {
                 continue;
             }
             let lh = e.local.handle();
-            let (key, start) = match e.dir {
-                Dir::Read => ((0, lh.owner() as u64, u64::from(lh.window_id())), loff as u64),
-                Dir::Write => ((1, h.owner() as u64, u64::from(h.window_id())), roff),
+            let (key, start, stride) = match e.dir {
+                Dir::Read => ((0, lh.owner() as u64, u64::from(lh.window_id())), loff as u64, block.local_stride),
+                Dir::Write => ((1, h.owner() as u64, u64::from(h.window_id())), roff, block.remote_stride),
             };
-            dests.entry(key).or_default().push((start, start + len as u64, i));
+            let ranges = dests.entry(key).or_default();
+            for r in 0..u64::from(block.rows) {
+                let s = start + r * stride;
+                ranges.push((s, s + block.row, i));
+            }
             let remote = Remote { window: h.window_id(), key: h.key() };
+            let len = lspan as usize;
             let action = match e.dir {
-                Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len) },
-                Dir::Write => Action::Put { peer, remote, offset: roff, src: Slice::new(Buf::Output, loff, len) },
+                Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len), block },
+                Dir::Write => Action::Put { peer, remote, offset: roff, src: Slice::new(Buf::Output, loff, len), block },
             };
             let step = Step { op: action, deps: vec![] };
             match parts.iter_mut().find(|(w, _)| std::ptr::eq(*w, e.local)) {
@@ -209,6 +264,9 @@ impl<'w> TransferPlanBuilder<'w> {
             for pair in ranges.windows(2) {
                 let ((_, end_a, a), (start_b, _, b)) = (pair[0], pair[1]);
                 if start_b < end_a {
+                    if a == b {
+                        return Err(bad(a, "its rows land on each other (a stride shorter than a row)".into()));
+                    }
                     let (a, b) = (a.min(b), a.max(b));
                     return Err(Error::invalid(format!("rank {me}: transfer plan entries {a} and {b} land in overlapping bytes")));
                 }

@@ -61,7 +61,7 @@ use std::sync::Arc;
 use ferroccl_kernels::{as_bytes, as_bytes_mut, Element};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
-use crate::algo::{Action, Buf, Remote, Schedule, Slice, Step};
+use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Engine, Part};
 use crate::error::{Error, Op, Refusal, Result};
@@ -429,8 +429,10 @@ impl Communicator {
 fn rma_step(op: &Op) -> impl Fn(RmaPlan) -> Step + '_ {
     move |RmaPlan { peer, remote, offset, len }| {
         let action = match op {
-            Op::Write { .. } => Action::Put { peer, remote, offset, src: Slice::new(Buf::Output, 0, len) },
-            _ => Action::Get { peer, remote, offset, dst: Slice::new(Buf::Output, 0, len) },
+            Op::Write { .. } => {
+                Action::Put { peer, remote, offset, src: Slice::new(Buf::Output, 0, len), block: Block::contiguous(len as u64) }
+            }
+            _ => Action::Get { peer, remote, offset, dst: Slice::new(Buf::Output, 0, len), block: Block::contiguous(len as u64) },
         };
         Step { op: action, deps: vec![] }
     }

@@ -105,15 +105,38 @@ pub(crate) enum Action {
     /// One-sided: read `dst.len()` bytes at byte `offset` of window `remote` of
     /// communicator rank `peer` into `dst` (the owner writes them; nothing is matched on
     /// any stream).
-    Get { peer: usize, remote: Remote, offset: u64, dst: Slice },
+    Get { peer: usize, remote: Remote, offset: u64, dst: Slice, block: Block },
     /// One-sided: write `src` at byte `offset` of window `remote` of communicator rank
     /// `peer`; complete when the owner says the bytes have landed.
-    Put { peer: usize, remote: Remote, offset: u64, src: Slice },
+    Put { peer: usize, remote: Remote, offset: u64, src: Slice, block: Block },
     /// One-sided: raise this rank's signal at communicator rank `peer` to `value` (after
     /// the `Put`s to `peer` posted before it have landed); complete when `peer` says so.
     Signal { peer: usize, value: u64 },
     /// Wait until the signal communicator rank `peer` gave this rank is at least `value`.
     WaitSignal { peer: usize, value: u64 },
+}
+
+/// The shape of a one-sided step: `rows` rows of `row` bytes, `remote_stride` bytes apart
+/// in the window and `local_stride` bytes apart in the local buffer (the step's slice spans
+/// them all). A contiguous step is one row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Block {
+    pub(crate) rows: u32,
+    pub(crate) row: u64,
+    pub(crate) remote_stride: u64,
+    pub(crate) local_stride: u64,
+}
+
+impl Block {
+    /// One contiguous row of `len` bytes.
+    pub(crate) fn contiguous(len: u64) -> Block {
+        Block { rows: 1, row: len, remote_stride: len, local_stride: len }
+    }
+
+    /// Bytes from the first row's start to the last row's end, with `stride` between rows.
+    pub(crate) fn span(&self, stride: u64) -> Option<u64> {
+        u64::from(self.rows.saturating_sub(1)).checked_mul(stride)?.checked_add(self.row)
+    }
 }
 
 /// A window of another rank, as a one-sided step names it: the owner's window id and the

@@ -593,3 +593,103 @@ pub fn a_refused_plan_entry_fails_the_run_after_the_others_land(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// 2-D blocks: column shards of a row-major matrix move as one transfer each, read and
+/// written; two shards land interleaved in one destination (not an overlap); rows that
+/// would overlap are refused when the plan is built.
+pub fn strided_blocks_move_column_shards(s: &Suite) {
+    use ferroccl::Strided;
+    let (rows, cols) = (64usize, 48usize);
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let peer = 1 - me;
+            let m = |rank: usize, r: usize, c: usize| (rank * 100_000 + r * 1000 + c) as u32;
+            let mut mat: Vec<u32> = (0..rows * cols).map(|i| m(me, i / cols, i % cols)).collect();
+            let mut dst = vec![0u32; rows * cols + 2 * GUARD];
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let w = sc.register_mut(&mut mat)?;
+                    let d = sc.register_mut(&mut dst)?;
+                    let mut all = vec![0u8; RemoteHandle::BYTES * 2];
+                    comm.allgather(&w.handle().to_bytes(), &mut all)?;
+                    let h = RemoteHandle::from_bytes(&all[peer * 40..peer * 40 + 40])?;
+                    let g = GUARD; // elements of guard before the destination matrix
+                                   // The peer's columns 16..40 into my columns 0..24, its columns 0..24 into
+                                   // my columns 24..48: two blocks interleaved row by row.
+                    let a = Strided { rows, row_len: 24, from_stride: cols, to_stride: cols };
+                    let mut plan =
+                        comm.transfer_plan().read_strided::<u32>(&h, 16, &d, g, a).read_strided::<u32>(&h, 0, &d, g + 24, a).build()?;
+                    plan.run()?;
+                    let mut got = vec![0u32; rows * cols + 2 * GUARD];
+                    d.read(0, &mut got)?;
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let want = if c < 24 { m(peer, r, c + 16) } else { m(peer, r, c - 24) };
+                            if got[g + r * cols + c] != want {
+                                return Err(Error::InvalidArgument(format!(
+                                    "rank {me}: [{r}][{c}] = {}, want {want}",
+                                    got[g + r * cols + c]
+                                )));
+                            }
+                        }
+                    }
+                    if got[..g].iter().chain(&got[g + rows * cols..]).any(|&x| x != 0) {
+                        return Err(Error::InvalidArgument(format!("rank {me}: a strided read wrote outside its rows")));
+                    }
+                    comm.barrier()?;
+                    // Write my destination's columns 0..8 back into the peer's columns 40..48.
+                    let back = Strided { rows, row_len: 8, from_stride: cols, to_stride: cols };
+                    comm.transfer_plan().write_strided::<u32>(&d, g, &h, 40, back).build()?.run()?;
+                    comm.barrier()?;
+                    let mut mine = vec![0u32; rows * cols];
+                    w.read(0, &mut mine)?;
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            // My columns 40..48 now hold what the peer read from my columns 16..24.
+                            let want = if c >= 40 { m(me, r, c - 40 + 16) } else { m(me, r, c) };
+                            if mine[r * cols + c] != want {
+                                return Err(Error::InvalidArgument(format!(
+                                    "rank {me}: after the write [{r}][{c}] = {}, want {want}",
+                                    mine[r * cols + c]
+                                )));
+                            }
+                        }
+                    }
+                    // Refused when built: two blocks whose rows cross, rows on each other,
+                    // and a block past the end of the window.
+                    let crossing = comm
+                        .transfer_plan()
+                        .read_strided::<u32>(&h, 0, &d, g, Strided { rows: 4, row_len: 10, from_stride: cols, to_stride: cols })
+                        .read_strided::<u32>(&h, 0, &d, g + 9, Strided { rows: 4, row_len: 10, from_stride: cols, to_stride: cols })
+                        .build();
+                    let own = comm
+                        .transfer_plan()
+                        .read_strided::<u32>(&h, 0, &d, g, Strided { rows: 4, row_len: 10, from_stride: cols, to_stride: 5 })
+                        .build();
+                    let past = comm
+                        .transfer_plan()
+                        .read_strided::<u32>(&h, 40, &d, g, Strided { rows, row_len: 9, from_stride: cols, to_stride: cols })
+                        .build();
+                    for (what, r, needle) in [
+                        ("crossing blocks", crossing, "entries 0 and 1"),
+                        ("rows on each other", own, "land on each other"),
+                        ("past the end", past, "do not fit"),
+                    ] {
+                        match r {
+                            Err(Error::InvalidArgument(msg)) if msg.contains(needle) => {}
+                            Err(e) => return Err(Error::InvalidArgument(format!("rank {me}: {what}: {e}"))),
+                            Ok(_) => return Err(Error::InvalidArgument(format!("rank {me}: {what}: built"))),
+                        }
+                    }
+                    comm.barrier()
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
