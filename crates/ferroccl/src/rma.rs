@@ -513,7 +513,9 @@ impl RmaServer {
 /// and the requester's buffer the rows' span.
 fn check_get(fabric: &Fabric, t: &RmaTarget, shape: &GetShape) -> std::result::Result<crate::registry::WindowEntry, RmaStatus> {
     let block = Block { rows: shape.rows, row: shape.row, remote_stride: shape.src_stride, local_stride: shape.dst_stride };
-    if shape.rows == 0 || block.span(shape.src_stride) != Some(t.len) || block.span(shape.dst_stride).is_none() {
+    // Rows of no bytes are never asked for (a plan drops empty entries): refusing them
+    // keeps a request from making the owner loop over billions of empty writes.
+    if shape.rows == 0 || shape.row == 0 || block.span(shape.src_stride) != Some(t.len) || block.span(shape.dst_stride).is_none() {
         return Err(RmaStatus::OutOfRange);
     }
     check(fabric, t, false)
