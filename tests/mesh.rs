@@ -694,3 +694,32 @@ fn calls_after_the_world_finalized_fail_every_time() {
         }
     }
 }
+
+/// The README's examples run under the launcher and check their own results (each exits 1
+/// on a wrong value): 4 ranks over shm, 3 over tcp. `cargo test --workspace` builds them
+/// next to the launcher; a run of this package alone, which does not, says so and skips.
+#[test]
+fn examples_run_and_check_themselves() {
+    let dir = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples");
+    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights"] {
+        let exe = dir.join(name);
+        if !exe.exists() {
+            eprintln!("skipping example {name}: {} is not built (cargo test --workspace builds it)", exe.display());
+            continue;
+        }
+        for (n, transport) in [(4, "shm"), (3, "tcp")] {
+            let out = Command::new(RUN)
+                .args(["-n", &n.to_string(), "--transport", transport, "--timeout", "120", "--"])
+                .arg(&exe)
+                .output()
+                .expect("run ferroccl-run");
+            assert!(
+                out.status.success(),
+                "example {name} on {n} ranks over {transport}: {:?}\n{}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
