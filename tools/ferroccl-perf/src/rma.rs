@@ -26,9 +26,12 @@ buffer of its own, one of five ways (the Monarch notebook's experiment, plus ref
                  tensor, all in flight at once
   memcpy         rank 0 copies the same bytes within its own memory
   sendrecv       rank 1 sends the contiguous bytes, rank 0 receives them (two-sided)
+  read_into      one blocking read_into of (b)'s window into plain memory
+  write_from     one blocking write_from of the same bytes into (b)'s window (the
+                 other direction: rank 0 writes rank 1's window; not checked)
 Cases: tiny (one 8-byte tensor: latency), small (10,000 + 50,000 + 20,000 f32),
-large (64 tensors of 1 MiB). Each round runs every way for N steps, in an order that
-flips every round (a b c m s, then s m c b a, ...); the table gives, per way, the median
+1mib (one 1 MiB tensor), large (64 tensors of 1 MiB). Each round runs every way for N steps, in an order that
+flips every round (the order above, then reversed, ...); the table gives, per way, the median
 time of a step on rank 0 (barriers between steps are not timed), its bandwidth, and
 ratios to memcpy and to (b). Every step's last element is checked.";
 
@@ -45,8 +48,8 @@ ratios to memcpy and to (b). Every step's last element is checked.";
     max_term_width = 100
 )]
 pub struct RmaOptions {
-    /// tiny, small, large or all
-    #[arg(long, value_name = "CASE", default_value = "all", value_parser = ["tiny", "small", "large", "all"])]
+    /// tiny, small, 1mib, large or all
+    #[arg(long, value_name = "CASE", default_value = "all", value_parser = ["tiny", "small", "1mib", "large", "all"])]
     pub case: String,
     /// Steps per way per round
     #[arg(long, value_name = "N", default_value = "30", allow_hyphen_values = true, value_parser = args::whole::<1>)]
@@ -69,7 +72,7 @@ pub fn parse(args: &[String]) -> Result<Option<RmaOptions>, ArgError> {
     args::parse_with("ferroccl-perf rma", args)
 }
 
-const WAYS: [&str; 5] = ["(a) register", "(b) contig", "(c) plan", "memcpy", "sendrecv"];
+const WAYS: [&str; 7] = ["(a) register", "(b) contig", "(c) plan", "memcpy", "sendrecv", "read_into", "write_from"];
 
 /// One rank's run.
 pub fn run(o: &RmaOptions) -> Result<(), Failure> {
@@ -79,10 +82,11 @@ pub fn run(o: &RmaOptions) -> Result<(), Failure> {
         let e = ferroccl::Error::InvalidArgument(format!("ferroccl-perf rma runs on 2 ranks, not {}", comm.size()));
         return Err(Failure::Collective { rank, what: "start".into(), source: Box::new(e) });
     }
-    let cases: Vec<(&str, Vec<usize>)> = [("tiny", vec![2usize]), ("small", vec![10_000, 50_000, 20_000]), ("large", vec![1 << 18; 64])]
-        .into_iter()
-        .filter(|(c, _)| o.case == "all" || o.case == *c)
-        .collect();
+    let cases: Vec<(&str, Vec<usize>)> =
+        [("tiny", vec![2usize]), ("small", vec![10_000, 50_000, 20_000]), ("1mib", vec![1 << 18]), ("large", vec![1 << 18; 64])]
+            .into_iter()
+            .filter(|(c, _)| o.case == "all" || o.case == *c)
+            .collect();
     let mut wrong = 0;
     for (name, sizes) in cases {
         wrong += one_case(&comm, o, name, &sizes)?;
@@ -190,13 +194,16 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                         (3, 0) => wdst.write(0, &local_src)?,
                         (4, 0) => comm.recv(&mut plain, 1)?,
                         (4, 1) => comm.send(&plain, 0)?,
+                        // One blocking call each, contiguous, into (from) plain memory.
+                        (5, 0) => comm.read_into(&theirs[0], 0, &mut plain)?,
+                        (6, 0) => comm.write_from(&theirs[0], 0, &local_src)?,
                         _ => {}
                     }
                     let dt = t0.elapsed().as_secs_f64() * 1e6;
                     if me == 0 {
                         times[way].push(dt);
                         let last = match way {
-                            0 | 4 => Some(plain[total - 1]),
+                            0 | 4 | 5 => Some(plain[total - 1]),
                             1 | 2 => {
                                 let mut l = [0f32];
                                 wdst.read(total - 1, &mut l)?;
