@@ -307,6 +307,7 @@ impl Communicator {
             exec,
             finished: false,
             unpack: Vec::new(),
+            after_others: false,
         }
     }
 
@@ -322,6 +323,7 @@ impl Communicator {
             started: now,
             probe_at: now,
             probe_gap: Duration::ZERO,
+            signal: 0,
         };
         body.start_clock(now, self.fabric().params.timeout);
         body

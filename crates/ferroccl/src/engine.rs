@@ -129,6 +129,9 @@ pub(crate) struct Part {
     /// A fused group's results to copy out when the part finishes: (destination,
     /// offset in `output`).
     pub(crate) unpack: Vec<(RegionHandle, usize)>,
+    /// Starts only once every earlier part of its job has finished (a transfer plan's
+    /// signals, raised after all of its writes have landed).
+    pub(crate) after_others: bool,
 }
 
 impl Part {
@@ -154,6 +157,8 @@ pub(crate) struct JobBody {
     /// [`ProtoMsg::Probe`]: crate::proto::ProtoMsg::Probe
     pub(crate) probe_at: Instant,
     pub(crate) probe_gap: Duration,
+    /// The value the signal steps of this run raise (a transfer plan's version).
+    pub(crate) signal: u64,
 }
 
 /// A collective call that has waited this long tells the peers it waits for which call it
@@ -199,9 +204,14 @@ impl JobBody {
     fn poll(&mut self, fabric: &Fabric) -> Result<Poll<()>> {
         let mut moved = false;
         let mut all = true;
-        let JobBody { comm, rank, members, parts, deadline, .. } = self;
+        let JobBody { comm, rank, members, parts, deadline, signal, .. } = self;
+        let mut earlier_done = true;
         for p in parts.iter_mut() {
             if p.finished {
+                continue;
+            }
+            if p.after_others && !earlier_done {
+                all = false;
                 continue;
             }
             let cx = XferCtx {
@@ -222,6 +232,7 @@ impl JobBody {
                 dtype: p.dtype,
                 op: p.op,
                 bufs: Buffers { input: p.input.as_ref(), output: &p.output, scratch: &p.scratch },
+                signal: *signal,
             };
             match p.exec.poll(&cx, &run)? {
                 Poll::Ready(()) => {
@@ -244,6 +255,7 @@ impl JobBody {
                 }
                 Poll::Idle => all = false,
             }
+            earlier_done &= p.finished;
         }
         Ok(if all {
             Poll::Ready(())

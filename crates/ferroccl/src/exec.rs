@@ -119,6 +119,8 @@ pub(crate) struct RunSpec<'a> {
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
     pub(crate) bufs: Buffers<'a>,
+    /// The value of this run's signal steps that take it from the run.
+    pub(crate) signal: u64,
 }
 
 /// The progress of one run of a schedule: which steps are done, the transfers in flight.
@@ -219,7 +221,9 @@ impl Exec {
                     Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, *block))))
                 }
                 // Behind the puts to the same peer, so raised after they landed.
-                Action::Signal { peer, value } => Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, *value)))),
+                Action::Signal { peer, value } => {
+                    Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, value.unwrap_or(run.signal)))))
+                }
                 Action::WaitSignal { peer, value } => Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, *value)))),
                 local => {
                     if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })

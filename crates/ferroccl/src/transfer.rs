@@ -50,6 +50,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferroccl_kernels::{DType, Element};
+use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
@@ -122,6 +123,8 @@ fn geometry(e: &Entry<'_>) -> Option<(u64, usize, Block)> {
 pub struct TransferPlanBuilder<'w> {
     comm: &'w Communicator,
     entries: Vec<Entry<'w>>,
+    /// Members to signal at the end of every run.
+    signals: Vec<usize>,
 }
 
 impl<'w> TransferPlanBuilder<'w> {
@@ -188,6 +191,15 @@ impl<'w> TransferPlanBuilder<'w> {
             dtype: T::DTYPE,
             size: T::DTYPE.size(),
         });
+        self
+    }
+
+    /// Raises this rank's signal at member `peer` at the end of every run, once every
+    /// transfer of the run has landed: to the run's number by [`TransferPlan::run`] (1, 2,
+    /// ...), or to the value given to [`TransferPlan::run_with_signal`] (a version). The
+    /// peer's [`Communicator::wait_signal`] then says which run's data it holds.
+    pub fn signal(mut self, peer: usize) -> Self {
+        self.signals.push(peer);
         self
     }
 
@@ -280,6 +292,23 @@ impl<'w> TransferPlanBuilder<'w> {
                 comm.p2p_part(op.clone(), CHAN_USER, sched, None, w.region().clone())
             })
             .collect();
+        let mut parts = parts;
+        if !self.signals.is_empty() {
+            let mut steps = Vec::new();
+            for &peer in &self.signals {
+                if peer >= comm.size() {
+                    return Err(Error::invalid(format!(
+                        "rank {me}: transfer plan signal to member {peer}: out of range (communicator of {} ranks)",
+                        comm.size()
+                    )));
+                }
+                steps.push(Step { op: Action::Signal { peer, value: None }, deps: vec![] });
+            }
+            let sched = Schedule { steps, scratch_bytes: 0 };
+            let mut part = comm.p2p_part(op.clone(), CHAN_USER, sched, None, RegionHandle::owned(0));
+            part.after_others = true;
+            parts.push(part);
+        }
         let job = Job::new(comm.job_body(parts));
         Ok(TransferPlan { comm, job, transfers: count, runs: 0 })
     }
@@ -307,6 +336,13 @@ impl TransferPlan<'_> {
     /// data has landed); the communicator stays usable. A dead owner or the deadline fail
     /// it as any call.
     pub fn run(&mut self) -> Result<()> {
+        self.run_with_signal(self.runs + 1)
+    }
+
+    /// [`TransferPlan::run`], raising the plan's signals ([`TransferPlanBuilder::signal`])
+    /// to `value` at the end (signals only rise: give increasing values).
+    pub fn run_with_signal(&mut self, value: u64) -> Result<()> {
+        self.job.body().signal = value;
         self.comm.submit(&self.job, true, true)?;
         self.runs += 1;
         self.comm.wait_job(&self.job)
@@ -326,6 +362,6 @@ impl TransferPlan<'_> {
 impl Communicator {
     /// Starts a [`TransferPlan`]: add reads and writes, then `build`.
     pub fn transfer_plan(&self) -> TransferPlanBuilder<'_> {
-        TransferPlanBuilder { comm: self, entries: Vec::new() }
+        TransferPlanBuilder { comm: self, entries: Vec::new(), signals: Vec::new() }
     }
 }

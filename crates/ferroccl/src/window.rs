@@ -347,7 +347,7 @@ impl Communicator {
             Error::invalid(format!("rank {}: {op}: world rank {} is not a member of this communicator", self.rank(), h.owner()))
         })?;
         let mut steps: Vec<Step> = plan.into_iter().map(rma_step(&op)).collect();
-        steps.push(Step { op: Action::Signal { peer, value }, deps: vec![] });
+        steps.push(Step { op: Action::Signal { peer, value: Some(value) }, deps: vec![] });
         let sched = Schedule { steps, scratch_bytes: 0 };
         with_region_ro(as_bytes(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
     }
@@ -359,7 +359,7 @@ impl Communicator {
     pub fn signal(&self, peer: usize, value: u64) -> Result<()> {
         let op = Op::other(format!("signal {value} to rank {peer}"));
         self.check_peer_or_self(peer, &op)?;
-        let sched = Schedule { steps: vec![Step { op: Action::Signal { peer, value }, deps: vec![] }], scratch_bytes: 0 };
+        let sched = Schedule { steps: vec![Step { op: Action::Signal { peer, value: Some(value) }, deps: vec![] }], scratch_bytes: 0 };
         let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
         self.run_part(part)
     }

@@ -1,8 +1,9 @@
 //! A transfer plan's run moves data only: counted over hundreds of runs on two thread-ranks
-//! (shm), each reading three scattered windows of the other and writing one into it, it
-//! makes no allocation (a counting global allocator sees every allocation of the process,
-//! both ranks' threads and their window servers included) and no registration. Alone in
-//! its test binary, so no other test allocates meanwhile.
+//! (shm), each reading three scattered windows of the other, writing one into it and
+//! raising its signal at the end of the run, it makes no allocation (a counting global
+//! allocator sees every allocation of the process, both ranks' threads and their window
+//! servers included) and no registration. Alone in its test binary, so no other test
+//! allocates meanwhile.
 
 use std::sync::Barrier;
 use std::time::Duration;
@@ -49,6 +50,7 @@ fn transfer_plan_runs_allocate_and_register_nothing() {
                             .read::<f32>(&h(1)?, 0, &wd, 10_000, 50_000)
                             .read::<f32>(&h(2)?, 0, &wd, 60_000, 20_000)
                             .write::<f32>(&wa, 0, &h(3)?, 0, 64)
+                            .signal(peer)
                             .build()?;
                         // Warm up: pools, queues and tables reach their working size.
                         for _ in 0..50 {

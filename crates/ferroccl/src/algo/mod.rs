@@ -109,9 +109,10 @@ pub(crate) enum Action {
     /// One-sided: write `src` at byte `offset` of window `remote` of communicator rank
     /// `peer`; complete when the owner says the bytes have landed.
     Put { peer: usize, remote: Remote, offset: u64, src: Slice, block: Block },
-    /// One-sided: raise this rank's signal at communicator rank `peer` to `value` (after
-    /// the `Put`s to `peer` posted before it have landed); complete when `peer` says so.
-    Signal { peer: usize, value: u64 },
+    /// One-sided: raise this rank's signal at communicator rank `peer` to `value` (`None`:
+    /// the value the run is given), after the `Put`s to `peer` posted before it have
+    /// landed; complete when `peer` says so.
+    Signal { peer: usize, value: Option<u64> },
     /// Wait until the signal communicator rank `peer` gave this rank is at least `value`.
     WaitSignal { peer: usize, value: u64 },
 }

@@ -71,6 +71,7 @@ macro_rules! conformance_suite {
             onesided::put_signal_lands_the_data_before_the_signal,
             onesided::a_refused_plan_entry_fails_the_run_after_the_others_land,
             onesided::strided_blocks_move_column_shards,
+            onesided::transfer_plan_signals_follow_their_writes,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -693,3 +693,67 @@ pub fn strided_blocks_move_column_shards(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// A plan's signal (`TransferPlanBuilder::signal`) is raised at the end of every run, after
+/// every write of the run has landed: the target, waiting for each run's version, finds
+/// that run's data in its window, every time; `run` numbers the runs 1, 2, ...
+pub fn transfer_plan_signals_follow_their_writes(s: &Suite) {
+    let runs = 30u64;
+    let sizes = [3000usize, 200, 7000];
+    let total: usize = sizes.iter().sum();
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let mut tensors: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0f32; n]).collect();
+            let mut inbox = vec![0f32; total];
+            let mut go = || -> ferroccl::Result<()> {
+                comm.scope(|sc| {
+                    let mut ws = Vec::new();
+                    for t in tensors.iter_mut() {
+                        ws.push(sc.register_mut(t)?);
+                    }
+                    let wi = sc.register_mut(&mut inbox)?;
+                    let mut all = vec![0u8; RemoteHandle::BYTES * 2];
+                    comm.allgather(&wi.handle().to_bytes(), &mut all)?;
+                    let h1 = RemoteHandle::from_bytes(&all[40..80])?;
+                    if me == 0 {
+                        let mut b = comm.transfer_plan();
+                        let mut at = 0;
+                        for (t, w) in ws.iter().enumerate() {
+                            b = b.write::<f32>(w, 0, &h1, at, sizes[t]);
+                            at += sizes[t];
+                        }
+                        let mut plan = b.signal(1).build()?;
+                        for k in 1..=runs {
+                            for (t, w) in ws.iter().enumerate() {
+                                w.write(0, &vec![k as f32; sizes[t]])?;
+                            }
+                            if k % 2 == 0 {
+                                plan.run_with_signal(k)?
+                            } else {
+                                plan.run()?
+                            }
+                            comm.barrier()?;
+                        }
+                    } else {
+                        for k in 1..=runs {
+                            let v = comm.wait_signal(0, k)?;
+                            let mut got = vec![0f32; total];
+                            wi.read(0, &mut got)?;
+                            if v != k || got.iter().any(|&x| x != k as f32) {
+                                return Err(Error::InvalidArgument(format!("run {k}: signal {v}, data not all {k}")));
+                            }
+                            comm.barrier()?;
+                        }
+                    }
+                    comm.barrier()
+                })
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
