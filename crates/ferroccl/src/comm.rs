@@ -252,6 +252,11 @@ impl Communicator {
         if peer == self.rank {
             return Err(Error::invalid(format!("rank {}: {op}: peer is this rank itself", self.rank)));
         }
+        self.member_world(peer, op)
+    }
+
+    /// The world rank of member `peer` (this rank included), or an invalid argument.
+    pub(crate) fn member_world(&self, peer: usize, op: &Op) -> Result<usize> {
         self.members.get(peer).copied().ok_or_else(|| {
             Error::invalid(format!("rank {}: {op}: peer {peer} is out of range (communicator of {} ranks)", self.rank, self.size()))
         })

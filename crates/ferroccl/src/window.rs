@@ -266,7 +266,10 @@ impl<'s> Scope<'s, '_> {
     /// ends.
     pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &'s mut [T]) -> Result<Request<'s>> {
         let op = read_op::<T>(h, offset, dst.len());
-        let Some(plan) = self.comm.rma_plan::<T>(h, offset, dst.len(), &op, false)? else { return self.submit(Vec::new()) };
+        let plan = self.comm.rma_plan::<T>(h, offset, dst.len(), &op, false)?;
+        if plan.len == 0 {
+            return self.submit(Vec::new());
+        }
         let region = self.regions.register(as_bytes_mut(dst));
         let part = self.comm.rma_part(op, plan, region);
         self.submit(vec![part])
@@ -276,7 +279,10 @@ impl<'s> Scope<'s, '_> {
     /// ends.
     pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &'s [T]) -> Result<Request<'s>> {
         let op = write_op::<T>(h, offset, src.len());
-        let Some(plan) = self.comm.rma_plan::<T>(h, offset, src.len(), &op, true)? else { return self.submit(Vec::new()) };
+        let plan = self.comm.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+        if plan.len == 0 {
+            return self.submit(Vec::new());
+        }
         let region = self.regions.register_ro(as_bytes(src));
         let part = self.comm.rma_part(op, plan, region);
         self.submit(vec![part])
@@ -323,7 +329,10 @@ impl Communicator {
     /// that is not a member. A dead owner or a deadline fail it as any call.
     pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &mut [T]) -> Result<()> {
         let op = read_op::<T>(h, offset, dst.len());
-        let Some(plan) = self.rma_plan::<T>(h, offset, dst.len(), &op, false)? else { return Ok(()) };
+        let plan = self.rma_plan::<T>(h, offset, dst.len(), &op, false)?;
+        if plan.len == 0 {
+            return Ok(());
+        }
         with_region(as_bytes_mut(dst), |region| self.run_part(self.rma_part(op, plan, region.clone())))
     }
 
@@ -332,7 +341,10 @@ impl Communicator {
     /// for a read-only window.
     pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T]) -> Result<()> {
         let op = write_op::<T>(h, offset, src.len());
-        let Some(plan) = self.rma_plan::<T>(h, offset, src.len(), &op, true)? else { return Ok(()) };
+        let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+        if plan.len == 0 {
+            return Ok(());
+        }
         with_region_ro(as_bytes(src), |region| self.run_part(self.rma_part(op, plan, region.clone())))
     }
 
@@ -343,10 +355,8 @@ impl Communicator {
     pub fn put_signal<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], value: u64) -> Result<()> {
         let op = write_op::<T>(h, offset, src.len());
         let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
-        let peer = self.rank_of_world(h.owner()).ok_or_else(|| {
-            Error::invalid(format!("rank {}: {op}: world rank {} is not a member of this communicator", self.rank(), h.owner()))
-        })?;
-        let mut steps: Vec<Step> = plan.into_iter().map(rma_step(&op)).collect();
+        let peer = plan.peer;
+        let mut steps: Vec<Step> = Some(plan).filter(|p| p.len > 0).into_iter().map(rma_step(&op)).collect();
         steps.push(Step { op: Action::Signal { peer, value: Some(value) }, deps: vec![] });
         let sched = Schedule { steps, scratch_bytes: 0 };
         with_region_ro(as_bytes(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
@@ -383,15 +393,13 @@ impl Communicator {
 
     /// Member `peer` (this rank included) as a world rank, for a one-sided call.
     fn check_peer_or_self(&self, peer: usize, op: &Op) -> Result<usize> {
-        let w = self.world_rank(peer).ok_or_else(|| {
-            Error::invalid(format!("rank {}: {op}: peer {peer} is out of range (communicator of {} ranks)", self.rank(), self.size()))
-        })?;
+        let w = self.member_world(peer, op)?;
         self.check_usable(op)?;
         Ok(w)
     }
 
-    /// Checks an access before anything goes on the wire; `None` for an empty one (done).
-    fn rma_plan<T: Element>(&self, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<Option<RmaPlan>> {
+    /// Checks an access before anything goes on the wire (one of length 0 moves nothing).
+    fn rma_plan<T: Element>(&self, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<RmaPlan> {
         let refuse = |reason| Error::Refused { rank: self.rank(), owner: h.owner(), op: op.clone(), reason };
         if h.job != self.fabric().job {
             return Err(refuse(Refusal::OtherJob));
@@ -408,11 +416,8 @@ impl Communicator {
             Error::invalid(format!("rank {}: {op}: world rank {} is not a member of this communicator", self.rank(), h.owner()))
         })?;
         self.check_usable(op)?;
-        if len == 0 {
-            return Ok(None);
-        }
         let len = usize::try_from(len).map_err(|_| refuse(Refusal::OutOfRange))?;
-        Ok(Some(RmaPlan { peer, remote: Remote { window: h.window, key: h.key }, offset: start, len }))
+        Ok(RmaPlan { peer, remote: Remote { window: h.window, key: h.key }, offset: start, len })
     }
 
     /// The part that runs one checked access over `local` (the destination of a read, the
