@@ -568,6 +568,9 @@ pub fn a_refused_plan_entry_fails_the_run_after_the_others_land(s: &Suite) {
                         .read::<u64>(&hw, 15_000, &d, 15_000, 15_000)
                         .build()?;
                     plan.run()?;
+                    // The peer's first run reads my `gone` window too: it must be over
+                    // before I drop that window.
+                    comm.barrier()?;
                     drop(g);
                     comm.barrier()?;
                     d.write(0, &vec![0u64; 30_010])?;
