@@ -199,8 +199,9 @@ impl Endpoint {
         }
     }
 
-    /// Sends a message only if that needs no waiting (a full ring or a socket busy with
-    /// another frame is skipped); used to tell peers why this rank gives up.
+    /// Sends a message only if that needs no waiting (a full ring, a full socket or one
+    /// busy with another frame is skipped, `WouldBlock`, and the connection stays usable);
+    /// used to tell peers why this rank gives up, and for probes.
     pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
         match self {
             Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::WouldBlock("ring full".into()))),

@@ -200,12 +200,21 @@ fn accept_peers(
     Ok(got.into_iter().collect())
 }
 
+/// The writing side of a socket.
+#[derive(Debug)]
+struct Wr {
+    s: TcpStream,
+    /// The end of a frame that [`TcpEndpoint::try_post_send_now`] could not write without
+    /// waiting: written first by the next send (the stream stays whole).
+    tail: Vec<u8>,
+}
+
 /// This rank's socket to one peer.
 #[derive(Debug)]
 pub(crate) struct TcpEndpoint {
     rank: usize,
     peer: usize,
-    writer: Mutex<TcpStream>,
+    writer: Mutex<Wr>,
     /// A handle to shut the socket down without waiting for the writer's lock.
     ctl: TcpStream,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -229,7 +238,7 @@ impl TcpEndpoint {
         Ok(TcpEndpoint {
             rank,
             peer,
-            writer: Mutex::new(stream),
+            writer: Mutex::new(Wr { s: stream, tail: Vec::new() }),
             ctl,
             reader: Mutex::new(Some(reader)),
             inbox,
@@ -265,8 +274,8 @@ impl TcpEndpoint {
     /// leaves the stream unusable: the socket is shut down so the peer sees it at once.
     fn send_frame_locked(
         &self,
-        s: &mut TcpStream,
-        hdr: &[u8; HDR],
+        w: &mut Wr,
+        hdr: &[u8],
         body: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>,
         deadline: Instant,
         what: &str,
@@ -280,6 +289,7 @@ impl TcpEndpoint {
             });
         }
         let start = Instant::now();
+        let Wr { s, tail } = w;
         let mut put = |mut b: &[u8]| -> std::io::Result<()> {
             while !b.is_empty() {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -293,7 +303,8 @@ impl TcpEndpoint {
             }
             Ok(())
         };
-        let r = put(hdr).and_then(|()| body(&mut put));
+        // The end of a best-effort frame first (see `try_post_send_now`).
+        let r = put(tail).map(|()| tail.clear()).and_then(|()| put(hdr)).and_then(|()| body(&mut put));
         r.map_err(|e| {
             self.broken.store(true, Ordering::Release);
             if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
@@ -325,16 +336,57 @@ impl TcpEndpoint {
         deadline: Instant,
         what: &str,
     ) -> Result<()> {
-        let mut s = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        self.send_frame_locked(&mut s, hdr, body, deadline, what)
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        self.send_frame_locked(&mut w, hdr, body, deadline, what)
     }
 
-    /// Sends only if no other frame is being written right now.
+    /// Sends only if no other frame is being written right now and the socket takes the
+    /// frame without waiting (a best-effort message: a probe, an `ERR`); never waits. A full
+    /// socket is `WouldBlock` and leaves the connection as it was (waiting for room with a
+    /// short deadline would cut the frame short when the deadline passed, and a frame cut
+    /// short breaks the connection for good: a probe sent while a large transfer filled the
+    /// socket did that). When the socket takes only part of the frame, the rest waits in
+    /// the endpoint and goes first with the next send, so the stream stays whole.
     pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
-        let Ok(mut s) = self.writer.try_lock() else {
+        use rustix::net::SendFlags;
+        let Ok(mut w) = self.writer.try_lock() else {
             return Err(Error::WouldBlock("socket busy".into()));
         };
-        self.send_frame_locked(&mut s, &header(K_MSG, 0, msg.len() as u64, 0, 0), |put| put(msg), deadline, "send")
+        if self.broken.load(Ordering::Acquire) {
+            return self.send_frame_locked(&mut w, &[], |_| Ok(()), deadline, "send");
+        }
+        let nowait = |s: &TcpStream, b: &[u8]| match rustix::net::send(s, b, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+            Ok(n) => Ok(n),
+            Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => Ok(0),
+            Err(e) => Err(e),
+        };
+        let start = Instant::now();
+        let Wr { s, tail } = &mut *w;
+        let mut frame = [&header(K_MSG, 0, msg.len() as u64, 0, 0)[..], msg].concat();
+        let r = (|| -> std::result::Result<bool, rustix::io::Errno> {
+            if !tail.is_empty() {
+                let n = nowait(s, tail)?;
+                tail.drain(..n);
+                if !tail.is_empty() {
+                    return Ok(false);
+                }
+            }
+            let n = nowait(s, &frame)?;
+            if n > 0 {
+                frame.drain(..n);
+                *tail = frame;
+            }
+            Ok(n > 0)
+        })();
+        match r {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::WouldBlock("socket full".into())),
+            Err(e) => {
+                self.broken.store(true, Ordering::Release);
+                let _ = self.ctl.shutdown(Shutdown::Both);
+                Err(self.io_err("send", std::io::Error::from(e), start))
+            }
+        }
     }
 
     /// Shuts the socket down (after a fatal error); the reader thread ends.
@@ -383,8 +435,8 @@ impl TcpEndpoint {
 
     pub(crate) fn close(&self, deadline: Instant) {
         self.closing.store(true, Ordering::Release);
-        if let Ok(mut s) = self.writer.try_lock() {
-            let _ = self.send_frame_locked(&mut s, &header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
+        if let Ok(mut w) = self.writer.try_lock() {
+            let _ = self.send_frame_locked(&mut w, &header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
         }
         let _ = self.ctl.shutdown(Shutdown::Both);
         if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -460,5 +512,61 @@ fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<At
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inbox::{Bell, Inbox};
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    /// A best-effort send into a socket whose peer is not reading (its buffers full) is
+    /// `WouldBlock` and leaves the stream intact: once the peer reads again, every frame
+    /// arrives whole and in order, and ordinary sends go on. (Before, the send waited 10 ms
+    /// for room, gave up mid-frame and broke the connection for good: a probe sent while a
+    /// large transfer filled the socket killed the job.)
+    #[test]
+    fn a_best_effort_send_into_a_full_socket_leaves_the_stream_intact() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut b, _) = listener.accept().unwrap();
+        let ep = TcpEndpoint::start(0, 1, a, Arc::new(Inbox::new(0, Bell::heap()))).unwrap();
+        let msg = vec![7u8; 64 << 10];
+        let mut sent = 0usize;
+        let full = loop {
+            match ep.try_post_send_now(&msg, Instant::now() + Duration::from_millis(10)) {
+                Ok(()) => sent += 1,
+                Err(Error::WouldBlock(why)) => break why,
+                Err(e) => panic!("after {sent} frames: {e}"),
+            }
+            assert!(sent < 10_000, "the socket never filled");
+        };
+        assert_eq!(full, "socket full");
+        // Again, after a while: still refused, still intact.
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(matches!(ep.try_post_send_now(b"probe", Instant::now() + Duration::from_millis(10)), Err(Error::WouldBlock(_))));
+        // The peer reads again: a blocking send waits for room meanwhile.
+        let reader = std::thread::spawn(move || {
+            let mut frames = Vec::new();
+            loop {
+                let mut h = [0u8; HDR];
+                b.read_exact(&mut h).unwrap();
+                let len = u64::from_le_bytes(h[8..16].try_into().unwrap()) as usize;
+                let mut body = vec![0u8; len];
+                b.read_exact(&mut body).unwrap();
+                let last = body == b"last";
+                frames.push((h[0], body));
+                if last {
+                    return frames;
+                }
+            }
+        });
+        ep.post_send(b"last", Instant::now() + Duration::from_secs(10)).unwrap();
+        let frames = reader.join().unwrap();
+        assert_eq!(frames.len(), sent + 1);
+        assert!(frames[..sent].iter().all(|(k, body)| *k == K_MSG && *body == msg));
+        ep.cut();
     }
 }
