@@ -459,6 +459,7 @@ impl RmaServer {
                             for r in 0..shape.rows {
                                 let w = WriteReq {
                                     src: &e.region,
+                                    src_mr: e.mr.as_ref(),
                                     offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
                                     len: shape.row as usize,
                                     dst: buf,

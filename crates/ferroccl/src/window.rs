@@ -251,7 +251,9 @@ impl<'s> Scope<'s, '_> {
     /// dropped): ranks holding its handle may read it.
     pub fn register<T: Element>(&self, buf: &'s [T]) -> Result<Window<'s>> {
         let region = self.regions.register_ro(as_bytes(buf));
-        Window::new(self.comm, region, Access::ReadOnly)
+        let w = Window::new(self.comm, region, Access::ReadOnly)?;
+        self.made_window(w.handle.window);
+        Ok(w)
     }
 
     /// Registers `buf` as a readable and writable window until the scope ends (or the
@@ -259,7 +261,9 @@ impl<'s> Scope<'s, '_> {
     /// ([`Window::read`], [`Window::write`]) meanwhile.
     pub fn register_mut<T: Element>(&self, buf: &'s mut [T]) -> Result<Window<'s>> {
         let region = self.regions.register(as_bytes_mut(buf));
-        Window::new(self.comm, region, Access::ReadWrite)
+        let w = Window::new(self.comm, region, Access::ReadWrite)?;
+        self.made_window(w.handle.window);
+        Ok(w)
     }
 
     /// [`Communicator::read_into`], in the background: `dst` stays borrowed until the scope
