@@ -72,6 +72,7 @@ macro_rules! conformance_suite {
             onesided::a_refused_plan_entry_fails_the_run_after_the_others_land,
             onesided::strided_blocks_move_column_shards,
             onesided::transfer_plan_signals_follow_their_writes,
+            onesided::reads_of_windows_are_zero_copy_over_verbs,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
