@@ -48,7 +48,9 @@
 //! * **Concurrent access.** Requests are served in arrival order by the owner's progress
 //!   engine (its background thread runs while the owner has windows, so the owner need not
 //!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the peers'
-//!   accesses exclude each other per byte range, so nobody sees a torn element; nothing
+//!   accesses exclude each other per byte range, so nobody sees a torn element (except
+//!   a verbs peer's read, which the device serves from the window's memory with no copy:
+//!   it may see a mix of old and new bytes of the same element); nothing
 //!   else is ordered: what a read returns while the owner (or another rank) writes the
 //!   same range is either version of each piece. Order them with a collective or a
 //!   message (as with RDMA: a barrier after the writes, then the reads).
