@@ -26,7 +26,10 @@
 //! - [`with_region`] / [`with_region_ro`] register a caller's buffer for the
 //!   duration of a closure (a collective's user buffer);
 //! - [`RegionHandle::owned`] allocates zeroed memory owned by the handle and
-//!   its clones (bounce buffers, staging slots).
+//!   its clones (bounce buffers, staging slots);
+//! - [`RegionHandle::in_segment`] views bytes of a shared segment
+//!   ([`ShmSegment`]) that the handle and its clones keep mapped (a window
+//!   that peers on the same host also map, see below).
 //!
 //! # Soundness
 //!
@@ -57,6 +60,19 @@
 //! unwinds. Read-only registrations borrow `&[u8]`, under which no `&mut` may
 //! exist: mutable access through them returns [`RegionError::ReadOnly`].
 //!
+//! *Segment regions.* The bytes of a region made by
+//! [`RegionHandle::in_segment`] are shared with other processes, which may
+//! copy into them at any moment (that is their purpose: peers on the host
+//! reach a window there without this process). The range lock orders this
+//! process's own accesses as for any region; it cannot order other
+//! processes'. So the slices handed to the closures of `with_slice` /
+//! `with_slice_mut` over such a region are given only to copies of bytes
+//! (`u8`, every value valid) and never outlive the closure, the same stance
+//! as [`ShmSegment`]'s raw copies: a peer writing the same bytes at the same
+//! time (an unordered race in the user's program, which FerroCCL documents as
+//! giving unspecified bytes, as RDMA does) changes data, never a Rust
+//! invariant of this process.
+//!
 //! # Blocking and deadlock
 //!
 //! An access blocks while a conflicting access runs, and ending a registration
@@ -74,6 +90,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
+
+use crate::segment::ShmSegment;
 
 /// Why an access to a region failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,6 +167,9 @@ struct Inner {
     writable: bool,
     /// `base`/`len` came from `Box::<[u8]>::into_raw` and are freed on drop.
     owned: bool,
+    /// For [`RegionHandle::in_segment`]: the mapping `base` points into, kept
+    /// mapped until the last handle is gone.
+    backing: Option<Arc<ShmSegment>>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -200,6 +221,7 @@ impl fmt::Debug for RegionHandle {
             .field("len", &self.inner.len)
             .field("writable", &self.inner.writable)
             .field("owned", &self.inner.owned)
+            .field("segment", &self.inner.backing.as_ref().map(|s| s.name()))
             .field("valid", &self.is_valid())
             .finish()
     }
@@ -250,6 +272,10 @@ impl RegionHandle {
     }
 
     fn with_validity(base: NonNull<u8>, len: usize, writable: bool, owned: bool, valid: bool) -> RegionHandle {
+        Self::build(base, len, writable, owned, valid, None)
+    }
+
+    fn build(base: NonNull<u8>, len: usize, writable: bool, owned: bool, valid: bool, backing: Option<Arc<ShmSegment>>) -> RegionHandle {
         RegionHandle {
             inner: Arc::new(Inner {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -257,6 +283,7 @@ impl RegionHandle {
                 len,
                 writable,
                 owned,
+                backing,
                 state: Mutex::new(State { valid, active: Vec::new(), next_ticket: 0, leases: 0, waiters: 0 }),
                 changed: Condvar::new(),
             }),
@@ -270,6 +297,21 @@ impl RegionHandle {
         let raw: *mut [u8] = Box::into_raw(vec![0u8; len].into_boxed_slice());
         let base = NonNull::new(raw.cast::<u8>()).unwrap_or(NonNull::dangling());
         RegionHandle::new(base, len, true, true)
+    }
+
+    /// A writable region over bytes `[offset, offset + len)` of `seg`, which
+    /// stays mapped until the last clone is dropped (`None` when the range is
+    /// not inside the segment). Other processes that map the same segment may
+    /// write these bytes at any time: see the [module documentation](self).
+    pub fn in_segment(seg: Arc<ShmSegment>, offset: usize, len: usize) -> Option<RegionHandle> {
+        if offset.checked_add(len).is_none_or(|e| e > seg.len()) {
+            return None;
+        }
+        // `wrapping_add` computes the address without dereferencing it; the
+        // range was checked to lie inside the live mapping, which `backing`
+        // keeps mapped for as long as the region exists.
+        let base = NonNull::new(seg.as_ptr().wrapping_add(offset).cast_mut())?;
+        Some(RegionHandle::build(base, len, true, false, true, Some(seg)))
     }
 
     /// Length of the region in bytes.
@@ -704,6 +746,28 @@ mod tests {
         check::<RegionHandle>();
         let h = RegionHandle::owned(3);
         assert!(format!("{h:?}").contains("len: 3"));
+    }
+
+    #[test]
+    fn segment_region_views_the_segment_and_keeps_it_mapped() {
+        let name = format!("ferroccl-test-region-{}", std::process::id());
+        let seg = Arc::new(ShmSegment::create_anonymous(&name, 8192).unwrap());
+        assert!(RegionHandle::in_segment(seg.clone(), 4096, 4097).is_none());
+        assert!(RegionHandle::in_segment(seg.clone(), usize::MAX, 2).is_none());
+        let h = RegionHandle::in_segment(seg.clone(), 4096, 4096).unwrap();
+        h.write_at(10, b"abc").unwrap();
+        let mut got = [0u8; 3];
+        seg.read(4106, &mut got);
+        assert_eq!(&got, b"abc");
+        seg.write(4096, b"z");
+        let mut one = [0u8; 1];
+        h.read_at(0, &mut one).unwrap();
+        assert_eq!(&one, b"z");
+        assert_eq!(h.write_at(4095, b"ab"), Err(RegionError::OutOfBounds { offset: 4095, len: 2, region_len: 4096 }));
+        // The region keeps the mapping alive after every other reference is gone.
+        drop(seg);
+        h.read_at(10, &mut got).unwrap();
+        assert_eq!(&got, b"abc");
     }
 
     #[test]

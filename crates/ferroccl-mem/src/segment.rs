@@ -253,6 +253,34 @@ impl ShmSegment {
         Self::map(name, &file, expected_len)
     }
 
+    /// The descriptor number under which process `pid` holds the anonymous
+    /// segment `name` (see [`create_anonymous`](Self::create_anonymous)), found
+    /// by looking through `/proc/<pid>/fd`; then
+    /// [`open_from`](Self::open_from) maps it (and checks it again, on the
+    /// descriptor it opens). For a peer that was given a segment's name but not
+    /// its descriptor: costs one `readlink` per descriptor of `pid`. Fails with
+    /// [`io::ErrorKind::NotFound`] when `pid` holds no such segment (never
+    /// made, withdrawn, or the process is gone), and
+    /// [`io::ErrorKind::PermissionDenied`] for a process this one may not
+    /// inspect.
+    pub fn find_anonymous(pid: i32, name: &str) -> io::Result<i32> {
+        check_anon_name(name)?;
+        let dir = format!("/proc/{pid}/fd");
+        let want = format!("/memfd:{name} (deleted)");
+        let entries = std::fs::read_dir(&dir).map_err(|e| seg_err(name, e.kind(), format_args!("{dir}: {e}")))?;
+        for entry in entries {
+            let Ok(entry) = entry else { continue };
+            // A descriptor closed while we look is simply not the one.
+            let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+            if target.as_os_str() == want.as_str() {
+                if let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) {
+                    return Ok(fd);
+                }
+            }
+        }
+        Err(seg_err(name, io::ErrorKind::NotFound, format_args!("process {pid} holds no such segment")))
+    }
+
     /// The descriptor number peers open an anonymous segment through (`None`
     /// for named segments, segments opened from a peer, and after
     /// [`withdraw`](Self::withdraw)).
@@ -566,6 +594,25 @@ mod tests {
         assert_eq!(ShmSegment::create_anonymous("a/b", 10).unwrap_err().kind(), io::ErrorKind::InvalidInput);
         assert_eq!(ShmSegment::create_anonymous("", 10).unwrap_err().kind(), io::ErrorKind::InvalidInput);
         assert_eq!(ShmSegment::create_anonymous(&name, 0).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn anonymous_segment_is_found_by_name_until_withdrawn() {
+        let name = anon_name("find");
+        let a = ShmSegment::create_anonymous(&name, 4096).unwrap();
+        let pid = std::process::id() as i32;
+        let fd = ShmSegment::find_anonymous(pid, &name).unwrap();
+        assert_eq!(Some(fd), a.fd());
+        let b = ShmSegment::open_from(pid, fd, &name, 4096).unwrap();
+        a.write(8, b"x");
+        let mut got = [0u8; 1];
+        b.read(8, &mut got);
+        assert_eq!(&got, b"x");
+        let e = ShmSegment::find_anonymous(pid, &anon_name("nobody")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        a.withdraw();
+        assert_eq!(ShmSegment::find_anonymous(pid, &name).unwrap_err().kind(), io::ErrorKind::NotFound);
+        assert_eq!(ShmSegment::find_anonymous(pid, "a/b").unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]

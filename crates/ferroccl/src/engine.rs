@@ -684,8 +684,9 @@ impl Engine {
             self.answer_probes();
         }
         let fatal = fabric.inbox.has_fatal();
-        // Peers' one-sided requests first: they wait for nothing but this rank.
-        let mut moved = serving && !fatal && self.rma.serve(fabric);
+        // Peers' one-sided requests first: they wait for nothing but this rank. Served with
+        // no window left too (every access is refused then), and signals need no window.
+        let mut moved = !fatal && (serving || fabric.inbox.rma_pending()) && self.rma.serve(fabric);
         let mut i = 0;
         while i < jobs.len() {
             let outcome = {

@@ -25,7 +25,7 @@ use crate::inbox::{Backoff, Events, Inbox};
 use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
-use crate::registry::{RegStats, Registry, Windows};
+use crate::registry::{PeerWindows, RegStats, Registry, SharedWindow, Windows};
 use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
 
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
@@ -57,6 +57,9 @@ pub(crate) struct Fabric {
     registry: Registry,
     /// The one-sided windows of this process (see `crate::rma`).
     pub(crate) windows: Windows,
+    /// Same-host peers' shared windows this process has mapped (see
+    /// [`Fabric::shared_window`]).
+    peer_windows: PeerWindows,
     /// This job's (and this `init`'s) identity in one-sided handles: a handle made by
     /// another job, or another `init` of this one, is refused.
     pub(crate) job: u64,
@@ -85,6 +88,7 @@ impl Fabric {
             size,
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
             windows: Windows::new(mesh.verbs_net(), params.timeout),
+            peer_windows: PeerWindows::default(),
             job: job_id(&token, &key_prefix),
             next_req: std::sync::atomic::AtomicU64::new(1),
             health: Health::new(rank, inbox.clone(), watches),
@@ -111,6 +115,20 @@ impl Fabric {
         let mut fabric = fabric;
         fabric.setup_time = t0.elapsed();
         Ok(fabric)
+    }
+
+    /// Window (`window`, `key`, `len` bytes) of world rank `owner` mapped into this process,
+    /// when `owner` is on this host (reached over shm) and the window is a live shared one
+    /// ([`crate::Communicator::alloc_window`]): then reads and writes copy straight in and
+    /// out of it.
+    pub(crate) fn shared_window(&self, owner: usize, window: u32, key: u64, len: u64) -> Option<SharedWindow> {
+        let pid = self.endpoint(owner).ok()?.shm_pid()?;
+        self.peer_windows.get(pid, self.job, owner, window, key, len)
+    }
+
+    /// Forgets a mapped shared window found dropped by its owner.
+    pub(crate) fn forget_shared_window(&self, owner: usize, window: u32, key: u64) {
+        self.peer_windows.forget(owner, window, key);
     }
 
     /// The endpoint to world rank `peer`.
@@ -153,6 +171,7 @@ impl Fabric {
             windows: w.windows,
             window_bytes: w.window_bytes,
             windows_registered: w.windows_registered,
+            peer_windows_mapped: self.peer_windows.mapped(),
             window_bytes_verbs: w.window_bytes_verbs,
             verbs_staged_bytes,
             verbs_zero_copy_bytes,

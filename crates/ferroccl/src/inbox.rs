@@ -389,6 +389,11 @@ impl Inbox {
         }
     }
 
+    /// Whether one-sided requests have arrived that nobody has taken yet; no lock.
+    pub(crate) fn rma_pending(&self) -> bool {
+        self.any_rma.load(Ordering::Acquire)
+    }
+
     /// Whether any peer has left a communicator (a `LEAVE` arrived); no lock.
     pub(crate) fn any_left(&self) -> bool {
         self.any_left.load(Ordering::Acquire)

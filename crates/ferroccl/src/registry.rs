@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ferroccl_mem::region::RegionHandle;
+use ferroccl_mem::ShmSegment;
 
 use crate::error::Result;
 use crate::inbox::Inbox;
@@ -38,6 +39,10 @@ pub struct RegStats {
     pub window_bytes: u64,
     /// Windows registered so far.
     pub windows_registered: u64,
+    /// Shared windows of peers on this host that this process has mapped (and reads and
+    /// writes with a copy, without asking their owners): see
+    /// [`crate::Communicator::alloc_window`].
+    pub peer_windows_mapped: usize,
     /// Bytes of the live windows registered with the verbs device (one memory region per
     /// window, made with the window when any peer is reached over verbs): peers' reads of
     /// them are written from this memory with no copy.
@@ -83,22 +88,27 @@ impl Windows {
         Windows { verbs: verbs.map(Arc::downgrade), timeout, ..Windows::default() }
     }
 
-    /// Adds a window over `region`; returns its id and key. With a verbs mesh the window is
-    /// registered with the device first (one memory region over all of it); a failed
-    /// registration fails the window (see `docs/one-sided.md`: no silent fallback to the
-    /// staging copy), naming the size and, when the memlock limit refused it, the limit.
-    pub(crate) fn insert(&self, region: RegionHandle, writable: bool) -> Result<(u32, u64)> {
+    /// A fresh window id and a random key, for [`Windows::insert`].
+    pub(crate) fn new_id(&self) -> Result<(u32, u64)> {
         let mut k = [0u8; 8];
         getrandom::fill(&mut k).map_err(|e| crate::error::Error::internal(format!("the OS random number generator failed: {e}")))?;
         let key = u64::from_le_bytes(k);
+        let id = self.next.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        Ok((id, key))
+    }
+
+    /// Adds window `id` (from [`Windows::new_id`]) over `region`. With a verbs mesh the
+    /// window is registered with the device first (one memory region over all of it); a
+    /// failed registration fails the window (see `docs/one-sided.md`: no silent fallback to
+    /// the staging copy), naming the size and, when the memlock limit refused it, the limit.
+    pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) -> Result<()> {
         let mr = match self.verbs.as_ref().and_then(Weak::upgrade) {
             Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region)?)),
             _ => None,
         };
-        let id = self.next.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
         self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable, mr });
         self.registered.fetch_add(1, Ordering::Relaxed);
-        Ok((id, key))
+        Ok(())
     }
 
     /// Removes window `id`: requests naming it are refused from now on. A request being
@@ -131,6 +141,171 @@ impl Windows {
             window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
             ..RegStats::default()
         }
+    }
+}
+
+/// Bytes of a shared window's segment before its data: one page of header, so that the
+/// data starts page-aligned and peers reading the header never share a cache line with it.
+pub(crate) const SHARED_HEADER: usize = 4096;
+/// Header word: the window's key while it is live, 0 from the moment its owner drops it.
+const SHARED_LIVE: usize = 0;
+/// Header word: 1 when peers may write the window.
+const SHARED_WRITABLE: usize = 8;
+
+/// A window whose memory is a shared segment ([`crate::Communicator::alloc_window`]): its
+/// owner made it, and peers on the same host map it and copy straight in and out, with no
+/// request and no work by the owner. The segment is an anonymous memfd named after a hash
+/// of (job, owner, window id, key): only a holder of the handle can compute the name, and
+/// nothing but the window is in it (the header, then exactly the window's bytes). The owner
+/// keeps its descriptor open (so that peers can open it through `/proc`) until it drops
+/// the window; dropping first clears the header's live word, which every direct access
+/// checks before and after it copies.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedWindow {
+    seg: Arc<ShmSegment>,
+    key: u64,
+}
+
+impl SharedWindow {
+    fn name(job: u64, owner: usize, window: u32, key: u64) -> String {
+        use sha2::{Digest, Sha256};
+        use std::fmt::Write as _;
+        let d = Sha256::new()
+            .chain_update(b"ferroccl-shared-window\0")
+            .chain_update(job.to_le_bytes())
+            .chain_update((owner as u64).to_le_bytes())
+            .chain_update(window.to_le_bytes())
+            .chain_update(key.to_le_bytes())
+            .finalize();
+        let mut name = String::from("ferroccl-win-");
+        for b in &d[..16] {
+            let _ = write!(name, "{b:02x}");
+        }
+        name
+    }
+
+    /// The owner's side: a live, zeroed, writable shared window of `len` bytes.
+    pub(crate) fn create(job: u64, owner: usize, window: u32, key: u64, len: usize) -> std::io::Result<SharedWindow> {
+        let total =
+            SHARED_HEADER.checked_add(len).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "window too large"))?;
+        let seg = ShmSegment::create_anonymous(&Self::name(job, owner, window, key), total)?;
+        seg.atomic_u64(SHARED_WRITABLE).store(1, Ordering::Relaxed);
+        seg.atomic_u64(SHARED_LIVE).store(key, Ordering::Release);
+        Ok(SharedWindow { seg: Arc::new(seg), key })
+    }
+
+    /// The owner's view of the window's bytes (its memory, as any window's region).
+    pub(crate) fn region(&self) -> Option<RegionHandle> {
+        RegionHandle::in_segment(self.seg.clone(), SHARED_HEADER, self.len())
+    }
+
+    /// The owner's side, when the window is dropped: every direct access from now on is
+    /// refused, and no peer can map the segment any more (those that have keep their
+    /// mapping until they notice; the memory is freed when the last one is gone).
+    pub(crate) fn end(&self) {
+        self.seg.atomic_u64(SHARED_LIVE).store(0, Ordering::Release);
+        self.seg.withdraw();
+    }
+
+    /// A peer's side: maps window (`window`, `key`) of `len` bytes that world rank `owner`,
+    /// process `pid`, shares; fails when it has no such live window.
+    fn open(pid: i32, job: u64, owner: usize, window: u32, key: u64, len: u64) -> std::io::Result<SharedWindow> {
+        let name = Self::name(job, owner, window, key);
+        let total = usize::try_from(len)
+            .ok()
+            .and_then(|l| l.checked_add(SHARED_HEADER))
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "window too large"))?;
+        let fd = ShmSegment::find_anonymous(pid, &name)?;
+        let w = SharedWindow { seg: Arc::new(ShmSegment::open_from(pid, fd, &name, total)?), key };
+        if !w.live() {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("shared window {name} was dropped")));
+        }
+        Ok(w)
+    }
+
+    /// Whether the owner still has the window.
+    pub(crate) fn live(&self) -> bool {
+        self.seg.atomic_u64(SHARED_LIVE).load(Ordering::Acquire) == self.key
+    }
+
+    pub(crate) fn writable(&self) -> bool {
+        self.seg.atomic_u64(SHARED_WRITABLE).load(Ordering::Relaxed) == 1
+    }
+
+    /// The window's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.seg.len() - SHARED_HEADER
+    }
+
+    /// Whether bytes `[offset, offset + len)` lie inside the window.
+    pub(crate) fn contains(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|e| e <= self.len() as u64)
+    }
+
+    fn fits(&self, offset: u64, n: usize) -> Option<usize> {
+        let off = usize::try_from(offset).ok()?;
+        (off.checked_add(n)? <= self.len()).then_some(SHARED_HEADER + off)
+    }
+
+    /// Copies window bytes `[offset, offset + dst.len())` into `dst`; `false` (nothing
+    /// copied) when the range is not inside the window.
+    pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> bool {
+        match self.fits(offset, dst.len()) {
+            Some(at) => {
+                self.seg.read(at, dst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Copies `src` to window bytes `[offset, offset + src.len())`; `false` (nothing
+    /// copied) when the range is not inside the window.
+    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> bool {
+        match self.fits(offset, src.len()) {
+            Some(at) => {
+                self.seg.write(at, src);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Peers' shared windows this process has mapped (and the handles it found unmappable),
+/// by (owner, window id, key). A mapping is made at the first access through a handle and
+/// kept; one found dropped by its owner is unmapped then, and whenever a new one is made.
+#[derive(Debug, Default)]
+pub(crate) struct PeerWindows {
+    map: Mutex<HashMap<(usize, u32, u64), Option<SharedWindow>>>,
+}
+
+impl PeerWindows {
+    /// The mapping of window (`window`, `key`, `len` bytes) of world rank `owner`, whose
+    /// process is `pid` on this host; `None` when it cannot be mapped (remembered: the next
+    /// access asks the owner at once).
+    pub(crate) fn get(&self, pid: i32, job: u64, owner: usize, window: u32, key: u64, len: u64) -> Option<SharedWindow> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = map.get(&(owner, window, key)) {
+            return m.clone();
+        }
+        map.retain(|_, m| m.as_ref().is_none_or(SharedWindow::live));
+        let m = SharedWindow::open(pid, job, owner, window, key, len).ok();
+        map.insert((owner, window, key), m.clone());
+        m
+    }
+
+    /// Forgets (unmaps) a window its owner has dropped.
+    pub(crate) fn forget(&self, owner: usize, window: u32, key: u64) {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = map.get_mut(&(owner, window, key)) {
+            *slot = None;
+        }
+    }
+
+    /// Peers' windows mapped now.
+    pub(crate) fn mapped(&self) -> usize {
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|m| m.is_some()).count()
     }
 }
 

@@ -35,6 +35,7 @@ use crate::fabric::Fabric;
 use crate::inbox::RmaRequest;
 use crate::p2p::XferCtx;
 use crate::proto::{self, GetShape, RmaStatus, RmaTarget};
+use crate::registry::SharedWindow;
 use crate::transport::{PendingWrite, WriteGrant, WriteReq, WriteTicket};
 
 impl RmaStatus {
@@ -49,6 +50,47 @@ impl RmaStatus {
             RmaStatus::Failed => Some(Refusal::Failed),
         }
     }
+}
+
+/// An access to world rank `owner`'s window `remote` done here, with a copy, when the window
+/// is a shared segment on this host ([`crate::registry::SharedWindow`]): `Ok(None)` when it
+/// is not one this rank can map (the owner serves the access then), `Ok(Some(Ok(())))` when
+/// `copy` has moved the bytes, `Ok(Some(Err(refusal)))` when the window was dropped (before
+/// or while copying), is read-only and this is a write, or the `span` bytes at `offset` are
+/// not inside it (nothing copied). `copy` returns an error only for a local failure.
+pub(crate) fn direct(
+    fabric: &Fabric,
+    owner: usize,
+    remote: &Remote,
+    offset: u64,
+    span: u64,
+    write: bool,
+    copy: impl FnOnce(&SharedWindow) -> Result<()>,
+) -> Result<Option<std::result::Result<(), Refusal>>> {
+    if !remote.shared || owner == fabric.rank {
+        return Ok(None);
+    }
+    let Some(w) = fabric.shared_window(owner, remote.window, remote.key, remote.len) else { return Ok(None) };
+    let gone = || {
+        fabric.forget_shared_window(owner, remote.window, remote.key);
+        Ok(Some(Err(Refusal::NoWindow)))
+    };
+    if !w.live() {
+        return gone();
+    }
+    if write && !w.writable() {
+        return Ok(Some(Err(Refusal::ReadOnly)));
+    }
+    if !w.contains(offset, span) {
+        return Ok(Some(Err(Refusal::OutOfRange)));
+    }
+    copy(&w)?;
+    // Dropped while we copied: what was read may be the dropped window's last bytes, what
+    // was written landed in memory nobody reads any more. Either way the access failed.
+    if !w.live() {
+        return gone();
+    }
+    Ok(Some(Ok(())))
 }
 
 fn refused(cx: &XferCtx<'_>, owner: usize, reason: Refusal) -> Error {
@@ -173,6 +215,21 @@ impl GetOp {
                     self.state = State::Done;
                     return Ok(true);
                 }
+                let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+                let (block, offset, dst_offset, dst) = (self.block, self.offset, self.dst_offset, &self.dst);
+                let copied = direct(cx.fabric, self.wpeer, &self.remote, offset, span, false, |w| {
+                    for_rows(&block, offset, dst_offset, |ro, lo, n| {
+                        dst.with_slice_mut(lo, n, |d| w.read(ro, d)).map_err(|err| Error::invalid(format!("{}: {err}", cx.op))).map(|_| ())
+                    })
+                })?;
+                match copied {
+                    Some(Ok(())) => {
+                        self.state = State::Done;
+                        return Ok(true);
+                    }
+                    Some(Err(r)) => return Ok(self.refuse(refused(cx, self.wpeer, r))),
+                    None => {}
+                }
                 let (buf, grant) = cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?;
                 self.grant = grant;
                 self.imm = cx.fabric.next_imms(self.block.rows);
@@ -294,6 +351,25 @@ impl PutOp {
                     })?;
                     self.state = State::Done;
                     return Ok(true);
+                }
+                let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+                let (block, offset, src_offset, src) = (self.block, self.offset, self.src_offset, &self.src);
+                let copied = direct(cx.fabric, self.wpeer, &self.remote, offset, span, true, |w| {
+                    for_rows(&block, offset, src_offset, |ro, lo, n| {
+                        src.with_slice(lo, n, |b| w.write(ro, b)).map_err(|err| Error::invalid(format!("{}: {err}", cx.op))).map(|_| ())
+                    })
+                })?;
+                match copied {
+                    Some(Ok(())) => {
+                        self.state = State::Done;
+                        return Ok(true);
+                    }
+                    Some(Err(r)) => {
+                        self.refusal = Some(refused(cx, self.wpeer, r));
+                        self.state = State::Done;
+                        return Ok(true);
+                    }
+                    None => {}
                 }
                 let ep = cx.fabric.endpoint(self.wpeer)?;
                 let piece = ep.max_send().saturating_sub(proto::PUT_HEADER).max(1);

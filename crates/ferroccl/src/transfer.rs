@@ -52,7 +52,7 @@ use std::sync::Arc;
 use ferroccl_kernels::{DType, Element};
 use ferroccl_mem::region::RegionHandle;
 
-use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
+use crate::algo::{Action, Block, Buf, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
@@ -258,7 +258,7 @@ impl<'w> TransferPlanBuilder<'w> {
                 let s = start + r * stride;
                 ranges.push((s, s + block.row, i));
             }
-            let remote = Remote { window: h.window_id(), key: h.key() };
+            let remote = h.remote();
             let len = lspan as usize;
             let action = match e.dir {
                 Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len), block },

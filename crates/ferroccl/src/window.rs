@@ -44,16 +44,29 @@
 //!   communicator stays usable) and nothing outside a live window of the right access is
 //!   read or written.
 //! * **Dropping a window while peers use it** ends it for new requests at once (they are
-//!   refused, [`Refusal::NoWindow`]); a request already being served finishes first.
+//!   refused, [`Refusal::NoWindow`]); a request already being served finishes first. A
+//!   same-host peer copying a shared window directly (below) checks the window is live
+//!   before and after its copy: an access that overlaps the drop is refused too (a read
+//!   refused so may have filled part of its destination; a write refused so landed in
+//!   memory nobody reads any more).
+//! * **Shared windows.** [`Communicator::alloc_window`] puts the window in a shared segment
+//!   (a memfd holding nothing but the window). Ranks reached over shm map it at their first
+//!   access through the handle (finding it by a name derived from the handle's job, owner,
+//!   id and key) and then read and write it with a plain copy: no request, no work by the
+//!   owner, ~0.1 us for 8 bytes. Other ranks, and windows over caller memory, are served by
+//!   the owner as below. [`RegStats::peer_windows_mapped`](crate::RegStats) counts the
+//!   mappings.
 //! * **Concurrent access.** Requests are served in arrival order by the owner's progress
 //!   engine (its background thread runs while the owner has windows, so the owner need not
-//!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the peers'
-//!   accesses exclude each other per byte range, so nobody sees a torn element (except
-//!   a verbs peer's read, which the device serves from the window's memory with no copy:
-//!   it may see a mix of old and new bytes of the same element); nothing
-//!   else is ordered: what a read returns while the owner (or another rank) writes the
-//!   same range is either version of each piece. Order them with a collective or a
-//!   message (as with RDMA: a barrier after the writes, then the reads).
+//!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the requests
+//!   it serves exclude each other per byte range, so nobody sees a torn element; a
+//!   same-host peer's direct copy into a shared window excludes nothing, and neither does a
+//!   verbs peer's read, which the device serves from the window's memory with no copy (as
+//!   RDMA: an element written while it is read may be read torn). Nothing else is ordered:
+//!   what a read returns while the owner (or another rank) writes the same range is
+//!   unspecified (either version of each piece, or with direct copies any mix of bytes).
+//!   Order them with a collective or a message (as with RDMA: a barrier after the writes,
+//!   then the reads), or a signal (`put_signal` then `wait_signal`).
 //! * **Every access has a deadline** (`FERROCCL_TIMEOUT`); an owner that dies fails it
 //!   with [`Error::PeerFailed`] naming the owner.
 
@@ -69,6 +82,7 @@ use crate::engine::{Engine, Part};
 use crate::error::{Error, Op, Refusal, Result};
 use crate::nonblocking::{Request, Scope};
 use crate::proto::CHAN_USER;
+use crate::registry::{SharedWindow, SHARED_HEADER};
 
 /// The access a window grants to the ranks holding its handle.
 #[non_exhaustive]
@@ -90,6 +104,8 @@ pub struct RemoteHandle {
     job: u64,
     len: u64,
     access: Access,
+    /// A shared segment (byte 13 of the serialised form is 1).
+    shared: bool,
 }
 
 /// The first bytes of a serialised handle: "FCW" and the format's version.
@@ -122,8 +138,15 @@ impl RemoteHandle {
         self.window
     }
 
-    pub(crate) fn key(&self) -> u64 {
-        self.key
+    /// Whether the window is a shared segment that ranks on its owner's host map
+    /// ([`Communicator::alloc_window`]).
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// The window as a one-sided step names it.
+    pub(crate) fn remote(&self) -> Remote {
+        Remote { window: self.window, key: self.key, len: self.len, shared: self.shared }
     }
 
     /// The handle as bytes, to travel in a message, through the store or in the
@@ -137,6 +160,7 @@ impl RemoteHandle {
             Access::ReadOnly => 1,
             Access::ReadWrite => 2,
         };
+        b[13] = u8::from(self.shared);
         b[16..24].copy_from_slice(&self.key.to_le_bytes());
         b[24..32].copy_from_slice(&self.job.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
@@ -165,10 +189,15 @@ impl RemoteHandle {
             2 => Access::ReadWrite,
             a => return Err(bad(&format!("unknown access {a}"))),
         };
-        if b[13..16] != [0, 0, 0] {
+        let shared = match b[13] {
+            0 => false,
+            1 => true,
+            f => return Err(bad(&format!("unknown segment flag {f}"))),
+        };
+        if b[14..16] != [0, 0] {
             return Err(bad("reserved bytes are not zero"));
         }
-        Ok(RemoteHandle { owner: u32_at(4), window: u32_at(8), key: u64_at(16), job: u64_at(24), len: u64_at(32), access })
+        Ok(RemoteHandle { owner: u32_at(4), window: u32_at(8), key: u64_at(16), job: u64_at(24), len: u64_at(32), access, shared })
     }
 }
 
@@ -180,6 +209,8 @@ pub struct Window<'s> {
     engine: Arc<Engine>,
     handle: RemoteHandle,
     region: RegionHandle,
+    /// An allocated window's shared segment (peers on this host map it).
+    shared: Option<SharedWindow>,
     _mem: PhantomData<&'s mut [u8]>,
 }
 
@@ -191,12 +222,23 @@ impl std::fmt::Debug for Window<'_> {
 
 impl<'s> Window<'s> {
     fn new(comm: &Communicator, region: RegionHandle, access: Access) -> Result<Window<'s>> {
+        Self::make(comm, access, |_, _| Ok((region, None)))
+    }
+
+    /// A window over the region `memory(id, key)` gives (and its shared segment, if any).
+    fn make(
+        comm: &Communicator,
+        access: Access,
+        memory: impl FnOnce(u32, u64) -> Result<(RegionHandle, Option<SharedWindow>)>,
+    ) -> Result<Window<'s>> {
         let fabric = comm.fabric();
         let owner = u32::try_from(fabric.rank).map_err(|_| Error::invalid("a window's owner must be a rank below 2^32"))?;
-        let (window, key) = fabric.windows.insert(region.clone(), access == Access::ReadWrite)?;
-        let handle = RemoteHandle { owner, window, key, job: fabric.job, len: region.len() as u64, access };
+        let (window, key) = fabric.windows.new_id()?;
+        let (region, shared) = memory(window, key)?;
+        fabric.windows.insert(window, key, region.clone(), access == Access::ReadWrite)?;
+        let handle = RemoteHandle { owner, window, key, job: fabric.job, len: region.len() as u64, access, shared: shared.is_some() };
         comm.engine().serve_window();
-        Ok(Window { engine: comm.engine().clone(), handle, region, _mem: PhantomData })
+        Ok(Window { engine: comm.engine().clone(), handle, region, shared, _mem: PhantomData })
     }
 
     /// The handle to give to the ranks that may access this window.
@@ -243,6 +285,10 @@ impl<'s> Window<'s> {
 
 impl Drop for Window<'_> {
     fn drop(&mut self) {
+        // Direct accesses first (they check the segment's live word), then the owner's.
+        if let Some(s) = &self.shared {
+            s.end();
+        }
         self.engine.fabric().windows.remove(self.handle.window);
         self.engine.unserve_window();
     }
@@ -314,13 +360,28 @@ struct RmaPlan {
 impl Communicator {
     /// Allocates a zeroed window of `len` elements, owned by the library (no scope: it
     /// lives until dropped) and readable and writable by the ranks holding its handle.
+    ///
+    /// Its memory is a shared segment: ranks on this host reached over shm map it at their
+    /// first access through the handle and from then on read and write it with a plain
+    /// copy, without a request to this rank or any work by it (see the
+    /// [module documentation](crate::window) for what that means for concurrent access).
+    /// Where a shared segment cannot be made (`memfd_create` fails), the window is ordinary
+    /// memory served by this rank, as a registered one ([`RemoteHandle::is_shared`] says
+    /// which).
     pub fn alloc_window<T: Element>(&self, len: usize) -> Result<Window<'static>> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
-            .filter(|&b| b <= isize::MAX as usize)
+            .filter(|&b| b <= isize::MAX as usize - SHARED_HEADER)
             .ok_or_else(|| Error::invalid(format!("alloc_window: {len} {} do not fit in memory", T::DTYPE)))?;
         self.check_usable(&Op::other("alloc_window"))?;
-        Window::new(self, RegionHandle::owned(bytes), Access::ReadWrite)
+        let (job, rank) = (self.fabric().job, self.fabric().rank);
+        Window::make(self, Access::ReadWrite, |id, key| {
+            let shared = SharedWindow::create(job, rank, id, key, bytes).ok();
+            match shared.as_ref().and_then(SharedWindow::region) {
+                Some(region) => Ok((region, shared)),
+                None => Ok((RegionHandle::owned(bytes), None)),
+            }
+        })
     }
 
     /// Reads `dst.len()` elements at element `offset` of the window `h` names into `dst`;
@@ -339,7 +400,15 @@ impl Communicator {
         if plan.len == 0 {
             return Ok(());
         }
-        with_region(as_bytes_mut(dst), |region| self.run_part(self.rma_part(op, plan, region.clone())))
+        let bytes = as_bytes_mut(dst);
+        let copied = self.direct_rma(h, &plan, &op, false, |w| match w.read(plan.offset, bytes) {
+            true => Ok(()),
+            false => Err(Error::internal(format!("{op}: a checked range did not fit the shared window"))),
+        })?;
+        if copied {
+            return Ok(());
+        }
+        with_region(bytes, |region| self.run_part(self.rma_part(op, plan, region.clone())))
     }
 
     /// Writes `src` at element `offset` of the window `h` names; returns when the owner has
@@ -351,7 +420,15 @@ impl Communicator {
         if plan.len == 0 {
             return Ok(());
         }
-        with_region_ro(as_bytes(src), |region| self.run_part(self.rma_part(op, plan, region.clone())))
+        let bytes = as_bytes(src);
+        let copied = self.direct_rma(h, &plan, &op, true, |w| match w.write(plan.offset, bytes) {
+            true => Ok(()),
+            false => Err(Error::internal(format!("{op}: a checked range did not fit the shared window"))),
+        })?;
+        if copied {
+            return Ok(());
+        }
+        with_region_ro(bytes, |region| self.run_part(self.rma_part(op, plan, region.clone())))
     }
 
     /// [`Communicator::write_from`], then raises this rank's signal at the window's owner to
@@ -423,7 +500,24 @@ impl Communicator {
         })?;
         self.check_usable(op)?;
         let len = usize::try_from(len).map_err(|_| refuse(Refusal::OutOfRange))?;
-        Ok(RmaPlan { peer, remote: Remote { window: h.window, key: h.key }, offset: start, len })
+        Ok(RmaPlan { peer, remote: h.remote(), offset: start, len })
+    }
+
+    /// A checked access done here with `copy`, when `h` names a shared window on this host
+    /// that this rank maps (`Ok(false)`: it does not, the owner serves the access).
+    fn direct_rma(
+        &self,
+        h: &RemoteHandle,
+        plan: &RmaPlan,
+        op: &Op,
+        write: bool,
+        copy: impl FnOnce(&SharedWindow) -> Result<()>,
+    ) -> Result<bool> {
+        match crate::rma::direct(self.fabric(), h.owner(), &plan.remote, plan.offset, plan.len as u64, write, copy)? {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(reason)) => Err(Error::Refused { rank: self.rank(), owner: h.owner(), op: op.clone(), reason }),
+        }
     }
 
     /// The part that runs one checked access over `local` (the destination of a read, the

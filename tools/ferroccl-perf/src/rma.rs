@@ -29,6 +29,9 @@ buffer of its own, one of five ways (the Monarch notebook's experiment, plus ref
   read_into      one blocking read_into of (b)'s window into plain memory
   write_from     one blocking write_from of the same bytes into (b)'s window (the
                  other direction: rank 0 writes rank 1's window; not checked)
+  shared read    read_into, from a window rank 1 made with alloc_window (a shared segment:
+                 over shm rank 0 maps it and copies, rank 1 does nothing)
+  shared write   write_from into that window (not checked)
 Cases: tiny (one 8-byte tensor: latency), small (10,000 + 50,000 + 20,000 f32),
 1mib (one 1 MiB tensor), large (64 tensors of 1 MiB). Each round runs every way for N steps, in an order that
 flips every round (the order above, then reversed, ...); the table gives, per way, the median
@@ -72,7 +75,8 @@ pub fn parse(args: &[String]) -> Result<Option<RmaOptions>, ArgError> {
     args::parse_with("ferroccl-perf rma", args)
 }
 
-const WAYS: [&str; 7] = ["(a) register", "(b) contig", "(c) plan", "memcpy", "sendrecv", "read_into", "write_from"];
+const WAYS: [&str; 9] =
+    ["(a) register", "(b) contig", "(c) plan", "memcpy", "sendrecv", "read_into", "write_from", "shared read", "shared write"];
 
 /// One rank's run.
 pub fn run(o: &RmaOptions) -> Result<(), Failure> {
@@ -119,7 +123,9 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
             wts.push(s.register_mut(t)?);
         }
         let wdst = s.register_mut(&mut dst)?;
-        let mine: Vec<u8> = std::iter::once(wcontig.handle()).chain(wts.iter().map(|w| w.handle())).flat_map(|h| h.to_bytes()).collect();
+        let wshared = comm.alloc_window::<f32>(if me == 1 { total } else { 0 })?;
+        let mine: Vec<u8> =
+            [wcontig.handle(), wshared.handle()].into_iter().chain(wts.iter().map(|w| w.handle())).flat_map(|h| h.to_bytes()).collect();
         let mut all = vec![0u8; mine.len() * 2];
         comm.allgather(&mine, &mut all)?;
         let theirs: Vec<RemoteHandle> =
@@ -129,7 +135,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
             let mut b = comm.transfer_plan();
             let mut at = 0;
             for (k, &n) in sizes.iter().enumerate() {
-                b = b.read::<f32>(&theirs[1 + k], 0, &wdst, at, n);
+                b = b.read::<f32>(&theirs[2 + k], 0, &wdst, at, n);
                 at += n;
             }
             (Some(one), Some(b.build()?))
@@ -151,6 +157,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                             at += sizes[k];
                         }
                         wcontig.write(total - 1, &[val(total - 1, step)])?;
+                        wshared.write(total - 1, &[val(total - 1, step)])?;
                         plain[total - 1] = val(total - 1, step);
                         if way == 0 {
                             // (a) registers these copies of the tensors (made before the clock).
@@ -197,13 +204,15 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                         // One blocking call each, contiguous, into (from) plain memory.
                         (5, 0) => comm.read_into(&theirs[0], 0, &mut plain)?,
                         (6, 0) => comm.write_from(&theirs[0], 0, &local_src)?,
+                        (7, 0) => comm.read_into(&theirs[1], 0, &mut plain)?,
+                        (8, 0) => comm.write_from(&theirs[1], 0, &local_src)?,
                         _ => {}
                     }
                     let dt = t0.elapsed().as_secs_f64() * 1e6;
                     if me == 0 {
                         times[way].push(dt);
                         let last = match way {
-                            0 | 4 | 5 => Some(plain[total - 1]),
+                            0 | 4 | 5 | 7 => Some(plain[total - 1]),
                             1 | 2 => {
                                 let mut l = [0f32];
                                 wdst.read(total - 1, &mut l)?;
@@ -220,6 +229,8 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
             }
         }
         drop((contig_plan.take(), plan.take()));
+        comm.barrier()?;
+        drop(wshared);
         Ok(())
     })
     .map_err(fail(comm, format!("rma {name}")))?;

@@ -141,11 +141,14 @@ impl Block {
 }
 
 /// A window of another rank, as a one-sided step names it: the owner's window id and the
-/// key that is the handle's capability.
+/// key that is the handle's capability, the window's length, and whether it is a shared
+/// segment that a peer on the owner's host may map (`Communicator::alloc_window`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Remote {
     pub(crate) window: u32,
     pub(crate) key: u64,
+    pub(crate) len: u64,
+    pub(crate) shared: bool,
 }
 
 /// One step and what it waits for.

@@ -148,6 +148,15 @@ impl Endpoint {
         }
     }
 
+    /// The peer's process id, when it is on this host and reached over shm (so that it can
+    /// share memory with this process directly).
+    pub(crate) fn shm_pid(&self) -> Option<i32> {
+        match self {
+            Endpoint::Shm(e) => Some(e.peer_pid()),
+            _ => None,
+        }
+    }
+
     /// Largest message [`Endpoint::post_send`] takes.
     pub(crate) fn max_send(&self) -> usize {
         match self {

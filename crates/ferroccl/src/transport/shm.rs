@@ -593,6 +593,11 @@ pub(crate) struct ShmEndpoint {
 }
 
 impl ShmEndpoint {
+    /// The peer's process id.
+    pub(crate) fn peer_pid(&self) -> i32 {
+        self.peer_pid
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn connect(
         rank: usize,

@@ -72,6 +72,8 @@ macro_rules! conformance_suite {
             onesided::a_refused_plan_entry_fails_the_run_after_the_others_land,
             onesided::strided_blocks_move_column_shards,
             onesided::transfer_plan_signals_follow_their_writes,
+            onesided::shared_windows_are_mapped_and_refused_after_drop,
+            onesided::signals_need_no_window,
             onesided::reads_of_windows_are_zero_copy_over_verbs,
         );
     };

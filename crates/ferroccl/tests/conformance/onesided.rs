@@ -833,3 +833,199 @@ pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// Allocated windows are shared segments: ranks reached over shm map them at the first
+/// access and copy in and out directly (counted in `peer_windows_mapped`), by every path
+/// (blocking, in a scope, a plan with strided rows, `put_signal`); a forged key or length
+/// finds no segment and the owner refuses the access; a handle whose segment flag is forged
+/// onto a registered window still works (served by its owner); a window dropped while a
+/// peer reads it in a loop gives that peer whole correct reads until the first refusal
+/// (`NoWindow`), and refusals only after it.
+pub fn shared_windows_are_mapped_and_refused_after_drop(s: &Suite) {
+    use ferroccl::{Strided, TransportKind};
+    let n = 3usize;
+    let len = 4096usize;
+    let res = run_world(
+        n,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let near: Vec<usize> = (0..n).filter(|&q| q != me && comm.transport_to(q) == Some(TransportKind::Shm)).collect();
+            if s.wire == crate::harness::Wire::Shm && near.len() != n - 1 {
+                return Err(format!("rank {me}: shm suite, but peers {near:?} are reached over shm"));
+            }
+            let val = |owner: usize, writer: usize, i: usize| (owner * 1_000_000 + writer * 10_000 + i) as u32;
+            let mut plain = vec![0u32; 64];
+            let mut go = || -> ferroccl::Result<()> {
+                let w = comm.alloc_window::<u32>(len)?;
+                if !w.handle().is_shared() {
+                    return Err(Error::InvalidArgument(format!("rank {me}: alloc_window made no shared segment")));
+                }
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                // Writes: my stripe of every window (mine included), half blocking, half put_signal.
+                let stripe = len / n;
+                for (owner, h) in hs.iter().enumerate() {
+                    let data: Vec<u32> = (0..stripe).map(|i| val(owner, me, i)).collect();
+                    if owner % 2 == 0 {
+                        comm.write_from(h, me * stripe, &data)?;
+                    } else {
+                        comm.put_signal(h, me * stripe, &data, 1)?;
+                    }
+                }
+                for from in 0..n {
+                    if me % 2 == 1 {
+                        comm.wait_signal(from, 1)?;
+                    }
+                }
+                comm.barrier()?;
+                let want = |owner: usize| -> Vec<u32> {
+                    (0..len).map(|i| if i < n * stripe { val(owner, i / stripe, i % stripe) } else { 0 }).collect()
+                };
+                // Reads: blocking, and two in a scope.
+                for (owner, h) in hs.iter().enumerate() {
+                    let mut got = vec![0u32; len];
+                    comm.read_into(h, 0, &mut got)?;
+                    if got != want(owner) {
+                        return Err(Error::InvalidArgument(format!("rank {me}: blocking read of rank {owner}'s window")));
+                    }
+                    let (mut a, mut b) = (vec![0u32; 100], vec![0u32; 100]);
+                    comm.scope(|sc| {
+                        let ra = sc.read_into(h, 7, &mut a)?;
+                        let rb = sc.read_into(h, len - 100, &mut b)?;
+                        ra.wait()?;
+                        rb.wait()
+                    })?;
+                    if a[..] != want(owner)[7..107] || b[..] != want(owner)[len - 100..] {
+                        return Err(Error::InvalidArgument(format!("rank {me}: scoped reads of rank {owner}'s window")));
+                    }
+                }
+                // A plan: column 3..7 of every row of the next rank's window, seen as 64 x 64.
+                let next = (me + 1) % n;
+                let mut cols = vec![0u32; 64 * 4];
+                comm.scope(|sc| {
+                    let d = sc.register_mut(&mut cols)?;
+                    let shape = Strided { rows: 64, row_len: 4, from_stride: 64, to_stride: 4 };
+                    comm.transfer_plan().read_strided::<u32>(&hs[next], 3, &d, 0, shape).build()?.run()
+                })?;
+                let wn = want(next);
+                if (0..64).any(|r| cols[r * 4..r * 4 + 4] != wn[r * 64 + 3..r * 64 + 7]) {
+                    return Err(Error::InvalidArgument(format!("rank {me}: strided plan read of rank {next}'s window")));
+                }
+                let mapped = comm.registration_stats().peer_windows_mapped;
+                if mapped != near.len() {
+                    return Err(Error::InvalidArgument(format!("rank {me}: {mapped} peer windows mapped, {} peers on shm", near.len())));
+                }
+                // Forged: another key, a longer length. Neither finds a segment; the owner refuses.
+                let mut buf = vec![0u32; 8];
+                let mut forged = hs[next].to_bytes();
+                forged[16] ^= 0x5a;
+                match comm.read_into(&RemoteHandle::from_bytes(&forged)?, 0, &mut buf) {
+                    Err(Error::Refused { reason: Refusal::NoWindow, .. }) => {}
+                    other => return Err(Error::InvalidArgument(format!("rank {me}: forged key: {other:?}"))),
+                }
+                let mut longer = hs[next].to_bytes();
+                longer[32..40].copy_from_slice(&((len as u64 + 64) * 4).to_le_bytes());
+                match comm.read_into(&RemoteHandle::from_bytes(&longer)?, len, &mut buf) {
+                    Err(Error::Refused { reason: Refusal::OutOfRange, .. }) => {}
+                    other => return Err(Error::InvalidArgument(format!("rank {me}: forged length: {other:?}"))),
+                }
+                // A registered window whose handle claims a segment: its owner serves it.
+                comm.scope(|sc| {
+                    let p = sc.register_mut(&mut plain)?;
+                    p.write(0, &[me as u32 + 40; 64])?;
+                    let ps = gather_handles(&comm, &p.handle()).map_err(Error::InvalidArgument)?;
+                    let mut claim = ps[next].to_bytes();
+                    claim[13] = 1;
+                    let claim = RemoteHandle::from_bytes(&claim)?;
+                    let mut got = vec![0u32; 64];
+                    comm.read_into(&claim, 0, &mut got)?;
+                    if got != vec![next as u32 + 40; 64] {
+                        return Err(Error::InvalidArgument(format!("rank {me}: registered window behind a forged segment flag")));
+                    }
+                    comm.barrier()
+                })?;
+                // Rank 0 drops its window while rank 1 reads it in a loop.
+                comm.barrier()?;
+                if me == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                    drop(w);
+                    comm.barrier()?;
+                } else {
+                    let w0 = want(0);
+                    let t0 = std::time::Instant::now();
+                    let (mut ok, mut refused) = (0u64, 0u64);
+                    loop {
+                        let mut got = vec![0u32; 512];
+                        match comm.read_into(&hs[0], 1000, &mut got) {
+                            Ok(()) if refused == 0 => {
+                                if got[..] != w0[1000..1512] {
+                                    return Err(Error::InvalidArgument(format!("rank {me}: read {ok} during the drop is wrong")));
+                                }
+                                ok += 1;
+                            }
+                            Ok(()) => return Err(Error::InvalidArgument(format!("rank {me}: a read succeeded after a refusal"))),
+                            Err(Error::Refused { reason: Refusal::NoWindow, .. }) => {
+                                refused += 1;
+                                if refused == 3 {
+                                    break;
+                                }
+                            }
+                            Err(e) => return Err(e),
+                        }
+                        if t0.elapsed() > Duration::from_secs(15) {
+                            return Err(Error::InvalidArgument(format!("rank {me}: no refusal 15 s after the drop")));
+                        }
+                    }
+                    match comm.write_from(&hs[0], 0, &[1u32]) {
+                        Err(Error::Refused { reason: Refusal::NoWindow, .. }) => {}
+                        other => return Err(Error::InvalidArgument(format!("rank {me}: write after the drop: {other:?}"))),
+                    }
+                    comm.barrier()?;
+                    drop(w);
+                }
+                comm.barrier()
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// Signals need no window: ranks that never made one raise and wait for each other's
+/// signals (both ways, several values), and a rank whose windows are all dropped still
+/// answers requests (with a refusal).
+pub fn signals_need_no_window(s: &Suite) {
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let peer = 1 - me;
+            let go = || -> ferroccl::Result<()> {
+                for v in [1u64, 2, 10] {
+                    if me == 0 {
+                        comm.signal(peer, v)?;
+                        comm.wait_signal(peer, v)?;
+                    } else {
+                        comm.wait_signal(peer, v)?;
+                        comm.signal(peer, v)?;
+                    }
+                }
+                let w = comm.alloc_window::<u8>(16)?;
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                drop(w);
+                comm.barrier()?;
+                let mut b = [0u8; 4];
+                match comm.read_into(&hs[peer], 0, &mut b) {
+                    Err(Error::Refused { reason: Refusal::NoWindow, .. }) => {}
+                    other => return Err(Error::InvalidArgument(format!("read of a dropped last window: {other:?}"))),
+                }
+                comm.barrier()
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
