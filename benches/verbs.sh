@@ -2,7 +2,9 @@
 # Verbs transport numbers inside the soft-RoCE VM (tools/softroce; TCG emulation, so only
 # the ratios mean anything): perftest's ib_write_bw at 64 KiB and 1 MiB next to FerroCCL's
 # point-to-point over verbs at the same sizes (ferroccl-perf sendrecv: both ranks send and
-# receive at once; ferroccl-demo: ping-pong), then allreduce of 1 MiB over verbs, 2 ranks.
+# receive at once; ferroccl-demo: ping-pong), then allreduce of 1 MiB over verbs, 2 ranks,
+# then one-sided reads of 1 MiB (ferroccl-perf rma: the owner writes them from its window's
+# memory region, zero copy), to set against ib_write_bw's 1 MiB uni.
 # Alternates perftest and FerroCCL ROUNDS times because TCG's speed drifts.
 # Usage: bash benches/verbs.sh [ROUNDS]         (host: builds, then boots the VM once)
 set -euo pipefail
@@ -31,4 +33,9 @@ for i in $(seq 1 "$rounds"); do
         | awk -v r="$i" '/^ +[0-9]+ +[0-9]+ +f32/{printf "round %s ferroccl sendrecv %8d B: %s us: %.1f MB/s per direction, %.1f MB/s both\n", r, $1, $6, $1/$6, 2*$1/$6}'
     $B/ferroccl-perf allreduce -b 1M -e 1M -n 30 -w 5 --ranks 2 --transport verbs 2>/dev/null \
         | awk -v r="$i" '/^ +1048576 /{printf "round %s ferroccl allreduce 1 MiB 2 ranks (%s): out of place %s us busbw %s GB/s, in place %s us busbw %s GB/s\n", r, $NF, $6, $8, $10, $12}'
+    # Rank 0 reads 1 MiB of rank 1's window: read_into (one blocking read into plain memory)
+    # and (b) (a transfer plan of one read into a window); median of 20 steps each.
+    $B/ferroccl-perf rma --case 1mib --steps 20 --rounds 1 --ranks 2 --transport verbs 2>/dev/null \
+        | awk -v r="$i" '$1=="read_into"{printf "round %s ferroccl rma read_into 1048576 B: %s us: %.1f MB/s\n", r, $2, 1048576/$2}
+            $1=="(b)"{printf "round %s ferroccl rma plan read 1048576 B: %s us: %.1f MB/s\n", r, $3, 1048576/$3}'
 done

@@ -458,6 +458,9 @@ pub struct RegionLease {
     inner: Arc<Inner>,
     offset: usize,
     len: usize,
+    /// Taken by [`RegionHandle::lease_mut`] (the device may write the bytes), not by
+    /// [`RegionHandle::lease`] (it only reads them).
+    writable: bool,
 }
 
 impl fmt::Debug for RegionLease {
@@ -488,6 +491,12 @@ impl RegionLease {
     /// Offset of the leased range in its region.
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// Whether the device may write the leased bytes ([`RegionHandle::lease_mut`]); a
+    /// lease from [`RegionHandle::lease`] is for reading only.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 }
 
@@ -520,7 +529,24 @@ impl RegionHandle {
             return Err(RegionError::ReadOnly);
         }
         st.leases += 1;
-        Ok(RegionLease { inner: Arc::clone(&self.inner), offset, len })
+        Ok(RegionLease { inner: Arc::clone(&self.inner), offset, len, writable: true })
+    }
+
+    /// Leases `[offset, offset + len)` for a device that will only read it (the source of
+    /// RDMA WRITEs), on read-only registrations too: [`lease_mut`](Self::lease_mut) without
+    /// the write right ([`RegionLease::is_writable`] is `false`). The CPU may go on writing
+    /// the bytes through the handle meanwhile; what the device reads then is the holder's
+    /// concern, not a memory-safety one.
+    pub fn lease(&self, offset: usize, len: usize) -> Result<RegionLease, RegionError> {
+        let mut st = lock(&self.inner.state);
+        if !st.valid {
+            return Err(RegionError::Gone);
+        }
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.inner.len) {
+            return Err(RegionError::OutOfBounds { offset, len, region_len: self.inner.len });
+        }
+        st.leases += 1;
+        Ok(RegionLease { inner: Arc::clone(&self.inner), offset, len, writable: false })
     }
 }
 
@@ -1030,6 +1056,11 @@ mod tests {
         assert!(returned >= released, "with_region returned before the lease was dropped");
         assert_eq!(&buf[..16], &[1; 16]);
         with_region_ro(&[0u8; 4], |ro| assert_eq!(ro.lease_mut(0, 4).map(|_| ()), Err(RegionError::ReadOnly)));
+        with_region_ro(&[0u8; 4], |ro| {
+            let l = ro.lease(1, 3).unwrap();
+            assert_eq!((l.offset(), l.len(), l.is_writable()), (1, 3, false));
+            assert!(matches!(ro.lease(0, 5), Err(RegionError::OutOfBounds { .. })));
+        });
         let kept = with_region(&mut buf, |h| h.clone());
         assert_eq!(kept.lease_mut(0, 4).map(|_| ()), Err(RegionError::Gone));
     }

@@ -46,7 +46,8 @@ pub enum Error {
     /// Registering memory failed because it would pin more than `RLIMIT_MEMLOCK`.
     #[error(
         "ibv_reg_mr of {requested} bytes failed ({source}): registered memory is pinned and \
-         counts against RLIMIT_MEMLOCK, which is {limit} bytes here; raise it with \
+         counts against RLIMIT_MEMLOCK, which is {limit} bytes here (8 MiB by default for \
+         non-root users on recent kernels); raise it with \
          `ulimit -l unlimited` (or a `memlock` line in /etc/security/limits.conf, \
          LimitMEMLOCK=infinity for a systemd service, `--ulimit memlock=-1` for docker)"
     )]

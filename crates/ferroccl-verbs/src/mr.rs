@@ -109,9 +109,15 @@ impl ProtectionDomain {
     /// allocated (its `with_region` scope cannot end), and the memory region is
     /// deregistered before the lease is released (when its last clone drops). Leases are
     /// only given on writable registrations, so the device writing the bytes never
-    /// breaks a shared borrow. Keeping the CPU off the leased bytes while the device may
-    /// write them is the protocol's part: see [`RegionLease`].
+    /// breaks a shared borrow; a read lease ([`RegionLease::is_writable`] is `false`, as
+    /// for a read-only registration) takes only [`Access::empty`] (the device reads the
+    /// bytes, as the source of RDMA WRITEs), and any write right is refused. Keeping the
+    /// CPU off the leased bytes while the device may write them is the protocol's part:
+    /// see [`RegionLease`].
     pub fn register_lease(&self, lease: RegionLease, access: Access) -> Result<MemoryRegion> {
+        if !lease.is_writable() && access != Access::empty() {
+            return Err(Error::InvalidArgument(format!("a read lease can only be registered for local reads, not with {access:?}")));
+        }
         let (addr, len) = (lease.as_ptr(), lease.len());
         // SAFETY: see above: `lease` keeps the `len` bytes at `addr` allocated and mutably
         // borrowed by its scope, and the region keeps `lease` until after `ibv_dereg_mr`.
@@ -151,12 +157,14 @@ impl Context {
 const PAGE: usize = 4096;
 
 /// Turns a failed `ibv_reg_mr` into an error; ENOMEM under a finite `RLIMIT_MEMLOCK`
-/// is almost always that limit (pinned pages count against it).
+/// is almost always that limit (pinned pages count against it), and EPERM is the kernel's
+/// answer when the limit is 0 (and the process lacks `CAP_IPC_LOCK`).
 fn reg_mr_error(requested: usize, source: io::Error) -> Error {
     use rustix::process::{getrlimit, Resource};
-    let enomem = source.raw_os_error() == Some(rustix::io::Errno::NOMEM.raw_os_error());
+    let code = source.raw_os_error();
+    let limited = code == Some(rustix::io::Errno::NOMEM.raw_os_error()) || code == Some(rustix::io::Errno::PERM.raw_os_error());
     match getrlimit(Resource::Memlock).current {
-        Some(limit) if enomem => Error::MemlockLimit { requested, limit, source },
+        Some(limit) if limited => Error::MemlockLimit { requested, limit, source },
         _ => Error::Verb { verb: "ibv_reg_mr", source },
     }
 }

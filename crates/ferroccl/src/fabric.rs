@@ -87,7 +87,7 @@ impl Fabric {
             rank,
             size,
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
-            windows: Windows::default(),
+            windows: Windows::new(mesh.verbs_net(), params.timeout),
             peer_windows: PeerWindows::default(),
             job: job_id(&token, &key_prefix),
             next_req: std::sync::atomic::AtomicU64::new(1),
@@ -162,10 +162,21 @@ impl Fabric {
         self.registry.deregister(h)
     }
 
-    /// The registration cache's counters, and the windows'.
+    /// The registration cache's counters, the windows', and the bytes verbs one-sided
+    /// writes moved (staged or zero copy).
     pub(crate) fn reg_stats(&self) -> RegStats {
-        let (windows, window_bytes, windows_registered) = self.windows.stats();
-        RegStats { windows, window_bytes, windows_registered, peer_windows_mapped: self.peer_windows.mapped(), ..self.registry.stats() }
+        let w = self.windows.stats();
+        let (verbs_staged_bytes, verbs_zero_copy_bytes) = self.mesh.verbs_net().map_or((0, 0), |v| v.write_bytes());
+        RegStats {
+            windows: w.windows,
+            window_bytes: w.window_bytes,
+            windows_registered: w.windows_registered,
+            peer_windows_mapped: self.peer_windows.mapped(),
+            window_bytes_verbs: w.window_bytes_verbs,
+            verbs_staged_bytes,
+            verbs_zero_copy_bytes,
+            ..self.registry.stats()
+        }
     }
 
     /// `n` fresh numbers for one-sided requests: the first of them.

@@ -283,6 +283,11 @@ impl Mesh {
         self.endpoints.get(peer).and_then(|e| e.as_ref())
     }
 
+    /// The verbs mesh, when any peer is reached over verbs.
+    pub(crate) fn verbs_net(&self) -> Option<&Arc<VerbsNet>> {
+        self.verbs.as_ref()
+    }
+
     /// The transport to world rank `peer` (`None`: itself, or out of range).
     pub(crate) fn kind(&self, peer: usize) -> Option<TransportKind> {
         self.get(peer).map(Endpoint::kind)

@@ -58,12 +58,15 @@ use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
 use crate::proto::CHAN_USER;
 
-/// What a scope keeps: its jobs and the scratch memory they borrowed from the
-/// communicator's pool.
+/// What a scope keeps: its jobs, the scratch memory they borrowed from the
+/// communicator's pool, and the ids of the windows made in it.
 #[derive(Debug, Default)]
 pub(crate) struct ScopeState {
     jobs: Mutex<Vec<Arc<Job>>>,
     scratch: Mutex<Vec<RegionHandle>>,
+    /// Removed at the scope's end if still live (a window leaked with `mem::forget`):
+    /// a window's verbs memory region holds a lease that the scope's end waits for.
+    windows: Mutex<Vec<u32>>,
 }
 
 /// A scope for non-blocking operations; see [`Communicator::scope`] and the
@@ -200,6 +203,13 @@ impl WaitAll<'_, '_> {
         for h in std::mem::take(&mut *s.state.scratch.lock().unwrap_or_else(|e| e.into_inner())) {
             s.comm.scratch().put(h);
         }
+        // Windows that were dropped are gone already; a leaked one goes now, before the
+        // scope's registrations end (which wait for its memory region's lease).
+        for id in std::mem::take(&mut *s.state.windows.lock().unwrap_or_else(|e| e.into_inner())) {
+            if engine.fabric().windows.remove(id) {
+                engine.unserve_window();
+            }
+        }
         first
     }
 }
@@ -214,6 +224,11 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// The communicator.
     pub fn comm(&self) -> &'env Communicator {
         self.comm
+    }
+
+    /// Notes window `id` as made in this scope (see `ScopeState::windows`).
+    pub(crate) fn made_window(&self, id: u32) {
+        self.state.windows.lock().unwrap_or_else(|e| e.into_inner()).push(id);
     }
 
     /// Registers a call's buffers in the scope and makes its part.

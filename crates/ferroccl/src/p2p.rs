@@ -255,7 +255,15 @@ impl SendOp {
                     });
                 }
                 let ep = cx.fabric.endpoint(self.wpeer)?;
-                let w = WriteReq { src: &self.src, offset: self.offset, len: self.len, dst: cts.buf, dst_offset: 0, imm: cts.imm };
+                let w = WriteReq {
+                    src: &self.src,
+                    src_mr: None,
+                    offset: self.offset,
+                    len: self.len,
+                    dst: cts.buf,
+                    dst_offset: 0,
+                    imm: cts.imm,
+                };
                 match ep.post_write(&w, cx.deadline, &|| cx.pump())? {
                     WriteTicket::Done => self.state = SendState::Done,
                     WriteTicket::Pending(ticket) => {

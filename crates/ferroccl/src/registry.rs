@@ -3,18 +3,20 @@
 //! transports land one-sided writes), cached by address range (LRU-bounded,
 //! `FERROCCL_REG_CACHE_ENTRIES`); for verbs, a memory region over exactly the advertised
 //! range, held by the receive until the write lands. Also the immediates that name
-//! rendezvous writes.
+//! rendezvous writes, and the table of one-sided windows (with, when verbs carries any
+//! peer, each window's memory region: registered once, with the window).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use ferroccl_mem::region::RegionHandle;
 use ferroccl_mem::ShmSegment;
 
 use crate::error::Result;
 use crate::inbox::Inbox;
-use crate::transport::verbs;
+use crate::transport::verbs::{self, UserMr, VerbsNet};
 use crate::transport::{Endpoint, RemoteBuf, WriteGrant};
 
 /// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
@@ -41,6 +43,16 @@ pub struct RegStats {
     /// writes with a copy, without asking their owners): see
     /// [`crate::Communicator::alloc_window`].
     pub peer_windows_mapped: usize,
+    /// Bytes of the live windows registered with the verbs device (one memory region per
+    /// window, made with the window when any peer is reached over verbs): peers' reads of
+    /// them are written from this memory with no copy.
+    pub window_bytes_verbs: u64,
+    /// Bytes verbs one-sided writes copied through the staging slots since `init` (the
+    /// sources of rendezvous sends; reads of windows without a memory region).
+    pub verbs_staged_bytes: u64,
+    /// Bytes verbs one-sided writes sent straight from windows' memory regions since `init`
+    /// (reads of this rank's windows, zero copy).
+    pub verbs_zero_copy_bytes: u64,
 }
 
 /// A live one-sided window, as the window server checks requests against it.
@@ -50,6 +62,10 @@ pub(crate) struct WindowEntry {
     pub(crate) key: u64,
     pub(crate) region: RegionHandle,
     pub(crate) writable: bool,
+    /// The verbs memory region over the whole window (when verbs carries a peer): the
+    /// source of zero-copy reads. Every work request posted from it holds a clone until
+    /// its completion is polled.
+    pub(crate) mr: Option<Arc<UserMr>>,
 }
 
 /// The windows of one fabric, by id. Ids are never reused, so a handle to a dropped
@@ -59,9 +75,19 @@ pub(crate) struct Windows {
     table: Mutex<HashMap<u32, WindowEntry>>,
     next: AtomicU32,
     registered: std::sync::atomic::AtomicU64,
+    /// The verbs mesh, when any peer is reached over verbs: windows are registered with
+    /// its device.
+    verbs: Option<Weak<VerbsNet>>,
+    /// How long a removal waits for the zero-copy reads in flight (`FERROCCL_TIMEOUT`).
+    timeout: Duration,
 }
 
 impl Windows {
+    /// The window table of a fabric whose verbs mesh is `verbs` (`None`: no peer over verbs).
+    pub(crate) fn new(verbs: Option<&Arc<VerbsNet>>, timeout: Duration) -> Windows {
+        Windows { verbs: verbs.map(Arc::downgrade), timeout, ..Windows::default() }
+    }
+
     /// A fresh window id and a random key, for [`Windows::insert`].
     pub(crate) fn new_id(&self) -> Result<(u32, u64)> {
         let mut k = [0u8; 8];
@@ -71,15 +97,32 @@ impl Windows {
         Ok((id, key))
     }
 
-    /// Adds window `id` (from [`Windows::new_id`]) over `region`.
-    pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) {
-        self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable });
+    /// Adds window `id` (from [`Windows::new_id`]) over `region`. With a verbs mesh the
+    /// window is registered with the device first (one memory region over all of it); a
+    /// failed registration fails the window (see `docs/one-sided.md`: no silent fallback to
+    /// the staging copy), naming the size and, when the memlock limit refused it, the limit.
+    pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) -> Result<()> {
+        let mr = match self.verbs.as_ref().and_then(Weak::upgrade) {
+            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region)?)),
+            _ => None,
+        };
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable, mr });
         self.registered.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
-    /// Removes window `id`: requests naming it are refused from now on.
-    pub(crate) fn remove(&self, id: u32) {
-        self.table.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    /// Removes window `id`: requests naming it are refused from now on. A request being
+    /// served finishes first: with a verbs memory region, this waits (polling, at most
+    /// `FERROCCL_TIMEOUT`) until no read posted from it is in flight, and then drops it
+    /// (deregistering it and releasing its lease). Returns whether the window was live.
+    pub(crate) fn remove(&self, id: u32) -> bool {
+        let entry = self.table.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        let Some(entry) = entry else { return false };
+        if let (Some(mr), Some(net)) = (&entry.mr, self.verbs.as_ref().and_then(Weak::upgrade)) {
+            // Past the deadline the region goes when its last completion is polled.
+            verbs::wait_unused(&net, mr, Instant::now() + self.timeout);
+        }
+        true
     }
 
     /// Window `id`, if it is live and `key` is its key.
@@ -87,10 +130,17 @@ impl Windows {
         self.table.lock().unwrap_or_else(|e| e.into_inner()).get(&id).filter(|e| e.key == key).cloned()
     }
 
-    /// (live windows, their bytes, windows registered so far).
-    pub(crate) fn stats(&self) -> (usize, u64, u64) {
+    /// The windows' part of the statistics: live windows, their bytes, windows registered
+    /// so far, and the bytes registered with verbs.
+    pub(crate) fn stats(&self) -> RegStats {
         let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        (t.len(), t.values().map(|e| e.region.len() as u64).sum(), self.registered.load(Ordering::Relaxed))
+        RegStats {
+            windows: t.len(),
+            window_bytes: t.values().map(|e| e.region.len() as u64).sum(),
+            windows_registered: self.registered.load(Ordering::Relaxed),
+            window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
+            ..RegStats::default()
+        }
     }
 }
 

@@ -12,8 +12,9 @@
 //! * **read** (`GET`): the requester registers its destination (as a rendezvous receiver
 //!   does) and asks; the owner writes the window's range into it with write-with-immediate
 //!   through the transport contract (shm: through the rings or a single-copy pull; tcp:
-//!   straight into the buffer from the socket; verbs: RDMA WRITE into the requester's
-//!   memory region), and the read completes on the immediate. One round trip.
+//!   straight into the buffer from the socket; verbs: RDMA WRITE from the window's memory
+//!   region, registered with the window, into the requester's: no copy), and the read
+//!   completes on the immediate. One round trip.
 //! * **write** (`PUT`): the bytes travel in messages of at most one send's size, each
 //!   checked and landed by the owner, which answers each with a `REPLY`; the write
 //!   completes when every piece is answered. One round trip, pipelined over the pieces.
@@ -535,6 +536,7 @@ impl RmaServer {
                             for r in 0..shape.rows {
                                 let w = WriteReq {
                                     src: &e.region,
+                                    src_mr: e.mr.as_ref(),
                                     offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
                                     len: shape.row as usize,
                                     dst: buf,

@@ -60,12 +60,13 @@
 //!   engine (its background thread runs while the owner has windows, so the owner need not
 //!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the requests
 //!   it serves exclude each other per byte range, so nobody sees a torn element; a
-//!   same-host peer's direct copy into a shared window excludes nothing (as RDMA: an
-//!   element written while it is read may be read torn). Nothing else is ordered: what a
-//!   read returns while the owner (or another rank) writes the same range is unspecified
-//!   (either version of each piece, or with direct copies any mix of bytes). Order them
-//!   with a collective or a message (as with RDMA: a barrier after the writes, then the
-//!   reads), or a signal (`put_signal` then `wait_signal`).
+//!   same-host peer's direct copy into a shared window excludes nothing, and neither does a
+//!   verbs peer's read, which the device serves from the window's memory with no copy (as
+//!   RDMA: an element written while it is read may be read torn). Nothing else is ordered:
+//!   what a read returns while the owner (or another rank) writes the same range is
+//!   unspecified (either version of each piece, or with direct copies any mix of bytes).
+//!   Order them with a collective or a message (as with RDMA: a barrier after the writes,
+//!   then the reads), or a signal (`put_signal` then `wait_signal`).
 //! * **Every access has a deadline** (`FERROCCL_TIMEOUT`); an owner that dies fails it
 //!   with [`Error::PeerFailed`] naming the owner.
 
@@ -234,7 +235,7 @@ impl<'s> Window<'s> {
         let owner = u32::try_from(fabric.rank).map_err(|_| Error::invalid("a window's owner must be a rank below 2^32"))?;
         let (window, key) = fabric.windows.new_id()?;
         let (region, shared) = memory(window, key)?;
-        fabric.windows.insert(window, key, region.clone(), access == Access::ReadWrite);
+        fabric.windows.insert(window, key, region.clone(), access == Access::ReadWrite)?;
         let handle = RemoteHandle { owner, window, key, job: fabric.job, len: region.len() as u64, access, shared: shared.is_some() };
         comm.engine().serve_window();
         Ok(Window { engine: comm.engine().clone(), handle, region, shared, _mem: PhantomData })
@@ -298,7 +299,9 @@ impl<'s> Scope<'s, '_> {
     /// dropped): ranks holding its handle may read it.
     pub fn register<T: Element>(&self, buf: &'s [T]) -> Result<Window<'s>> {
         let region = self.regions.register_ro(as_bytes(buf));
-        Window::new(self.comm, region, Access::ReadOnly)
+        let w = Window::new(self.comm, region, Access::ReadOnly)?;
+        self.made_window(w.handle.window);
+        Ok(w)
     }
 
     /// Registers `buf` as a readable and writable window until the scope ends (or the
@@ -306,7 +309,9 @@ impl<'s> Scope<'s, '_> {
     /// ([`Window::read`], [`Window::write`]) meanwhile.
     pub fn register_mut<T: Element>(&self, buf: &'s mut [T]) -> Result<Window<'s>> {
         let region = self.regions.register(as_bytes_mut(buf));
-        Window::new(self.comm, region, Access::ReadWrite)
+        let w = Window::new(self.comm, region, Access::ReadWrite)?;
+        self.made_window(w.handle.window);
+        Ok(w)
     }
 
     /// [`Communicator::read_into`], in the background: `dst` stays borrowed until the scope

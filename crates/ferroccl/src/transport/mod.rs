@@ -194,7 +194,8 @@ impl Endpoint {
         match self {
             Endpoint::Shm(e) => e.post_write(w, deadline, poll),
             Endpoint::Tcp(e) => e.post_write(w, deadline).map(|()| WriteTicket::Done),
-            // The source is copied into staging slots while posting.
+            // The source is copied into staging slots while posting, or (a window with a
+            // memory region) held by the transport until the device has read it.
             Endpoint::Verbs(e) => e.post_write(w, deadline, poll).map(|()| WriteTicket::Done),
         }
     }
@@ -250,6 +251,11 @@ impl WriteGrant {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WriteReq<'a> {
     pub(crate) src: &'a RegionHandle,
+    /// A verbs memory region over the whole of `src` (a window's, made once with it), if
+    /// there is one: verbs then writes straight from it (zero copy) and keeps a clone of it
+    /// until the write's completion; the other transports ignore it.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) src_mr: Option<&'a Arc<verbs::UserMr>>,
     pub(crate) offset: usize,
     pub(crate) len: usize,
     pub(crate) dst: RemoteBuf,

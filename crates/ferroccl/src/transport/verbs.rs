@@ -48,12 +48,20 @@
 //!   lease) as soon as the write's immediate is seen, or when it is dropped on an error
 //!   path, always inside the scope. The lease takes no byte-range lock (local steps view
 //!   whole buffers); the schedule leaves a receive's bytes alone until it has completed.
-//! * **Write sources (one copy).** The sender copies the source through registered
-//!   staging slots ([`STAGE_SLOTS`] x [`STAGE_BYTES`] per process) and writes from there.
-//!   So `post_write` returns with the source free to reuse, and the call's scope never has
-//!   to wait for a send completion; the cost is one memcpy on the sending side, and no
-//!   `ibv_reg_mr` per transfer. (Registering sources, with a registration cache, is the
-//!   zero-copy follow-up.)
+//! * **Write sources: windows zero copy, the rest one copy.** A one-sided window is
+//!   registered once, when it is made ([`register_window`]: one memory region over the
+//!   whole window, local read only, holding a read [`RegionLease`](ferroccl_mem::RegionLease)
+//!   so the window's scope cannot end under it); a read of it (`WriteReq::src_mr`) is
+//!   written by the device straight from the window's memory, in pieces of at most
+//!   [`DIRECT_BYTES`], no copy on either side. Every such work request holds a clone of
+//!   the memory region in a slot that its completion frees when it is polled, so the
+//!   region is not deregistered (and the lease not released) under a work request in
+//!   flight; dropping the window waits for them ([`wait_unused`]). Every other source (a
+//!   rendezvous send's) is copied through registered staging slots ([`STAGE_SLOTS`] x
+//!   [`STAGE_BYTES`] per process) and written from there, so `post_write` returns with the
+//!   source free to reuse and the call's scope never waits for a send completion: one
+//!   memcpy on the sending side, and no `ibv_reg_mr` per transfer. [`VerbsNet::write_bytes`]
+//!   counts the bytes of both paths.
 //!
 //! # Progress and failures
 //!
@@ -70,7 +78,7 @@
 //! leaving a waiter to its deadline. A stopped (not dead) peer still ACKs (the NIC or the
 //! kernel answers), so it is caught by the deadline, as with tcp.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -96,8 +104,11 @@ pub(crate) const SLOTS: usize = 8;
 pub(crate) const SLOT_BYTES: usize = 68 << 10;
 /// Staging slots for write sources, shared by all peers of the process.
 pub(crate) const STAGE_SLOTS: usize = 8;
-/// Bytes per staging slot: the largest piece one RDMA WRITE carries.
+/// Bytes per staging slot: the largest piece one staged RDMA WRITE carries.
 pub(crate) const STAGE_BYTES: usize = 256 << 10;
+/// The largest piece one RDMA WRITE from a window's memory region carries (far below any
+/// device's maximum message size: 2 GiB for rxe, at least 1 GiB on NICs).
+pub(crate) const DIRECT_BYTES: usize = 8 << 20;
 const SQ_DEPTH: u32 = 128;
 /// How long the completion thread sleeps before it looks at its stop flag.
 const WAKER_NAP: Duration = Duration::from_millis(50);
@@ -122,6 +133,7 @@ const WR_RECV: u64 = 1;
 const WR_MSG: u64 = 2;
 const WR_STAGE: u64 = 3;
 const WR_CTRL: u64 = 4;
+const WR_DIRECT: u64 = 5;
 
 fn wr_id(kind: u64, peer: usize, extra: u32) -> u64 {
     (kind << 56) | ((peer as u64 & 0xff_ffff) << 32) | u64::from(extra)
@@ -259,6 +271,12 @@ pub(crate) struct VerbsNet {
     /// Bit i set: staging slot i is free.
     stage_free: Mutex<u64>,
     peers: Vec<Option<Peer>>,
+    /// The memory regions that zero-copy writes in flight read from (after `peers`, so
+    /// that the queue pairs are gone before they are deregistered).
+    direct: Mutex<DirectSlots>,
+    /// Bytes written through the staging slots, and straight from windows' memory regions.
+    staged_bytes: AtomicU64,
+    direct_bytes: AtomicU64,
     /// Completions polled in one go; preallocated so that polling does not allocate.
     polled: Mutex<Vec<Completion>>,
     credits_owed: AtomicBool,
@@ -279,6 +297,14 @@ impl Drop for VerbsNet {
             }
         }
     }
+}
+
+/// The memory region of each zero-copy write in flight, by slot (the work request's id
+/// names its slot): kept until the completion is polled.
+#[derive(Debug, Default)]
+struct DirectSlots {
+    slots: Vec<Option<Arc<UserMr>>>,
+    free: Vec<u32>,
 }
 
 /// Sleeps until the completion queue has news and then rings the fabric's doorbell, so a
@@ -448,6 +474,9 @@ impl VerbsSetup {
             stage,
             stage_free: Mutex::new(if STAGE_SLOTS == 64 { u64::MAX } else { (1u64 << STAGE_SLOTS) - 1 }),
             peers: slots,
+            direct: Mutex::new(DirectSlots::default()),
+            staged_bytes: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
             polled: Mutex::new(Vec::with_capacity(256)),
             credits_owed: AtomicBool::new(false),
             inbox: inbox.clone(),
@@ -576,9 +605,48 @@ impl VerbsNet {
         Ok(n > 0)
     }
 
+    /// Keeps `mr` until the completion of the work request given the returned slot.
+    fn hold_direct(&self, mr: &Arc<UserMr>) -> u32 {
+        let mut d = lock(&self.direct);
+        match d.free.pop() {
+            Some(i) => {
+                d.slots[i as usize] = Some(mr.clone());
+                i
+            }
+            None => {
+                d.slots.push(Some(mr.clone()));
+                (d.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Lets go of a zero-copy write's memory region (its completion was polled, or it was
+    /// never posted). The last clone deregisters it, outside the lock.
+    fn release_direct(&self, slot: u32) {
+        let mr = {
+            let mut d = lock(&self.direct);
+            let mr = d.slots.get_mut(slot as usize).and_then(Option::take);
+            if mr.is_some() {
+                d.free.push(slot);
+            }
+            mr
+        };
+        drop(mr);
+    }
+
+    /// Bytes one-sided writes have moved since setup: (copied through the staging slots,
+    /// written straight from windows' memory regions).
+    pub(crate) fn write_bytes(&self) -> (u64, u64) {
+        (self.staged_bytes.load(Ordering::Relaxed), self.direct_bytes.load(Ordering::Relaxed))
+    }
+
     /// Handles one completion; returns whether an event was delivered.
     fn complete(&self, c: Completion) -> bool {
         let (kind, p, extra) = wr_parts(c.wr_id);
+        if kind == WR_DIRECT {
+            // Failed or not, the device is done with the source.
+            self.release_direct(extra);
+        }
         let Some(Some(pe)) = self.peers.get(p) else { return false };
         if kind != WR_RECV {
             let mut st = lock(&pe.st);
@@ -596,7 +664,7 @@ impl VerbsNet {
             let what = match kind {
                 WR_RECV => "a receive",
                 WR_MSG => "an RDMA WRITE WITH IMMEDIATE (message)",
-                WR_STAGE => "an RDMA WRITE (one-sided data)",
+                WR_STAGE | WR_DIRECT => "an RDMA WRITE (one-sided data)",
                 _ => "an RDMA WRITE WITH IMMEDIATE (control)",
             };
             self.fail(
@@ -759,6 +827,42 @@ pub(crate) fn register_user(net: &VerbsNet, h: &RegionHandle, offset: usize, len
     Ok((RemoteBuf { addr: mr.as_ptr() as u64, len: len as u64, key: u64::from(mr.rkey()) }, mr))
 }
 
+/// Registers the whole of window `h` as the source of zero-copy RDMA WRITEs (local read
+/// only), once, when the window is made. The memory region holds a read lease on the
+/// window's region, so the window's scope cannot end while it (or a work request posted
+/// from it, see [`DirectSlots`]) lives. Fails naming the window's size (and, when the
+/// memlock limit refused it, that limit and how to raise it).
+pub(crate) fn register_window(net: &VerbsNet, h: &RegionHandle) -> Result<UserMr> {
+    let len = h.len();
+    let lease = h.lease(0, len).map_err(|e| Error::invalid(format!("rank {}: a {len}-byte window: {e}", net.rank)))?;
+    net.pd
+        .register_lease(lease, Access::empty())
+        .map_err(verr(net.rank, format!("register a {len}-byte window for zero-copy reads by verbs peers")))
+}
+
+/// Waits until no work request posted from `mr` is in flight (the caller holds the only
+/// other clone), polling the completion queue, until `deadline`; returns whether it is
+/// unused. A window's removal calls it, so its memory region (and lease) outlives every
+/// read posted from it; past the deadline the region goes when the last completion is
+/// polled.
+pub(crate) fn wait_unused(net: &VerbsNet, mr: &Arc<UserMr>, deadline: Instant) -> bool {
+    let mut backoff = Backoff::default();
+    loop {
+        if Arc::strong_count(mr) == 1 {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        let seen = net.inbox.bell_seen();
+        if matches!(net.poll(), Ok(true)) {
+            backoff.moved();
+            continue;
+        }
+        backoff.idle(WAIT_NAP, Some(deadline), |until| net.inbox.sleep(seen, until, || false));
+    }
+}
+
 /// This rank's connection to one peer over verbs.
 #[derive(Debug)]
 pub(crate) struct VerbsEndpoint {
@@ -852,10 +956,12 @@ impl VerbsEndpoint {
         }
     }
 
-    /// Writes `w` into the peer's registered memory: the source is copied through staging
-    /// slots, each piece an RDMA WRITE, the last one WITH IMMEDIATE (RC delivers them in
-    /// order, so the immediate means every byte has landed). The source may be reused when
-    /// this returns.
+    /// Writes `w` into the peer's registered memory, each piece an RDMA WRITE, the last one
+    /// WITH IMMEDIATE (RC delivers them in order, so the immediate means every byte has
+    /// landed). With a memory region over the source (`w.src_mr`, a window's), the device
+    /// reads the source itself (zero copy; the region stays registered until the pieces
+    /// complete); otherwise the source is copied through staging slots and may be reused
+    /// when this returns.
     pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
         if w.imm & IMM_CTRL != 0 {
             return Err(Error::internal(format!("verbs write immediate {:#x} uses the control bit", w.imm)));
@@ -863,6 +969,18 @@ impl VerbsEndpoint {
         let rkey =
             u32::try_from(w.dst.key).map_err(|_| Error::invalid(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
         let pe = self.net.peer(self.peer)?;
+        if let Some(mr) = w.src_mr {
+            if mr.as_ptr() as u64 != w.src.addr() || mr.len() != w.src.len() {
+                return Err(Error::internal(format!(
+                    "verbs write source: a memory region of {} bytes at {:#x} is not that of the {}-byte region at {:#x}",
+                    mr.len(),
+                    mr.as_ptr() as u64,
+                    w.src.len(),
+                    w.src.addr()
+                )));
+            }
+            return self.post_write_direct(pe, w, mr, rkey, deadline, poll);
+        }
         let start = Instant::now();
         let mut backoff = Backoff::default();
         let mut pos = 0usize;
@@ -914,6 +1032,54 @@ impl VerbsEndpoint {
             }
             st.sq_used += 1;
             drop(st);
+            self.net.staged_bytes.fetch_add(piece as u64, Ordering::Relaxed);
+            pos += piece;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    /// [`post_write`](Self::post_write) from `mr`, the memory region over the whole source:
+    /// pieces of at most [`DIRECT_BYTES`], each holding a clone of `mr` until its completion
+    /// is polled.
+    fn post_write_direct(
+        &self,
+        pe: &Peer,
+        w: &WriteReq<'_>,
+        mr: &Arc<UserMr>,
+        rkey: u32,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = Backoff::default();
+        let mut pos = 0usize;
+        loop {
+            let piece = (w.len - pos).min(DIRECT_BYTES);
+            let last = pos + piece == w.len;
+            let mut st = lock(&pe.st);
+            if st.dead {
+                return Err(self.dead_err());
+            }
+            if st.sq_used >= SQ_DEPTH {
+                drop(st);
+                self.net.wait_round(self.peer, "verbs write (send queue full)", start, deadline, &mut backoff, poll)?;
+                continue;
+            }
+            let remote = RemoteSlice { addr: w.dst_addr(pos), len: piece as u32, rkey };
+            let slot = self.net.hold_direct(mr);
+            let off = w.offset + pos;
+            let posted =
+                pe.qp.post_write_from(wr_id(WR_DIRECT, self.peer, slot), mr, off..off + piece, remote, last.then_some(w.imm), true);
+            if let Err(e) = posted {
+                drop(st);
+                self.net.release_direct(slot);
+                return Err(verr(self.rank, format!("write {piece} bytes to rank {}", self.peer))(e));
+            }
+            st.sq_used += 1;
+            drop(st);
+            self.net.direct_bytes.fetch_add(piece as u64, Ordering::Relaxed);
             pos += piece;
             if last {
                 return Ok(());

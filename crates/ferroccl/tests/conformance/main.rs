@@ -74,6 +74,7 @@ macro_rules! conformance_suite {
             onesided::transfer_plan_signals_follow_their_writes,
             onesided::shared_windows_are_mapped_and_refused_after_drop,
             onesided::signals_need_no_window,
+            onesided::reads_of_windows_are_zero_copy_over_verbs,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

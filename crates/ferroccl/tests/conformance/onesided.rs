@@ -10,7 +10,7 @@ use ferroccl::{Access, Communicator, Error, Params, Refusal, RemoteHandle};
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 
-use crate::harness::{all_ok, check_cases, run_world, RankResult, Suite};
+use crate::harness::{all_ok, check_cases, run_world, RankResult, Suite, Wire};
 
 /// Bytes of guard on each side of every window.
 const GUARD: usize = 64;
@@ -755,6 +755,79 @@ pub fn transfer_plan_signals_follow_their_writes(s: &Suite) {
                 })
             };
             go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// Bytes of the window `reads_of_windows_are_zero_copy_over_verbs` reads: over one
+/// zero-copy piece (8 MiB), so a whole read is split, and odd.
+const ZC_LEN: usize = (8 << 20) + 4099;
+
+/// A window is registered with verbs once, when it is made, and peers' reads of it are
+/// written straight from it: over verbs the owner's statistics show the window's bytes
+/// registered (`window_bytes_verbs`), and exactly the bytes read sent zero copy with not
+/// one byte through the staging slots (it fails if reads still took the staging copy).
+/// Over shm and tcp nothing is registered with verbs. Then a window leaked with
+/// `mem::forget` ends with its scope (its memory region's lease must not keep the scope
+/// waiting) and is gone from the statistics.
+pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
+    let verbs = s.wire == Wire::Verbs;
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let fail = |what: String| Error::InvalidArgument(format!("rank {me}: {what}"));
+            let run = || -> ferroccl::Result<()> {
+                let data: Vec<u8> = (0..ZC_LEN).map(|i| (i * 7 + me * 3 + 1) as u8).collect();
+                // (offset, length) of each read rank 1 makes of rank 0's window.
+                let reads = [(0, ZC_LEN), (4097, 100_003), (ZC_LEN - 1, 1)];
+                let read_bytes: usize = reads.iter().map(|r| r.1).sum();
+                comm.scope(|sc| {
+                    let w = sc.register(&data)?;
+                    let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                    let before = comm.registration_stats();
+                    let want = if verbs { ZC_LEN as u64 } else { 0 };
+                    if before.windows != 1 || before.window_bytes_verbs != want {
+                        return Err(fail(format!("window statistics before the reads {before:?}, expected {want} bytes with verbs")));
+                    }
+                    comm.barrier()?;
+                    if me == 1 {
+                        for &(off, len) in &reads {
+                            let mut got = vec![0u8; len];
+                            comm.read_into(&hs[0], off, &mut got)?;
+                            if let Some(i) = (0..len).find(|&i| got[i] != ((off + i) * 7 + 1) as u8) {
+                                return Err(fail(format!("read of [{off}, +{len}): byte {i} is {}", got[i])));
+                            }
+                        }
+                    }
+                    comm.barrier()?;
+                    let after = comm.registration_stats();
+                    let zero_copy = after.verbs_zero_copy_bytes - before.verbs_zero_copy_bytes;
+                    let staged = after.verbs_staged_bytes - before.verbs_staged_bytes;
+                    let want = if verbs && me == 0 { read_bytes as u64 } else { 0 };
+                    if zero_copy != want || staged != 0 || after.windows_registered != before.windows_registered {
+                        return Err(fail(format!(
+                            "while rank 1 read {read_bytes} bytes: {zero_copy} bytes zero copy (expected {want}), {staged} staged \
+                             (expected 0); statistics {after:?}"
+                        )));
+                    }
+                    Ok(())
+                })?;
+                comm.scope(|sc| {
+                    let w = sc.register(&data)?;
+                    std::mem::forget(w);
+                    Ok(())
+                })?;
+                let st = comm.registration_stats();
+                if st.windows != 0 || st.window_bytes_verbs != 0 || st.windows_registered != 2 {
+                    return Err(fail(format!("statistics after the scopes {st:?}: no window should be left")));
+                }
+                comm.barrier()
+            };
+            run().map_err(|e| format!("rank {me}: {e}"))?;
             comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
         },
     );

@@ -274,15 +274,6 @@ fn kill(comm: &Communicator, args: &[String]) -> R<()> {
     let during = flag(args, "--during").unwrap_or("barrier").to_string();
     let (n, me) = (comm.size(), comm.rank());
     comm.barrier()?;
-    if me == victim {
-        // Die at an arbitrary moment in the middle of the work below.
-        std::thread::spawn(|| {
-            std::thread::sleep(Duration::from_millis(300));
-            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
-        });
-    }
-    let start = Instant::now();
-    let stop = start + Duration::from_secs(60);
     let big = vec![7u8; 8 << 20];
     let mut inb = vec![0u8; 8 << 20];
     // One-sided: every rank's 8 MiB window, read by the rank below it (whole, or by a plan
@@ -293,6 +284,17 @@ fn kill(comm: &Communicator, args: &[String]) -> R<()> {
     let next = ferroccl::RemoteHandle::from_bytes(&all[(me + 1) % n * 40..][..40])?;
     let landing = comm.alloc_window::<u8>(8 << 20)?;
     let mut plan = (0..4).fold(comm.transfer_plan(), |b, k| b.read::<u8>(&next, k << 21, &landing, k << 21, 1 << 21)).build()?;
+    // Every rank is set up (over verbs, registering a window takes a while in an emulated
+    // VM): the victim dies at an arbitrary moment in the middle of the work below.
+    comm.barrier()?;
+    if me == victim {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+        });
+    }
+    let start = Instant::now();
+    let stop = start + Duration::from_secs(60);
     let res: R<()> = (|| {
         while Instant::now() < stop {
             match during.as_str() {
