@@ -106,7 +106,7 @@ enum State {
 
 /// Runs `f(remote offset, local offset, bytes)` for each row of `block`, from `offset` in
 /// the window and `local` in the local buffer.
-fn for_rows(block: &Block, offset: u64, local: usize, mut f: impl FnMut(u64, usize, usize) -> Result<()>) -> Result<()> {
+pub(crate) fn for_rows(block: &Block, offset: u64, local: usize, mut f: impl FnMut(u64, usize, usize) -> Result<()>) -> Result<()> {
     for r in 0..u64::from(block.rows) {
         let (ro, lo) = (offset.saturating_add(r * block.remote_stride), local + (r * block.local_stride) as usize);
         f(ro, lo, block.row as usize)?;

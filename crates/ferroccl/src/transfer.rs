@@ -52,7 +52,7 @@ use std::sync::Arc;
 use ferroccl_kernels::{DType, Element};
 use ferroccl_mem::region::RegionHandle;
 
-use crate::algo::{Action, Block, Buf, Schedule, Slice, Step};
+use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
@@ -215,6 +215,7 @@ impl<'w> TransferPlanBuilder<'w> {
         let bad = |i: usize, what: String| Error::invalid(format!("rank {me}: transfer plan entry {i}: {what}"));
         let mut dests: HashMap<DestKey, Vec<DestRange>> = HashMap::new();
         let mut parts: Vec<(&'w Window<'w>, Vec<Step>)> = Vec::new();
+        let mut direct: Vec<Direct<'w>> = Vec::new();
         let mut count = 0;
         for (i, e) in self.entries.iter().enumerate() {
             let what = || format!("{} row(s) of {} {}", e.shape.rows, e.shape.row_len, e.dtype);
@@ -259,6 +260,7 @@ impl<'w> TransferPlanBuilder<'w> {
                 ranges.push((s, s + block.row, i));
             }
             let remote = h.remote();
+            direct.push(Direct { owner: h.owner(), remote, offset: roff, span: rspan, local: e.local, at: loff, block, dir: e.dir });
             let len = lspan as usize;
             let action = match e.dir {
                 Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len), block },
@@ -310,7 +312,18 @@ impl<'w> TransferPlanBuilder<'w> {
             parts.push(part);
         }
         let job = Job::new(comm.job_body(parts));
-        Ok(TransferPlan { comm, job, transfers: count, runs: 0 })
+        // Every entry a same-host peer's shared window (mapped now, not at the first run),
+        // and no signal: a run is copies by this thread, no job.
+        let fabric = comm.fabric();
+        let all_direct = self.signals.is_empty()
+            && !direct.is_empty()
+            && direct.iter().all(|d| {
+                d.remote.shared
+                    && d.owner != fabric.rank
+                    && fabric.shared_window(d.owner, d.remote.window, d.remote.key, d.remote.len).is_some()
+            });
+        let direct = if all_direct { direct } else { Vec::new() };
+        Ok(TransferPlan { comm, job, transfers: count, runs: 0, direct, op })
     }
 }
 
@@ -323,6 +336,23 @@ pub struct TransferPlan<'w> {
     job: Arc<Job>,
     transfers: usize,
     runs: u64,
+    /// When every entry is a copy to or from a same-host peer's shared window (and the
+    /// plan raises no signal): the entries, run by the calling thread without a job.
+    direct: Vec<Direct<'w>>,
+    op: Op,
+}
+
+/// One entry of a plan that runs as copies (see `TransferPlan::direct`).
+#[derive(Debug)]
+struct Direct<'w> {
+    owner: usize,
+    remote: Remote,
+    offset: u64,
+    span: u64,
+    local: &'w Window<'w>,
+    at: usize,
+    block: Block,
+    dir: Dir,
 }
 
 impl TransferPlan<'_> {
@@ -342,10 +372,52 @@ impl TransferPlan<'_> {
     /// [`TransferPlan::run`], raising the plan's signals ([`TransferPlanBuilder::signal`])
     /// to `value` at the end (signals only rise: give increasing values).
     pub fn run_with_signal(&mut self, value: u64) -> Result<()> {
+        if !self.direct.is_empty() {
+            if let Some(r) = self.run_direct() {
+                self.runs += 1;
+                return r;
+            }
+        }
         self.job.body().signal = value;
         self.comm.submit(&self.job, true, true)?;
         self.runs += 1;
         self.comm.wait_job(&self.job)
+    }
+
+    /// A run as copies into and out of peers' shared windows; `None` when one of them is no
+    /// longer mapped (the job runs the plan then, and the owner answers).
+    fn run_direct(&self) -> Option<Result<()>> {
+        let (comm, fabric) = (self.comm, self.comm.fabric());
+        if let Err(e) = comm.check_usable(&self.op) {
+            return Some(Err(e));
+        }
+        let mut refusal = None;
+        for d in &self.direct {
+            let local = d.local.region();
+            let write = d.dir == Dir::Write;
+            let copied = crate::rma::direct(fabric, d.owner, &d.remote, d.offset, d.span, write, |w| {
+                crate::rma::for_rows(&d.block, d.offset, d.at, |ro, lo, n| {
+                    let r = match d.dir {
+                        Dir::Read => local.with_slice_mut(lo, n, |b| w.read(ro, b)),
+                        Dir::Write => local.with_slice(lo, n, |b| w.write(ro, b)),
+                    };
+                    match r {
+                        Ok(true) => Ok(()),
+                        Ok(false) => Err(Error::internal(format!("{}: a checked row did not fit the shared window", self.op))),
+                        Err(e) => Err(Error::invalid(format!("{}: {e}", self.op))),
+                    }
+                })
+            });
+            match copied {
+                Err(e) => return Some(Err(e)),
+                Ok(None) => return None,
+                Ok(Some(Ok(()))) => {}
+                Ok(Some(Err(reason))) => {
+                    refusal.get_or_insert(Error::Refused { rank: comm.rank(), owner: d.owner, op: self.op.clone(), reason });
+                }
+            }
+        }
+        Some(refusal.map_or(Ok(()), Err))
     }
 
     /// Transfers in the plan (entries of length 0 are not counted).

@@ -32,6 +32,8 @@ buffer of its own, one of five ways (the Monarch notebook's experiment, plus ref
   shared read    read_into, from a window rank 1 made with alloc_window (a shared segment:
                  over shm rank 0 maps it and copies, rank 1 does nothing)
   shared write   write_from into that window (not checked)
+  shared plan    (b) from that window: a plan of one read (over shm: copies by rank 0's
+                 own thread, no job)
 Cases: tiny (one 8-byte tensor: latency), small (10,000 + 50,000 + 20,000 f32),
 1mib (one 1 MiB tensor), large (64 tensors of 1 MiB). Each round runs every way for N steps, in an order that
 flips every round (the order above, then reversed, ...); the table gives, per way, the median
@@ -75,8 +77,18 @@ pub fn parse(args: &[String]) -> Result<Option<RmaOptions>, ArgError> {
     args::parse_with("ferroccl-perf rma", args)
 }
 
-const WAYS: [&str; 9] =
-    ["(a) register", "(b) contig", "(c) plan", "memcpy", "sendrecv", "read_into", "write_from", "shared read", "shared write"];
+const WAYS: [&str; 10] = [
+    "(a) register",
+    "(b) contig",
+    "(c) plan",
+    "memcpy",
+    "sendrecv",
+    "read_into",
+    "write_from",
+    "shared read",
+    "shared write",
+    "shared plan",
+];
 
 /// One rank's run.
 pub fn run(o: &RmaOptions) -> Result<(), Failure> {
@@ -130,6 +142,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
         comm.allgather(&mine, &mut all)?;
         let theirs: Vec<RemoteHandle> =
             all[mine.len()..].chunks(RemoteHandle::BYTES).map(RemoteHandle::from_bytes).collect::<ferroccl::Result<_>>()?;
+        let mut shared_plan = if me == 0 { Some(comm.transfer_plan().read::<f32>(&theirs[1], 0, &wdst, 0, total).build()?) } else { None };
         let (mut contig_plan, mut plan) = if me == 0 {
             let one = comm.transfer_plan().read::<f32>(&theirs[0], 0, &wdst, 0, total).build()?;
             let mut b = comm.transfer_plan();
@@ -206,6 +219,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                         (6, 0) => comm.write_from(&theirs[0], 0, &local_src)?,
                         (7, 0) => comm.read_into(&theirs[1], 0, &mut plain)?,
                         (8, 0) => comm.write_from(&theirs[1], 0, &local_src)?,
+                        (9, 0) => shared_plan.as_mut().map_or(Ok(()), |p| p.run())?,
                         _ => {}
                     }
                     let dt = t0.elapsed().as_secs_f64() * 1e6;
@@ -213,7 +227,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                         times[way].push(dt);
                         let last = match way {
                             0 | 4 | 5 | 7 => Some(plain[total - 1]),
-                            1 | 2 => {
+                            1 | 2 | 9 => {
                                 let mut l = [0f32];
                                 wdst.read(total - 1, &mut l)?;
                                 Some(l[0])
@@ -228,7 +242,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                 }
             }
         }
-        drop((contig_plan.take(), plan.take()));
+        drop((contig_plan.take(), plan.take(), shared_plan.take()));
         comm.barrier()?;
         drop(wshared);
         Ok(())

@@ -911,6 +911,33 @@ pub fn shared_windows_are_mapped_and_refused_after_drop(s: &Suite) {
                 if (0..64).any(|r| cols[r * 4..r * 4 + 4] != wn[r * 64 + 3..r * 64 + 7]) {
                     return Err(Error::InvalidArgument(format!("rank {me}: strided plan read of rank {next}'s window")));
                 }
+                // A plan of a read and a write with the next rank's window, run five times
+                // (on shm, copies by this thread), then each rank finds the last run's write.
+                // (Everyone has checked the windows before anyone writes them again.)
+                comm.barrier()?;
+                let mut small = vec![0u32; 16];
+                comm.scope(|sc| {
+                    let d = sc.register_mut(&mut small)?;
+                    let mut p =
+                        comm.transfer_plan().read::<u32>(&hs[next], 0, &d, 0, 8).write::<u32>(&d, 8, &hs[next], len - 8, 8).build()?;
+                    for k in 0..5u32 {
+                        d.write(8, &[me as u32 * 100 + k; 8])?;
+                        p.run()?;
+                    }
+                    let mut head = [0u32; 8];
+                    d.read(0, &mut head)?;
+                    if head[..] != wn[..8] {
+                        return Err(Error::InvalidArgument(format!("rank {me}: plan read of rank {next}'s window")));
+                    }
+                    Ok(())
+                })?;
+                comm.barrier()?;
+                let prev = (me + n - 1) % n;
+                let mut tail = [0u32; 8];
+                w.read(len - 8, &mut tail)?;
+                if tail != [prev as u32 * 100 + 4; 8] {
+                    return Err(Error::InvalidArgument(format!("rank {me}: rank {prev}'s plan wrote {tail:?} into my window")));
+                }
                 let mapped = comm.registration_stats().peer_windows_mapped;
                 if mapped != near.len() {
                     return Err(Error::InvalidArgument(format!("rank {me}: {mapped} peer windows mapped, {} peers on shm", near.len())));
