@@ -111,12 +111,13 @@ impl ProtectionDomain {
     /// only given on writable registrations, so the device writing the bytes never
     /// breaks a shared borrow; a read lease ([`RegionLease::is_writable`] is `false`, as
     /// for a read-only registration) takes only [`Access::empty`] (the device reads the
-    /// bytes, as the source of RDMA WRITEs), and any write right is refused. Keeping the
+    /// bytes, as the source of RDMA WRITEs) or [`Access::REMOTE_READ`] (peers' RDMA READs
+    /// read them too), and any write right is refused. Keeping the
     /// CPU off the leased bytes while the device may write them is the protocol's part:
     /// see [`RegionLease`].
     pub fn register_lease(&self, lease: RegionLease, access: Access) -> Result<MemoryRegion> {
-        if !lease.is_writable() && access != Access::empty() {
-            return Err(Error::InvalidArgument(format!("a read lease can only be registered for local reads, not with {access:?}")));
+        if !lease.is_writable() && !Access::REMOTE_READ.contains(access) {
+            return Err(Error::InvalidArgument(format!("a read lease can only be registered for reads, not with {access:?}")));
         }
         let (addr, len) = (lease.as_ptr(), lease.len());
         // SAFETY: see above: `lease` keeps the `len` bytes at `addr` allocated and mutably

@@ -525,6 +525,32 @@ impl QueuePair<ReadyToSend> {
         unsafe { self.post(wr_id, op, local, Some(remote), signaled) }
     }
 
+    /// Posts an RDMA READ of the peer's `remote` (its first `range.len()` bytes) into
+    /// `dst[range]`, which must have been registered with [`Access::LOCAL_WRITE`] (an
+    /// [`Error::InvalidArgument`] otherwise, before anything reaches the device).
+    ///
+    /// Safe, unlike [`post_read`](Self::post_read), for the reasons
+    /// [`post_write_from`](Self::post_write_from) is: the target is a range of a live
+    /// [`MemoryRegion`], whose memory Rust code never references (the region hands out no
+    /// references, only copies), stays allocated until after `ibv_dereg_mr`, and cannot be
+    /// reached by the device once deregistered (a request still in flight then fails with
+    /// a protection error). The device writing into it is what its registration with
+    /// `LOCAL_WRITE` allows, as a peer's RDMA WRITE into a region registered with
+    /// `REMOTE_WRITE` is. What is left is a logic rule: the bytes are the peer's only once
+    /// the completion has been polled.
+    pub fn post_read_into(&self, wr_id: u64, dst: &MemoryRegion, range: Range<usize>, remote: RemoteSlice, signaled: bool) -> Result<()> {
+        if !dst.access().contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(format!(
+                "ibv_post_send(RDMA_READ): the target memory region was registered without LOCAL_WRITE ({:?})",
+                dst.access()
+            )));
+        }
+        let local = dst.local(range)?;
+        // SAFETY: see above: `local` lies in a live region registered for local writes,
+        // which no Rust reference aliases and which stays allocated while registered.
+        unsafe { self.post(wr_id, SendOp::Read, local, Some(remote), signaled) }
+    }
+
     /// Posts a signaled zero-length RDMA WRITE with immediate into `remote`: a
     /// notification that consumes one of the peer's receives and carries only `imm`.
     /// Safe, because it names no local memory (and writes no remote bytes).

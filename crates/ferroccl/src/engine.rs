@@ -378,6 +378,12 @@ struct Park {
     /// (asleep on the doorbell between requests), so that peers' requests are served
     /// whether or not this rank is in a call.
     serving: AtomicUsize,
+    /// Verbs peers' window regions this rank holds (shared with the fabric's
+    /// `PeerRegions`): while there are any, the background thread keeps driving too, so
+    /// that their owners' `REVOKE`s are answered whether or not this rank is in a call.
+    held: Arc<AtomicUsize>,
+    /// Set once the background thread has been started.
+    started: AtomicBool,
     state: Mutex<ParkState>,
     wake: Condvar,
 }
@@ -419,11 +425,12 @@ impl Drop for Engine {
 impl Engine {
     /// The engine of `fabric`.
     pub(crate) fn new(fabric: Fabric) -> Arc<Engine> {
+        let park = Arc::new(Park { held: fabric.peer_regions.held_counter(), ..Park::default() });
         Arc::new(Engine {
             fabric,
             submitted: Mutex::default(),
             driver: Mutex::default(),
-            park: Arc::default(),
+            park,
             rounds: AtomicU32::new(0),
             comms: Mutex::default(),
             closed: AtomicBool::new(false),
@@ -493,6 +500,11 @@ impl Engine {
         self.fabric.inbox.notify();
         if !will_wait {
             self.wake_background();
+        } else if !self.park.started.load(Ordering::Relaxed) && self.fabric.any_verbs() {
+            // A read of a verbs peer's window may make this rank a holder of its region,
+            // which must answer the owner's `REVOKE` outside calls too: the thread must
+            // exist by then (`wait` wakes it when it leaves with regions held).
+            self.wake_background();
         }
     }
 
@@ -508,6 +520,7 @@ impl Engine {
                 .spawn(move || Engine::background(&park, &weak));
             // Without the thread, jobs still progress when waited for.
             p.thread = spawned.ok();
+            self.park.started.store(p.thread.is_some(), Ordering::Relaxed);
         }
         drop(p);
         self.park.wake.notify_one();
@@ -526,7 +539,7 @@ impl Engine {
 
     /// Whether the background thread has anything to drive: jobs, or windows to serve.
     fn busy(park: &Park) -> bool {
-        park.pending.load(Ordering::SeqCst) > 0 || park.serving.load(Ordering::SeqCst) > 0
+        park.pending.load(Ordering::SeqCst) > 0 || park.serving.load(Ordering::SeqCst) > 0 || park.held.load(Ordering::SeqCst) > 0
     }
 
     /// Makes sure the background thread drives the jobs in flight (an async caller waits
@@ -663,7 +676,7 @@ impl Engine {
                 jobs.append(&mut s);
             }
         }
-        let serving = self.park.serving.load(Ordering::Relaxed) > 0;
+        let serving = self.park.serving.load(Ordering::Relaxed) > 0 || self.park.held.load(Ordering::Relaxed) > 0;
         if jobs.is_empty() && !serving {
             return false;
         }

@@ -25,7 +25,7 @@ use crate::inbox::{Backoff, Events, Inbox};
 use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
-use crate::registry::{PeerWindows, RegStats, Registry, SharedWindow, Windows};
+use crate::registry::{PeerRegions, PeerWindows, RegStats, Registry, SharedWindow, Windows};
 use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
 
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
@@ -60,6 +60,8 @@ pub(crate) struct Fabric {
     /// Same-host peers' shared windows this process has mapped (see
     /// [`Fabric::shared_window`]).
     peer_windows: PeerWindows,
+    /// Verbs peers' windows this process reads with RDMA READ (see `crate::rma`).
+    pub(crate) peer_regions: PeerRegions,
     /// This job's (and this `init`'s) identity in one-sided handles: a handle made by
     /// another job, or another `init` of this one, is refused.
     pub(crate) job: u64,
@@ -89,6 +91,7 @@ impl Fabric {
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
             windows: Windows::new(mesh.verbs_net(), params.timeout),
             peer_windows: PeerWindows::default(),
+            peer_regions: PeerRegions::default(),
             job: job_id(&token, &key_prefix),
             next_req: std::sync::atomic::AtomicU64::new(1),
             health: Health::new(rank, inbox.clone(), watches),
@@ -175,8 +178,16 @@ impl Fabric {
             window_bytes_verbs: w.window_bytes_verbs,
             verbs_staged_bytes,
             verbs_zero_copy_bytes,
+            gets_served: w.gets_served,
+            verbs_read_bytes: self.mesh.verbs_net().map_or(0, |v| v.read_bytes()),
+            peer_regions_held: self.peer_regions.held(),
             ..self.registry.stats()
         }
+    }
+
+    /// Whether any peer is reached over verbs.
+    pub(crate) fn any_verbs(&self) -> bool {
+        self.mesh.verbs_net().is_some()
     }
 
     /// `n` fresh numbers for one-sided requests: the first of them.

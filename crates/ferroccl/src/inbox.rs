@@ -72,6 +72,11 @@ pub(crate) struct Events {
     pub(crate) rma_replies: HashMap<(usize, u64), RmaStatus>,
     /// The last value each peer (world rank) signalled this rank (`put_signal`, `signal`).
     pub(crate) signals: HashMap<usize, u64>,
+    /// The owners' answers to this rank's `WINFO` requests: (owner world rank, request
+    /// number) -> (status, the window's verbs memory region if it has one).
+    pub(crate) win_infos: HashMap<(usize, u64), (RmaStatus, Option<proto::RegionInfo>)>,
+    /// `REVOKED` answers from holders of this rank's windows: (holder, window, key).
+    pub(crate) revoked: HashSet<(usize, u32, u64)>,
 }
 
 /// A one-sided request from a peer (see [`ProtoMsg::Get`], [`ProtoMsg::Put`]).
@@ -83,6 +88,10 @@ pub(crate) enum RmaRequest {
     Put { target: RmaTarget, data: Vec<u8> },
     /// Raise the requester's signal to `value`.
     Signal { req: u64, value: u64 },
+    /// Give the requester the window's verbs memory region (and make it a holder).
+    Info { target: RmaTarget },
+    /// The owner (the requester) drops its window (`window`, `key`): stop reading it.
+    Revoke { window: u32, key: u64 },
 }
 
 /// Probes kept for the engine at most.
@@ -367,6 +376,20 @@ impl Inbox {
             }
             Ok(ProtoMsg::Reply { req, status }) => {
                 ev.rma_replies.insert((peer, req), status);
+            }
+            Ok(ProtoMsg::WinInfo { target }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Info { target }));
+                self.any_rma.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::WinInfoReply { req, status, region }) => {
+                ev.win_infos.insert((peer, req), (status, region));
+            }
+            Ok(ProtoMsg::Revoke { window, key }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Revoke { window, key }));
+                self.any_rma.store(true, Ordering::Release);
+            }
+            Ok(ProtoMsg::Revoked { window, key }) => {
+                ev.revoked.insert((peer, window, key));
             }
             Err(e) => ev.set_fatal(peer, format!("sent a malformed message: {e}")),
         }

@@ -149,6 +149,10 @@ const K_GET: u8 = 8;
 const K_PUT: u8 = 9;
 const K_REPLY: u8 = 10;
 const K_SIGNAL: u8 = 11;
+const K_WINFO: u8 = 12;
+const K_WINFO_REPLY: u8 = 13;
+const K_REVOKE: u8 = 14;
+const K_REVOKED: u8 = 15;
 
 /// What a one-sided request names: a window of the receiving rank, by id and key (the
 /// handle's capability), in the job `job`, and a byte range of it.
@@ -296,6 +300,29 @@ pub(crate) enum ProtoMsg {
     Reply {
         req: u64,
         status: RmaStatus,
+    },
+    /// "Tell me your window's verbs memory region, so that I read it with RDMA READ":
+    /// `target` names the window (its range is empty); answered with `WINFO_REPLY`.
+    WinInfo {
+        target: RmaTarget,
+    },
+    /// The owner's answer to `WINFO` request `req`: a refusal, or the region (`None`: the
+    /// window has none, its reads stay owner-served).
+    WinInfoReply {
+        req: u64,
+        status: RmaStatus,
+        region: Option<RegionInfo>,
+    },
+    /// The owner drops window (`window`, `key`): stop reading its memory region, wait for
+    /// the reads in flight, then answer `REVOKED`.
+    Revoke {
+        window: u32,
+        key: u64,
+    },
+    /// A holder's answer to `REVOKE`: it will not read the window's region again.
+    Revoked {
+        window: u32,
+        key: u64,
     },
     /// "Raise the signal I give you to `value`" (sent after a `PUT`'s pieces, so the owner,
     /// serving in order, raises it once they have landed); answered with a `REPLY`.
@@ -517,6 +544,54 @@ pub(crate) fn encode_reply(req: u64, status: RmaStatus) -> [u8; REPLY_LEN] {
     b
 }
 
+/// A window's verbs memory region as its owner gives it to a reader (`WINFO_REPLY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RegionInfo {
+    pub(crate) addr: u64,
+    pub(crate) rkey: u32,
+    pub(crate) len: u64,
+}
+
+/// A `WINFO` for window (`t.window`, `t.key`) in job `t.job`, on the stack.
+pub(crate) fn encode_winfo(t: &RmaTarget) -> [u8; PUT_HEADER] {
+    let mut b = put_header(&RmaTarget { offset: 0, len: 0, ..*t });
+    b[5] = K_WINFO;
+    b
+}
+
+/// Bytes of a `WINFO_REPLY`.
+pub(crate) const WINFO_REPLY_LEN: usize = EAGER_HEADER + 8 + 1 + 1 + 8 + 4 + 8;
+
+/// A `WINFO_REPLY` (see [`ProtoMsg::WinInfoReply`]), on the stack.
+pub(crate) fn encode_winfo_reply(req: u64, status: RmaStatus, region: Option<RegionInfo>) -> [u8; WINFO_REPLY_LEN] {
+    let mut b = [0u8; WINFO_REPLY_LEN];
+    put_head(&mut b, K_WINFO_REPLY, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    let mut at = EAGER_HEADER;
+    b[at..at + 8].copy_from_slice(&req.to_le_bytes());
+    at += 8;
+    b[at] = status.code();
+    b[at + 1] = u8::from(region.is_some());
+    at += 2;
+    let r = region.unwrap_or(RegionInfo { addr: 0, rkey: 0, len: 0 });
+    b[at..at + 8].copy_from_slice(&r.addr.to_le_bytes());
+    b[at + 8..at + 12].copy_from_slice(&r.rkey.to_le_bytes());
+    b[at + 12..at + 20].copy_from_slice(&r.len.to_le_bytes());
+    b
+}
+
+/// Bytes of a `REVOKE` or `REVOKED`.
+pub(crate) const REVOKE_LEN: usize = EAGER_HEADER + 12;
+
+/// A `REVOKE` (`answer == false`) or `REVOKED` of window (`window`, `key`), on the stack.
+pub(crate) fn encode_revoke(window: u32, key: u64, answer: bool) -> [u8; REVOKE_LEN] {
+    let mut b = [0u8; REVOKE_LEN];
+    let kind = if answer { K_REVOKED } else { K_REVOKE };
+    put_head(&mut b, kind, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
+    b[EAGER_HEADER..EAGER_HEADER + 4].copy_from_slice(&window.to_le_bytes());
+    b[EAGER_HEADER + 4..].copy_from_slice(&key.to_le_bytes());
+    b
+}
+
 #[cfg(test)]
 pub(crate) fn decode(msg: Vec<u8>) -> DResult<ProtoMsg> {
     decode_keep(msg).map(|(m, _)| m)
@@ -613,6 +688,31 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 r.end()?;
                 Some(ProtoMsg::Reply { req, status })
             }
+            K_WINFO => {
+                let target = read_target(&mut r)?;
+                r.end()?;
+                Some(ProtoMsg::WinInfo { target })
+            }
+            K_WINFO_REPLY => {
+                let req = r.u64()?;
+                let code = r.u8()?;
+                let status = RmaStatus::from_code(code).ok_or_else(|| DecodeError(format!("unknown one-sided status {code}")))?;
+                let has = r.u8()?;
+                let region = RegionInfo { addr: r.u64()?, rkey: r.u32()?, len: r.u64()? };
+                r.end()?;
+                let region = match has {
+                    0 => None,
+                    1 => Some(region),
+                    h => return Err(DecodeError(format!("WINFO_REPLY region flag {h}"))),
+                };
+                Some(ProtoMsg::WinInfoReply { req, status, region })
+            }
+            K_REVOKE | K_REVOKED => {
+                let window = r.u32()?;
+                let key = r.u64()?;
+                r.end()?;
+                Some(if kind == K_REVOKE { ProtoMsg::Revoke { window, key } } else { ProtoMsg::Revoked { window, key } })
+            }
             k => return Err(DecodeError(format!("unknown message kind {k}"))),
         }
         .ok_or((comm, chan, seq, call, desc))
@@ -666,6 +766,25 @@ mod tests {
         match decode(encode_signal(8, u64::MAX).to_vec()).unwrap() {
             ProtoMsg::Signal { req: 8, value: u64::MAX } => {}
             m => panic!("{m:?}"),
+        }
+        match decode(encode_winfo(&t).to_vec()).unwrap() {
+            ProtoMsg::WinInfo { target } => assert_eq!(target, RmaTarget { offset: 0, len: 0, ..t }),
+            m => panic!("{m:?}"),
+        }
+        let region = RegionInfo { addr: 0x1234_5678_9abc, rkey: 0xdead_beef, len: 77 };
+        for (st, reg) in [(RmaStatus::Done, Some(region)), (RmaStatus::Done, None), (RmaStatus::NoWindow, None)] {
+            match decode(encode_winfo_reply(3, st, reg).to_vec()).unwrap() {
+                ProtoMsg::WinInfoReply { req: 3, status, region } => assert_eq!((status, region), (st, reg)),
+                m => panic!("{m:?}"),
+            }
+        }
+        for answer in [false, true] {
+            match (answer, decode(encode_revoke(9, u64::MAX - 1, answer).to_vec()).unwrap()) {
+                (false, ProtoMsg::Revoke { window: 9, key }) | (true, ProtoMsg::Revoked { window: 9, key }) => {
+                    assert_eq!(key, u64::MAX - 1)
+                }
+                m => panic!("{m:?}"),
+            }
         }
         let get = encode_get(&t, &buf, 9, &shape);
         assert!(decode(get[..GET_LEN - 1].to_vec()).is_err());

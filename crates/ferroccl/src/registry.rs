@@ -7,7 +7,7 @@
 //! peer, each window's memory region: registered once, with the window).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -15,8 +15,9 @@ use ferroccl_mem::region::RegionHandle;
 use ferroccl_mem::ShmSegment;
 
 use crate::error::Result;
-use crate::inbox::Inbox;
-use crate::transport::verbs::{self, UserMr, VerbsNet};
+use crate::inbox::{Backoff, Inbox};
+use crate::proto;
+use crate::transport::verbs::{self, RemoteRegion, UserMr, VerbsEndpoint, VerbsNet};
 use crate::transport::{Endpoint, RemoteBuf, WriteGrant};
 
 /// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
@@ -51,8 +52,18 @@ pub struct RegStats {
     /// sources of rendezvous sends; reads of windows without a memory region).
     pub verbs_staged_bytes: u64,
     /// Bytes verbs one-sided writes sent straight from windows' memory regions since `init`
-    /// (reads of this rank's windows, zero copy).
+    /// (reads of this rank's windows served by this rank, zero copy).
     pub verbs_zero_copy_bytes: u64,
+    /// Reads (`GET` requests) of this rank's windows that this rank served as their
+    /// owner since `init`, whatever the transport. Verbs peers that read a window with
+    /// RDMA READ add nothing here.
+    pub gets_served: u64,
+    /// Bytes this rank read from verbs peers' windows with RDMA READ since `init`, without
+    /// their owners' CPUs.
+    pub verbs_read_bytes: u64,
+    /// Verbs peers' windows this rank may read with RDMA READ now (the owner gave their
+    /// memory regions and has not revoked them).
+    pub peer_regions_held: usize,
 }
 
 /// A live one-sided window, as the window server checks requests against it.
@@ -66,6 +77,17 @@ pub(crate) struct WindowEntry {
     /// source of zero-copy reads. Every work request posted from it holds a clone until
     /// its completion is polled.
     pub(crate) mr: Option<Arc<UserMr>>,
+    /// The verbs peers given the memory region (`WINFO`), which must answer `REVOKE`
+    /// before it is deregistered.
+    pub(crate) holders: Arc<Mutex<Holders>>,
+}
+
+/// The holders of a window's memory region (see [`WindowEntry::holders`]).
+#[derive(Debug, Default)]
+pub(crate) struct Holders {
+    /// Set when the window is removed: no peer is given the region after that.
+    pub(crate) closed: bool,
+    pub(crate) peers: Vec<usize>,
 }
 
 /// The windows of one fabric, by id. Ids are never reused, so a handle to a dropped
@@ -78,8 +100,11 @@ pub(crate) struct Windows {
     /// The verbs mesh, when any peer is reached over verbs: windows are registered with
     /// its device.
     verbs: Option<Weak<VerbsNet>>,
-    /// How long a removal waits for the zero-copy reads in flight (`FERROCCL_TIMEOUT`).
+    /// How long a removal waits for the zero-copy reads in flight and for the holders'
+    /// answers to `REVOKE` (`FERROCCL_TIMEOUT`).
     timeout: Duration,
+    /// `GET`s served (see [`RegStats::gets_served`]).
+    gets_served: std::sync::atomic::AtomicU64,
 }
 
 impl Windows {
@@ -106,23 +131,39 @@ impl Windows {
             Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region)?)),
             _ => None,
         };
-        self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable, mr });
+        let holders = Arc::default();
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).insert(id, WindowEntry { key, region, writable, mr, holders });
         self.registered.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Removes window `id`: requests naming it are refused from now on. A request being
-    /// served finishes first: with a verbs memory region, this waits (polling, at most
-    /// `FERROCCL_TIMEOUT`) until no read posted from it is in flight, and then drops it
+    /// served finishes first: with a verbs memory region, this sends `REVOKE` to every
+    /// holder of the region and waits (polling, at most `FERROCCL_TIMEOUT` in all) until
+    /// each has answered and no read posted from it is in flight, and then drops it
     /// (deregistering it and releasing its lease). Returns whether the window was live.
     pub(crate) fn remove(&self, id: u32) -> bool {
         let entry = self.table.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         let Some(entry) = entry else { return false };
         if let (Some(mr), Some(net)) = (&entry.mr, self.verbs.as_ref().and_then(Weak::upgrade)) {
+            let deadline = Instant::now() + self.timeout;
+            let holders = {
+                let mut h = entry.holders.lock().unwrap_or_else(|e| e.into_inner());
+                h.closed = true;
+                std::mem::take(&mut h.peers)
+            };
+            // Past the deadline a holder that never answered may still read: its READ then
+            // meets the NIC's refusal, which breaks its connection to this rank only.
+            revoke(&net, id, entry.key, &holders, deadline);
             // Past the deadline the region goes when its last completion is polled.
-            verbs::wait_unused(&net, mr, Instant::now() + self.timeout);
+            verbs::wait_unused(&net, mr, deadline);
         }
         true
+    }
+
+    /// Counts a `GET` served by this rank as the window's owner.
+    pub(crate) fn count_get_served(&self) {
+        self.gets_served.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Window `id`, if it is live and `key` is its key.
@@ -139,8 +180,127 @@ impl Windows {
             window_bytes: t.values().map(|e| e.region.len() as u64).sum(),
             windows_registered: self.registered.load(Ordering::Relaxed),
             window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
+            gets_served: self.gets_served.load(Ordering::Relaxed),
             ..RegStats::default()
         }
+    }
+}
+
+/// Sends `REVOKE` for window (`window`, `key`) to each of `holders` and waits, polling the
+/// completion queue, until each has answered `REVOKED` (it issues no more READs on the
+/// window's region and none of its READs is in flight), its connection is gone (its
+/// queue pair reads nothing any more), or `deadline` passes. Returns how many never
+/// answered.
+fn revoke(net: &Arc<VerbsNet>, window: u32, key: u64, holders: &[usize], deadline: Instant) -> usize {
+    if holders.is_empty() {
+        return 0;
+    }
+    let msg = proto::encode_revoke(window, key, false);
+    let mut waiting: Vec<usize> = Vec::with_capacity(holders.len());
+    for &p in holders {
+        // A holder that cannot be told is one whose connection is gone.
+        if VerbsEndpoint::to(net, p).post_send(&msg, deadline, &|| Ok(())).is_ok() {
+            waiting.push(p);
+        }
+    }
+    let inbox = net.inbox();
+    let mut backoff = Backoff::default();
+    loop {
+        let seen = inbox.bell_seen();
+        {
+            let mut ev = inbox.lock();
+            waiting.retain(|&p| !ev.revoked.remove(&(p, window, key)) && !ev.closed.contains(&p));
+        }
+        waiting.retain(|&p| !VerbsEndpoint::to(net, p).is_dead());
+        if waiting.is_empty() || Instant::now() >= deadline {
+            return waiting.len();
+        }
+        if matches!(net.poll(), Ok(true)) {
+            backoff.moved();
+            continue;
+        }
+        backoff.idle(REVOKE_NAP, Some(deadline), |until| inbox.sleep(seen, until, || false));
+    }
+}
+
+/// How long a removal waiting for `REVOKED` parks at a time (the completion thread rings
+/// the doorbell sooner when a message arrives).
+const REVOKE_NAP: Duration = Duration::from_micros(200);
+
+/// Verbs peers' windows this rank reads with RDMA READ (see `crate::rma`), by (owner,
+/// window id, key): the memory region the owner gave (`WINFO`), or `None` once it revoked
+/// it (also when its `REVOKE` came before the answer it follows on the wire was taken:
+/// the entry stays, so that answer is not used), or when the window has no region.
+#[derive(Debug, Default)]
+pub(crate) struct PeerRegions {
+    map: Mutex<HashMap<PeerWindow, Option<Arc<RemoteRegion>>>>,
+    /// Regions held and not yet given back (the engine's background thread keeps running
+    /// while there are any, so that `REVOKE` is answered outside calls too).
+    held: Arc<AtomicUsize>,
+}
+
+/// A peer's window: (owner world rank, window id, key).
+pub(crate) type PeerWindow = (usize, u32, u64);
+
+/// What [`PeerRegions::get`] knows of a window.
+#[derive(Debug)]
+pub(crate) enum RegionLookup {
+    /// Nothing yet: ask the owner (`WINFO`).
+    Unknown,
+    /// Read it with RDMA READ (unless revoked meanwhile).
+    Read(Arc<RemoteRegion>),
+    /// Its owner serves its reads.
+    Owner,
+}
+
+impl PeerRegions {
+    pub(crate) fn get(&self, owner: usize, window: u32, key: u64) -> RegionLookup {
+        match self.map.lock().unwrap_or_else(|e| e.into_inner()).get(&(owner, window, key)) {
+            None => RegionLookup::Unknown,
+            Some(Some(r)) => RegionLookup::Read(r.clone()),
+            Some(None) => RegionLookup::Owner,
+        }
+    }
+
+    /// Records the owner's answer, unless an entry exists (another read's answer, or a
+    /// `REVOKE` that came first); returns what the entry is now.
+    pub(crate) fn insert(&self, owner: usize, window: u32, key: u64, region: Option<Arc<RemoteRegion>>) -> RegionLookup {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let e = map.entry((owner, window, key)).or_insert_with(|| {
+            if region.is_some() {
+                self.held.fetch_add(1, Ordering::SeqCst);
+            }
+            region
+        });
+        match e {
+            Some(r) => RegionLookup::Read(r.clone()),
+            None => RegionLookup::Owner,
+        }
+    }
+
+    /// The owner revoked the window: no READ is issued on its region from now on. Returns
+    /// the region (whose reads in flight the holder waits for before answering, and then
+    /// calls [`released`](Self::released)), if this rank held it.
+    pub(crate) fn revoke(&self, owner: usize, window: u32, key: u64) -> Option<Arc<RemoteRegion>> {
+        let r = self.map.lock().unwrap_or_else(|e| e.into_inner()).insert((owner, window, key), None).flatten();
+        if let Some(r) = &r {
+            r.revoke();
+        }
+        r
+    }
+
+    /// A revoked region was answered for.
+    pub(crate) fn released(&self) {
+        self.held.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// The count of regions held (shared with the engine).
+    pub(crate) fn held_counter(&self) -> Arc<AtomicUsize> {
+        self.held.clone()
+    }
+
+    pub(crate) fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 }
 

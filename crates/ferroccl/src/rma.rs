@@ -24,7 +24,7 @@
 //! thread, which keeps running while windows exist).
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ferroccl_mem::region::RegionHandle;
@@ -34,9 +34,10 @@ use crate::error::{Error, Op, Refusal, Result};
 use crate::fabric::Fabric;
 use crate::inbox::RmaRequest;
 use crate::p2p::XferCtx;
-use crate::proto::{self, GetShape, RmaStatus, RmaTarget};
-use crate::registry::SharedWindow;
-use crate::transport::{PendingWrite, WriteGrant, WriteReq, WriteTicket};
+use crate::proto::{self, GetShape, RegionInfo, RmaStatus, RmaTarget};
+use crate::registry::{PeerWindow, RegionLookup, SharedWindow};
+use crate::transport::verbs::{self, RemoteRegion};
+use crate::transport::{Endpoint, PendingWrite, ReadReq, WriteGrant, WriteReq, WriteTicket};
 
 impl RmaStatus {
     /// The refusal a status means at the requester (`None`: the access succeeded).
@@ -100,6 +101,8 @@ fn refused(cx: &XferCtx<'_>, owner: usize, reason: Refusal) -> Error {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Start,
+    /// A read waiting for the owner's `WINFO_REPLY` (its window's verbs memory region).
+    Info,
     Wait,
     Done,
 }
@@ -176,7 +179,7 @@ impl GetOp {
     }
 
     pub(crate) fn waiting_for(&self) -> Option<usize> {
-        (self.state == State::Wait).then_some(self.wpeer)
+        matches!(self.state, State::Wait | State::Info).then_some(self.wpeer)
     }
 
     fn refuse(&mut self, e: Error) -> bool {
@@ -194,6 +197,74 @@ impl GetOp {
     fn target(&self, cx: &XferCtx<'_>, req: u64) -> RmaTarget {
         let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
         RmaTarget { req, job: cx.fabric.job, window: self.remote.window, key: self.remote.key, offset: self.offset, len: span }
+    }
+
+    /// Starts the read of a peer's window that is not mapped here: with RDMA READs when
+    /// the owner is reached over verbs and gave its window's region (asking for it first,
+    /// once per window), otherwise (or once the owner revoked the region) by a `GET`.
+    fn start_remote(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
+        let ep = cx.fabric.endpoint(self.wpeer)?;
+        let (mut registered, mut read_region) = (None, None);
+        if let Endpoint::Verbs(v) = ep {
+            match cx.fabric.peer_regions.get(self.wpeer, self.remote.window, self.remote.key) {
+                RegionLookup::Unknown => {
+                    self.req = cx.fabric.next_reqs(1);
+                    let t = self.target(cx, self.req);
+                    ep.post_send(&proto::encode_winfo(&t), cx.deadline, &|| cx.pump())?;
+                    self.state = State::Info;
+                    return Ok(true);
+                }
+                RegionLookup::Read(region) => {
+                    // The range is checked here against what the owner gave (and by the
+                    // device against the rkey's bounds).
+                    let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+                    if self.offset.checked_add(span).is_none_or(|end| end > region.len()) {
+                        return Ok(self.refuse(refused(cx, self.wpeer, Refusal::OutOfRange)));
+                    }
+                    let (buf, grant) = cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?;
+                    if let Some(mr) = grant.verbs_mr() {
+                        self.imm = cx.fabric.next_imms(self.block.rows);
+                        let r = ReadReq {
+                            rows: self.block.rows,
+                            row: self.block.row as usize,
+                            remote_offset: self.offset,
+                            remote_stride: self.block.remote_stride,
+                            local_offset: 0,
+                            local_stride: self.block.local_stride as usize,
+                            imm: self.imm,
+                        };
+                        if v.post_read(&region, mr, &r, cx.deadline, &|| cx.pump())? {
+                            self.grant = grant;
+                            self.state = State::Wait;
+                            return Ok(true);
+                        }
+                    }
+                    // Revoked (or nothing to read): the owner serves it, and refuses it
+                    // once the window is gone.
+                    registered = Some((buf, grant));
+                    read_region = Some(region);
+                }
+                RegionLookup::Owner => {}
+            }
+        }
+        drop(read_region);
+        let (buf, grant) = match registered {
+            Some(x) => x,
+            None => cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?,
+        };
+        self.grant = grant;
+        self.imm = cx.fabric.next_imms(self.block.rows);
+        self.req = cx.fabric.next_reqs(1);
+        let target = self.target(cx, self.req);
+        let shape = GetShape {
+            rows: self.block.rows,
+            row: self.block.row,
+            src_stride: self.block.remote_stride,
+            dst_stride: self.block.local_stride,
+        };
+        ep.post_send(&proto::encode_get(&target, &buf, self.imm, &shape), cx.deadline, &|| cx.pump())?;
+        self.state = State::Wait;
+        Ok(true)
     }
 
     pub(crate) fn advance(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
@@ -230,22 +301,26 @@ impl GetOp {
                     Some(Err(r)) => return Ok(self.refuse(refused(cx, self.wpeer, r))),
                     None => {}
                 }
-                let (buf, grant) = cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?;
-                self.grant = grant;
-                self.imm = cx.fabric.next_imms(self.block.rows);
-                self.req = cx.fabric.next_reqs(1);
-                let target = self.target(cx, self.req);
-                let shape = GetShape {
-                    rows: self.block.rows,
-                    row: self.block.row,
-                    src_stride: self.block.remote_stride,
-                    dst_stride: self.block.local_stride,
-                };
-                cx.fabric
-                    .endpoint(self.wpeer)?
-                    .post_send(&proto::encode_get(&target, &buf, self.imm, &shape), cx.deadline, &|| cx.pump())?;
-                self.state = State::Wait;
-                Ok(true)
+                self.start_remote(cx)
+            }
+            State::Info => {
+                let mut ev = cx.fabric.inbox.lock();
+                if let Some((st, region)) = ev.win_infos.remove(&(self.wpeer, self.req)) {
+                    drop(ev);
+                    if let Some(r) = st.refusal() {
+                        return Ok(self.refuse(refused(cx, self.wpeer, r)));
+                    }
+                    let region = match (region, cx.fabric.endpoint(self.wpeer)?) {
+                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len)),
+                        _ => None,
+                    };
+                    cx.fabric.peer_regions.insert(self.wpeer, self.remote.window, self.remote.key, region);
+                    return self.start_remote(cx).map(|_| true);
+                }
+                if ev.closed.contains(&self.wpeer) {
+                    return Err(cx.closed(self.wpeer));
+                }
+                Ok(false)
             }
             State::Wait => {
                 let mut ev = cx.fabric.inbox.lock();
@@ -413,7 +488,8 @@ impl PutOp {
                 }
                 Ok(moved)
             }
-            State::Done => Ok(false),
+            // Writes ask for no region.
+            State::Info | State::Done => Ok(false),
         }
     }
 }
@@ -484,7 +560,8 @@ impl SignalOp {
                 }
                 Ok(false)
             }
-            State::Done => Ok(false),
+            // Signals ask for no region.
+            State::Info | State::Done => Ok(false),
         }
     }
 }
@@ -498,11 +575,19 @@ pub(crate) struct RmaServer {
     pulls: Mutex<Vec<PendingWrite>>,
     /// The requests being served (kept between rounds for its capacity).
     queue: Mutex<VecDeque<(usize, RmaRequest)>>,
+    /// Verbs peers' window regions whose owners revoked them while this rank's READs on
+    /// them were in flight: (owner, window, key, region), answered `REVOKED` once none is.
+    revoking: Mutex<Vec<(PeerWindow, Arc<RemoteRegion>)>>,
 }
 
 impl Default for RmaServer {
     fn default() -> RmaServer {
-        RmaServer { op: Op::other("serving a one-sided access to a window"), pulls: Mutex::default(), queue: Mutex::default() }
+        RmaServer {
+            op: Op::other("serving a one-sided access to a window"),
+            pulls: Mutex::default(),
+            queue: Mutex::default(),
+            revoking: Mutex::default(),
+        }
     }
 }
 
@@ -516,10 +601,11 @@ impl RmaServer {
             let mut pulls = self.pulls.lock().unwrap_or_else(|e| e.into_inner());
             pulls.retain(|p| p.status().is_none());
         }
+        let answered = self.answer_revokes(fabric);
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         fabric.inbox.take_rma_requests(&mut queue);
         if queue.is_empty() {
-            return false;
+            return answered;
         }
         let deadline = Instant::now() + fabric.params.timeout;
         let pump = || fabric.pump(&self.op);
@@ -527,6 +613,7 @@ impl RmaServer {
             let Ok(ep) = fabric.endpoint(peer) else { continue };
             match req {
                 RmaRequest::Get { target, buf, imm, shape } => {
+                    fabric.windows.count_get_served();
                     let status = match check_get(fabric, &target, &shape) {
                         Err(st) => st,
                         Ok(e) => {
@@ -571,6 +658,40 @@ impl RmaServer {
                     fabric.inbox.give_buf(data);
                     let _ = ep.post_send(&proto::encode_reply(target.req, status), deadline, &pump);
                 }
+                RmaRequest::Info { target } => {
+                    let (status, region) = match check(fabric, &RmaTarget { offset: 0, len: 0, ..target }, false) {
+                        Err(st) => (st, None),
+                        Ok(e) => match (&e.mr, ep) {
+                            (Some(mr), Endpoint::Verbs(_)) => {
+                                let mut h = e.holders.lock().unwrap_or_else(|e| e.into_inner());
+                                if h.closed {
+                                    (RmaStatus::NoWindow, None)
+                                } else {
+                                    if !h.peers.contains(&peer) {
+                                        h.peers.push(peer);
+                                    }
+                                    let (addr, rkey, len) = verbs::region_info(mr);
+                                    let region = Some(RegionInfo { addr, rkey, len });
+                                    // Sent under the lock: the `REVOKE` of a removal that
+                                    // follows goes after it on this connection.
+                                    let _ = ep.post_send(&proto::encode_winfo_reply(target.req, RmaStatus::Done, region), deadline, &pump);
+                                    continue;
+                                }
+                            }
+                            // No region (an empty window): its reads stay owner-served.
+                            _ => (RmaStatus::Done, None),
+                        },
+                    };
+                    let _ = ep.post_send(&proto::encode_winfo_reply(target.req, status, region), deadline, &pump);
+                }
+                RmaRequest::Revoke { window, key } => match fabric.peer_regions.revoke(peer, window, key) {
+                    Some(region) => self.revoking.lock().unwrap_or_else(|e| e.into_inner()).push(((peer, window, key), region)),
+                    // Never held (or its `WINFO_REPLY` is still to be taken: the entry
+                    // the revocation left makes that answer unused).
+                    None => {
+                        let _ = ep.post_send(&proto::encode_revoke(window, key, true), deadline, &pump);
+                    }
+                },
                 RmaRequest::Signal { req, value } => {
                     {
                         let mut ev = fabric.inbox.lock();
@@ -584,6 +705,33 @@ impl RmaServer {
             }
         }
         true
+    }
+}
+
+impl RmaServer {
+    /// Answers `REVOKED` for each revoked region with no READ of this rank in flight any
+    /// more (their completions are polled by every round's progress); returns whether it
+    /// answered any.
+    fn answer_revokes(&self, fabric: &Fabric) -> bool {
+        let mut revoking = self.revoking.lock().unwrap_or_else(|e| e.into_inner());
+        if revoking.is_empty() {
+            return false;
+        }
+        let deadline = Instant::now() + fabric.params.timeout;
+        let pump = || fabric.pump(&self.op);
+        let before = revoking.len();
+        revoking.retain(|((owner, window, key), region)| {
+            if region.in_flight() {
+                return true;
+            }
+            // Counted as given back first: whoever sees the answer sees the count fall.
+            fabric.peer_regions.released();
+            if let Ok(ep) = fabric.endpoint(*owner) {
+                let _ = ep.post_send(&proto::encode_revoke(*window, *key, true), deadline, &pump);
+            }
+            false
+        });
+        revoking.len() != before
     }
 }
 

@@ -237,13 +237,35 @@ impl Endpoint {
 /// inside `with_region`, and a leaked one makes the scope wait, never unsound).
 #[derive(Debug, Default)]
 pub(crate) struct WriteGrant {
-    _mr: Option<verbs::UserMr>,
+    mr: Option<Arc<verbs::UserMr>>,
 }
 
 impl WriteGrant {
     pub(crate) fn verbs(mr: verbs::UserMr) -> WriteGrant {
-        WriteGrant { _mr: Some(mr) }
+        WriteGrant { mr: Some(Arc::new(mr)) }
     }
+
+    /// The verbs memory region over the range, if verbs registered it (an RDMA READ's
+    /// target: a READ in flight keeps a clone until its completion).
+    pub(crate) fn verbs_mr(&self) -> Option<&Arc<verbs::UserMr>> {
+        self.mr.as_ref()
+    }
+}
+
+/// An RDMA READ of a peer's window (see `VerbsEndpoint::post_read`): `rows` rows of
+/// `row` bytes, from `remote_offset` in the window (`remote_stride` apart) into the target
+/// memory region at `local_offset` (`local_stride` apart); row `r` reports the immediate
+/// `(imm + r) mod 2^31` (as the owner's writes of a `GET`'s rows do).
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) struct ReadReq {
+    pub(crate) rows: u32,
+    pub(crate) row: usize,
+    pub(crate) remote_offset: u64,
+    pub(crate) remote_stride: u64,
+    pub(crate) local_offset: usize,
+    pub(crate) local_stride: usize,
+    pub(crate) imm: u32,
 }
 
 /// A one-sided write: `len` bytes from `src[offset..]` to `dst` at `dst_offset`, with the

@@ -93,7 +93,7 @@ use crate::error::{Error, Op, Result};
 use crate::inbox::{Backoff, Inbox};
 use crate::params::Params;
 use crate::transport::descriptor::{QpInfo, VerbsReady, QP_CONNECT_LEN};
-use crate::transport::{Connected, Descriptor, Endpoint, RemoteBuf, SetupCx, TransportKind, VerbsInfo, WriteReq};
+use crate::transport::{Connected, Descriptor, Endpoint, ReadReq, RemoteBuf, SetupCx, TransportKind, VerbsInfo, WriteReq};
 use crate::wire::{Reader, Writer};
 
 const _: () = assert!(ConnectInfo::LEN == QP_CONNECT_LEN, "the descriptor's queue-pair entries hold a ConnectInfo");
@@ -134,6 +134,7 @@ const WR_MSG: u64 = 2;
 const WR_STAGE: u64 = 3;
 const WR_CTRL: u64 = 4;
 const WR_DIRECT: u64 = 5;
+const WR_READ: u64 = 6;
 
 fn wr_id(kind: u64, peer: usize, extra: u32) -> u64 {
     (kind << 56) | ((peer as u64 & 0xff_ffff) << 32) | u64::from(extra)
@@ -209,7 +210,8 @@ impl VerbsDevice {
             gid_index: self.gid_index,
             max_send_wr: SQ_DEPTH,
             max_recv_wr: RQ_DEPTH,
-            remote_access: Access::REMOTE_WRITE,
+            // Writes into the eager rings and rendezvous targets; reads of windows.
+            remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
             // Dead peers must be noticed: retry transport errors a bounded number of
             // times; receiver-not-ready (a busy peer) forever. 6, not 7: soft-RoCE (rxe)
             // treats a retry count of 7 like the RNR count's 7, as "retry forever", and a
@@ -274,9 +276,13 @@ pub(crate) struct VerbsNet {
     /// The memory regions that zero-copy writes in flight read from (after `peers`, so
     /// that the queue pairs are gone before they are deregistered).
     direct: Mutex<DirectSlots>,
+    /// The RDMA READs in flight (see [`ReadSlots`]).
+    reads: Mutex<ReadSlots>,
     /// Bytes written through the staging slots, and straight from windows' memory regions.
     staged_bytes: AtomicU64,
     direct_bytes: AtomicU64,
+    /// Bytes read from peers' windows with RDMA READ.
+    read_bytes: AtomicU64,
     /// Completions polled in one go; preallocated so that polling does not allocate.
     polled: Mutex<Vec<Completion>>,
     credits_owed: AtomicBool,
@@ -305,6 +311,76 @@ impl Drop for VerbsNet {
 struct DirectSlots {
     slots: Vec<Option<Arc<UserMr>>>,
     free: Vec<u32>,
+}
+
+/// An RDMA READ in flight: its target's memory region (kept registered, with its lease on
+/// the reader's buffer, until the completion is polled), the peer's region it reads (whose
+/// count of reads in flight the completion lowers), and the immediate the completion
+/// reports to the reader's inbox (the last piece of a row only).
+#[derive(Debug)]
+struct ReadHold {
+    _dst: Arc<UserMr>,
+    region: Arc<RemoteRegion>,
+    imm: Option<u32>,
+}
+
+/// The RDMA READs in flight, by slot (the work request's id names its slot).
+#[derive(Debug, Default)]
+struct ReadSlots {
+    slots: Vec<Option<ReadHold>>,
+    free: Vec<u32>,
+}
+
+/// A peer's window as this rank reads it with RDMA READ: the address, rkey and length of
+/// its memory region, as the owner gave them (`WINFO`), and whether the owner has revoked
+/// them (`REVOKE`). A read is issued only while not revoked, and counts as in flight from
+/// then until its completion is polled; the holder answers a revocation only once none
+/// is, so no READ reaches the owner's region after it answered.
+#[derive(Debug)]
+pub(crate) struct RemoteRegion {
+    addr: u64,
+    rkey: u32,
+    len: u64,
+    state: Mutex<RegionState>,
+}
+
+#[derive(Debug, Default)]
+struct RegionState {
+    revoked: bool,
+    /// Work requests reserved or posted and not yet completed.
+    in_flight: u64,
+}
+
+impl RemoteRegion {
+    /// The window's length in bytes.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// No read is issued from now on.
+    pub(crate) fn revoke(&self) {
+        lock(&self.state).revoked = true;
+    }
+
+    /// Whether reads issued before [`revoke`](Self::revoke) are still in flight.
+    pub(crate) fn in_flight(&self) -> bool {
+        lock(&self.state).in_flight > 0
+    }
+
+    /// Reserves `n` reads unless revoked.
+    fn reserve(&self, n: u64) -> bool {
+        let mut st = lock(&self.state);
+        if st.revoked {
+            return false;
+        }
+        st.in_flight += n;
+        true
+    }
+
+    fn done(&self, n: u64) {
+        let mut st = lock(&self.state);
+        st.in_flight = st.in_flight.saturating_sub(n);
+    }
 }
 
 /// Sleeps until the completion queue has news and then rings the fabric's doorbell, so a
@@ -475,8 +551,10 @@ impl VerbsSetup {
             stage_free: Mutex::new(if STAGE_SLOTS == 64 { u64::MAX } else { (1u64 << STAGE_SLOTS) - 1 }),
             peers: slots,
             direct: Mutex::new(DirectSlots::default()),
+            reads: Mutex::new(ReadSlots::default()),
             staged_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
             polled: Mutex::new(Vec::with_capacity(256)),
             credits_owed: AtomicBool::new(false),
             inbox: inbox.clone(),
@@ -640,6 +718,43 @@ impl VerbsNet {
         (self.staged_bytes.load(Ordering::Relaxed), self.direct_bytes.load(Ordering::Relaxed))
     }
 
+    /// Bytes this rank has read from peers' windows with RDMA READ since setup.
+    pub(crate) fn read_bytes(&self) -> u64 {
+        self.read_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The inbox the transport delivers into.
+    pub(crate) fn inbox(&self) -> &Arc<Inbox> {
+        &self.inbox
+    }
+
+    /// Keeps `h` until the completion of the RDMA READ given the returned slot.
+    fn hold_read(&self, h: ReadHold) -> u32 {
+        let mut d = lock(&self.reads);
+        match d.free.pop() {
+            Some(i) => {
+                d.slots[i as usize] = Some(h);
+                i
+            }
+            None => {
+                d.slots.push(Some(h));
+                (d.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Takes an RDMA READ's hold out of its slot (its completion was polled, or it was
+    /// never posted). The caller drops it outside the lock (the last clone of the target's
+    /// memory region deregisters it).
+    fn take_read(&self, slot: u32) -> Option<ReadHold> {
+        let mut d = lock(&self.reads);
+        let h = d.slots.get_mut(slot as usize).and_then(Option::take);
+        if h.is_some() {
+            d.free.push(slot);
+        }
+        h
+    }
+
     /// Handles one completion; returns whether an event was delivered.
     fn complete(&self, c: Completion) -> bool {
         let (kind, p, extra) = wr_parts(c.wr_id);
@@ -647,6 +762,14 @@ impl VerbsNet {
             // Failed or not, the device is done with the source.
             self.release_direct(extra);
         }
+        // Failed or not, the device is done with the READ's target and the peer's region.
+        let read_imm = match (kind == WR_READ).then(|| self.take_read(extra)).flatten() {
+            Some(h) => {
+                h.region.done(1);
+                h.imm
+            }
+            None => None,
+        };
         let Some(Some(pe)) = self.peers.get(p) else { return false };
         if kind != WR_RECV {
             let mut st = lock(&pe.st);
@@ -665,6 +788,7 @@ impl VerbsNet {
                 WR_RECV => "a receive",
                 WR_MSG => "an RDMA WRITE WITH IMMEDIATE (message)",
                 WR_STAGE | WR_DIRECT => "an RDMA WRITE (one-sided data)",
+                WR_READ => "an RDMA READ (of a window)",
                 _ => "an RDMA WRITE WITH IMMEDIATE (control)",
             };
             self.fail(
@@ -674,6 +798,11 @@ impl VerbsNet {
                     c.status, c.vendor_err
                 ),
             );
+            return true;
+        }
+        if let Some(imm) = read_imm {
+            // A row of a read has landed here.
+            self.inbox.write_imm(p, imm);
             return true;
         }
         if kind != WR_RECV {
@@ -816,6 +945,12 @@ fn peer_error(b: &[u8]) -> Option<String> {
     }
 }
 
+/// Address, rkey and length of a window's memory region, as its owner gives them to a
+/// reader (`WINFO_REPLY`).
+pub(crate) fn region_info(mr: &UserMr) -> (u64, u32, u64) {
+    (mr.as_ptr() as u64, mr.rkey(), mr.len() as u64)
+}
+
 /// A memory region over a receive target: the rendezvous registration of a verbs peer.
 pub(crate) type UserMr = MemoryRegion;
 
@@ -836,7 +971,7 @@ pub(crate) fn register_window(net: &VerbsNet, h: &RegionHandle) -> Result<UserMr
     let len = h.len();
     let lease = h.lease(0, len).map_err(|e| Error::invalid(format!("rank {}: a {len}-byte window: {e}", net.rank)))?;
     net.pd
-        .register_lease(lease, Access::empty())
+        .register_lease(lease, Access::REMOTE_READ)
         .map_err(verr(net.rank, format!("register a {len}-byte window for zero-copy reads by verbs peers")))
 }
 
@@ -880,8 +1015,123 @@ impl VerbsEndpoint {
         &self.net
     }
 
+    /// The peer's window region at `addr` (`len` bytes, `rkey`), as its owner gave it.
+    pub(crate) fn remote_region(&self, addr: u64, rkey: u32, len: u64) -> Arc<RemoteRegion> {
+        Arc::new(RemoteRegion { addr, rkey, len, state: Mutex::default() })
+    }
+
+    /// Whether the queue pair is cut or failed (nothing can be posted, and nothing it
+    /// posted can still reach the peer's memory).
+    pub(crate) fn is_dead(&self) -> bool {
+        self.net.peer(self.peer).map_or(true, |pe| lock(&pe.st).dead)
+    }
+
+    /// The connection to world rank `peer` (a window's owner telling its holders).
+    pub(crate) fn to(net: &Arc<VerbsNet>, peer: usize) -> VerbsEndpoint {
+        VerbsEndpoint::new(net.clone(), peer)
+    }
+
     pub(crate) fn max_send(&self) -> usize {
         SLOT_BYTES
+    }
+
+    /// Reads `r`'s rows of the peer's window `region` into `dst` with RDMA READs (pieces of
+    /// at most [`DIRECT_BYTES`]; the last piece of each row reports the row's immediate to
+    /// this rank's inbox when its completion is polled, as a peer's write with immediate
+    /// does). Returns `Ok(false)`, having posted nothing, when the owner has revoked the
+    /// region. Every piece must lie inside the region and inside `dst` (checked here, as
+    /// the device checks the rkey's bounds), and `dst` must allow local writes.
+    pub(crate) fn post_read(
+        &self,
+        region: &Arc<RemoteRegion>,
+        dst: &Arc<UserMr>,
+        r: &ReadReq,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        let pe = self.net.peer(self.peer)?;
+        let pieces_per_row = r.row.div_ceil(DIRECT_BYTES).max(1) as u64;
+        let total = pieces_per_row * u64::from(r.rows);
+        for i in 0..r.rows {
+            let (ro, lo) = (
+                r.remote_offset.checked_add(u64::from(i).saturating_mul(r.remote_stride)),
+                (i as usize).checked_mul(r.local_stride).and_then(|x| x.checked_add(r.local_offset)),
+            );
+            let fits_remote = ro.and_then(|o| o.checked_add(r.row as u64)).is_some_and(|e| e <= region.len);
+            let fits_local = lo.and_then(|o| o.checked_add(r.row)).is_some_and(|e| e <= dst.len());
+            if !fits_remote || !fits_local {
+                return Err(Error::internal(format!(
+                    "rank {}: RDMA READ row {i} of {} bytes does not fit the {}-byte window of rank {} or the {}-byte target",
+                    self.rank,
+                    r.row,
+                    region.len,
+                    self.peer,
+                    dst.len()
+                )));
+            }
+        }
+        if !region.reserve(total) {
+            return Ok(false);
+        }
+        let mut posted = 0u64;
+        let res = self.post_read_pieces(pe, region, dst, r, pieces_per_row, &mut posted, deadline, poll);
+        // What was reserved and not posted is not in flight.
+        region.done(total - posted);
+        res.map(|()| true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_read_pieces(
+        &self,
+        pe: &Peer,
+        region: &Arc<RemoteRegion>,
+        dst: &Arc<UserMr>,
+        r: &ReadReq,
+        pieces_per_row: u64,
+        posted: &mut u64,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = Backoff::default();
+        for i in 0..r.rows {
+            let ro = r.remote_offset + u64::from(i) * r.remote_stride;
+            let lo = r.local_offset + i as usize * r.local_stride;
+            let mut k = 0u64;
+            while k < pieces_per_row {
+                let pos = k as usize * DIRECT_BYTES;
+                let piece = (r.row - pos.min(r.row)).min(DIRECT_BYTES);
+                let last = k + 1 == pieces_per_row;
+                let mut st = lock(&pe.st);
+                if st.dead {
+                    return Err(self.dead_err());
+                }
+                if st.sq_used >= SQ_DEPTH {
+                    drop(st);
+                    self.net.wait_round(self.peer, "verbs read (send queue full)", start, deadline, &mut backoff, poll)?;
+                    continue;
+                }
+                let remote = RemoteSlice { addr: region.addr + ro + pos as u64, len: piece as u32, rkey: region.rkey };
+                let slot = self.net.hold_read(ReadHold {
+                    _dst: dst.clone(),
+                    region: region.clone(),
+                    imm: last.then(|| r.imm.wrapping_add(i) & !IMM_CTRL),
+                });
+                let off = lo + pos;
+                if let Err(e) = pe.qp.post_read_into(wr_id(WR_READ, self.peer, slot), dst, off..off + piece, remote, true) {
+                    drop(st);
+                    // Not posted: let go of the slot without counting a completion.
+                    let _ = self.net.take_read(slot);
+                    return Err(verr(self.rank, format!("read {piece} bytes of a window of rank {}", self.peer))(e));
+                }
+                st.sq_used += 1;
+                *posted += 1;
+                drop(st);
+                self.net.read_bytes.fetch_add(piece as u64, Ordering::Relaxed);
+                k += 1;
+            }
+        }
+        Ok(())
     }
 
     fn dead_err(&self) -> Error {

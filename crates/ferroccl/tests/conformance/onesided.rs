@@ -765,11 +765,12 @@ pub fn transfer_plan_signals_follow_their_writes(s: &Suite) {
 /// zero-copy piece (8 MiB), so a whole read is split, and odd.
 const ZC_LEN: usize = (8 << 20) + 4099;
 
-/// A window is registered with verbs once, when it is made, and peers' reads of it are
-/// written straight from it: over verbs the owner's statistics show the window's bytes
-/// registered (`window_bytes_verbs`), and exactly the bytes read sent zero copy with not
-/// one byte through the staging slots (it fails if reads still took the staging copy).
-/// Over shm and tcp nothing is registered with verbs. Then a window leaked with
+/// A window is registered with verbs once, when it is made, and peers read it with RDMA
+/// READ, without its owner: over verbs the owner's statistics show the window's bytes
+/// registered (`window_bytes_verbs`), no `GET` served and no byte written by the owner
+/// (zero copy or staged), and the reader's show exactly the bytes read as RDMA READs
+/// (it fails if reads still went to the owner). Over shm and tcp nothing is registered
+/// with verbs and the owner serves the three reads (`gets_served`). Then a window leaked with
 /// `mem::forget` ends with its scope (its memory region's lease must not keep the scope
 /// waiting) and is gone from the statistics.
 pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
@@ -807,13 +808,25 @@ pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
                     let after = comm.registration_stats();
                     let zero_copy = after.verbs_zero_copy_bytes - before.verbs_zero_copy_bytes;
                     let staged = after.verbs_staged_bytes - before.verbs_staged_bytes;
-                    let want = if verbs && me == 0 { read_bytes as u64 } else { 0 };
-                    if zero_copy != want || staged != 0 || after.windows_registered != before.windows_registered {
+                    let served = after.gets_served - before.gets_served;
+                    let read = after.verbs_read_bytes - before.verbs_read_bytes;
+                    let want_served = if !verbs && me == 0 { reads.len() as u64 } else { 0 };
+                    let want_read = if verbs && me == 1 { read_bytes as u64 } else { 0 };
+                    if zero_copy != 0 || staged != 0 || served != want_served || read != want_read {
                         return Err(fail(format!(
-                            "while rank 1 read {read_bytes} bytes: {zero_copy} bytes zero copy (expected {want}), {staged} staged \
-                             (expected 0); statistics {after:?}"
+                            "while rank 1 read {read_bytes} bytes: the owner wrote {zero_copy} bytes zero copy and {staged} staged \
+                             (expected 0 and 0) and served {served} GETs (expected {want_served}); {read} bytes read with RDMA \
+                             READ (expected {want_read}); statistics {after:?}"
                         )));
                     }
+                    if after.windows_registered != before.windows_registered {
+                        return Err(fail(format!("reads registered windows: statistics {after:?}")));
+                    }
+                    let held = if verbs && me == 1 { 1 } else { 0 };
+                    if after.peer_regions_held != held {
+                        return Err(fail(format!("{} peer regions held, expected {held}: {after:?}", after.peer_regions_held)));
+                    }
+                    comm.barrier()?;
                     Ok(())
                 })?;
                 comm.scope(|sc| {
@@ -1051,6 +1064,101 @@ pub fn signals_need_no_window(s: &Suite) {
                 comm.barrier()
             };
             go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// A window dropped while a peer reads it in a loop (over verbs with RDMA READs of the
+/// window's memory region, which the drop revokes before deregistering it): the reader
+/// gets whole, correct reads (blocking 1 MiB reads, and pairs of reads in flight together
+/// in a scope), then only `NoWindow` refusals, never a broken connection; after it the
+/// communicator works (a barrier, an allreduce), and no peer's region is held any more.
+/// Over verbs the reads before the drop went without the owner (`verbs_read_bytes`).
+pub fn reads_during_a_drop_are_whole_then_refused(s: &Suite) {
+    const LEN: usize = 1 << 20;
+    let verbs = s.wire == Wire::Verbs;
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let fail = |what: String| Error::InvalidArgument(format!("rank {me}: {what}"));
+            let run = || -> ferroccl::Result<()> {
+                let data: Vec<u8> = (0..LEN).map(|i| (i * 13 + 5) as u8).collect();
+                let w = comm.alloc_window::<u8>(LEN)?;
+                w.write(0, &data)?;
+                let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                comm.barrier()?;
+                if me == 0 {
+                    // Rank 1 says when it has read a few times (and holds the region over
+                    // verbs); then the window goes while it keeps reading.
+                    comm.wait_signal(1, 1)?;
+                    drop(w);
+                } else {
+                    let before = comm.registration_stats();
+                    let t0 = std::time::Instant::now();
+                    let (mut ok, mut refused) = (0u64, 0u64);
+                    let mut whole = vec![0u8; LEN];
+                    let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+                    loop {
+                        let k = ok + refused;
+                        let r = if k % 2 == 0 {
+                            comm.read_into(&hs[0], 0, &mut whole).map(|()| whole == data)
+                        } else {
+                            comm.scope(|sc| {
+                                let ra = sc.read_into(&hs[0], 100, &mut a)?;
+                                let rb = sc.read_into(&hs[0], LEN - 4096, &mut b)?;
+                                let (x, y) = (ra.wait(), rb.wait());
+                                x.and(y)
+                            })
+                            .map(|()| a[..] == data[100..4196] && b[..] == data[LEN - 4096..])
+                        };
+                        match r {
+                            Ok(true) if refused == 0 => {
+                                ok += 1;
+                                if ok == 4 {
+                                    comm.signal(0, 1)?;
+                                }
+                            }
+                            Ok(true) => return Err(fail(format!("read {k} succeeded after {refused} refusals"))),
+                            Ok(false) => return Err(fail(format!("read {k} returned wrong bytes ({ok} whole reads before it)"))),
+                            Err(Error::Refused { reason: Refusal::NoWindow, .. }) => {
+                                refused += 1;
+                                if refused == 4 {
+                                    break;
+                                }
+                            }
+                            Err(e) => return Err(fail(format!("read {k} ({ok} whole reads, {refused} refusals before it): {e}"))),
+                        }
+                        if t0.elapsed() > Duration::from_secs(30) {
+                            return Err(fail(format!("{ok} reads and {refused} refusals in 30 s: the drop did not end them")));
+                        }
+                    }
+                    if ok < 4 {
+                        return Err(fail(format!("only {ok} reads before the refusals")));
+                    }
+                    let read = comm.registration_stats().verbs_read_bytes - before.verbs_read_bytes;
+                    if verbs && read < 4 * 4096 {
+                        return Err(fail(format!("{read} bytes read with RDMA READ over verbs")));
+                    }
+                    drop(w);
+                }
+                // The connection is whole: a barrier and a collective.
+                comm.barrier()?;
+                let mut x = [me as u64 + 1, 10];
+                comm.allreduce(&mut x, ferroccl::ReduceOp::Sum)?;
+                if x != [3, 20] {
+                    return Err(fail(format!("allreduce after the drop gave {x:?}")));
+                }
+                let st = comm.registration_stats();
+                if st.peer_regions_held != 0 || st.windows != 0 {
+                    return Err(fail(format!("statistics after the drops {st:?}: no window or peer region should be left")));
+                }
+                comm.barrier()
+            };
+            run().map_err(|e| format!("rank {me}: {e}"))?;
             comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
         },
     );
