@@ -15,6 +15,15 @@
 //!   straight into the buffer from the socket; verbs: RDMA WRITE from the window's memory
 //!   region, registered with the window, into the requester's: no copy), and the read
 //!   completes on the immediate. One round trip.
+//! * **read over verbs, without the owner** (RDMA READ): a requester that reaches the owner
+//!   over verbs asks once per window for its memory region (`WINFO`: checked like any
+//!   request; the owner records it as a holder) and keeps it in the fabric's
+//!   [`PeerRegions`](crate::registry::PeerRegions); from then on a read of the window is
+//!   checked against the length the owner gave and posted as RDMA READs into the
+//!   requester's registered destination, and completes on their completions (which report
+//!   each row's immediate, as the owner's writes would). Dropping the window revokes the
+//!   region (`REVOKE`, answered `REVOKED` by [`RmaServer`] once the holder's READs on it
+//!   are over); a revoked region's reads go to the owner, which refuses them.
 //! * **write** (`PUT`): the bytes travel in messages of at most one send's size, each
 //!   checked and landed by the owner, which answers each with a `REPLY`; the write
 //!   completes when every piece is answered. One round trip, pipelined over the pieces.

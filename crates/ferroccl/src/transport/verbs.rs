@@ -62,6 +62,14 @@
 //!   source free to reuse and the call's scope never waits for a send completion: one
 //!   memcpy on the sending side, and no `ibv_reg_mr` per transfer. [`VerbsNet::write_bytes`]
 //!   counts the bytes of both paths.
+//! * **Reads of peers' windows (RDMA READ).** Windows are registered with `REMOTE_READ` and
+//!   the queue pairs allow remote reads. A reader given a window's region (address, rkey,
+//!   length: a [`RemoteRegion`]) posts RDMA READs into its registered destination
+//!   ([`VerbsEndpoint::post_read`]); each holds a clone of the destination's memory region
+//!   and of the [`RemoteRegion`] in a slot that its completion frees, and the completion of
+//!   each row's last piece delivers the row's immediate to the reader's own inbox. A
+//!   [`RemoteRegion`] counts its READs in flight and, once revoked, issues none, so its
+//!   holder can tell its owner when no READ of its can still reach the region.
 //!
 //! # Progress and failures
 //!
