@@ -533,7 +533,7 @@ impl RegionHandle {
     }
 
     /// Leases `[offset, offset + len)` for a device that will only read it (the source of
-    /// RDMA WRITEs), on read-only registrations too: [`lease_mut`](Self::lease_mut) without
+    /// RDMA WRITEs, or of peers' RDMA READs), on read-only registrations too: [`lease_mut`](Self::lease_mut) without
     /// the write right ([`RegionLease::is_writable`] is `false`). The CPU may go on writing
     /// the bytes through the handle meanwhile; what the device reads then is the holder's
     /// concern, not a memory-safety one.

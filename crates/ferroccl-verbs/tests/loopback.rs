@@ -182,6 +182,28 @@ fn rdma_read_one_mib() {
 }
 
 #[test]
+fn safe_rdma_read_into_a_local_write_region() {
+    let Some(p) = pair() else { return };
+    let remote = p.pd.alloc_region(MIB, Access::REMOTE_READ).unwrap();
+    let local = p.pd.alloc_region(2 * MIB, Access::LOCAL_WRITE).unwrap();
+    let data = pattern(MIB, 41);
+    remote.write(0, &data);
+    p.a.post_read_into(11, &local, MIB..2 * MIB, remote.remote(0..MIB).unwrap(), true).unwrap();
+    let c = wait_one(&p.cq_a).into_result().unwrap();
+    assert_eq!((c.wr_id, c.opcode, c.byte_len), (11, WcOpcode::RdmaRead, MIB as u32));
+    let mut got = vec![0u8; MIB];
+    local.read(MIB, &mut got);
+    assert!(got == data, "RDMA READ (post_read_into) data mismatch");
+    // A target without LOCAL_WRITE, or a range outside it, is refused before the device
+    // sees it.
+    let ro = p.pd.alloc_region(4096, Access::empty()).unwrap();
+    let e = p.a.post_read_into(12, &ro, 0..4096, remote.remote(0..4096).unwrap(), true);
+    assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+    let e = p.a.post_read_into(13, &local, 2 * MIB - 8..2 * MIB + 8, remote.remote(0..16).unwrap(), true);
+    assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+}
+
+#[test]
 fn write_to_a_bad_rkey_is_an_error_completion() {
     let Some(p) = pair() else { return };
     let src = p.pd.alloc_region(4096, Access::empty()).unwrap();
@@ -324,6 +346,12 @@ fn completion_channel_wakes_a_sleeper_and_leases_register_user_memory() {
         wait_one(&cq_a).into_result().expect("write completion");
         // Dropping the region deregisters it, then releases the lease: the scope can end.
         drop(mr);
+        // A read lease takes REMOTE_READ (peers read the bytes), never a write right.
+        let mr = pd.register_lease(h.lease(0, 4096).expect("read lease"), Access::REMOTE_READ).expect("register a read lease");
+        assert!(mr.access().contains(Access::REMOTE_READ));
+        drop(mr);
+        let e = pd.register_lease(h.lease(0, 4096).expect("read lease"), Access::REMOTE_WRITE);
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
     });
     assert_eq!(&user[4096..], &pattern(4096, 3)[..]);
     assert!(user[..4096].iter().all(|&x| x == 0));
