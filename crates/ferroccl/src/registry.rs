@@ -58,6 +58,13 @@ pub struct RegStats {
     /// owner since `init`, whatever the transport. Verbs peers that read a window with
     /// RDMA READ add nothing here.
     pub gets_served: u64,
+    /// Writes (`PUT` pieces) into this rank's windows that this rank served as their owner
+    /// since `init`, whatever the transport. Verbs peers that write a read-write window
+    /// with RDMA WRITE add nothing here.
+    pub puts_served: u64,
+    /// Bytes this rank wrote into verbs peers' read-write windows with RDMA WRITE since
+    /// `init`, without their owners' CPUs.
+    pub verbs_window_write_bytes: u64,
     /// Bytes this rank read from verbs peers' windows with RDMA READ since `init`, without
     /// their owners' CPUs.
     pub verbs_read_bytes: u64,
@@ -105,6 +112,8 @@ pub(crate) struct Windows {
     timeout: Duration,
     /// `GET`s served (see [`RegStats::gets_served`]).
     gets_served: std::sync::atomic::AtomicU64,
+    /// `PUT`s served (see [`RegStats::puts_served`]).
+    puts_served: std::sync::atomic::AtomicU64,
 }
 
 impl Windows {
@@ -128,7 +137,7 @@ impl Windows {
     /// the staging copy), naming the size and, when the memlock limit refused it, the limit.
     pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) -> Result<()> {
         let mr = match self.verbs.as_ref().and_then(Weak::upgrade) {
-            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region)?)),
+            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region, writable)?)),
             _ => None,
         };
         let holders = Arc::default();
@@ -166,6 +175,11 @@ impl Windows {
         self.gets_served.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a `PUT` served by this rank as the window's owner.
+    pub(crate) fn count_put_served(&self) {
+        self.puts_served.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Window `id`, if it is live and `key` is its key.
     pub(crate) fn get(&self, id: u32, key: u64) -> Option<WindowEntry> {
         self.table.lock().unwrap_or_else(|e| e.into_inner()).get(&id).filter(|e| e.key == key).cloned()
@@ -181,6 +195,7 @@ impl Windows {
             windows_registered: self.registered.load(Ordering::Relaxed),
             window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
             gets_served: self.gets_served.load(Ordering::Relaxed),
+            puts_served: self.puts_served.load(Ordering::Relaxed),
             ..RegStats::default()
         }
     }
