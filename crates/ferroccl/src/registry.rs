@@ -68,8 +68,8 @@ pub struct RegStats {
     /// Bytes this rank read from verbs peers' windows with RDMA READ since `init`, without
     /// their owners' CPUs.
     pub verbs_read_bytes: u64,
-    /// Verbs peers' windows this rank may read with RDMA READ now (the owner gave their
-    /// memory regions and has not revoked them).
+    /// Verbs peers' windows this rank may read with RDMA READ (and write with RDMA WRITE,
+    /// when writable) now (the owner gave their memory regions and has not revoked them).
     pub peer_regions_held: usize,
 }
 
@@ -242,10 +242,11 @@ fn revoke(net: &Arc<VerbsNet>, window: u32, key: u64, holders: &[usize], deadlin
 /// the doorbell sooner when a message arrives).
 const REVOKE_NAP: Duration = Duration::from_micros(200);
 
-/// Verbs peers' windows this rank reads with RDMA READ (see `crate::rma`), by (owner,
-/// window id, key): the memory region the owner gave (`WINFO`), or `None` once it revoked
-/// it (also when its `REVOKE` came before the answer it follows on the wire was taken:
-/// the entry stays, so that answer is not used), or when the window has no region.
+/// Verbs peers' windows this rank reads with RDMA READ and writes with RDMA WRITE (see
+/// `crate::rma`), by (owner, window id, key): the memory region the owner gave (`WINFO`),
+/// or `None` once it revoked it (also when its `REVOKE` came before the answer it follows
+/// on the wire was taken: the entry stays, so that answer is not used), or when the window
+/// has no region.
 #[derive(Debug, Default)]
 pub(crate) struct PeerRegions {
     map: Mutex<HashMap<PeerWindow, Option<Arc<RemoteRegion>>>>,
@@ -262,7 +263,8 @@ pub(crate) type PeerWindow = (usize, u32, u64);
 pub(crate) enum RegionLookup {
     /// Nothing yet: ask the owner (`WINFO`).
     Unknown,
-    /// Read it with RDMA READ (unless revoked meanwhile).
+    /// Read it with RDMA READ, or write it with RDMA WRITE when writable (unless revoked
+    /// meanwhile).
     Read(Arc<RemoteRegion>),
     /// Its owner serves its reads.
     Owner,

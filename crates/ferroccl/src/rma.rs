@@ -27,6 +27,13 @@
 //! * **write** (`PUT`): the bytes travel in messages of at most one send's size, each
 //!   checked and landed by the owner, which answers each with a `REPLY`; the write
 //!   completes when every piece is answered. One round trip, pipelined over the pieces.
+//! * **write over verbs, without the owner** (RDMA WRITE): as a read over verbs, with the
+//!   same cached region, when the owner said it is writable (`WINFO_REPLY`: a read-write
+//!   window, registered with `REMOTE_WRITE`; otherwise the write is refused here,
+//!   `ReadOnly`). The source is registered per write and posted as signaled RDMA WRITEs;
+//!   the write completes on their completions (on RC, the owner's NIC has placed the
+//!   bytes), so a `SIGNAL` queued behind it is sent after the data. Writes count as in
+//!   flight on the region like READs, so a revocation waits for them.
 //!
 //! Requests belong to no stream: they are served in arrival order, whatever the owner is
 //! doing, by whichever thread drives its engine (a waiting call, or the engine's own
@@ -426,6 +433,14 @@ impl PutOp {
         self.refusal = Some(e);
         self.state = State::Done;
         true
+    }
+
+    /// Whether every byte of the write is already ordered before a later message to the
+    /// owner: done, or sent as `PUT` messages (the owner serves them in arrival order).
+    /// Not while it asks for the region or writes with RDMA WRITE: a `SIGNAL` behind it
+    /// must then wait for its completion.
+    pub(crate) fn sent_as_puts(&self) -> bool {
+        self.state == State::Done || (self.state == State::Wait && !self.rdma)
     }
 
     /// Starts the write of a peer's window that is not mapped here: with RDMA WRITEs when

@@ -70,6 +70,13 @@
 //!   each row's last piece delivers the row's immediate to the reader's own inbox. A
 //!   [`RemoteRegion`] counts its READs in flight and, once revoked, issues none, so its
 //!   holder can tell its owner when no READ of its can still reach the region.
+//! * **Writes of peers' windows (RDMA WRITE).** Read-write windows are registered with
+//!   `REMOTE_WRITE` too ([`register_window`]), and the owner says so in the region it gives
+//!   ([`RemoteRegion::writable`]). A writer posts RDMA WRITEs (no immediate) from a memory
+//!   region over its source ([`register_source`]) with [`VerbsEndpoint::post_write_to`],
+//!   which refuses a region that is not writable; they go through the same slots, in-flight
+//!   count and revocation as READs, and the completion of each row's last piece delivers
+//!   the row's immediate to the writer's own inbox (on RC: the bytes are placed).
 //!
 //! # Progress and failures
 //!
