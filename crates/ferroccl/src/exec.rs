@@ -239,7 +239,14 @@ impl Exec {
             match started {
                 Some((qi, mut x)) => {
                     let q = self.queues.get_mut(qi).ok_or_else(|| Error::internal(format!("{}: step {i}: peer out of range", cx.op)))?;
-                    x.advance(cx)?;
+                    // A signal behind a write that is not (yet) `PUT` messages on the
+                    // connection (an RDMA WRITE, or one still asking for the region)
+                    // starts only at the front of the queue, once that write has
+                    // completed: its bytes are placed before the signal is sent.
+                    let defer = matches!(x, Xfer::Signal(_)) && q.iter().any(|(_, y)| matches!(y, Xfer::Put(p) if !p.sent_as_puts()));
+                    if !defer {
+                        x.advance(cx)?;
+                    }
                     if let Some(e) = x.take_refusal() {
                         self.refused.get_or_insert(e);
                     }

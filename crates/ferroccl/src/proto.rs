@@ -550,6 +550,9 @@ pub(crate) struct RegionInfo {
     pub(crate) addr: u64,
     pub(crate) rkey: u32,
     pub(crate) len: u64,
+    /// Registered with `REMOTE_WRITE` (a read-write window): the reader may write it with
+    /// RDMA WRITE too.
+    pub(crate) writable: bool,
 }
 
 /// A `WINFO` for window (`t.window`, `t.key`) in job `t.job`, on the stack.
@@ -560,7 +563,7 @@ pub(crate) fn encode_winfo(t: &RmaTarget) -> [u8; PUT_HEADER] {
 }
 
 /// Bytes of a `WINFO_REPLY`.
-pub(crate) const WINFO_REPLY_LEN: usize = EAGER_HEADER + 8 + 1 + 1 + 8 + 4 + 8;
+pub(crate) const WINFO_REPLY_LEN: usize = EAGER_HEADER + 8 + 1 + 1 + 8 + 4 + 8 + 1;
 
 /// A `WINFO_REPLY` (see [`ProtoMsg::WinInfoReply`]), on the stack.
 pub(crate) fn encode_winfo_reply(req: u64, status: RmaStatus, region: Option<RegionInfo>) -> [u8; WINFO_REPLY_LEN] {
@@ -572,10 +575,11 @@ pub(crate) fn encode_winfo_reply(req: u64, status: RmaStatus, region: Option<Reg
     b[at] = status.code();
     b[at + 1] = u8::from(region.is_some());
     at += 2;
-    let r = region.unwrap_or(RegionInfo { addr: 0, rkey: 0, len: 0 });
+    let r = region.unwrap_or(RegionInfo { addr: 0, rkey: 0, len: 0, writable: false });
     b[at..at + 8].copy_from_slice(&r.addr.to_le_bytes());
     b[at + 8..at + 12].copy_from_slice(&r.rkey.to_le_bytes());
     b[at + 12..at + 20].copy_from_slice(&r.len.to_le_bytes());
+    b[at + 20] = u8::from(r.writable);
     b
 }
 
@@ -698,7 +702,13 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
                 let code = r.u8()?;
                 let status = RmaStatus::from_code(code).ok_or_else(|| DecodeError(format!("unknown one-sided status {code}")))?;
                 let has = r.u8()?;
-                let region = RegionInfo { addr: r.u64()?, rkey: r.u32()?, len: r.u64()? };
+                let (addr, rkey, len) = (r.u64()?, r.u32()?, r.u64()?);
+                let writable = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    w => return Err(DecodeError(format!("WINFO_REPLY writable flag {w}"))),
+                };
+                let region = RegionInfo { addr, rkey, len, writable };
                 r.end()?;
                 let region = match has {
                     0 => None,
@@ -771,7 +781,7 @@ mod tests {
             ProtoMsg::WinInfo { target } => assert_eq!(target, RmaTarget { offset: 0, len: 0, ..t }),
             m => panic!("{m:?}"),
         }
-        let region = RegionInfo { addr: 0x1234_5678_9abc, rkey: 0xdead_beef, len: 77 };
+        let region = RegionInfo { addr: 0x1234_5678_9abc, rkey: 0xdead_beef, len: 77, writable: true };
         for (st, reg) in [(RmaStatus::Done, Some(region)), (RmaStatus::Done, None), (RmaStatus::NoWindow, None)] {
             match decode(encode_winfo_reply(3, st, reg).to_vec()).unwrap() {
                 ProtoMsg::WinInfoReply { req: 3, status, region } => assert_eq!((status, region), (st, reg)),

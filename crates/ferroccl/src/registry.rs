@@ -58,11 +58,18 @@ pub struct RegStats {
     /// owner since `init`, whatever the transport. Verbs peers that read a window with
     /// RDMA READ add nothing here.
     pub gets_served: u64,
+    /// Writes (`PUT` pieces) into this rank's windows that this rank served as their owner
+    /// since `init`, whatever the transport. Verbs peers that write a read-write window
+    /// with RDMA WRITE add nothing here.
+    pub puts_served: u64,
+    /// Bytes this rank wrote into verbs peers' read-write windows with RDMA WRITE since
+    /// `init`, without their owners' CPUs.
+    pub verbs_window_write_bytes: u64,
     /// Bytes this rank read from verbs peers' windows with RDMA READ since `init`, without
     /// their owners' CPUs.
     pub verbs_read_bytes: u64,
-    /// Verbs peers' windows this rank may read with RDMA READ now (the owner gave their
-    /// memory regions and has not revoked them).
+    /// Verbs peers' windows this rank may read with RDMA READ (and write with RDMA WRITE,
+    /// when writable) now (the owner gave their memory regions and has not revoked them).
     pub peer_regions_held: usize,
 }
 
@@ -105,6 +112,8 @@ pub(crate) struct Windows {
     timeout: Duration,
     /// `GET`s served (see [`RegStats::gets_served`]).
     gets_served: std::sync::atomic::AtomicU64,
+    /// `PUT`s served (see [`RegStats::puts_served`]).
+    puts_served: std::sync::atomic::AtomicU64,
 }
 
 impl Windows {
@@ -128,7 +137,7 @@ impl Windows {
     /// the staging copy), naming the size and, when the memlock limit refused it, the limit.
     pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) -> Result<()> {
         let mr = match self.verbs.as_ref().and_then(Weak::upgrade) {
-            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region)?)),
+            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region, writable)?)),
             _ => None,
         };
         let holders = Arc::default();
@@ -166,6 +175,11 @@ impl Windows {
         self.gets_served.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a `PUT` served by this rank as the window's owner.
+    pub(crate) fn count_put_served(&self) {
+        self.puts_served.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Window `id`, if it is live and `key` is its key.
     pub(crate) fn get(&self, id: u32, key: u64) -> Option<WindowEntry> {
         self.table.lock().unwrap_or_else(|e| e.into_inner()).get(&id).filter(|e| e.key == key).cloned()
@@ -181,6 +195,7 @@ impl Windows {
             windows_registered: self.registered.load(Ordering::Relaxed),
             window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
             gets_served: self.gets_served.load(Ordering::Relaxed),
+            puts_served: self.puts_served.load(Ordering::Relaxed),
             ..RegStats::default()
         }
     }
@@ -227,10 +242,11 @@ fn revoke(net: &Arc<VerbsNet>, window: u32, key: u64, holders: &[usize], deadlin
 /// the doorbell sooner when a message arrives).
 const REVOKE_NAP: Duration = Duration::from_micros(200);
 
-/// Verbs peers' windows this rank reads with RDMA READ (see `crate::rma`), by (owner,
-/// window id, key): the memory region the owner gave (`WINFO`), or `None` once it revoked
-/// it (also when its `REVOKE` came before the answer it follows on the wire was taken:
-/// the entry stays, so that answer is not used), or when the window has no region.
+/// Verbs peers' windows this rank reads with RDMA READ and writes with RDMA WRITE (see
+/// `crate::rma`), by (owner, window id, key): the memory region the owner gave (`WINFO`),
+/// or `None` once it revoked it (also when its `REVOKE` came before the answer it follows
+/// on the wire was taken: the entry stays, so that answer is not used), or when the window
+/// has no region.
 #[derive(Debug, Default)]
 pub(crate) struct PeerRegions {
     map: Mutex<HashMap<PeerWindow, Option<Arc<RemoteRegion>>>>,
@@ -247,7 +263,8 @@ pub(crate) type PeerWindow = (usize, u32, u64);
 pub(crate) enum RegionLookup {
     /// Nothing yet: ask the owner (`WINFO`).
     Unknown,
-    /// Read it with RDMA READ (unless revoked meanwhile).
+    /// Read it with RDMA READ, or write it with RDMA WRITE when writable (unless revoked
+    /// meanwhile).
     Read(Arc<RemoteRegion>),
     /// Its owner serves its reads.
     Owner,

@@ -27,6 +27,13 @@
 //! * **write** (`PUT`): the bytes travel in messages of at most one send's size, each
 //!   checked and landed by the owner, which answers each with a `REPLY`; the write
 //!   completes when every piece is answered. One round trip, pipelined over the pieces.
+//! * **write over verbs, without the owner** (RDMA WRITE): as a read over verbs, with the
+//!   same cached region, when the owner said it is writable (`WINFO_REPLY`: a read-write
+//!   window, registered with `REMOTE_WRITE`; otherwise the write is refused here,
+//!   `ReadOnly`). The source is registered per write and posted as signaled RDMA WRITEs;
+//!   the write completes on their completions (on RC, the owner's NIC has placed the
+//!   bytes), so a `SIGNAL` queued behind it is sent after the data. Writes count as in
+//!   flight on the region like READs, so a revocation waits for them.
 //!
 //! Requests belong to no stream: they are served in arrival order, whatever the owner is
 //! doing, by whichever thread drives its engine (a waiting call, or the engine's own
@@ -320,7 +327,7 @@ impl GetOp {
                         return Ok(self.refuse(refused(cx, self.wpeer, r)));
                     }
                     let region = match (region, cx.fabric.endpoint(self.wpeer)?) {
-                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len)),
+                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
                         _ => None,
                     };
                     cx.fabric.peer_regions.insert(self.wpeer, self.remote.window, self.remote.key, region);
@@ -377,6 +384,12 @@ pub(crate) struct PutOp {
     /// Pieces sent, and pieces the owner has answered.
     sent: u64,
     acked: u64,
+    /// Written with RDMA WRITEs (verbs): the first row's immediate (reported to this
+    /// rank's inbox by the completion of the row's last piece, see `GetOp::imm`), and
+    /// rows whose completions have been polled.
+    rdma: bool,
+    imm: u32,
+    landed: u32,
     state: State,
     /// As `GetOp::refusal` (the first piece's refusal; the write ends when every piece is
     /// answered).
@@ -398,7 +411,123 @@ impl PutOp {
         src_offset: usize,
         block: Block,
     ) -> PutOp {
-        PutOp { wpeer, remote, offset, src, src_offset, block, req: 0, sent: 0, acked: 0, state: State::Start, refusal: None }
+        PutOp {
+            wpeer,
+            remote,
+            offset,
+            src,
+            src_offset,
+            block,
+            req: 0,
+            sent: 0,
+            acked: 0,
+            rdma: false,
+            imm: 0,
+            landed: 0,
+            state: State::Start,
+            refusal: None,
+        }
+    }
+
+    fn refuse(&mut self, e: Error) -> bool {
+        self.refusal = Some(e);
+        self.state = State::Done;
+        true
+    }
+
+    /// Whether every byte of the write is already ordered before a later message to the
+    /// owner: done, or sent as `PUT` messages (the owner serves them in arrival order).
+    /// Not while it asks for the region or writes with RDMA WRITE: a `SIGNAL` behind it
+    /// must then wait for its completion.
+    pub(crate) fn sent_as_puts(&self) -> bool {
+        self.state == State::Done || (self.state == State::Wait && !self.rdma)
+    }
+
+    /// Starts the write of a peer's window that is not mapped here: with RDMA WRITEs when
+    /// the owner is reached over verbs and gave its window's region (asking for it first,
+    /// once per window, as a read does), refused here when that region is read-only (the
+    /// owner registered it without `REMOTE_WRITE`), otherwise (or once the owner revoked
+    /// the region) by `PUT`s.
+    fn start_remote(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
+        let ep = cx.fabric.endpoint(self.wpeer)?;
+        let mut held = None;
+        if let (Endpoint::Verbs(v), true) = (ep, self.block.row > 0 && self.block.rows > 0) {
+            match cx.fabric.peer_regions.get(self.wpeer, self.remote.window, self.remote.key) {
+                RegionLookup::Unknown => {
+                    self.req = cx.fabric.next_reqs(1);
+                    let t = RmaTarget {
+                        req: self.req,
+                        job: cx.fabric.job,
+                        window: self.remote.window,
+                        key: self.remote.key,
+                        offset: 0,
+                        len: 0,
+                    };
+                    ep.post_send(&proto::encode_winfo(&t), cx.deadline, &|| cx.pump())?;
+                    self.state = State::Info;
+                    return Ok(true);
+                }
+                RegionLookup::Read(region) => {
+                    if !region.writable() {
+                        return Ok(self.refuse(refused(cx, self.wpeer, Refusal::ReadOnly)));
+                    }
+                    let span = self.block.span(self.block.remote_stride).unwrap_or(u64::MAX);
+                    if self.offset.checked_add(span).is_none_or(|end| end > region.len()) {
+                        return Ok(self.refuse(refused(cx, self.wpeer, Refusal::OutOfRange)));
+                    }
+                    let local = self.block.span(self.block.local_stride).and_then(|n| usize::try_from(n).ok());
+                    let local = local.ok_or_else(|| Error::invalid(format!("{}: write source span overflows", cx.op)))?;
+                    // The source's memory region holds a read lease on it; each piece's
+                    // work request holds a clone until its completion is polled.
+                    let mr = verbs::register_source(v.net(), &self.src, self.src_offset, local)?;
+                    let imm = cx.fabric.next_imms(self.block.rows);
+                    let r = ReadReq {
+                        rows: self.block.rows,
+                        row: self.block.row as usize,
+                        remote_offset: self.offset,
+                        remote_stride: self.block.remote_stride,
+                        local_offset: 0,
+                        local_stride: self.block.local_stride as usize,
+                        imm,
+                    };
+                    if v.post_write_to(&region, &mr, &r, cx.deadline, &|| cx.pump())? {
+                        (self.rdma, self.imm) = (true, imm);
+                        self.state = State::Wait;
+                        return Ok(true);
+                    }
+                    // Revoked: the owner serves it, and refuses it once the window is gone.
+                    held = Some(region);
+                }
+                RegionLookup::Owner => {}
+            }
+        }
+        drop(held);
+        self.send_puts(cx)
+    }
+
+    /// Sends the write to the owner as `PUT`s (pieces of at most one message each).
+    fn send_puts(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
+        let ep = cx.fabric.endpoint(self.wpeer)?;
+        let piece = ep.max_send().saturating_sub(proto::PUT_HEADER).max(1);
+        let per_row = (self.block.row as usize).div_ceil(piece).max(1) as u64;
+        let pieces = per_row * u64::from(self.block.rows);
+        self.req = cx.fabric.next_reqs(pieces);
+        let (block, offset, src_offset) = (self.block, self.offset, self.src_offset);
+        for_rows(&block, offset, src_offset, |ro, lo, row| {
+            for k in 0..per_row as usize {
+                let start = k * piece;
+                let n = piece.min(row - start.min(row));
+                let target = self.target(cx, self.req + self.sent, ro.saturating_add(start as u64), n as u64);
+                let head = proto::put_header(&target);
+                self.src
+                    .with_slice(lo + start, n, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
+                    .map_err(|e| Error::internal(format!("{}: write source: {e}", cx.op)))??;
+                self.sent += 1;
+            }
+            Ok(())
+        })?;
+        self.state = State::Wait;
+        Ok(true)
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -406,7 +535,7 @@ impl PutOp {
     }
 
     pub(crate) fn waiting_for(&self) -> Option<usize> {
-        (self.state == State::Wait).then_some(self.wpeer)
+        matches!(self.state, State::Wait | State::Info).then_some(self.wpeer)
     }
 
     fn target(&self, cx: &XferCtx<'_>, req: u64, offset: u64, len: u64) -> RmaTarget {
@@ -455,27 +584,44 @@ impl PutOp {
                     }
                     None => {}
                 }
-                let ep = cx.fabric.endpoint(self.wpeer)?;
-                let piece = ep.max_send().saturating_sub(proto::PUT_HEADER).max(1);
-                let per_row = (self.block.row as usize).div_ceil(piece).max(1) as u64;
-                let pieces = per_row * u64::from(self.block.rows);
-                self.req = cx.fabric.next_reqs(pieces);
-                let (block, offset, src_offset) = (self.block, self.offset, self.src_offset);
-                for_rows(&block, offset, src_offset, |ro, lo, row| {
-                    for k in 0..per_row as usize {
-                        let start = k * piece;
-                        let n = piece.min(row - start.min(row));
-                        let target = self.target(cx, self.req + self.sent, ro.saturating_add(start as u64), n as u64);
-                        let head = proto::put_header(&target);
-                        self.src
-                            .with_slice(lo + start, n, |b| ep.post_send2(&head, b, cx.deadline, &|| cx.pump()))
-                            .map_err(|e| Error::internal(format!("{}: write source: {e}", cx.op)))??;
-                        self.sent += 1;
+                self.start_remote(cx)
+            }
+            State::Info => {
+                let mut ev = cx.fabric.inbox.lock();
+                if let Some((st, region)) = ev.win_infos.remove(&(self.wpeer, self.req)) {
+                    drop(ev);
+                    if let Some(r) = st.refusal() {
+                        return Ok(self.refuse(refused(cx, self.wpeer, r)));
                     }
-                    Ok(())
-                })?;
-                self.state = State::Wait;
-                Ok(true)
+                    let region = match (region, cx.fabric.endpoint(self.wpeer)?) {
+                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
+                        _ => None,
+                    };
+                    cx.fabric.peer_regions.insert(self.wpeer, self.remote.window, self.remote.key, region);
+                    return self.start_remote(cx).map(|_| true);
+                }
+                if ev.closed.contains(&self.wpeer) {
+                    return Err(cx.closed(self.wpeer));
+                }
+                Ok(false)
+            }
+            State::Wait if self.rdma => {
+                let mut ev = cx.fabric.inbox.lock();
+                let mut moved = false;
+                // Each row's last piece completes (the owner's NIC acknowledged it: its
+                // bytes are in the window) with the row's immediate, in order.
+                while self.landed < self.block.rows && ev.imms.remove(&(self.wpeer, row_imm(self.imm, self.landed))) {
+                    self.landed += 1;
+                    moved = true;
+                }
+                if self.landed == self.block.rows {
+                    self.state = State::Done;
+                    return Ok(true);
+                }
+                if ev.closed.contains(&self.wpeer) {
+                    return Err(cx.closed(self.wpeer));
+                }
+                Ok(moved)
             }
             State::Wait => {
                 let mut ev = cx.fabric.inbox.lock();
@@ -497,8 +643,7 @@ impl PutOp {
                 }
                 Ok(moved)
             }
-            // Writes ask for no region.
-            State::Info | State::Done => Ok(false),
+            State::Done => Ok(false),
         }
     }
 }
@@ -665,6 +810,7 @@ impl RmaServer {
                         },
                     };
                     fabric.inbox.give_buf(data);
+                    fabric.windows.count_put_served();
                     let _ = ep.post_send(&proto::encode_reply(target.req, status), deadline, &pump);
                 }
                 RmaRequest::Info { target } => {
@@ -680,7 +826,7 @@ impl RmaServer {
                                         h.peers.push(peer);
                                     }
                                     let (addr, rkey, len) = verbs::region_info(mr);
-                                    let region = Some(RegionInfo { addr, rkey, len });
+                                    let region = Some(RegionInfo { addr, rkey, len, writable: e.writable });
                                     // Sent under the lock: the `REVOKE` of a removal that
                                     // follows goes after it on this connection.
                                     let _ = ep.post_send(&proto::encode_winfo_reply(target.req, RmaStatus::Done, region), deadline, &pump);

@@ -49,15 +49,19 @@
 //!   before and after its copy: an access that overlaps the drop is refused too (a read
 //!   refused so may have filled part of its destination; a write refused so landed in
 //!   memory nobody reads any more). Over verbs, `Drop` first revokes the window's memory
-//!   region from the peers that read it with RDMA READ (below) and returns once each has
-//!   answered (its reads in flight completed) or at `FERROCCL_TIMEOUT`: a peer's read in
-//!   flight then completes whole, and its later reads are refused.
+//!   region from the peers that read (or write) it with RDMA (below) and returns once each
+//!   has answered (its reads and writes in flight completed) or at `FERROCCL_TIMEOUT`: a
+//!   peer's access in flight then completes whole, and its later ones are refused.
 //! * **Verbs peers read without the owner.** A rank that reaches the owner over verbs asks
 //!   once per window for its memory region (the owner checks the handle as for any
 //!   request) and then reads it with RDMA READs into its own registered destination, with
-//!   no work by the owner; writes stay owner-served.
-//!   [`RegStats::verbs_read_bytes`](crate::RegStats) and
-//!   [`RegStats::gets_served`](crate::RegStats) count both sides.
+//!   no work by the owner, and writes a read-write window with RDMA WRITEs from its source
+//!   (registered per write), completing when the owner's NIC has acknowledged them (a
+//!   read-only window's region allows no remote write: such a write is refused, `ReadOnly`).
+//!   [`RegStats::verbs_read_bytes`](crate::RegStats),
+//!   [`RegStats::verbs_window_write_bytes`](crate::RegStats),
+//!   [`RegStats::gets_served`](crate::RegStats) and [`RegStats::puts_served`](crate::RegStats)
+//!   count both sides.
 //! * **Shared windows.** [`Communicator::alloc_window`] puts the window in a shared segment
 //!   (a memfd holding nothing but the window). Ranks reached over shm map it at their first
 //!   access through the handle (finding it by a name derived from the handle's job, owner,
@@ -70,7 +74,7 @@
 //!   be in a call). The owner's own [`Window::read`] / [`Window::write`] and the requests
 //!   it serves exclude each other per byte range, so nobody sees a torn element; a
 //!   same-host peer's direct copy into a shared window excludes nothing, and neither does a
-//!   verbs peer's read, which the devices serve from the window's memory with no copy (as
+//!   verbs peer's read or write, which the devices serve from the window's memory with no copy (as
 //!   RDMA: an element written while it is read may be read torn). Nothing else is ordered:
 //!   what a read returns while the owner (or another rank) writes the same range is
 //!   unspecified (either version of each piece, or with direct copies any mix of bytes).
@@ -456,7 +460,9 @@ impl Communicator {
 
     /// Raises this rank's signal at member `peer` to `value` (no data): `peer`'s
     /// [`Communicator::wait_signal`] for this rank sees it. Signals are ordered after this
-    /// rank's earlier writes to `peer`'s windows. A signal only rises: raising it to a value
+    /// rank's earlier completed writes to `peer`'s windows (over verbs, a write still in
+    /// flight in a [`Request`] may be an RDMA WRITE that the signal overtakes: wait for
+    /// the request first, or use [`Communicator::put_signal`]). A signal only rises: raising it to a value
     /// below the current one leaves it.
     pub fn signal(&self, peer: usize, value: u64) -> Result<()> {
         let op = Op::other(format!("signal {value} to rank {peer}"));

@@ -70,6 +70,13 @@
 //!   each row's last piece delivers the row's immediate to the reader's own inbox. A
 //!   [`RemoteRegion`] counts its READs in flight and, once revoked, issues none, so its
 //!   holder can tell its owner when no READ of its can still reach the region.
+//! * **Writes of peers' windows (RDMA WRITE).** Read-write windows are registered with
+//!   `REMOTE_WRITE` too ([`register_window`]), and the owner says so in the region it gives
+//!   ([`RemoteRegion::writable`]). A writer posts RDMA WRITEs (no immediate) from a memory
+//!   region over its source ([`register_source`]) with [`VerbsEndpoint::post_write_to`],
+//!   which refuses a region that is not writable; they go through the same slots, in-flight
+//!   count and revocation as READs, and the completion of each row's last piece delivers
+//!   the row's immediate to the writer's own inbox (on RC: the bytes are placed).
 //!
 //! # Progress and failures
 //!
@@ -291,6 +298,8 @@ pub(crate) struct VerbsNet {
     direct_bytes: AtomicU64,
     /// Bytes read from peers' windows with RDMA READ.
     read_bytes: AtomicU64,
+    /// Bytes written into peers' windows with RDMA WRITE (see [`VerbsEndpoint::post_write_to`]).
+    window_write_bytes: AtomicU64,
     /// Completions polled in one go; preallocated so that polling does not allocate.
     polled: Mutex<Vec<Completion>>,
     credits_owed: AtomicBool,
@@ -349,6 +358,9 @@ pub(crate) struct RemoteRegion {
     addr: u64,
     rkey: u32,
     len: u64,
+    /// Whether the owner registered the region with `REMOTE_WRITE` (a read-write window):
+    /// only then are RDMA WRITEs posted to it (the NIC would refuse them otherwise).
+    writable: bool,
     state: Mutex<RegionState>,
 }
 
@@ -363,6 +375,11 @@ impl RemoteRegion {
     /// The window's length in bytes.
     pub(crate) fn len(&self) -> u64 {
         self.len
+    }
+
+    /// Whether the owner lets this rank write the region with RDMA WRITE.
+    pub(crate) fn writable(&self) -> bool {
+        self.writable
     }
 
     /// No read is issued from now on.
@@ -563,6 +580,7 @@ impl VerbsSetup {
             staged_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
+            window_write_bytes: AtomicU64::new(0),
             polled: Mutex::new(Vec::with_capacity(256)),
             credits_owed: AtomicBool::new(false),
             inbox: inbox.clone(),
@@ -731,6 +749,11 @@ impl VerbsNet {
         self.read_bytes.load(Ordering::Relaxed)
     }
 
+    /// Bytes this rank has written into peers' windows with RDMA WRITE since setup.
+    pub(crate) fn window_write_bytes(&self) -> u64 {
+        self.window_write_bytes.load(Ordering::Relaxed)
+    }
+
     /// The inbox the transport delivers into.
     pub(crate) fn inbox(&self) -> &Arc<Inbox> {
         &self.inbox
@@ -796,7 +819,7 @@ impl VerbsNet {
                 WR_RECV => "a receive",
                 WR_MSG => "an RDMA WRITE WITH IMMEDIATE (message)",
                 WR_STAGE | WR_DIRECT => "an RDMA WRITE (one-sided data)",
-                WR_READ => "an RDMA READ (of a window)",
+                WR_READ => "an RDMA READ or WRITE (of a window)",
                 _ => "an RDMA WRITE WITH IMMEDIATE (control)",
             };
             self.fail(
@@ -975,12 +998,32 @@ pub(crate) fn register_user(net: &VerbsNet, h: &RegionHandle, offset: usize, len
 /// window's region, so the window's scope cannot end while it (or a work request posted
 /// from it, see [`DirectSlots`]) lives. Fails naming the window's size (and, when the
 /// memlock limit refused it, that limit and how to raise it).
-pub(crate) fn register_window(net: &VerbsNet, h: &RegionHandle) -> Result<UserMr> {
+///
+/// A read-write window (`writable`) is registered over a writable lease with
+/// `REMOTE_WRITE` too, so verbs peers write it with RDMA WRITE; a read-only window's
+/// region allows `REMOTE_READ` only, and the NIC refuses a write through its rkey.
+pub(crate) fn register_window(net: &VerbsNet, h: &RegionHandle, writable: bool) -> Result<UserMr> {
     let len = h.len();
-    let lease = h.lease(0, len).map_err(|e| Error::invalid(format!("rank {}: a {len}-byte window: {e}", net.rank)))?;
+    let bad = |e| Error::invalid(format!("rank {}: a {len}-byte window: {e}", net.rank));
+    let what = format!("register a {len}-byte window for zero-copy reads and writes by verbs peers");
+    if writable {
+        let lease = h.lease_mut(0, len).map_err(bad)?;
+        net.pd.register_lease(lease, Access::REMOTE_READ | Access::REMOTE_WRITE).map_err(verr(net.rank, what))
+    } else {
+        let lease = h.lease(0, len).map_err(bad)?;
+        net.pd.register_lease(lease, Access::REMOTE_READ).map_err(verr(net.rank, what))
+    }
+}
+
+/// Registers `[offset, offset + len)` of `h` as the source of RDMA WRITEs to a peer's
+/// window (local read only), over a read lease held until the region drops (the last
+/// work request posted from it holds a clone until its completion is polled).
+pub(crate) fn register_source(net: &VerbsNet, h: &RegionHandle, offset: usize, len: usize) -> Result<Arc<UserMr>> {
+    let lease = h.lease(offset, len).map_err(|e| Error::invalid(format!("rank {}: verbs write source: {e}", net.rank)))?;
     net.pd
-        .register_lease(lease, Access::REMOTE_READ)
-        .map_err(verr(net.rank, format!("register a {len}-byte window for zero-copy reads by verbs peers")))
+        .register_lease(lease, Access::empty())
+        .map(Arc::new)
+        .map_err(verr(net.rank, format!("register a {len}-byte source of a write to a window")))
 }
 
 /// Waits until no work request posted from `mr` is in flight (the caller holds the only
@@ -1023,9 +1066,10 @@ impl VerbsEndpoint {
         &self.net
     }
 
-    /// The peer's window region at `addr` (`len` bytes, `rkey`), as its owner gave it.
-    pub(crate) fn remote_region(&self, addr: u64, rkey: u32, len: u64) -> Arc<RemoteRegion> {
-        Arc::new(RemoteRegion { addr, rkey, len, state: Mutex::default() })
+    /// The peer's window region at `addr` (`len` bytes, `rkey`, writable or not), as its
+    /// owner gave it.
+    pub(crate) fn remote_region(&self, addr: u64, rkey: u32, len: u64, writable: bool) -> Arc<RemoteRegion> {
+        Arc::new(RemoteRegion { addr, rkey, len, writable, state: Mutex::default() })
     }
 
     /// Whether the queue pair is cut or failed (nothing can be posted, and nothing it
@@ -1057,6 +1101,42 @@ impl VerbsEndpoint {
         deadline: Instant,
         poll: &dyn Fn() -> Result<()>,
     ) -> Result<bool> {
+        self.post_rma(region, dst, r, false, deadline, poll)
+    }
+
+    /// Writes `r`'s rows from `src` (the local side: `local_offset`, `local_stride`) into
+    /// the peer's window `region` with RDMA WRITEs (no immediate: the owner's CPU takes no
+    /// part), as [`post_read`](Self::post_read) reads: the last piece of each row reports
+    /// the row's immediate to this rank's own inbox when its (signaled) completion is
+    /// polled, which on a reliable connection means the peer's NIC has acknowledged it,
+    /// so its bytes are placed in the window. Returns `Ok(false)`, having posted nothing,
+    /// when the owner has revoked the region. The region must be writable (checked here:
+    /// the NIC would refuse the write and break the connection).
+    pub(crate) fn post_write_to(
+        &self,
+        region: &Arc<RemoteRegion>,
+        src: &Arc<UserMr>,
+        r: &ReadReq,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        if !region.writable {
+            return Err(Error::internal(format!("rank {}: RDMA WRITE to a read-only window of rank {}", self.rank, self.peer)));
+        }
+        self.post_rma(region, src, r, true, deadline, poll)
+    }
+
+    /// [`post_read`](Self::post_read) (`write` false) or
+    /// [`post_write_to`](Self::post_write_to) (`write` true).
+    fn post_rma(
+        &self,
+        region: &Arc<RemoteRegion>,
+        dst: &Arc<UserMr>,
+        r: &ReadReq,
+        write: bool,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
         let pe = self.net.peer(self.peer)?;
         let pieces_per_row = r.row.div_ceil(DIRECT_BYTES).max(1) as u64;
         let total = pieces_per_row * u64::from(r.rows);
@@ -1069,8 +1149,9 @@ impl VerbsEndpoint {
             let fits_local = lo.and_then(|o| o.checked_add(r.row)).is_some_and(|e| e <= dst.len());
             if !fits_remote || !fits_local {
                 return Err(Error::internal(format!(
-                    "rank {}: RDMA READ row {i} of {} bytes does not fit the {}-byte window of rank {} or the {}-byte target",
+                    "rank {}: RDMA {} row {i} of {} bytes does not fit the {}-byte window of rank {} or the {}-byte local buffer",
                     self.rank,
+                    if write { "WRITE" } else { "READ" },
                     r.row,
                     region.len,
                     self.peer,
@@ -1082,19 +1163,20 @@ impl VerbsEndpoint {
             return Ok(false);
         }
         let mut posted = 0u64;
-        let res = self.post_read_pieces(pe, region, dst, r, pieces_per_row, &mut posted, deadline, poll);
+        let res = self.post_rma_pieces(pe, region, dst, r, write, pieces_per_row, &mut posted, deadline, poll);
         // What was reserved and not posted is not in flight.
         region.done(total - posted);
         res.map(|()| true)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn post_read_pieces(
+    fn post_rma_pieces(
         &self,
         pe: &Peer,
         region: &Arc<RemoteRegion>,
         dst: &Arc<UserMr>,
         r: &ReadReq,
+        write: bool,
         pieces_per_row: u64,
         posted: &mut u64,
         deadline: Instant,
@@ -1126,16 +1208,27 @@ impl VerbsEndpoint {
                     imm: last.then(|| r.imm.wrapping_add(i) & !IMM_CTRL),
                 });
                 let off = lo + pos;
-                if let Err(e) = pe.qp.post_read_into(wr_id(WR_READ, self.peer, slot), dst, off..off + piece, remote, true) {
+                let id = wr_id(WR_READ, self.peer, slot);
+                let res = if write {
+                    pe.qp.post_write_from(id, dst, off..off + piece, remote, None, true)
+                } else {
+                    pe.qp.post_read_into(id, dst, off..off + piece, remote, true)
+                };
+                if let Err(e) = res {
                     drop(st);
                     // Not posted: let go of the slot without counting a completion.
                     let _ = self.net.take_read(slot);
-                    return Err(verr(self.rank, format!("read {piece} bytes of a window of rank {}", self.peer))(e));
+                    let what = if write { "write" } else { "read" };
+                    return Err(verr(self.rank, format!("{what} {piece} bytes of a window of rank {}", self.peer))(e));
                 }
                 st.sq_used += 1;
                 *posted += 1;
                 drop(st);
-                self.net.read_bytes.fetch_add(piece as u64, Ordering::Relaxed);
+                if write {
+                    self.net.window_write_bytes.fetch_add(piece as u64, Ordering::Relaxed);
+                } else {
+                    self.net.read_bytes.fetch_add(piece as u64, Ordering::Relaxed);
+                }
                 k += 1;
             }
         }

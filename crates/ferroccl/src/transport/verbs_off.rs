@@ -52,6 +52,10 @@ impl VerbsNet {
         match *self {}
     }
 
+    pub(crate) fn window_write_bytes(&self) -> u64 {
+        match *self {}
+    }
+
     pub(crate) fn inbox(&self) -> &Arc<crate::inbox::Inbox> {
         match *self {}
     }
@@ -66,6 +70,9 @@ impl RemoteRegion {
         match *self {}
     }
     pub(crate) fn revoke(&self) {
+        match *self {}
+    }
+    pub(crate) fn writable(&self) -> bool {
         match *self {}
     }
     pub(crate) fn in_flight(&self) -> bool {
@@ -85,7 +92,11 @@ pub(crate) fn register_user(net: &VerbsNet, _h: &RegionHandle, _offset: usize, _
     match *net {}
 }
 
-pub(crate) fn register_window(net: &VerbsNet, _h: &RegionHandle) -> Result<UserMr> {
+pub(crate) fn register_window(net: &VerbsNet, _h: &RegionHandle, _writable: bool) -> Result<UserMr> {
+    match *net {}
+}
+
+pub(crate) fn register_source(net: &VerbsNet, _h: &RegionHandle, _offset: usize, _len: usize) -> Result<Arc<UserMr>> {
     match *net {}
 }
 
@@ -109,13 +120,23 @@ impl VerbsEndpoint {
     pub(crate) fn is_dead(&self) -> bool {
         match *self.net {}
     }
-    pub(crate) fn remote_region(&self, _addr: u64, _rkey: u32, _len: u64) -> Arc<RemoteRegion> {
+    pub(crate) fn remote_region(&self, _addr: u64, _rkey: u32, _len: u64, _writable: bool) -> Arc<RemoteRegion> {
         match *self.net {}
     }
     pub(crate) fn post_read(
         &self,
         _region: &Arc<RemoteRegion>,
         _dst: &Arc<UserMr>,
+        _r: &ReadReq,
+        _deadline: Instant,
+        _poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        match *self.net {}
+    }
+    pub(crate) fn post_write_to(
+        &self,
+        _region: &Arc<RemoteRegion>,
+        _src: &Arc<UserMr>,
         _r: &ReadReq,
         _deadline: Instant,
         _poll: &dyn Fn() -> Result<()>,

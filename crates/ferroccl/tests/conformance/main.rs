@@ -75,6 +75,7 @@ macro_rules! conformance_suite {
             onesided::shared_windows_are_mapped_and_refused_after_drop,
             onesided::signals_need_no_window,
             onesided::reads_of_windows_are_zero_copy_over_verbs,
+            onesided::writes_of_windows_are_zero_copy_over_verbs,
             onesided::reads_during_a_drop_are_whole_then_refused,
         );
     };

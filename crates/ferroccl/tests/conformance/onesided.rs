@@ -847,6 +847,87 @@ pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
     all_ok(res).unwrap();
 }
 
+/// Writes of registered read-write windows are RDMA WRITEs by the writer over verbs: the
+/// owner serves no `PUT` (`puts_served` stays 0 while every byte arrives, including with
+/// `put_signal`, whose signal the owner sees only after the data), the writer counts the
+/// bytes in `verbs_window_write_bytes`; over shm and tcp the owner serves them. A write
+/// through a forged read-write handle of a read-only window is refused (`ReadOnly`) before
+/// anything reaches the NIC, and the window is untouched.
+pub fn writes_of_windows_are_zero_copy_over_verbs(s: &Suite) {
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm| -> RankResult<()> {
+            let me = comm.rank();
+            let verbs = comm.transport_to(1 - me) == Some(ferroccl::TransportKind::Verbs);
+            if s.wire == Wire::Verbs && !verbs {
+                return Err(format!("rank {me}: the verbs suite reaches rank {} without verbs", 1 - me));
+            }
+            let fail = |what: String| Error::InvalidArgument(format!("rank {me}: {what}"));
+            let run = || -> ferroccl::Result<()> {
+                let src: Vec<u8> = (0..ZC_LEN).map(|i| (i * 5 + 3) as u8).collect();
+                let ro_mem = vec![9u8; 4096];
+                let mut dst = vec![0u8; ZC_LEN];
+                // (offset, length) of each write rank 1 makes into rank 0's window.
+                let writes = [(0usize, ZC_LEN / 2), (ZC_LEN / 2 + 13, 100_003), (ZC_LEN - 1, 1)];
+                let written: usize = writes.iter().map(|w| w.1).sum();
+                comm.scope(|sc| {
+                    let w = sc.register_mut(&mut dst)?;
+                    let ro = sc.register(&ro_mem)?;
+                    let hs = gather_handles(&comm, &w.handle()).map_err(Error::InvalidArgument)?;
+                    let ros = gather_handles(&comm, &ro.handle()).map_err(Error::InvalidArgument)?;
+                    let before = comm.registration_stats();
+                    comm.barrier()?;
+                    if me == 1 {
+                        for &(off, len) in &writes {
+                            comm.write_from(&hs[0], off, &src[off..off + len])?;
+                        }
+                        comm.put_signal(&hs[0], 4096, &src[4096..8192], 1)?;
+                        let mut claims = ros[0].to_bytes();
+                        claims[12] = 2;
+                        let claims = RemoteHandle::from_bytes(&claims)?;
+                        match comm.write_from(&claims, 0, &src[..8]) {
+                            Err(Error::Refused { reason: Refusal::ReadOnly, .. }) => {}
+                            other => return Err(fail(format!("write through a forged read-write handle: {other:?}"))),
+                        }
+                    } else {
+                        comm.wait_signal(1, 1)?;
+                    }
+                    comm.barrier()?;
+                    let after = comm.registration_stats();
+                    let served = after.puts_served - before.puts_served;
+                    let moved = after.verbs_window_write_bytes - before.verbs_window_write_bytes;
+                    let want_moved = if verbs && me == 1 { (written + 4096) as u64 } else { 0 };
+                    if (verbs && served != 0) || (!verbs && me == 0 && served == 0) || moved != want_moved {
+                        return Err(fail(format!(
+                            "while rank 1 wrote {written} + 4096 bytes: the owner served {served} PUTs (expected {}); {moved} bytes \
+                             written with RDMA WRITE (expected {want_moved}); statistics {after:?}",
+                            if verbs { "none" } else { "some" }
+                        )));
+                    }
+                    drop(w);
+                    drop(ro);
+                    Ok(())
+                })?;
+                if me == 0 {
+                    for &(off, len) in &writes {
+                        if let Some(i) = (off..off + len).find(|&i| dst[i] != src[i]) {
+                            return Err(fail(format!("write of [{off}, +{len}): byte {i} is {}", dst[i])));
+                        }
+                    }
+                    if ro_mem.iter().any(|&b| b != 9) {
+                        return Err(fail("a read-only window was written".into()));
+                    }
+                }
+                comm.barrier()
+            };
+            run().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
 /// Allocated windows are shared segments: ranks reached over shm map them at the first
 /// access and copy in and out directly (counted in `peer_windows_mapped`), by every path
 /// (blocking, in a scope, a plan with strided rows, `put_signal`); a forged key or length
