@@ -110,6 +110,29 @@ pub(crate) fn direct(
     Ok(Some(Ok(())))
 }
 
+/// The owner's answer to this rank's `WINFO` request `req` for window `remote` of world
+/// rank `wpeer`: `None` while it has not come, `Some(Some(refusal))` when the owner refused,
+/// `Some(None)` once the region (or its absence) is recorded in the fabric's `PeerRegions`.
+fn region_answer(cx: &XferCtx<'_>, wpeer: usize, req: u64, remote: &Remote) -> Result<Option<Option<Refusal>>> {
+    let mut ev = cx.fabric.inbox.lock();
+    let Some((st, region)) = ev.win_infos.remove(&(wpeer, req)) else {
+        if ev.closed.contains(&wpeer) {
+            return Err(cx.closed(wpeer));
+        }
+        return Ok(None);
+    };
+    drop(ev);
+    if let Some(r) = st.refusal() {
+        return Ok(Some(Some(r)));
+    }
+    let region = match (region, cx.fabric.endpoint(wpeer)?) {
+        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
+        _ => None,
+    };
+    cx.fabric.peer_regions.insert(wpeer, remote.window, remote.key, region);
+    Ok(Some(None))
+}
+
 fn refused(cx: &XferCtx<'_>, owner: usize, reason: Refusal) -> Error {
     Error::Refused { rank: cx.rank, owner, op: cx.op.clone(), reason }
 }
@@ -319,25 +342,11 @@ impl GetOp {
                 }
                 self.start_remote(cx)
             }
-            State::Info => {
-                let mut ev = cx.fabric.inbox.lock();
-                if let Some((st, region)) = ev.win_infos.remove(&(self.wpeer, self.req)) {
-                    drop(ev);
-                    if let Some(r) = st.refusal() {
-                        return Ok(self.refuse(refused(cx, self.wpeer, r)));
-                    }
-                    let region = match (region, cx.fabric.endpoint(self.wpeer)?) {
-                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
-                        _ => None,
-                    };
-                    cx.fabric.peer_regions.insert(self.wpeer, self.remote.window, self.remote.key, region);
-                    return self.start_remote(cx).map(|_| true);
-                }
-                if ev.closed.contains(&self.wpeer) {
-                    return Err(cx.closed(self.wpeer));
-                }
-                Ok(false)
-            }
+            State::Info => match region_answer(cx, self.wpeer, self.req, &self.remote)? {
+                None => Ok(false),
+                Some(Some(r)) => Ok(self.refuse(refused(cx, self.wpeer, r))),
+                Some(None) => self.start_remote(cx).map(|_| true),
+            },
             State::Wait => {
                 let mut ev = cx.fabric.inbox.lock();
                 let mut moved = false;
@@ -586,25 +595,11 @@ impl PutOp {
                 }
                 self.start_remote(cx)
             }
-            State::Info => {
-                let mut ev = cx.fabric.inbox.lock();
-                if let Some((st, region)) = ev.win_infos.remove(&(self.wpeer, self.req)) {
-                    drop(ev);
-                    if let Some(r) = st.refusal() {
-                        return Ok(self.refuse(refused(cx, self.wpeer, r)));
-                    }
-                    let region = match (region, cx.fabric.endpoint(self.wpeer)?) {
-                        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
-                        _ => None,
-                    };
-                    cx.fabric.peer_regions.insert(self.wpeer, self.remote.window, self.remote.key, region);
-                    return self.start_remote(cx).map(|_| true);
-                }
-                if ev.closed.contains(&self.wpeer) {
-                    return Err(cx.closed(self.wpeer));
-                }
-                Ok(false)
-            }
+            State::Info => match region_answer(cx, self.wpeer, self.req, &self.remote)? {
+                None => Ok(false),
+                Some(Some(r)) => Ok(self.refuse(refused(cx, self.wpeer, r))),
+                Some(None) => self.start_remote(cx).map(|_| true),
+            },
             State::Wait if self.rdma => {
                 let mut ev = cx.fabric.inbox.lock();
                 let mut moved = false;
