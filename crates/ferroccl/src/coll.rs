@@ -13,18 +13,18 @@ use std::sync::Arc;
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
-use crate::algo::select::{self, LinkCost};
+use crate::algo::ll::{LlKind, LlSpec};
+use crate::algo::select;
 use crate::algo::{self, Algo, Collective, Shape};
 use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
+use crate::ll::{LlChannel, LlRun};
+use crate::params::LlChoice;
 use crate::prepared::Prepared;
-use crate::proto::{encode_desc, CHAN_COLL};
+use crate::proto::{self, encode_desc, CHAN_COLL};
 
-/// Link costs the cost model assumes (rough measurements on one host; see
-/// docs/algorithms.md).
-const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
-const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+use crate::algo::select::{SHM_LINK, TCP_LINK};
 
 /// The element-type-free description of one call.
 #[derive(Debug)]
@@ -66,9 +66,30 @@ impl Call<'_> {
 }
 
 impl Communicator {
-    fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
+    /// Whether a call of `kind` runs on the low-latency channel: the communicator has one,
+    /// the call fits its slots, and it is forced (`FERROCCL_PROTO=ll`, `FERROCCL_ALGO=ll`)
+    /// or, unless another algorithm is forced, the cost model picks it.
+    pub(crate) fn takes_ll(&self, kind: LlKind, dtype: DType, op: ReduceOp, count: usize) -> bool {
+        let Some(ch) = &self.ll else { return false };
         let p = &self.fabric().params;
-        if let Some(a) = p.algo {
+        let Some(bytes) = count.checked_mul(dtype.size()) else { return false };
+        if p.ll == LlChoice::Off || (count == 0 && kind != LlKind::Barrier) || !ch.fits(kind, bytes) {
+            return false;
+        }
+        let LlKind::Coll(coll) = kind else { return true };
+        match (p.ll, p.algo) {
+            (LlChoice::Force, _) | (_, Some(Algo::Ll)) => true,
+            (_, Some(a)) if a.supports_op(coll, dtype, op) => false,
+            _ => bytes <= ch.limit(coll),
+        }
+    }
+
+    fn pick_algo(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize) -> Algo {
+        if self.takes_ll(LlKind::Coll(coll), dtype, op, count) {
+            return Algo::Ll;
+        }
+        let p = &self.fabric().params;
+        if let Some(a) = p.algo.filter(|&a| a != Algo::Ll) {
             if a.supports_op(coll, dtype, op) {
                 return a;
             }
@@ -107,10 +128,14 @@ impl Communicator {
                     in_place,
                     slots: p.slots,
                 };
-                let sched = algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?;
+                let ll = (algo == Algo::Ll).then_some(LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place });
+                let sched = match ll {
+                    Some(_) => Default::default(),
+                    None => algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?,
+                };
                 let desc = encode_desc(&shape, algo, p.proto);
                 let id = Op::collective(coll, dtype, count, op, algo);
-                let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op };
+                let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op, ll };
                 self.sched_cache.insert(key, prep.clone());
                 prep
             }
@@ -121,13 +146,50 @@ impl Communicator {
 
     /// The part running `prep` over registered buffers (`input: None`: in place).
     pub(crate) fn coll_part(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Part {
+        let ll = prep.ll.zip(self.ll.clone()).map(|(spec, ch)| LlRun::new(ch, spec));
         let bufs = PartBufs { dtype: prep.dtype, op: prep.op, input, output, scratch };
-        self.part(prep.name, CHAN_COLL, prep.desc, prep.sched, bufs)
+        let mut part = self.part(prep.name, CHAN_COLL, prep.desc, prep.sched, bufs);
+        part.ll = ll;
+        part
+    }
+
+    /// Runs low-latency call `s` (collective call number `call`) on this thread; an error
+    /// is fatal for the communicator (peers may wait for this rank), as in the engine.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_ll(
+        &self,
+        ch: &LlChannel,
+        (call, s): (u32, u64),
+        desc: &proto::Desc,
+        spec: &LlSpec,
+        name: &Op,
+        input: Option<&[u8]>,
+        output: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let fabric = self.fabric();
+        let r = ch.run(fabric, s, call, desc, spec, input, output, fabric.params.timeout, &|now| self.engine().tend(now), &|| {
+            name.numbered(call)
+        });
+        r.map_err(|e| fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r)))
     }
 
     fn collective(&self, call: Call<'_>) -> Result<()> {
         let out_len = call.output_len();
         let Call { name, coll, dtype, op, count, input, output } = call;
+        // The low-latency path needs no schedule: nothing to look up.
+        if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Coll(coll), dtype, op, count)) {
+            let in_place = input.is_none();
+            let p = &self.fabric().params;
+            let shape =
+                Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
+            let desc = encode_desc(&shape, Algo::Ll, p.proto);
+            let id = Op::collective(coll, dtype, count, op, Algo::Ll);
+            self.check_usable(&id)?;
+            if let Some(numbers) = self.begin_ll(ch, &desc) {
+                let spec = LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place };
+                return self.run_ll(ch, numbers, &desc, &spec, &id, input, output);
+            }
+        }
         let prep = self.prepare(name, coll, dtype, op, count, input.is_none())?;
         let mut sink = Vec::new();
         let output = match output {

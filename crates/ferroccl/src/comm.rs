@@ -9,14 +9,16 @@ use std::time::{Duration, Instant};
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
+use crate::algo::ll::{LlKind, LlSpec};
 use crate::algo::{control, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::{Engine, Job, JobBody, Part, Streams};
 use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{assign_seqs, Exec};
-use crate::fabric::{Fabric, FabricConfig};
-use crate::params::{Params, ProtoChoice};
+use crate::fabric::{job_id, Fabric, FabricConfig};
+use crate::ll::{self, LlChannel};
+use crate::params::{LlChoice, Params, ProtoChoice};
 use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
 use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
@@ -76,6 +78,8 @@ pub struct Communicator {
     /// Set once this rank has told the members it leaves (finalize), so that the drop that
     /// follows does not tell them again.
     departed: AtomicBool,
+    /// The low-latency channel (every member on this host, reached over shm; see `crate::ll`).
+    pub(crate) ll: Option<Arc<LlChannel>>,
 }
 
 /// Counts inits per (store, job token, world size, rank) so that several communicators in
@@ -137,6 +141,12 @@ impl Communicator {
         };
         let store = StoreClient::connect(&addr, &cfg.token, cfg.rank, timeout)?;
         let gen = init_generation(&addr, &cfg.token, cfg.world_size, cfg.rank);
+        let key_prefix = format!("ferroccl/{}/{gen}", cfg.world_size);
+        // The low-latency slots exist before this rank greets anyone, so that a member that
+        // has been greeted by every other finds them (see `LlChannel::connect`).
+        let ll_seg = ll_wanted(&params, cfg.world_size)
+            .then(|| ll::create(job_id(&cfg.token, &key_prefix), 0, cfg.rank, params.ll_max_bytes).ok())
+            .flatten();
         let fabric = Fabric::connect(FabricConfig {
             rank: cfg.rank,
             size: cfg.world_size,
@@ -144,7 +154,7 @@ impl Communicator {
             params,
             store,
             server: server as Option<StoreServer>,
-            key_prefix: format!("ferroccl/{}/{gen}", cfg.world_size),
+            key_prefix,
         })?;
         if fabric.params.debug {
             for p in 0..fabric.size {
@@ -156,6 +166,7 @@ impl Communicator {
         }
         let members: Arc<[usize]> = (0..cfg.world_size).collect();
         let any_tcp = members.iter().any(|&w| fabric.transport_kind(w) == Some(TransportKind::Tcp));
+        let ll = connect_ll(&fabric, ll_seg, 0, &members, cfg.rank)?;
         let engine = Engine::new(fabric);
         let seqs = engine.streams(0, members.clone(), cfg.rank);
         Ok(Communicator {
@@ -169,6 +180,7 @@ impl Communicator {
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
+            ll,
         })
     }
 
@@ -313,6 +325,7 @@ impl Communicator {
             finished: false,
             unpack: Vec::new(),
             after_others: false,
+            ll: None,
         }
     }
 
@@ -352,9 +365,12 @@ impl Communicator {
                 self.check_usable(&p.name)?;
             }
             for p in &mut body.parts {
-                let Part { sched, seqs: out, chan, call, desc, .. } = p;
+                let Part { sched, seqs: out, chan, call, desc, ll, .. } = p;
                 if *chan == CHAN_COLL {
                     *call = seqs.next_call(desc);
+                }
+                if let Some(ll) = ll {
+                    ll.submitted(seqs.next_ll());
                 }
                 assign_seqs(sched, &mut |send, peer| seqs.next(*chan, send, peer), out);
             }
@@ -364,6 +380,17 @@ impl Communicator {
         }
         self.engine.submit(job.clone(), will_wait);
         Ok(())
+    }
+
+    /// Numbers a low-latency call to run on this thread, now: `None` when an earlier one
+    /// is still in the engine (this one then queues behind it there).
+    pub(crate) fn begin_ll(&self, ch: &LlChannel, desc: &proto::Desc) -> Option<(u32, u64)> {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        if ch.done() != seqs.ll_calls() {
+            return None;
+        }
+        let call = seqs.next_call(desc);
+        Some((call, seqs.next_ll()))
     }
 
     /// Waits for a job this thread submitted with `will_wait`.
@@ -437,6 +464,12 @@ impl Communicator {
     pub fn barrier(&self) -> Result<()> {
         let op = Op::Barrier { call: None };
         self.check_usable(&op)?;
+        if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Barrier, DType::U8, ReduceOp::Sum, 0)) {
+            if let Some(numbers) = self.begin_ll(ch, &BARRIER_DESC) {
+                let spec = LlSpec { kind: LlKind::Barrier, dtype: DType::U8, op: ReduceOp::Sum, count: 0, in_place: true };
+                return self.run_ll(ch, numbers, &BARRIER_DESC, &spec, &op, None, None);
+            }
+        }
         let empty = self.scratch.empty();
         let sched = control::barrier(self.rank, self.size());
         let mut part = self.part(op, CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
@@ -470,6 +503,15 @@ impl Communicator {
         mine.extend_from_slice(&key.to_le_bytes());
         let mut all = vec![0u8; SPLIT_REC * n];
         all[self.rank * SPLIT_REC..][..SPLIT_REC].copy_from_slice(&mine);
+        // The new communicator's id, known before the exchange (the split's number on this
+        // communicator, and the color), so that its low-latency slots exist before any
+        // member can look for them.
+        let next_split = *self.splits.lock().unwrap_or_else(|e| e.into_inner()) + 1;
+        let new_id = color.map(|c| fnv(&[u64::from(self.id), u64::from(next_split), u64::from(c)]).max(1));
+        let fabric = self.fabric();
+        let ll_seg = new_id
+            .filter(|_| ll_wanted(&fabric.params, 2))
+            .and_then(|id| ll::create(fabric.job, id, fabric.rank, fabric.params.ll_max_bytes).ok());
         // Everyone sends its record to everyone (eager, so the sends never wait).
         let sched = control::exchange(self.rank, n, SPLIT_REC);
         with_region_ro(&mine, |src| {
@@ -500,8 +542,13 @@ impl Communicator {
         let members: Arc<[usize]> = group.iter().map(|&(_, p)| self.members[p]).collect();
         let rank = group.iter().position(|&(_, p)| p == self.rank).ok_or_else(|| Error::internal("split lost this rank"))?;
         let id = fnv(&[u64::from(self.id), u64::from(count), u64::from(c)]).max(1);
+        if Some(id) != new_id {
+            return Err(Error::internal("split: the communicator's id changed during the exchange (concurrent splits?)"));
+        }
         let any_tcp = members.iter().any(|&w| self.fabric().transport_kind(w) == Some(TransportKind::Tcp));
+        let ll = connect_ll(self.fabric(), ll_seg, id, &members, rank)?;
         Ok(Some(Communicator {
+            ll,
             any_tcp,
             engine: self.engine.clone(),
             id,
@@ -715,6 +762,34 @@ impl Drop for Communicator {
             }
         }
     }
+}
+
+/// Whether a communicator of `n` ranks made with `params` may have low-latency slots.
+fn ll_wanted(params: &Params, n: usize) -> bool {
+    params.ll != LlChoice::Off && params.ll_max_bytes > 0 && (2..=ll::MAX_RANKS).contains(&n)
+}
+
+/// The low-latency channel of communicator `id` (`members`, this rank `rank`), when every
+/// member is reached over shm and each could map every other's slots (`own`: this rank's,
+/// made before the exchange that preceded this call; `None` if it could not be made, which
+/// the members then see).
+fn connect_ll(
+    fabric: &Fabric,
+    own: Option<ferroccl_mem::ShmSegment>,
+    id: u32,
+    members: &Arc<[usize]>,
+    rank: usize,
+) -> Result<Option<Arc<LlChannel>>> {
+    let n = members.len();
+    let Some(own) = own.filter(|_| ll_wanted(&fabric.params, n)) else { return Ok(None) };
+    let all_shm = members.iter().enumerate().all(|(p, &w)| p == rank || fabric.transport_kind(w) == Some(TransportKind::Shm));
+    if !all_shm {
+        return Ok(None);
+    }
+    let deadline = Instant::now() + fabric.params.timeout;
+    let ch = LlChannel::connect(fabric, own, id, members.clone(), rank, fabric.params.ll_max_bytes, fabric.local_ranks(), deadline)
+        .map_err(|e| fabric.poison(e))?;
+    Ok(ch.map(Arc::new))
 }
 
 /// Bytes of a rank's `split` record: has-color, color, key.

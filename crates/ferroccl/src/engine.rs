@@ -37,6 +37,7 @@ use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
 use crate::inbox::Backoff;
+use crate::ll::LlRun;
 use crate::p2p::XferCtx;
 use crate::params::FaultSite;
 use crate::poll::Poll;
@@ -62,6 +63,8 @@ pub(crate) struct Streams {
     calls: u32,
     /// (call number, descriptor) of the last [`RECENT_CALLS`] calls, by call number modulo.
     recent: [(u32, Desc); RECENT_CALLS],
+    /// Low-latency calls numbered so far (see `crate::ll`).
+    ll: u64,
 }
 
 /// Calls whose descriptors a communicator remembers for probes.
@@ -70,7 +73,7 @@ const RECENT_CALLS: usize = 16;
 impl Streams {
     fn new(id: u32, members: Arc<[usize]>, rank: usize) -> Streams {
         let n = members.len();
-        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, recent: [(0, NO_DESC); RECENT_CALLS] }
+        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, recent: [(0, NO_DESC); RECENT_CALLS], ll: 0 }
     }
 
     fn index(&self, chan: u8, send: bool, peer: usize) -> usize {
@@ -91,6 +94,17 @@ impl Streams {
         self.calls = self.calls.wrapping_add(1);
         self.recent[self.calls as usize % RECENT_CALLS] = (self.calls, *desc);
         self.calls
+    }
+
+    /// Low-latency calls numbered so far.
+    pub(crate) fn ll_calls(&self) -> u64 {
+        self.ll
+    }
+
+    /// Numbers the next low-latency call (from 1).
+    pub(crate) fn next_ll(&mut self) -> u64 {
+        self.ll += 1;
+        self.ll
     }
 
     /// What this rank tells member `peer` when it leaves.
@@ -132,6 +146,8 @@ pub(crate) struct Part {
     /// Starts only once every earlier part of its job has finished (a transfer plan's
     /// signals, raised after all of its writes have landed).
     pub(crate) after_others: bool,
+    /// A low-latency call (see `crate::ll`): runs instead of the (empty) schedule.
+    pub(crate) ll: Option<LlRun>,
 }
 
 impl Part {
@@ -139,6 +155,14 @@ impl Part {
     pub(crate) fn reset(&mut self, size: usize) {
         self.exec.reset(self.sched.steps.len(), size);
         self.finished = false;
+    }
+
+    /// World ranks the part waits for.
+    fn waiting_for(&self) -> Vec<usize> {
+        match &self.ll {
+            Some(ll) => ll.waiting_for(),
+            None => self.exec.waiting_for(),
+        }
     }
 }
 
@@ -185,7 +209,7 @@ impl JobBody {
         self.probe_gap = (self.probe_gap * 2).min(PROBE_GAP_MAX);
         for p in self.parts.iter().filter(|p| !p.finished && p.call != 0) {
             let msg = proto::encode_probe(self.comm, p.call, &p.desc);
-            for w in p.exec.waiting_for() {
+            for w in p.waiting_for() {
                 fabric.try_send_now(w, &msg);
             }
         }
@@ -234,7 +258,11 @@ impl JobBody {
                 bufs: Buffers { input: p.input.as_ref(), output: &p.output, scratch: &p.scratch },
                 signal: *signal,
             };
-            match p.exec.poll(&cx, &run)? {
+            let polled = match &mut p.ll {
+                Some(ll) => ll.poll(fabric, p.call, &p.desc, p.input.as_ref(), &p.output, &p.name)?,
+                None => p.exec.poll(&cx, &run)?,
+            };
+            match polled {
                 Poll::Ready(()) => {
                     if !p.unpack.is_empty() && fabric.params.injects(FaultSite::FusedCopy, fabric.rank) {
                         return Err(Error::internal(format!("{}: copying a fused result out: injected by FERROCCL_INJECT_FAULT", p.name)));
@@ -267,7 +295,7 @@ impl JobBody {
     }
 
     fn waiting_for(&self) -> Vec<usize> {
-        let mut w: Vec<usize> = self.parts.iter().filter(|p| !p.finished).flat_map(|p| p.exec.waiting_for()).collect();
+        let mut w: Vec<usize> = self.parts.iter().filter(|p| !p.finished).flat_map(|p| p.waiting_for()).collect();
         w.sort_unstable();
         w.dedup();
         w
@@ -279,7 +307,16 @@ impl JobBody {
     fn end(&mut self) {
         for p in &mut self.parts {
             p.exec.abandon();
+            if let Some(ll) = &mut p.ll {
+                ll.leave();
+            }
         }
+    }
+
+    /// Whether a low-latency part could move now (looked at before the driver sleeps:
+    /// their peers ring the doorbell only for sleepers).
+    fn ll_ready(&self) -> bool {
+        self.parts.iter().any(|p| !p.finished && p.ll.as_ref().is_some_and(LlRun::ready))
     }
 }
 
@@ -492,6 +529,24 @@ impl Engine {
         }
     }
 
+    /// What a thread waiting outside the engine (a low-latency call) does every so often:
+    /// drain the transports, watch the peers (`now`: the caller's clock reading), answer
+    /// probes.
+    pub(crate) fn tend(&self, now: Instant) {
+        if let Err(e) = self.fabric.progress() {
+            if !self.fabric.inbox.has_fatal() {
+                let _ = self.fabric.poison(e);
+            }
+        }
+        self.fabric.check_health(now);
+        self.answer_probes();
+    }
+
+    /// Whether any job in `jobs` has a low-latency part that could move now.
+    fn ll_ready(jobs: &[Arc<Job>]) -> bool {
+        jobs.iter().any(|j| j.body.try_lock().is_ok_and(|b| b.ll_ready()))
+    }
+
     /// Hands `job` to the engine. With `will_wait`, the caller is about to wait for it (and
     /// drive); otherwise the background thread is woken to drive it.
     pub(crate) fn submit(self: &Arc<Self>, job: Arc<Job>, will_wait: bool) {
@@ -600,7 +655,7 @@ impl Engine {
                         if moved {
                             backoff.moved();
                         } else {
-                            backoff.idle(PARK_NAP, None, |until| engine.fabric.sleep_on_bell(seen, until));
+                            backoff.idle(PARK_NAP, None, |until| engine.fabric.sleep_on_bell_or(seen, until, &|| Engine::ll_ready(&jobs)));
                         }
                     }
                     // A waiter may be asleep until the driver role is free: ring.
@@ -641,7 +696,7 @@ impl Engine {
                     if moved {
                         backoff.moved();
                     } else {
-                        backoff.idle(PARK_NAP, until, |t| fabric.sleep_on_bell(seen, t));
+                        backoff.idle(PARK_NAP, until, |t| fabric.sleep_on_bell_or(seen, t, &|| Engine::ll_ready(&jobs)));
                     }
                 },
                 Err(_) => {

@@ -134,6 +134,11 @@ impl Fabric {
         self.peer_windows.forget(owner, window, key);
     }
 
+    /// Ranks of the job on this host (this one and its shm peers).
+    pub(crate) fn local_ranks(&self) -> usize {
+        self.mesh.shm_peers().len() + 1
+    }
+
     /// The endpoint to world rank `peer`.
     pub(crate) fn endpoint(&self, peer: usize) -> Result<&Endpoint> {
         self.mesh.endpoint(peer)
@@ -359,6 +364,17 @@ impl Fabric {
         self.inbox.sleep(seen, until, || drains && self.mesh.has_pending());
     }
 
+    /// [`Fabric::sleep_on_bell`] for a waiter that also waits for something shm peers
+    /// publish outside the rings (and ring the bell for, when they see it asleep):
+    /// `ready` is looked at once the waiter is counted as sleeping.
+    pub(crate) fn sleep_on_bell_or(&self, seen: u32, until: Instant, ready: &dyn Fn() -> bool) {
+        let until = until.min(Instant::now() + PARK_NAP);
+        self.inbox.sleep(seen, until, || {
+            std::sync::atomic::fence(Ordering::SeqCst);
+            ready() || self.mesh.has_pending()
+        });
+    }
+
     /// Says goodbye to every peer and tears the mesh down. Idempotent. The engine running
     /// calls over this fabric must have stopped (`Engine::close`).
     pub(crate) fn close(&self) {
@@ -399,7 +415,7 @@ impl Drop for Fabric {
 /// The identity of a job's `init` in one-sided handles: the first 8 bytes of SHA-256 over
 /// the job's token and the init's store prefix (every rank computes the same; another job,
 /// or another `init` of this one, gets another).
-fn job_id(token: &str, key_prefix: &str) -> u64 {
+pub(crate) fn job_id(token: &str, key_prefix: &str) -> u64 {
     use sha2::{Digest, Sha256};
     let d =
         Sha256::new().chain_update(b"ferroccl-window-job\0").chain_update(token).chain_update(b"\0").chain_update(key_prefix).finalize();

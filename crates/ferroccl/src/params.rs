@@ -41,8 +41,10 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_SHM_INLINE_MAX", default: "16384", doc: "Largest one-sided write copied through the ring; larger ones are single-copied (process_vm_readv) when allowed." },
     Param { name: "FERROCCL_SHM_CMA", default: "0", doc: "1: large shm writes are single-copied by the receiver with process_vm_readv (cross-memory attach) when the kernel allows it; 0: they are copied through the ring in chunks. Off by default: measured slower for collectives on this project's machine (see docs/params.md)." },
     Param { name: "FERROCCL_EAGER_MAX", default: "65536", doc: "Largest point-to-point message sent eagerly (one copy through the transport's slots); larger messages use rendezvous (zero copy into the receiver's buffer)." },
-    Param { name: "FERROCCL_ALGO", default: "auto", doc: "Collective algorithm: auto (cost model), ring, mesh, oneshot or chain. A name applies to the collectives it implements; the others keep the cost model's choice. Must be the same on every rank." },
-    Param { name: "FERROCCL_PROTO", default: "auto", doc: "Protocol for collective transfers: auto (eager up to FERROCCL_EAGER_MAX, rendezvous above), eager (every chunk through the transport's slots) or rendezvous (every chunk written straight into the receiver's buffer). Must be the same on every rank." },
+    Param { name: "FERROCCL_ALGO", default: "auto", doc: "Collective algorithm: auto (cost model), ring, mesh, oneshot, chain or ll (the low-latency protocol on shared memory, for communicators whose ranks are all on one host, up to FERROCCL_LL_MAX_BYTES); ^ll: never ll. A name applies to the collectives it implements (and, for ll, fit its slots); the others keep the cost model's choice. Must be the same on every rank." },
+    Param { name: "FERROCCL_PROTO", default: "auto", doc: "Protocol for collective transfers: auto (the low-latency protocol where the cost model picks it; else eager up to FERROCCL_EAGER_MAX, rendezvous above), eager (every chunk through the transport's slots), rendezvous (every chunk written straight into the receiver's buffer), ll (the low-latency protocol for every call that fits its slots, auto for the others) or ^ll (never the low-latency protocol). Must be the same on every rank." },
+    Param { name: "FERROCCL_LL_MAX_BYTES", default: "262144", doc: "Bytes of each of the two low-latency slots a rank keeps per communicator whose ranks are all on one host (each rank maps every member's): the largest contribution a low-latency call carries (allreduce, broadcast, reduce, allgather: the message; reduce_scatter, alltoall: ranks x the block). 0: no slots, no low-latency protocol. Must be the same on every rank." },
+    Param { name: "FERROCCL_SPIN_US", default: "auto", doc: "Microseconds a waiting low-latency call spins before it yields the CPU and then sleeps. auto: 50 when every rank of the host has a CPU of its own, 2 when ranks share CPUs (spinning there takes the CPU from the rank being waited for)." },
     Param { name: "FERROCCL_CHUNK_BYTES", default: "524288", doc: "Largest piece a collective moves at once; larger blocks are cut into chunks that flow in a pipeline (power of two, 4 KiB to 1 GiB)." },
     Param { name: "FERROCCL_SLOTS", default: "4", doc: "Chunks in flight per peer in the pipelined collective algorithms (mesh, in-place ring): the pipeline's depth, and the scratch memory it needs (slots x FERROCCL_CHUNK_BYTES per peer). 1 to 64. Must be the same on every rank." },
     Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
@@ -59,6 +61,18 @@ pub enum ProtoChoice {
     Eager,
     /// Every chunk by rendezvous.
     Rendezvous,
+}
+
+/// Whether collectives may use the low-latency protocol on shared memory
+/// (`FERROCCL_PROTO=ll|^ll`, `FERROCCL_ALGO=ll|^ll`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlChoice {
+    /// Where the cost model picks it.
+    Auto,
+    /// For every call that fits its slots.
+    Force,
+    /// Never.
+    Off,
 }
 
 /// Which transport to use between ranks.
@@ -118,6 +132,12 @@ pub struct Params {
     pub algo: Option<Algo>,
     /// `FERROCCL_PROTO`.
     pub proto: ProtoChoice,
+    /// `FERROCCL_PROTO=ll|^ll` or `FERROCCL_ALGO=ll|^ll`.
+    pub ll: LlChoice,
+    /// `FERROCCL_LL_MAX_BYTES`: data bytes of each low-latency slot (0: none).
+    pub ll_max_bytes: usize,
+    /// `FERROCCL_SPIN_US`: `None` for the default of the machine's case.
+    pub spin_us: Option<u64>,
     /// `FERROCCL_CHUNK_BYTES`.
     pub chunk_bytes: usize,
     /// `FERROCCL_SLOTS`.
@@ -186,6 +206,9 @@ impl Default for Params {
             store_max_value: 64 << 20,
             algo: None,
             proto: ProtoChoice::Auto,
+            ll: LlChoice::Auto,
+            ll_max_bytes: 256 << 10,
+            spin_us: None,
             chunk_bytes: 512 << 10,
             slots: 4,
             reg_cache_entries: 256,
@@ -273,27 +296,46 @@ impl Params {
             p.reg_cache_entries = parse_num("FERROCCL_REG_CACHE_ENTRIES", &v)?;
         }
         if let Some(v) = get("FERROCCL_ALGO") {
-            if !v.trim().eq_ignore_ascii_case("auto") {
+            if v.trim().eq_ignore_ascii_case("^ll") {
+                p.ll = LlChoice::Off;
+            } else if !v.trim().eq_ignore_ascii_case("auto") {
                 let Some(algo) = Algo::parse(&v) else {
                     let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
-                    let problem = format!("{v:?} is not one of auto, {}", names.join(", "));
+                    let problem = format!("{v:?} is not one of auto, {}, ^ll", names.join(", "));
                     return Err(Error::Env { var: "FERROCCL_ALGO".into(), problem });
                 };
                 p.algo = Some(algo);
             }
         }
         if let Some(v) = get("FERROCCL_PROTO") {
-            p.proto = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => ProtoChoice::Auto,
-                "eager" | "simple" => ProtoChoice::Eager,
-                "rendezvous" | "rndv" => ProtoChoice::Rendezvous,
+            match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => p.proto = ProtoChoice::Auto,
+                "eager" | "simple" => p.proto = ProtoChoice::Eager,
+                "rendezvous" | "rndv" => p.proto = ProtoChoice::Rendezvous,
+                "ll" => p.ll = LlChoice::Force,
+                "^ll" => p.ll = LlChoice::Off,
                 _ => {
                     return Err(Error::Env {
                         var: "FERROCCL_PROTO".into(),
-                        problem: format!("{v:?} is not one of auto, eager, rendezvous"),
+                        problem: format!("{v:?} is not one of auto, eager, rendezvous, ll, ^ll"),
                     })
                 }
-            };
+            }
+        }
+        if let Some(v) = get("FERROCCL_LL_MAX_BYTES") {
+            p.ll_max_bytes = parse_num("FERROCCL_LL_MAX_BYTES", &v)?;
+            if p.ll_max_bytes > 64 << 20 {
+                return Err(Error::Env { var: "FERROCCL_LL_MAX_BYTES".into(), problem: format!("{v:?} must be at most 64 MiB") });
+            }
+        }
+        if let Some(v) = get("FERROCCL_SPIN_US") {
+            if !v.trim().eq_ignore_ascii_case("auto") {
+                let us: u64 = parse_num("FERROCCL_SPIN_US", &v)?;
+                if us > 1_000_000 {
+                    return Err(Error::Env { var: "FERROCCL_SPIN_US".into(), problem: format!("{v:?} must be at most 1000000 (1 s)") });
+                }
+                p.spin_us = Some(us);
+            }
         }
         if let Some(v) = get("FERROCCL_CHUNK_BYTES") {
             p.chunk_bytes = parse_num("FERROCCL_CHUNK_BYTES", &v)?;
@@ -359,6 +401,12 @@ impl Params {
         if !(1..=31).contains(&self.ib_timeout) {
             return bad(format!("ib_timeout {} must be between 1 and 31", self.ib_timeout));
         }
+        if self.ll_max_bytes > 64 << 20 {
+            return bad(format!("ll_max_bytes {} must be at most 64 MiB", self.ll_max_bytes));
+        }
+        if self.spin_us.is_some_and(|us| us > 1_000_000) {
+            return bad("spin_us must be at most 1000000 (1 s)".into());
+        }
         Ok(())
     }
 }
@@ -397,6 +445,8 @@ mod tests {
         assert_eq!(p.store_max_value.to_string(), d("FERROCCL_STORE_MAX_VALUE"));
         assert_eq!(p.chunk_bytes.to_string(), d("FERROCCL_CHUNK_BYTES"));
         assert_eq!(p.slots.to_string(), d("FERROCCL_SLOTS"));
+        assert_eq!(p.ll_max_bytes.to_string(), d("FERROCCL_LL_MAX_BYTES"));
+        assert_eq!((p.ll, p.spin_us), (LlChoice::Auto, None));
         assert_eq!(p.transport, TransportChoice::Auto);
         assert_eq!((p.ib_dev, p.ib_gid_index), (None, None));
         assert_eq!(p.ib_timeout.to_string(), d("FERROCCL_IB_TIMEOUT"));
@@ -415,6 +465,8 @@ mod tests {
             ("FERROCCL_DEBUG", "maybe"),
             ("FERROCCL_ALGO", "bubble"),
             ("FERROCCL_PROTO", "pigeon"),
+            ("FERROCCL_LL_MAX_BYTES", "1G"),
+            ("FERROCCL_SPIN_US", "forever"),
             ("FERROCCL_CHUNK_BYTES", "1000"),
             ("FERROCCL_IB_GID_INDEX", "300"),
             ("FERROCCL_IB_TIMEOUT", "32"),
@@ -422,6 +474,17 @@ mod tests {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{e}");
         }
+    }
+
+    #[test]
+    fn ll_can_be_forced_or_forbidden() {
+        assert_eq!(with(&[("FERROCCL_PROTO", "ll")]).unwrap().ll, LlChoice::Force);
+        assert_eq!(with(&[("FERROCCL_PROTO", "^LL")]).unwrap().ll, LlChoice::Off);
+        assert_eq!(with(&[("FERROCCL_ALGO", "^ll")]).unwrap().ll, LlChoice::Off);
+        let p = with(&[("FERROCCL_ALGO", "ll")]).unwrap();
+        assert_eq!((p.algo, p.ll), (Some(Algo::Ll), LlChoice::Auto));
+        let p = with(&[("FERROCCL_SPIN_US", "0"), ("FERROCCL_LL_MAX_BYTES", "0")]).unwrap();
+        assert_eq!((p.spin_us, p.ll_max_bytes), (Some(0), 0));
     }
 
     #[test]

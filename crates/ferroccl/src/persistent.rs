@@ -37,10 +37,12 @@ use std::sync::Arc;
 use ferroccl_kernels::{as_bytes_mut, Element, ReduceOp};
 use ferroccl_mem::region::{RegionHandle, RegionScope, Registration};
 
+use crate::algo::ll::LlSpec;
 use crate::coll::CallSpec;
 use crate::comm::Communicator;
 use crate::engine::Job;
-use crate::error::Result;
+use crate::error::{Error, Op, Result};
+use crate::proto::Desc;
 
 /// A collective built once, run many times; see the [module documentation](self).
 pub struct Plan<'a, T: Element> {
@@ -50,6 +52,8 @@ pub struct Plan<'a, T: Element> {
     input: Option<Registration<'a>>,
     scratch: RegionHandle,
     runs: u64,
+    /// A low-latency plan (see `crate::ll`): what its runs on the caller's thread need.
+    ll: Option<(LlSpec, Desc, Op)>,
     _t: PhantomData<T>,
 }
 
@@ -74,14 +78,25 @@ impl<'a, T: Element> Plan<'a, T> {
         let fabric = comm.fabric();
         fabric.register_cached(out.handle());
         fabric.register_cached(&scratch);
+        let ll = prep.ll.filter(|_| comm.ll.is_some()).map(|spec| (spec, prep.desc, prep.name.clone()));
         let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
         let job = Job::new(comm.job_body(vec![part]));
-        Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, _t: PhantomData })
+        Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, ll, _t: PhantomData })
     }
 
     /// Runs the collective once and waits for it. Moves data only: no allocation, no
     /// registration. An error is fatal for the communicator, as for any call.
     pub fn run(&mut self) -> Result<()> {
+        if let (Some((spec, desc, name)), Some(ch)) = (&self.ll, &self.comm.ll) {
+            // A low-latency plan runs on this thread unless an earlier low-latency call is
+            // still in the engine.
+            if let Some(numbers) = self.comm.begin_ll(ch, desc) {
+                self.runs += 1;
+                let Plan { comm, output, input, .. } = self;
+                let out = output.bytes_mut().map_err(|e| Error::internal(format!("{name}: the plan's output: {e}")))?;
+                return comm.run_ll(ch, numbers, desc, spec, name, input.as_ref().map(Registration::bytes), Some(out));
+            }
+        }
         let Plan { comm, job, output, input, .. } = self;
         let r = output.active(|_| match input {
             Some(i) => i.active(|_| Self::run_job(comm, job)),

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
+use crate::algo::ll::LlSpec;
 use crate::algo::{Collective, Schedule};
 use crate::error::Op;
 use crate::proto::Desc;
@@ -21,6 +22,8 @@ pub(crate) struct Prepared {
     pub(crate) sched: Arc<Schedule>,
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
+    /// A low-latency call (`Algo::Ll`): its spec; the schedule is empty.
+    pub(crate) ll: Option<LlSpec>,
 }
 
 /// Recently prepared calls of a communicator, keyed by what determines them (the knobs are

@@ -43,6 +43,7 @@
 
 mod chain;
 pub(crate) mod control;
+pub(crate) mod ll;
 mod mesh;
 mod oneshot;
 mod plan;
@@ -217,6 +218,11 @@ pub enum Algo {
     OneShot,
     /// Broadcast (and reduce) along a chain from the root, chunked and pipelined.
     Chain,
+    /// The low-latency protocol on shared memory (communicators whose ranks are all on one
+    /// host; calls that fit its slots): every rank writes its contribution into a slot the
+    /// others poll, flag and data in one cache line, and every rank reduces all of them in
+    /// rank order. Not a schedule: see the `ll` module.
+    Ll,
 }
 
 /// Everything a builder needs.
@@ -293,15 +299,19 @@ impl std::fmt::Display for Collective {
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
+    pub const ALL: [Algo; 5] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Ll];
 
-    /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`.
+    /// The algorithms [`build`] makes schedules of (all but [`Algo::Ll`]).
+    pub(crate) const SCHEDULED: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
+
+    /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`, `ll`.
     pub const fn name(self) -> &'static str {
         match self {
             Algo::Ring => "ring",
             Algo::Mesh => "mesh",
             Algo::OneShot => "oneshot",
             Algo::Chain => "chain",
+            Algo::Ll => "ll",
         }
     }
 
@@ -318,6 +328,7 @@ impl Algo {
             Algo::Mesh => true,
             Algo::OneShot => matches!(coll, Collective::AllReduce),
             Algo::Chain => matches!(coll, Collective::Broadcast { .. }),
+            Algo::Ll => true,
         }
     }
 
@@ -403,6 +414,7 @@ pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
         (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
         (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),
         (Algo::Chain, Collective::Broadcast { root }) => chain::broadcast::build(shape, root),
+        (Algo::Ll, _) => return Err("ll runs on shared-memory slots, not as a schedule".into()),
         (algo, coll) => return Err(format!("algorithm {algo} has no builder for {}", coll.name())),
     };
     Ok(s)

@@ -38,6 +38,11 @@ pub(crate) struct LinkCost {
     pub(crate) gbps: f64,
 }
 
+/// Link costs the cost model assumes (rough measurements on one host; see
+/// docs/algorithms.md).
+pub(crate) const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
+pub(crate) const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+
 /// Extra cost of each additional message posted in one round, as a fraction of the latency.
 const MSG_OVERHEAD: f64 = 0.25;
 /// Bandwidth lost per extra simultaneous peer of the mesh algorithms.
@@ -90,10 +95,10 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
 
 /// The cheapest algorithm for `coll` by [`estimate`], among those that [`build`](super::build)
 /// accepts for `dtype` and `op` (so never the ring for integer `Avg`). Ties go to the
-/// earlier of [`Algo::ALL`].
+/// earlier of [`Algo::SCHEDULED`].
 pub(crate) fn choose(coll: Collective, n: usize, bytes: usize, dtype: DType, op: ReduceOp, link: LinkCost) -> Algo {
     let mut best: Option<(f64, Algo)> = None;
-    for algo in Algo::ALL {
+    for algo in Algo::SCHEDULED {
         if !algo.supports_op(coll, dtype, op) {
             continue;
         }
@@ -105,6 +110,60 @@ pub(crate) fn choose(coll: Collective, n: usize, bytes: usize, dtype: DType, op:
     }
     // Mesh implements every collective with every dtype and op.
     best.map_or(Algo::Mesh, |(_, a)| a)
+}
+
+/// The low-latency protocol's fixed cost (microseconds): a cache-line round trip and the
+/// call's bookkeeping.
+const LL_LATENCY_US: f64 = 0.3;
+/// Copy throughput of one core through the low-latency slots (GB/s), fitted so that the
+/// model hands over to the schedules where measurement does (2 ranks, f32: about 48 KiB).
+const LL_COPY_GBPS: f64 = 26.0;
+
+/// Predicted time in microseconds of `coll` on `n` ranks over the low-latency protocol
+/// (`bytes` as in [`estimate`]): one round; every byte is copied in once and read (and
+/// reduced) by one core from each slot it needs.
+pub(crate) fn ll_estimate(coll: Collective, n: usize, bytes: usize) -> f64 {
+    let (nf, s) = (n as f64, bytes as f64);
+    let copied = match coll {
+        // In: s; out: n slots of s read, reduced, written.
+        Collective::AllReduce | Collective::Reduce { .. } => s + nf * s + s,
+        Collective::AllGather => s + 2.0 * nf * s,
+        Collective::ReduceScatter => nf * s + nf * s + s,
+        Collective::AllToAll => nf * s + 2.0 * nf * s,
+        Collective::Broadcast { .. } => 3.0 * s,
+    };
+    LL_LATENCY_US + copied * 1e-3 / LL_COPY_GBPS
+}
+
+/// Whether the low-latency protocol is predicted faster than the best schedule
+/// ([`choose`]) for this call.
+pub(crate) fn ll_pays(coll: Collective, n: usize, bytes: usize, dtype: DType, op: ReduceOp, link: LinkCost) -> bool {
+    let best = choose(coll, n, bytes, dtype, op, link);
+    estimate(best, coll, n, bytes, link).is_none_or(|t| ll_estimate(coll, n, bytes) < t)
+}
+
+/// The largest message (`bytes` as in [`estimate`], at most `max`) up to which the
+/// low-latency protocol pays on `n` ranks over shm ([`ll_pays`] for f32 sums: integer
+/// averages, which never take the ring, only make it pay more).
+pub(crate) fn ll_limit(coll: Collective, n: usize, max: usize) -> usize {
+    let pays = |b: usize| ll_pays(coll, n, b, DType::F32, ReduceOp::Sum, SHM_LINK);
+    if !pays(1) {
+        return 0;
+    }
+    let (mut lo, mut hi) = (1usize, max.max(1));
+    if pays(hi) {
+        return hi;
+    }
+    // pays(lo), !pays(hi)
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if pays(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 #[cfg(test)]

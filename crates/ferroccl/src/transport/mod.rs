@@ -157,6 +157,15 @@ impl Endpoint {
         }
     }
 
+    /// Wakes the peer if it sleeps on its doorbell (shm: a peer that published something
+    /// in shared memory itself, outside the rings; the other transports' messages wake
+    /// their receivers already).
+    pub(crate) fn wake_if_sleeping(&self) {
+        if let Endpoint::Shm(e) = self {
+            e.ring_peer_bell();
+        }
+    }
+
     /// Largest message [`Endpoint::post_send`] takes.
     pub(crate) fn max_send(&self) -> usize {
         match self {

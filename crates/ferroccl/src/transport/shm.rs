@@ -659,7 +659,7 @@ impl ShmEndpoint {
         }
     }
 
-    fn ring_peer_bell(&self) {
+    pub(crate) fn ring_peer_bell(&self) {
         fence(Ordering::SeqCst);
         if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
             self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);

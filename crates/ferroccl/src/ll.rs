@@ -1,0 +1,724 @@
+//! The low-latency protocol on shared memory (`FERROCCL_ALGO=ll`, [`Algo::Ll`](crate::Algo::Ll)):
+//! small collectives of a communicator whose members all live on this host, with no
+//! message, no lock, no allocation and no system call on the path.
+//!
+//! Each member owns one anonymous segment per communicator (made when the communicator is:
+//! `init` or `split`), which every other member maps at that time: a control line, then two
+//! *slots*, used by the communicator's low-latency calls in turn (call `s` uses slot
+//! `s % 2`). A slot is a 32-byte header (the call's number `s`, the collective call number
+//! and its 16-byte descriptor) followed by the data, so that up to 32 bytes of data travel
+//! in the header's own cache line. A call:
+//!
+//! 1. *posts*: copies this rank's contribution into its own slot, writes the header, and
+//!    publishes `s` (a sequentially consistent store); a peer asleep on its doorbell is
+//!    woken (see below);
+//! 2. *waits* until every member's slot says `s` (the flag and the first data bytes arrive
+//!    in one cache line), comparing every member's call number and descriptor with its own
+//!    (a member in another call is a mismatch, named like any other);
+//! 3. *finishes*: reads what it needs from the members' slots, and reduces in rank order with
+//!    the same `reduce_many` as the mesh and oneshot algorithms (so f16/bf16 results are
+//!    bit-identical to theirs and to the reference), through a small cache-resident bounce
+//!    buffer (a slot is only ever copied, never borrowed: see `ferroccl_mem::segment`).
+//!
+//! Why two slots are enough without any acknowledgement: a rank posts call `s` only after it
+//! has finished call `s - 1`, for which it waited until every member posted `s - 1`; and each
+//! member posted `s - 1` only after finishing `s - 2`, i.e. after it read everything it needed
+//! from the slots of `s - 2`, the slot that `s` overwrites. So the low-latency calls of one
+//! communicator run strictly one after another on each rank (the engine holds a non-blocking
+//! one back until the one before it has finished), and every call waits for every member's
+//! post (a broadcast root too).
+//!
+//! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
+//! tens of microseconds when every rank of the host has a core of its own, for a couple when
+//! ranks share cores (there, spinning takes the core from the very rank being waited for),
+//! then yields, then sleeps on the fabric's doorbell, which a poster rings when it sees the
+//! waiter asleep. While it waits past the spin it also drains the transports, watches the
+//! peers' processes, answers probes and sends its own: a peer killed mid-call is named within
+//! the usual few milliseconds, and a peer in another call (even one that is not a low-latency
+//! call) is a mismatch, as on the other paths.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferroccl_kernels::reduce_many_bytes;
+use ferroccl_mem::ShmSegment;
+
+use crate::algo::ll::{LlKind, LlSpec};
+use crate::algo::{select, Collective};
+
+/// The collectives, one of each kind (roots do not matter to the cost).
+const COLLS: [Collective; 6] = [
+    Collective::AllReduce,
+    Collective::AllGather,
+    Collective::ReduceScatter,
+    Collective::Broadcast { root: 0 },
+    Collective::Reduce { root: 0 },
+    Collective::AllToAll,
+];
+use crate::error::{Error, Op, Result};
+use crate::fabric::{Fabric, PARK_NAP};
+use crate::poll::Poll;
+use crate::proto::{self, Desc};
+
+/// Control lines before the first slot: the readiness word and this rank's CPUs.
+const CTL: usize = 128;
+/// `u32`: 0 while connecting, [`READY_OK`] once every peer's segment is mapped,
+/// [`READY_FAILED`] if one could not be.
+const READY_OFF: usize = 0;
+const READY_OK: u32 = 1;
+const READY_FAILED: u32 = 2;
+/// `u64` x [`CPU_WORDS`]: the CPUs this rank may run on (the first 256).
+const CPUS_OFF: usize = 8;
+const CPU_WORDS: usize = 4;
+/// A slot's header: the call's number `s` (`u64`, published last), the collective call
+/// number (`u32`), 4 bytes unused, the call's descriptor (16 bytes); the data follows.
+const HDR: usize = 32;
+const SEQ_OFF: usize = 0;
+const CALL_OFF: usize = 8;
+const DESC_OFF: usize = 16;
+/// Most members a low-latency communicator may have (each call reads every member's slot).
+pub(crate) const MAX_RANKS: usize = 32;
+/// The bounce buffer reductions read slots through, split among the members.
+const BOUNCE: usize = 16 << 10;
+/// How often a waiter past its spin drains the transports, watches the peers and answers
+/// probes.
+const TEND_EVERY: Duration = Duration::from_micros(500);
+/// A waiting call tells the members it waits for which call it is in after this long, then
+/// again after twice as long, up to a second (as the engine's jobs do).
+const PROBE_AFTER: Duration = Duration::from_millis(50);
+const PROBE_GAP_MAX: Duration = Duration::from_secs(1);
+
+#[repr(align(64))]
+struct Bounce<const N: usize>([u8; N]);
+
+/// How a waiter spends the time before it sleeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WaitPolicy {
+    /// Spin this long.
+    pub(crate) spin: Duration,
+    /// Then yield the CPU this long; then sleep on the doorbell.
+    pub(crate) yield_for: Duration,
+}
+
+impl WaitPolicy {
+    /// The policy for ranks that share cores (`shared`) or have one each, with the spin
+    /// `FERROCCL_SPIN_US` sets (else the default for the case).
+    pub(crate) fn new(shared: bool, spin_us: Option<u64>) -> WaitPolicy {
+        let spin = match spin_us {
+            Some(us) => Duration::from_micros(us),
+            None if shared => Duration::from_micros(2),
+            None => Duration::from_micros(50),
+        };
+        let yield_for = if shared { Duration::from_micros(50) } else { Duration::from_micros(500) };
+        WaitPolicy { spin, yield_for }
+    }
+}
+
+/// A communicator's low-latency channel: every member's segment, mapped.
+#[derive(Debug)]
+pub(crate) struct LlChannel {
+    /// By member; this rank's own at `rank`.
+    segs: Vec<ShmSegment>,
+    rank: usize,
+    /// World rank of each member.
+    members: Arc<[usize]>,
+    comm: u32,
+    /// Data bytes per slot.
+    cap: usize,
+    slot_len: usize,
+    pub(crate) policy: WaitPolicy,
+    /// The number of the last low-latency call this rank finished.
+    done: AtomicU64,
+    /// Low-latency calls waiting in the engine (whoever finishes a call rings the doorbell
+    /// for them).
+    queued: AtomicUsize,
+    /// The largest message the cost model sends over the channel, by collective (see
+    /// [`LlChannel::limit`]).
+    limits: [usize; 6],
+}
+
+/// The name of member (`comm`, world rank `world`)'s segment in job `job`.
+fn seg_name(job: u64, comm: u32, world: usize) -> String {
+    format!("ferroccl-ll-{job:016x}-{comm:08x}-{world}")
+}
+
+fn slot_len(cap: usize) -> usize {
+    (HDR + cap).div_ceil(128) * 128
+}
+
+fn seg_len(cap: usize) -> usize {
+    CTL + 2 * slot_len(cap)
+}
+
+/// This process's CPUs (the first 256), as a bit mask.
+fn my_cpus() -> [u64; CPU_WORDS] {
+    let mut m = [0u64; CPU_WORDS];
+    match rustix::thread::sched_getaffinity(None) {
+        Ok(set) => {
+            for c in 0..(64 * CPU_WORDS) {
+                if set.is_set(c) {
+                    m[c / 64] |= 1 << (c % 64);
+                }
+            }
+        }
+        Err(_) => m[0] = u64::MAX,
+    }
+    m
+}
+
+/// Makes this rank's segment of communicator `comm` (before the members look for it), with
+/// slots of `cap` data bytes. Its pages are touched now, so that no call pays for them.
+pub(crate) fn create(job: u64, comm: u32, world: usize, cap: usize) -> std::io::Result<ShmSegment> {
+    let len = seg_len(cap);
+    let seg = ShmSegment::create_anonymous(&seg_name(job, comm, world), len)?;
+    let zero = [0u8; 64];
+    for off in (0..len).step_by(4096) {
+        seg.write(off, &zero[..64.min(len - off)]);
+    }
+    for (i, w) in my_cpus().iter().enumerate() {
+        seg.atomic_u64(CPUS_OFF + 8 * i).store(*w, Ordering::Relaxed);
+    }
+    Ok(seg)
+}
+
+impl LlChannel {
+    /// Maps every member's segment and agrees with them that all could: `Ok(None)` (the
+    /// low-latency path stays off, on every member alike) when one could not. `own` is this
+    /// rank's segment from [`create`]; every member made its own before the exchange that
+    /// precedes this call (the mesh's greetings, or `split`'s records), so a segment that
+    /// cannot be found will never be. `local` is how many ranks of the job run on this host.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        fabric: &Fabric,
+        own: ShmSegment,
+        comm: u32,
+        members: Arc<[usize]>,
+        rank: usize,
+        cap: usize,
+        local: usize,
+        deadline: Instant,
+    ) -> Result<Option<LlChannel>> {
+        let n = members.len();
+        let mut segs: Vec<Option<ShmSegment>> = Vec::with_capacity(n);
+        let mut failed = None;
+        for (p, &w) in members.iter().enumerate() {
+            if p == rank {
+                segs.push(None);
+                continue;
+            }
+            let opened =
+                fabric.endpoint(w).ok().and_then(|e| e.shm_pid()).ok_or_else(|| format!("rank {p} is not reached over shm")).and_then(
+                    |pid| {
+                        let name = seg_name(fabric.job, comm, w);
+                        ShmSegment::find_anonymous(pid, &name)
+                            .and_then(|fd| ShmSegment::open_from(pid, fd, &name, seg_len(cap)))
+                            .map_err(|e| format!("rank {p}'s segment: {e}"))
+                    },
+                );
+            match opened {
+                Ok(seg) => {
+                    // Map its pages now (a read per page), not in the first call.
+                    let mut b = [0u8; 1];
+                    for off in (0..seg.len()).step_by(4096) {
+                        seg.read(off, &mut b);
+                    }
+                    segs.push(Some(seg));
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let say = |why: &str| {
+            if fabric.params.debug {
+                eprintln!("ferroccl: rank {}: low-latency path off for communicator {comm:#x}: {why}", fabric.rank);
+            }
+        };
+        if let Some(why) = failed {
+            own.atomic_u32(READY_OFF).store(READY_FAILED, Ordering::SeqCst);
+            say(&why);
+            return Ok(None);
+        }
+        own.atomic_u32(READY_OFF).store(READY_OK, Ordering::SeqCst);
+        segs[rank] = Some(own);
+        let segs: Vec<ShmSegment> = segs.into_iter().flatten().collect();
+        if segs.len() != n {
+            return Err(Error::internal("low-latency setup lost a segment"));
+        }
+        let ready = |p: usize| segs[p].atomic_u32(READY_OFF).load(Ordering::SeqCst);
+        let op = Op::other("communicator setup (low-latency slots)");
+        let waiting = || members.iter().enumerate().filter(|&(p, _)| ready(p) == 0).map(|(_, &w)| w).collect::<Vec<_>>();
+        fabric.run_until(&op, deadline, &waiting, || Ok(if (0..n).all(|p| ready(p) != 0) { Poll::Ready(()) } else { Poll::Idle }))?;
+        // Everyone has looked: nobody needs to open our segment any more.
+        segs[rank].withdraw();
+        if let Some(p) = (0..n).find(|&p| ready(p) == READY_FAILED) {
+            say(&format!("rank {p} could not map every member's segment"));
+            return Ok(None);
+        }
+        // The CPUs the members may use together, against the ranks of this host.
+        let mut union = [0u64; CPU_WORDS];
+        for s in &segs {
+            for (i, u) in union.iter_mut().enumerate() {
+                *u |= s.atomic_u64(CPUS_OFF + 8 * i).load(Ordering::Relaxed);
+            }
+        }
+        let cpus = union.iter().map(|w| w.count_ones() as usize).sum::<usize>();
+        let online = std::thread::available_parallelism().map_or(1, usize::from).max(cpus);
+        let shared = n > cpus || local > online;
+        let policy = WaitPolicy::new(shared, fabric.params.spin_us);
+        if fabric.params.debug {
+            eprintln!(
+                "ferroccl: rank {}: low-latency path on for communicator {comm:#x} ({n} ranks, slots of {cap} B, {cpus} CPUs among them, {local} ranks on this host: {})",
+                fabric.rank,
+                if shared { "cores shared, short spins" } else { "a core each" }
+            );
+        }
+        Ok(Some(LlChannel {
+            segs,
+            rank,
+            members,
+            comm,
+            cap,
+            slot_len: slot_len(cap),
+            policy,
+            done: AtomicU64::new(0),
+            queued: AtomicUsize::new(0),
+            limits: COLLS.map(|c| {
+                let per = LlSpec::slot_bytes(LlKind::Coll(c), n, 1).unwrap_or(1).max(1);
+                select::ll_limit(c, n, cap / per)
+            }),
+        }))
+    }
+}
+
+impl LlChannel {
+    /// The largest message (`bytes` as in [`LlChannel::fits`]) of `coll` the cost model
+    /// runs on the channel (what it predicts faster than the schedules).
+    pub(crate) fn limit(&self, coll: Collective) -> usize {
+        let i = COLLS.iter().position(|c| std::mem::discriminant(c) == std::mem::discriminant(&coll)).unwrap_or(0);
+        self.limits[i]
+    }
+
+    /// Whether a call of `kind` on `bytes` (`count` x element size) fits the slots.
+    pub(crate) fn fits(&self, kind: LlKind, bytes: usize) -> bool {
+        LlSpec::slot_bytes(kind, self.segs.len(), bytes).is_some_and(|b| b <= self.cap)
+    }
+
+    /// The number of the last low-latency call this rank finished (the next one may post
+    /// once this is the one before it).
+    pub(crate) fn done(&self) -> u64 {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// A low-latency call enters (`true`) or leaves the engine.
+    pub(crate) fn queue(&self, enter: bool) {
+        if enter {
+            self.queued.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn slot(&self, s: u64) -> usize {
+        CTL + (s % 2) as usize * self.slot_len
+    }
+
+    /// Step 1: this rank's contribution `src` (the call's own bytes: see
+    /// [`LlSpec::contribution`]) into its slot, then the header, then `s`; wakes sleeping
+    /// members.
+    fn post(&self, fabric: &Fabric, s: u64, call: u32, desc: &Desc, src: &[u8]) {
+        let seg = &self.segs[self.rank];
+        let at = self.slot(s);
+        seg.write(at + HDR, src);
+        seg.write(at + CALL_OFF, &call.to_le_bytes());
+        seg.write(at + DESC_OFF, desc);
+        // Sequentially consistent: pairs with a sleeping member's announcement (either it
+        // sees `s`, or we see it asleep and ring).
+        seg.atomic_u64(at + SEQ_OFF).swap(s, Ordering::SeqCst);
+        for (p, &w) in self.members.iter().enumerate() {
+            if p != self.rank {
+                if let Ok(ep) = fabric.endpoint(w) {
+                    ep.wake_if_sleeping();
+                }
+            }
+        }
+    }
+
+    fn arrived(&self, s: u64, p: usize) -> bool {
+        self.segs[p].atomic_u64(self.slot(s) + SEQ_OFF).load(Ordering::Acquire) == s
+    }
+
+    /// Members (by rank) that have not posted call `s` yet, as a bit set.
+    fn missing(&self, s: u64, mut set: u64) -> u64 {
+        let mut left = set;
+        while left != 0 {
+            let p = left.trailing_zeros() as usize;
+            left &= left - 1;
+            if self.arrived(s, p) {
+                set &= !(1 << p);
+            }
+        }
+        set
+    }
+
+    fn all_but_me(&self) -> u64 {
+        let n = self.segs.len();
+        (if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }) & !(1u64 << self.rank)
+    }
+
+    /// Member `p`'s call number and descriptor for call `s` (posted) against ours.
+    fn check_call(&self, s: u64, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
+        let at = self.slot(s);
+        let mut c = [0u8; 4];
+        let mut d = [0u8; 16];
+        self.segs[p].read(at + CALL_OFF, &mut c);
+        self.segs[p].read(at + DESC_OFF, &mut d);
+        let theirs = u32::from_le_bytes(c);
+        if theirs == call && d == *desc {
+            return Ok(());
+        }
+        let me = self.rank;
+        let what = if d == *desc {
+            format!(
+                "rank {me} is in call #{call}, rank {p} in its call #{theirs}, both {}: one of them made a call the other did not",
+                proto::describe(desc)
+            )
+        } else {
+            format!("rank {me} called {} as call #{call}, rank {p} called {} as call #{theirs}", proto::describe(desc), proto::describe(&d))
+        };
+        Err(Error::Mismatch { rank: me, peer: p, op: op(), what, cause: None })
+    }
+
+    /// Step 3, once every member has posted `s`: the call's result into `out` (`None`:
+    /// this rank wants none, e.g. reduce off the root).
+    fn finish(&self, s: u64, spec: &LlSpec, out: Option<&mut [u8]>) -> Result<()> {
+        let Some(out) = out else { return Ok(()) };
+        let (r, b) = (self.rank, spec.bytes());
+        let data = self.slot(s) + HDR;
+        match spec.kind {
+            LlKind::Barrier => {}
+            LlKind::Coll(Collective::AllReduce) => self.reduce(spec, data, &mut out[..b])?,
+            LlKind::Coll(Collective::Reduce { root }) if root == r => self.reduce(spec, data, &mut out[..b])?,
+            LlKind::Coll(Collective::Reduce { .. }) => {}
+            LlKind::Coll(Collective::ReduceScatter) => {
+                let at = if spec.in_place { r * b } else { 0 };
+                self.reduce(spec, data + r * b, &mut out[at..at + b])?;
+            }
+            LlKind::Coll(Collective::AllGather) => {
+                for (p, seg) in self.segs.iter().enumerate() {
+                    if p != r || !spec.in_place {
+                        seg.read(data, &mut out[p * b..(p + 1) * b]);
+                    }
+                }
+            }
+            LlKind::Coll(Collective::AllToAll) => {
+                for (p, seg) in self.segs.iter().enumerate() {
+                    seg.read(data + r * b, &mut out[p * b..(p + 1) * b]);
+                }
+            }
+            LlKind::Coll(Collective::Broadcast { root }) => {
+                if root != r {
+                    self.segs[root].read(data, &mut out[..b]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The rank-order reduction of every member's slot bytes at `at` into `out`, through a
+    /// bounce buffer on the stack, no larger than needed (it is zeroed on every call).
+    fn reduce(&self, spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
+        let need = out.len().saturating_mul(self.segs.len());
+        if need <= 1 << 10 {
+            self.reduce_via(&mut Bounce([0u8; 1 << 10]).0, spec, at, out)
+        } else if need <= 4 << 10 {
+            self.reduce_via(&mut Bounce([0u8; 4 << 10]).0, spec, at, out)
+        } else {
+            self.reduce_via(&mut Bounce([0u8; BOUNCE]).0, spec, at, out)
+        }
+    }
+
+    fn reduce_via(&self, bounce: &mut [u8], spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
+        let n = self.segs.len();
+        // A multiple of every element size (8 at most), and never 0 (n <= MAX_RANKS).
+        let per = (bounce.len() / n) & !7;
+        let mut done = 0;
+        while done < out.len() {
+            let len = per.min(out.len() - done);
+            for (seg, part) in self.segs.iter().zip(bounce.chunks_mut(per)) {
+                seg.read(at + done, &mut part[..len]);
+            }
+            let mut srcs: [&[u8]; MAX_RANKS] = [&[]; MAX_RANKS];
+            for (src, part) in srcs.iter_mut().zip(bounce.chunks(per)).take(n) {
+                *src = &part[..len];
+            }
+            reduce_many_bytes(spec.dtype, spec.op, &srcs[..n], &mut out[done..done + len])
+                .map_err(|e| Error::internal(format!("low-latency reduction: {e}")))?;
+            done += len;
+        }
+        Ok(())
+    }
+
+    /// This rank finished call `s`: the next may post.
+    fn complete(&self, fabric: &Fabric, s: u64) {
+        self.done.store(s, Ordering::Release);
+        if self.queued.load(Ordering::SeqCst) > 0 {
+            fabric.inbox.notify();
+        }
+    }
+
+    /// Peers (world ranks) that left the communicator before call `call`.
+    fn left_before(&self, fabric: &Fabric, missing: u64, call: u32, op: &dyn Fn() -> Op) -> Result<()> {
+        if !fabric.inbox.any_left() {
+            return Ok(());
+        }
+        let ev = fabric.inbox.lock();
+        for (p, &w) in self.members.iter().enumerate() {
+            if missing & (1 << p) == 0 {
+                continue;
+            }
+            if let Some(l) = ev.left.get(&(self.comm, w)) {
+                if l.calls < call {
+                    return Err(Error::PeerLeft {
+                        rank: self.rank,
+                        peer: p,
+                        op: op(),
+                        how: l.how,
+                        peer_calls: u64::from(l.calls),
+                        p2p: None,
+                        cause: None,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// World ranks of the members in `set`.
+    fn worlds(&self, set: u64) -> impl Iterator<Item = usize> + '_ {
+        self.members.iter().enumerate().filter(move |(p, _)| set & (1 << p) != 0).map(|(_, &w)| w)
+    }
+
+    /// Runs call `s` (collective call number `call`, descriptor `desc`) on this thread:
+    /// post, wait, finish. `input`: the separate input buffer (`None`: in place, the
+    /// output holds it); `output`: `None` when this rank wants no result. `tend(now)`
+    /// drains the transports, watches the peers and answers probes; `op` names the call
+    /// for errors. An error here must be made fatal by the caller (peers may be waiting).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &self,
+        fabric: &Fabric,
+        s: u64,
+        call: u32,
+        desc: &Desc,
+        spec: &LlSpec,
+        input: Option<&[u8]>,
+        mut output: Option<&mut [u8]>,
+        deadline_after: Duration,
+        tend: &dyn Fn(Instant),
+        op: &dyn Fn() -> Op,
+    ) -> Result<()> {
+        let n = self.segs.len();
+        let (from_out, off, len) = spec.contribution(self.rank, n);
+        let src: &[u8] = match (from_out, input, output.as_deref()) {
+            (_, _, _) if len == 0 => &[],
+            (false, Some(i), _) => i.get(off..off + len).ok_or_else(|| Error::internal("low-latency call: input too short"))?,
+            (_, _, Some(o)) => o.get(off..off + len).ok_or_else(|| Error::internal("low-latency call: output too short"))?,
+            _ => return Err(Error::internal("low-latency call without its buffers")),
+        };
+        self.post(fabric, s, call, desc, src);
+        self.wait(fabric, s, call, desc, deadline_after, tend, op)?;
+        self.finish(s, spec, output.as_deref_mut())?;
+        self.complete(fabric, s);
+        Ok(())
+    }
+
+    /// Step 2 on this thread: until every member has posted `s` (and called what we did).
+    #[allow(clippy::too_many_arguments)]
+    fn wait(
+        &self,
+        fabric: &Fabric,
+        s: u64,
+        call: u32,
+        desc: &Desc,
+        deadline_after: Duration,
+        tend: &dyn Fn(Instant),
+        op: &dyn Fn() -> Op,
+    ) -> Result<()> {
+        let mut missing = self.all_but_me();
+        let mut checked = 0u64;
+        let mut spins = 0u32;
+        let mut start: Option<Instant> = None;
+        let mut tended = None::<Instant>;
+        let mut probe_at = None::<Instant>;
+        let mut probe_gap = PROBE_AFTER;
+        loop {
+            let seen = fabric.inbox.bell_seen();
+            missing = self.missing(s, missing);
+            let fresh = !missing & !checked & self.all_but_me();
+            if fresh != 0 {
+                let mut f = fresh;
+                while f != 0 {
+                    let p = f.trailing_zeros() as usize;
+                    f &= f - 1;
+                    self.check_call(s, p, call, desc, op)?;
+                }
+                checked |= fresh;
+            }
+            if missing == 0 {
+                return Ok(());
+            }
+            if fabric.inbox.has_fatal() {
+                if let Some(e) = fabric.fatal_error(&op()) {
+                    return Err(e);
+                }
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 64 != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            let t0 = *start.get_or_insert(now);
+            let waited = now - t0;
+            if waited < self.policy.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            if tended.is_none_or(|t| now - t >= TEND_EVERY) {
+                tended = Some(now);
+                tend(now);
+                self.left_before(fabric, missing, call, op)?;
+            }
+            if waited >= deadline_after {
+                return Err(Error::Timeout {
+                    rank: Some(self.rank),
+                    op: op(),
+                    after: waited,
+                    waiting_for: self.worlds(missing).map(|w| format!("rank {w}")).collect(),
+                });
+            }
+            if now >= *probe_at.get_or_insert(t0 + PROBE_AFTER) {
+                probe_at = Some(now + probe_gap);
+                probe_gap = (probe_gap * 2).min(PROBE_GAP_MAX);
+                let msg = proto::encode_probe(self.comm, call, desc);
+                for w in self.worlds(missing) {
+                    fabric.try_send_now(w, &msg);
+                }
+            }
+            if waited < self.policy.spin + self.policy.yield_for {
+                std::thread::yield_now();
+            } else {
+                let until = (now + PARK_NAP).min(t0 + deadline_after).min(tended.unwrap_or(now) + PARK_NAP);
+                fabric.sleep_on_bell_or(seen, until, &|| self.missing(s, missing) != missing);
+            }
+        }
+    }
+}
+
+/// A low-latency call run by the engine (a non-blocking call, a plan started in a scope, a
+/// group's member, or a blocking call behind one of those).
+#[derive(Debug)]
+pub(crate) struct LlRun {
+    pub(crate) chan: Arc<LlChannel>,
+    pub(crate) spec: LlSpec,
+    /// The call's number on the channel (assigned at submission).
+    pub(crate) s: u64,
+    posted: bool,
+    checked: u64,
+    /// Counted in the channel's `queued`.
+    queued: bool,
+}
+
+impl LlRun {
+    pub(crate) fn new(chan: Arc<LlChannel>, spec: LlSpec) -> LlRun {
+        LlRun { chan, spec, s: 0, posted: false, checked: 0, queued: false }
+    }
+
+    /// Numbered `s` and handed to the engine.
+    pub(crate) fn submitted(&mut self, s: u64) {
+        self.s = s;
+        self.posted = false;
+        self.checked = 0;
+        if !self.queued {
+            self.queued = true;
+            self.chan.queue(true);
+        }
+    }
+
+    /// Out of the engine (finished, failed or abandoned).
+    pub(crate) fn leave(&mut self) {
+        if self.queued {
+            self.queued = false;
+            self.chan.queue(false);
+        }
+    }
+
+    /// Whether a round would move it now (looked at before the engine sleeps).
+    pub(crate) fn ready(&self) -> bool {
+        if !self.posted {
+            return self.chan.done() + 1 == self.s;
+        }
+        self.chan.missing(self.s, self.chan.all_but_me()) == 0
+    }
+
+    /// Members (world ranks) it waits for.
+    pub(crate) fn waiting_for(&self) -> Vec<usize> {
+        if !self.posted {
+            return Vec::new();
+        }
+        self.chan.worlds(self.chan.missing(self.s, self.chan.all_but_me())).collect()
+    }
+
+    /// Moves the call as far as it goes now.
+    pub(crate) fn poll(
+        &mut self,
+        fabric: &Fabric,
+        call: u32,
+        desc: &Desc,
+        input: Option<&ferroccl_mem::region::RegionHandle>,
+        output: &ferroccl_mem::region::RegionHandle,
+        op: &Op,
+    ) -> Result<Poll<()>> {
+        let chan = &*self.chan;
+        let named = || op.numbered(call);
+        let mut moved = false;
+        if !self.posted {
+            if chan.done() + 1 != self.s {
+                return Ok(Poll::Idle);
+            }
+            let (from_out, off, len) = self.spec.contribution(chan.rank, chan.segs.len());
+            let region = match (from_out, input) {
+                (false, Some(i)) => i,
+                _ => output,
+            };
+            region
+                .with_slice(off, len, |src| chan.post(fabric, self.s, call, desc, src))
+                .map_err(|e| Error::internal(format!("{}: low-latency post: {e}", named())))?;
+            self.posted = true;
+            moved = true;
+        }
+        let missing = chan.missing(self.s, chan.all_but_me());
+        let fresh = !missing & !self.checked & chan.all_but_me();
+        let mut f = fresh;
+        while f != 0 {
+            let p = f.trailing_zeros() as usize;
+            f &= f - 1;
+            chan.check_call(self.s, p, call, desc, &named)?;
+        }
+        self.checked |= fresh;
+        if missing != 0 {
+            chan.left_before(fabric, missing, call, &named)?;
+            return Ok(if moved { Poll::Moved } else { Poll::Idle });
+        }
+        let len = output.len();
+        output
+            .with_slice_mut(0, len, |out| chan.finish(self.s, &self.spec, Some(out)))
+            .map_err(|e| Error::internal(format!("{}: low-latency result: {e}", named())))??;
+        chan.complete(fabric, self.s);
+        self.leave();
+        Ok(Poll::Ready(()))
+    }
+}
