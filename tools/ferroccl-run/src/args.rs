@@ -404,12 +404,79 @@ mod tests {
     }
 
     #[test]
+    fn bind_flags_and_env_precedence() {
+        let with_env = |args: &[&str], env: Option<&str>| match parse_args_with_bind_env(args, env.map(OsStr::new)) {
+            Ok(Invocation::Run(o)) => Ok(o.bind),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        // Nothing said: auto.
+        assert_eq!(with_env(&["-n", "2", "p"], None), Ok(Bind::Auto));
+        assert_eq!(with_env(&["-n", "2", "--bind", "p"], None), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], None), Ok(Bind::Never));
+        // The last of --bind / --no-bind wins.
+        assert_eq!(with_env(&["-n", "2", "--bind", "--no-bind", "p"], None), Ok(Bind::Never));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "--bind", "p"], None), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--bind", "--bind", "p"], None), Ok(Bind::Always));
+        // FERROCCL_BIND, in any case, when the command line says nothing.
+        for (v, want) in [
+            ("auto", Bind::Auto),
+            ("", Bind::Auto),
+            ("1", Bind::Always),
+            ("on", Bind::Always),
+            ("CORE", Bind::Always),
+            ("0", Bind::Never),
+            (" off ", Bind::Never),
+            ("none", Bind::Never),
+        ] {
+            assert_eq!(with_env(&["-n", "2", "p"], Some(v)), Ok(want), "FERROCCL_BIND={v:?}");
+        }
+        // The command line wins over the variable (which is then not even checked).
+        assert_eq!(with_env(&["-n", "2", "--bind", "p"], Some("off")), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], Some("on")), Ok(Bind::Never));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], Some("bogus")), Ok(Bind::Never));
+        // A bad value is an error that names the variable.
+        assert_eq!(with_env(&["-n", "2", "p"], Some("yes")), Err(ArgError::BadBindEnv("yes".into())));
+        let msg = ArgError::BadBindEnv("2".into()).to_string();
+        assert!(msg.contains("FERROCCL_BIND") && msg.contains("\"2\""), "{msg}");
+        // --bind / --no-bind take no value, and belong to the program after it.
+        assert_eq!(parse(&["-n", "2", "--no-bind=1", "p"]), Err(ArgError::UnknownOption("--no-bind=1".into())));
+        let o = opts(&["-n", "2", "p", "--no-bind"]);
+        assert_eq!(o.args, vec![OsString::from("--no-bind")]);
+    }
+
+    #[test]
+    fn auto_binds_only_without_oversubscription() {
+        // (ranks, usable CPUs) -> pinned under auto.
+        for (ranks, cpus, pinned) in [(1, 1, true), (2, 2, true), (2, 8, true), (8, 8, true), (3, 2, false), (9, 8, false), (1, 0, false)] {
+            assert_eq!(Bind::Auto.pins(ranks, cpus), pinned, "auto, {ranks} ranks, {cpus} CPUs");
+        }
+        // --bind pins even when oversubscribed; only an unknown CPU list stops it.
+        assert!(Bind::Always.pins(3, 2) && Bind::Always.pins(1024, 1) && Bind::Always.pins(1, 4));
+        assert!(!Bind::Always.pins(2, 0));
+        // --no-bind never pins.
+        assert!(!Bind::Never.pins(1, 8) && !Bind::Never.pins(8, 8) && !Bind::Never.pins(9, 8));
+        assert_eq!(Bind::default(), Bind::Auto);
+        assert_eq!(Bind::from_env_value("sometimes"), None);
+    }
+
+    #[test]
     fn help_text() {
         let h = super::help();
         assert!(h.contains("usage: ferroccl-run -n N"), "{h}");
-        for option in
-            ["--nproc", "--transport", "--timeout", "--grace", "--no-prefix", "--bind", "--verbose", "FERROCCL_LAUNCHER_PID", "exit status"]
-        {
+        for option in [
+            "--nproc",
+            "--transport",
+            "--timeout",
+            "--grace",
+            "--no-prefix",
+            "--bind",
+            "--no-bind",
+            "FERROCCL_BIND",
+            "--verbose",
+            "FERROCCL_LAUNCHER_PID",
+            "exit status",
+        ] {
             assert!(h.contains(option), "{option}: {h}");
         }
     }
