@@ -5,6 +5,13 @@
 //! the next argument whatever it looks like (`--grace -1` is a bad grace, not an unknown
 //! option), and the first argument that is not an option starts the program: it and
 //! everything after it belong to the program.
+//!
+//! Binding is the one choice that also comes from the environment: `--bind` / `--no-bind`
+//! (the last one given wins) override `FERROCCL_BIND` (`auto`, the default; `1`, `on` or
+//! `core`: always; `0`, `off` or `none`: never), which the runner reads itself. Under `auto`
+//! the ranks are pinned when there are at least as many usable CPUs as ranks (as `mpirun`
+//! binds to core for `-np` <= cores) and left to the kernel when there are more ranks
+//! ([`Bind::pins`] decides).
 
 use std::ffi::{OsStr, OsString};
 use std::time::Duration;
@@ -17,7 +24,7 @@ use crate::cli::{self, Problem};
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str =
-    "usage: ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S] [--no-prefix] [--bind] [-v|--verbose] -- PROGRAM [ARGS...]";
+    "usage: ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S] [--no-prefix] [--bind|--no-bind] [-v|--verbose] -- PROGRAM [ARGS...]";
 
 /// The most ranks one job may have.
 pub const MAX_RANKS: usize = 1024;
@@ -29,7 +36,12 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 const AFTER_HELP: &str = "\
 Each rank gets FERROCCL_RANK, FERROCCL_WORLD_SIZE, FERROCCL_LOCAL_RANK,
 FERROCCL_LOCAL_WORLD_SIZE, FERROCCL_STORE, FERROCCL_TOKEN, FERROCCL_LAUNCHER_PID
-(and FERROCCL_TRANSPORT with --transport).
+(and FERROCCL_TRANSPORT with --transport, FERROCCL_BOUND_CPU when pinned).
+
+Binding: by default rank r is pinned to the (r mod k)-th of the k CPUs this runner may
+use when ranks <= k, and not pinned when ranks > k (oversubscribed). FERROCCL_BIND=auto
+(default), 1/on/core (always) or 0/off/none (never) sets the default; --bind and
+--no-bind override it.
 
 exit status: 0 if all ranks succeed; else the first failing rank's status (128+signal
 if killed by a signal); 124 on timeout; 128+signal if the runner is interrupted;
@@ -66,9 +78,12 @@ struct Cli {
     #[arg(long)]
     no_prefix: bool,
     /// Pin rank r to the (r mod k)-th of the k CPUs this runner may use (as mpirun --bind-to
-    /// core); unpinned, the kernel may keep two ranks on one core for a whole run
-    #[arg(long)]
+    /// core), even with more ranks than CPUs. Default: pinned when ranks <= k (FERROCCL_BIND)
+    #[arg(long, overrides_with = "no_bind")]
     bind: bool,
+    /// Do not pin the ranks to CPUs (leave them to the kernel)
+    #[arg(long, overrides_with = "bind")]
+    no_bind: bool,
     /// Print store address, pids and wall time to stderr
     #[arg(short, long)]
     verbose: bool,
@@ -117,6 +132,10 @@ pub enum ArgError {
     /// An option's value is not valid UTF-8.
     #[error("the value of {0} is not valid UTF-8")]
     NotUtf8(String),
+    /// `FERROCCL_BIND` (read when neither `--bind` nor `--no-bind` is given) is not one of
+    /// its values.
+    #[error("FERROCCL_BIND={0:?}: must be auto, 1, on, core, 0, off or none")]
+    BadBindEnv(String),
     /// Anything else clap finds wrong, in its words.
     #[error("{0}")]
     Other(String),
@@ -135,14 +154,54 @@ pub struct Options {
     pub grace: Duration,
     /// False with `--no-prefix`.
     pub prefix: bool,
-    /// `--bind`: pin rank r to the (r mod k)-th of the k CPUs the runner may use.
-    pub bind: bool,
+    /// Whether rank r is pinned to the (r mod k)-th of the k CPUs the runner may use:
+    /// `--bind`, `--no-bind`, else `FERROCCL_BIND`, else [`Bind::Auto`].
+    pub bind: Bind,
     /// `-v`.
     pub verbose: bool,
     /// The program each rank runs.
     pub program: OsString,
     /// Its arguments.
     pub args: Vec<OsString>,
+}
+
+/// Whether the ranks are pinned to CPUs (`--bind`, `--no-bind`, `FERROCCL_BIND`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Bind {
+    /// Pin when there are at least as many usable CPUs as ranks; otherwise (oversubscribed)
+    /// leave the ranks to the kernel. The default (`FERROCCL_BIND=auto`).
+    #[default]
+    Auto,
+    /// Always pin, rank r to CPU r mod k, even with more ranks than CPUs (`--bind`,
+    /// `FERROCCL_BIND=1|on|core`).
+    Always,
+    /// Never pin (`--no-bind`, `FERROCCL_BIND=0|off|none`).
+    Never,
+}
+
+impl Bind {
+    /// Reads a `FERROCCL_BIND` value (any case, surrounding blanks ignored); `None` when it
+    /// is not one of auto, 1, on, core, 0, off, none. Empty means auto.
+    pub fn from_env_value(v: &str) -> Option<Bind> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Some(Bind::Auto),
+            "1" | "on" | "core" => Some(Bind::Always),
+            "0" | "off" | "none" => Some(Bind::Never),
+            _ => None,
+        }
+    }
+
+    /// Whether `ranks` ranks are pinned, given `cpus` usable CPUs (0: the CPU list is not
+    /// known, so nothing can be pinned). [`Bind::Auto`] pins when `ranks <= cpus`: with
+    /// more ranks than CPUs, several ranks pinned to one CPU could not be moved apart by
+    /// the kernel, which is worse than not pinning them.
+    pub fn pins(self, ranks: usize, cpus: usize) -> bool {
+        match self {
+            Bind::Always => cpus > 0,
+            Bind::Never => false,
+            Bind::Auto => cpus > 0 && ranks <= cpus,
+        }
+    }
 }
 
 /// What the command line asks for.
@@ -154,8 +213,14 @@ pub enum Invocation {
     Run(Options),
 }
 
-/// Parses the arguments after the program name.
+/// Parses the arguments after the program name (and `FERROCCL_BIND` from this process's
+/// environment, when neither `--bind` nor `--no-bind` is given).
 pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
+    parse_args_with_bind_env(args, std::env::var_os("FERROCCL_BIND").as_deref())
+}
+
+/// [`parse_args`] with `FERROCCL_BIND`'s value given (`None`: unset).
+fn parse_args_with_bind_env<S: AsRef<OsStr>>(args: &[S], bind_env: Option<&OsStr>) -> Result<Invocation, ArgError> {
     let argv = std::iter::once(OsStr::new("ferroccl-run")).chain(args.iter().map(AsRef::as_ref));
     let cli = match Cli::try_parse_from(argv) {
         Ok(cli) => cli,
@@ -165,13 +230,23 @@ pub fn parse_args<S: AsRef<OsStr>>(args: &[S]) -> Result<Invocation, ArgError> {
     let nranks = cli.nranks.ok_or(ArgError::MissingRanks)?;
     let mut command = cli.command.into_iter();
     let program = command.next().ok_or(ArgError::MissingProgram)?;
+    // The command line wins; the variable is read (and checked) only when it says nothing.
+    let bind = match (cli.bind, cli.no_bind, bind_env) {
+        (true, _, _) => Bind::Always,
+        (_, true, _) => Bind::Never,
+        (false, false, None) => Bind::Auto,
+        (false, false, Some(v)) => {
+            let text = v.to_string_lossy();
+            Bind::from_env_value(&text).ok_or_else(|| ArgError::BadBindEnv(text.into_owned()))?
+        }
+    };
     Ok(Invocation::Run(Options {
         nranks,
         transport: cli.transport,
         timeout: cli.timeout,
         grace: cli.grace.unwrap_or(DEFAULT_GRACE),
         prefix: !cli.no_prefix,
-        bind: cli.bind,
+        bind,
         verbose: cli.verbose,
         program,
         args: command.collect(),
@@ -329,12 +404,79 @@ mod tests {
     }
 
     #[test]
+    fn bind_flags_and_env_precedence() {
+        let with_env = |args: &[&str], env: Option<&str>| match parse_args_with_bind_env(args, env.map(OsStr::new)) {
+            Ok(Invocation::Run(o)) => Ok(o.bind),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        // Nothing said: auto.
+        assert_eq!(with_env(&["-n", "2", "p"], None), Ok(Bind::Auto));
+        assert_eq!(with_env(&["-n", "2", "--bind", "p"], None), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], None), Ok(Bind::Never));
+        // The last of --bind / --no-bind wins.
+        assert_eq!(with_env(&["-n", "2", "--bind", "--no-bind", "p"], None), Ok(Bind::Never));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "--bind", "p"], None), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--bind", "--bind", "p"], None), Ok(Bind::Always));
+        // FERROCCL_BIND, in any case, when the command line says nothing.
+        for (v, want) in [
+            ("auto", Bind::Auto),
+            ("", Bind::Auto),
+            ("1", Bind::Always),
+            ("on", Bind::Always),
+            ("CORE", Bind::Always),
+            ("0", Bind::Never),
+            (" off ", Bind::Never),
+            ("none", Bind::Never),
+        ] {
+            assert_eq!(with_env(&["-n", "2", "p"], Some(v)), Ok(want), "FERROCCL_BIND={v:?}");
+        }
+        // The command line wins over the variable (which is then not even checked).
+        assert_eq!(with_env(&["-n", "2", "--bind", "p"], Some("off")), Ok(Bind::Always));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], Some("on")), Ok(Bind::Never));
+        assert_eq!(with_env(&["-n", "2", "--no-bind", "p"], Some("bogus")), Ok(Bind::Never));
+        // A bad value is an error that names the variable.
+        assert_eq!(with_env(&["-n", "2", "p"], Some("yes")), Err(ArgError::BadBindEnv("yes".into())));
+        let msg = ArgError::BadBindEnv("2".into()).to_string();
+        assert!(msg.contains("FERROCCL_BIND") && msg.contains("\"2\""), "{msg}");
+        // --bind / --no-bind take no value, and belong to the program after it.
+        assert_eq!(parse(&["-n", "2", "--no-bind=1", "p"]), Err(ArgError::UnknownOption("--no-bind=1".into())));
+        let o = opts(&["-n", "2", "p", "--no-bind"]);
+        assert_eq!(o.args, vec![OsString::from("--no-bind")]);
+    }
+
+    #[test]
+    fn auto_binds_only_without_oversubscription() {
+        // (ranks, usable CPUs) -> pinned under auto.
+        for (ranks, cpus, pinned) in [(1, 1, true), (2, 2, true), (2, 8, true), (8, 8, true), (3, 2, false), (9, 8, false), (1, 0, false)] {
+            assert_eq!(Bind::Auto.pins(ranks, cpus), pinned, "auto, {ranks} ranks, {cpus} CPUs");
+        }
+        // --bind pins even when oversubscribed; only an unknown CPU list stops it.
+        assert!(Bind::Always.pins(3, 2) && Bind::Always.pins(1024, 1) && Bind::Always.pins(1, 4));
+        assert!(!Bind::Always.pins(2, 0));
+        // --no-bind never pins.
+        assert!(!Bind::Never.pins(1, 8) && !Bind::Never.pins(8, 8) && !Bind::Never.pins(9, 8));
+        assert_eq!(Bind::default(), Bind::Auto);
+        assert_eq!(Bind::from_env_value("sometimes"), None);
+    }
+
+    #[test]
     fn help_text() {
         let h = super::help();
         assert!(h.contains("usage: ferroccl-run -n N"), "{h}");
-        for option in
-            ["--nproc", "--transport", "--timeout", "--grace", "--no-prefix", "--bind", "--verbose", "FERROCCL_LAUNCHER_PID", "exit status"]
-        {
+        for option in [
+            "--nproc",
+            "--transport",
+            "--timeout",
+            "--grace",
+            "--no-prefix",
+            "--bind",
+            "--no-bind",
+            "FERROCCL_BIND",
+            "--verbose",
+            "FERROCCL_LAUNCHER_PID",
+            "exit status",
+        ] {
             assert!(h.contains(option), "{option}: {h}");
         }
     }

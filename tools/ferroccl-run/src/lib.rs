@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! ferroccl-run -n N [--transport auto|shm|tcp|verbs] [--timeout S] [--grace S]
-//!              [--no-prefix] [--bind] [-v|--verbose] -- PROGRAM [ARGS...]
+//!              [--no-prefix] [--bind|--no-bind] [-v|--verbose] -- PROGRAM [ARGS...]
 //! ```
 //!
 //! | option | meaning |
@@ -17,9 +17,21 @@
 //! | `--timeout S` | wall-clock limit for the whole job, in seconds (a decimal number); none by default |
 //! | `--grace S` | after the first rank fails, how long the others may take to exit by themselves (default 5) |
 //! | `--no-prefix` | pass the ranks' output through without the `[R] ` prefix |
-//! | `--bind` | pin rank r to the (r mod k)-th of the k CPUs the runner may use (as `mpirun --bind-to core`) |
+//! | `--bind` | pin rank r to the (r mod k)-th of the k CPUs the runner may use (as `mpirun --bind-to core`), even when there are more ranks than CPUs |
+//! | `--no-bind` | do not pin the ranks (leave them to the kernel) |
 //! | `-v`, `--verbose` | print the store address, the ranks' pids and the wall time to stderr |
 //! | `-h`, `--help` | print the help and exit 0 |
+//!
+//! Without `--bind` or `--no-bind`, the runner reads `FERROCCL_BIND` from its own
+//! environment: `auto` (the default) pins rank r to the (r mod k)-th of the k CPUs the
+//! runner may use when `N <= k` (as `mpirun` binds to core for `-np` <= cores), and pins
+//! nothing when `N > k` (oversubscribed: ranks pinned by twos to one CPU could not be moved
+//! apart by the kernel; `-v` says so in one line); `1`, `on` or `core` always pin (as
+//! `--bind`), `0`, `off` or `none` never (as `--no-bind`); any other value is a bad command
+//! line (exit 2). The command line wins over the variable. When the runner is told to pin
+//! (`--bind`, `FERROCCL_BIND=on`) but cannot (no CPU list, or not started as the
+//! `ferroccl-run` binary) it warns and runs the ranks unpinned; under `auto` it says so only
+//! with `-v`.
 //!
 //! `--` ends the options; the first argument that is not an option also starts the
 //! program, so `ferroccl-run -n 2 ./app --flag` works too: everything after the program is
@@ -74,7 +86,7 @@
 //! | 124 | `--timeout` passed (and no rank had failed before) |
 //! | 130, 143, 129 | the runner got `SIGINT`, `SIGTERM` or `SIGHUP` (128 + signal) |
 //! | 127, 126 | the program was not found, or is not executable |
-//! | 2 | bad command line (or a malformed `FERROCCL_STORE_MAX_VALUE`) |
+//! | 2 | bad command line (or a malformed `FERROCCL_STORE_MAX_VALUE` or `FERROCCL_BIND`) |
 //! | 1 | the runner itself failed (the store could not start, a spawn failed) |
 //!
 //! ## Environment of each rank
@@ -89,6 +101,7 @@
 //! | `FERROCCL_TOKEN` | the job's secret: 64 hex digits; every store and mesh connection proves it knows it |
 //! | `FERROCCL_LAUNCHER_PID` | the runner's pid; FerroCCL ranks fail promptly if it dies |
 //! | `FERROCCL_TRANSPORT` | only with `--transport`: `auto`, `shm`, `tcp` or `verbs` |
+//! | `FERROCCL_BOUND_CPU` | only when the rank is pinned: the CPU it is pinned to (set by the exec shim once the pinning succeeded; removed otherwise, so a rank of a nested job never inherits its runner's) |
 //!
 //! Everything else in the runner's environment is passed on unchanged.
 //!
@@ -123,7 +136,7 @@ pub mod testkit;
 use std::ffi::OsString;
 use std::io::{self, Write};
 
-pub use args::{parse_args, ArgError, Invocation, Options, DEFAULT_GRACE, MAX_RANKS, USAGE};
+pub use args::{parse_args, ArgError, Bind, Invocation, Options, DEFAULT_GRACE, MAX_RANKS, USAGE};
 pub use supervise::DEFAULT_STORE_MAX_VALUE;
 
 use spawn::{exec_rank, EXEC_SHIM_ARG};

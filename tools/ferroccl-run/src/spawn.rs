@@ -1,5 +1,6 @@
 //! Starting the ranks: finding the program, each rank's command and environment, the exec
-//! shim that ties a rank's life to the runner's, and `--bind`.
+//! shim that ties a rank's life to the runner's, and pinning the ranks to CPUs (`--bind`,
+//! `--no-bind`, `FERROCCL_BIND`).
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{self, Read};
@@ -13,12 +14,15 @@ use std::thread;
 
 use nix::sys::signal::Signal;
 
-use crate::args::Options;
+use crate::args::{Bind, Options};
 use crate::job::{Job, Rank};
 use crate::output::pump;
 
 /// Hidden first argument that makes the binary a per-rank exec shim (see [`exec_rank`]).
 pub(crate) const EXEC_SHIM_ARG: &str = "__ferroccl-run-exec-rank";
+
+/// Set for a rank that is pinned to one CPU: that CPU's number. Never inherited.
+const BOUND_CPU_VAR: &str = "FERROCCL_BOUND_CPU";
 
 /// Finds `program` the way `execvp` would: a name with a slash is a path, anything else
 /// is looked up in `PATH`. Errors are `NotFound` or `PermissionDenied`.
@@ -58,8 +62,9 @@ pub(crate) fn resolve_program(program: &OsStr) -> io::Result<PathBuf> {
 ///
 /// Asks the kernel to `SIGKILL` this process when its parent (the runner) dies, checks the
 /// runner is still the parent (it may have died before the request), pins itself to `CPU`
-/// (`--bind`), and then replaces itself with the program. The parent-death signal survives `execve`, so the rank itself
-/// carries it. This keeps `unsafe` out of the runner: no `pre_exec` hook is needed.
+/// (and then sets `FERROCCL_BOUND_CPU=CPU` for the program), and then replaces itself with
+/// the program. The parent-death signal survives `execve`, so the rank itself carries it.
+/// This keeps `unsafe` out of the runner: no `pre_exec` hook is needed.
 pub(crate) fn exec_rank(args: &[OsString]) -> i32 {
     let [parent, cpu, path, argv @ ..] = args else {
         eprintln!("ferroccl-run: internal error: bad exec-shim arguments");
@@ -80,20 +85,30 @@ pub(crate) fn exec_rank(args: &[OsString]) -> i32 {
         // The runner died before we asked to follow it.
         return 1;
     }
+    let mut bound = None;
     if let Some(cpu) = cpu.to_str().and_then(|c| c.parse::<usize>().ok()) {
         #[cfg(target_os = "linux")]
         {
             let mut set = nix::sched::CpuSet::new();
             let pinned = set.set(cpu).and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
-            if let Err(e) = pinned {
-                eprintln!("ferroccl-run: warning: cannot pin to CPU {cpu}: {e}");
+            match pinned {
+                Ok(()) => bound = Some(cpu),
+                Err(e) => eprintln!("ferroccl-run: warning: cannot pin to CPU {cpu}: {e}"),
             }
         }
     }
     let to_c = |s: &OsStr| CString::new(s.as_bytes()).unwrap_or_default();
     let path_c = to_c(path);
     let argv_c: Vec<CString> = argv.iter().map(|a| to_c(a)).collect();
-    let err = match nix::unistd::execv(&path_c, &argv_c) {
+    // The environment as inherited, with FERROCCL_BOUND_CPU only when this rank is pinned.
+    let mut env_c: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| k != BOUND_CPU_VAR)
+        .filter_map(|(k, v)| CString::new([k.as_bytes(), b"=", v.as_bytes()].concat()).ok())
+        .collect();
+    if let Some(cpu) = bound {
+        env_c.push(CString::new(format!("{BOUND_CPU_VAR}={cpu}")).unwrap_or_default());
+    }
+    let err = match nix::unistd::execve(&path_c, &argv_c, &env_c) {
         Err(e) => e,
         Ok(never) => match never {},
     };
@@ -125,7 +140,7 @@ fn rank_command(opts: &Options, path: &Path, shim: Option<&Path>, cpu: Option<us
     cmd
 }
 
-/// The CPUs this process may run on, in order (for `--bind`).
+/// The CPUs this process may run on, in order (the ranks are pinned to these).
 fn allowed_cpus() -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
@@ -153,10 +168,27 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
     let shim = shim_exe();
     let launcher_pid = std::process::id().to_string();
     let n = opts.nranks.to_string();
-    let cpus = if opts.bind { allowed_cpus() } else { Vec::new() };
-    if opts.bind && (cpus.is_empty() || shim.is_none()) {
-        eprintln!("ferroccl-run: warning: --bind: cannot pin the ranks here (no CPU list, or not started as ferroccl-run)");
+    // Only the exec shim pins; without it no CPU is usable for pinning.
+    let cpus = if opts.bind == Bind::Never || shim.is_none() { Vec::new() } else { allowed_cpus() };
+    let pin = opts.bind.pins(opts.nranks, cpus.len());
+    match opts.bind {
+        Bind::Always if !pin => {
+            eprintln!("ferroccl-run: warning: --bind: cannot pin the ranks here (no CPU list, or not started as ferroccl-run)");
+        }
+        Bind::Auto if !pin && opts.verbose => {
+            if cpus.is_empty() {
+                eprintln!("ferroccl-run: not pinning the ranks: cannot pin them here (no CPU list, or not started as ferroccl-run)");
+            } else {
+                eprintln!(
+                    "ferroccl-run: not pinning the ranks: {} ranks > {} usable CPUs (oversubscribed; --bind pins them anyway)",
+                    opts.nranks,
+                    cpus.len()
+                );
+            }
+        }
+        _ => {}
     }
+    let cpus = if pin { cpus } else { Vec::new() };
     for rank in 0..opts.nranks {
         let cpu = (!cpus.is_empty()).then(|| cpus[rank % cpus.len()]);
         let mut cmd = rank_command(opts, path, shim.as_deref(), cpu);
@@ -166,7 +198,8 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
             .env("FERROCCL_LOCAL_WORLD_SIZE", &n)
             .env("FERROCCL_STORE", store.to_string())
             .env("FERROCCL_TOKEN", token)
-            .env("FERROCCL_LAUNCHER_PID", &launcher_pid);
+            .env("FERROCCL_LAUNCHER_PID", &launcher_pid)
+            .env_remove(BOUND_CPU_VAR);
         if let Some(t) = &opts.transport {
             cmd.env("FERROCCL_TRANSPORT", t);
         }
@@ -185,7 +218,10 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
         let streams = (child.stdout.take(), child.stderr.take());
         job.ranks.push(Rank { rank, pid, child, status: None });
         if opts.verbose {
-            eprintln!("ferroccl-run: rank {rank} pid {pid}");
+            match cpu {
+                Some(c) => eprintln!("ferroccl-run: rank {rank} pid {pid} on CPU {c}"),
+                None => eprintln!("ferroccl-run: rank {rank} pid {pid}"),
+            }
         }
         let (Some(out), Some(err)) = streams else {
             eprintln!("ferroccl-run: internal error: rank {rank} has no output pipes");

@@ -307,26 +307,100 @@ fn ranks_can_reach_the_store_with_the_token() {
     assert_eq!(child.wait().unwrap().code(), Some(143));
 }
 
+/// The CPUs this test may run on (as the runner it starts may), from /proc/self/status.
+fn allowed_cpus() -> Vec<usize> {
+    let me = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = me.lines().find(|l| l.starts_with("Cpus_allowed_list")).unwrap().rsplit(['\t', ' ']).next().unwrap().to_string();
+    list.split(',')
+        .flat_map(|part| match part.split_once('-') {
+            Some((a, b)) => (a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()).collect::<Vec<_>>(),
+            None => vec![part.parse().unwrap()],
+        })
+        .collect()
+}
+
+/// Each rank prints its allowed-CPU list and its FERROCCL_BOUND_CPU.
+const CPU_SCRIPT: &str = "echo cpus $(grep Cpus_allowed_list /proc/self/status | cut -f2) bound ${FERROCCL_BOUND_CPU:-none}";
+
+/// Runs `CPU_SCRIPT` on `n` ranks with `FERROCCL_BIND` as given (unset: `None`) and returns,
+/// by rank, (allowed-CPU list, FERROCCL_BOUND_CPU or "none"), and the runner's stderr.
+fn rank_cpus(n: usize, flags: &[&str], bind_env: Option<&str>) -> (Vec<(String, String)>, String) {
+    let n_text = n.to_string();
+    let mut args = vec!["-n", n_text.as_str()];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["--", "sh", "-c", CPU_SCRIPT]);
+    let mut cmd = Command::new(RUNNER);
+    cmd.args(&args).stdin(Stdio::null()).env_remove("FERROCCL_BIND").env_remove("FERROCCL_BOUND_CPU");
+    if let Some(v) = bind_env {
+        cmd.env("FERROCCL_BIND", v);
+    }
+    let out = cmd.output().expect("spawn ferroccl-run");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+    let rows = (0..n)
+        .map(|r| {
+            let line = stdout.lines().find(|l| l.starts_with(&format!("[{r}] "))).unwrap_or_else(|| panic!("rank {r}: {stdout}"));
+            let f: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!((f.len(), f[1], f[3]), (5, "cpus", "bound"), "{line}");
+            (f[2].to_string(), f[4].to_string())
+        })
+        .collect();
+    (rows, stderr)
+}
+
 #[test]
 fn bind_pins_each_rank_to_one_cpu_round_robin() {
-    let (out, _) = launch(&["-n", "3", "--bind", "--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status"]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
-    let cpu_of = |r: usize| -> String {
-        let line = stdout.lines().find(|l| l.starts_with(&format!("[{r}] "))).unwrap_or_else(|| panic!("rank {r}: {stdout}"));
-        line.rsplit(['\t', ' ']).next().unwrap().to_string()
-    };
-    let allowed: Vec<usize> = {
-        let me = std::fs::read_to_string("/proc/self/status").unwrap();
-        let list = me.lines().find(|l| l.starts_with("Cpus_allowed_list")).unwrap().rsplit(['\t', ' ']).next().unwrap().to_string();
-        list.split(',')
-            .flat_map(|part| match part.split_once('-') {
-                Some((a, b)) => (a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()).collect::<Vec<_>>(),
-                None => vec![part.parse().unwrap()],
-            })
-            .collect()
-    };
-    for r in 0..3 {
-        assert_eq!(cpu_of(r), allowed[r % allowed.len()].to_string(), "rank {r}: {stdout}");
+    let allowed = allowed_cpus();
+    // --bind pins even when oversubscribed (3 ranks on a 2-CPU machine).
+    let (rows, stderr) = rank_cpus(3, &["--bind"], None);
+    for (r, (cpus, bound)) in rows.iter().enumerate() {
+        let want = allowed[r % allowed.len()].to_string();
+        assert_eq!((cpus, bound), (&want, &want), "rank {r}: {rows:?}");
     }
+    assert_eq!(stderr, "");
+    // FERROCCL_BIND=on is --bind; the command line wins over it.
+    let (rows, _) = rank_cpus(3, &[], Some("on"));
+    assert_eq!(rows[2].1, allowed[2 % allowed.len()].to_string(), "{rows:?}");
+    let (rows, _) = rank_cpus(3, &["--no-bind"], Some("on"));
+    assert!(rows.iter().all(|(_, b)| b == "none"), "{rows:?}");
+}
+
+#[test]
+fn ranks_are_pinned_by_default_unless_oversubscribed() {
+    let allowed = allowed_cpus();
+    if allowed.len() < 2 {
+        eprintln!("skipped: this test may use {} CPU(s), fewer than the 2 ranks it needs", allowed.len());
+        return;
+    }
+    let whole = {
+        let me = std::fs::read_to_string("/proc/self/status").unwrap();
+        me.lines().find(|l| l.starts_with("Cpus_allowed_list")).unwrap().rsplit(['\t', ' ']).next().unwrap().to_string()
+    };
+    // Default (auto) with ranks <= CPUs: one CPU each, round robin, and FERROCCL_BOUND_CPU says which.
+    for env in [None, Some("auto")] {
+        let (rows, stderr) = rank_cpus(2, &[], env);
+        for (r, (cpus, bound)) in rows.iter().enumerate() {
+            let want = allowed[r].to_string();
+            assert_eq!((cpus, bound), (&want, &want), "FERROCCL_BIND={env:?}, rank {r}: {rows:?}");
+        }
+        assert_eq!(stderr, "");
+    }
+    // --no-bind, FERROCCL_BIND=off: every rank keeps all the CPUs, and no FERROCCL_BOUND_CPU.
+    for (flags, env) in [(&["--no-bind"][..], None), (&[][..], Some("off")), (&[][..], Some("0")), (&["--bind", "--no-bind"][..], None)] {
+        let (rows, _) = rank_cpus(2, flags, env);
+        assert!(rows.iter().all(|(cpus, bound)| cpus == &whole && bound == "none"), "{flags:?} {env:?}: {rows:?}");
+    }
+    // Oversubscribed (more ranks than CPUs): not pinned, silently; -v says why in one line.
+    let n = allowed.len() + 1;
+    let (rows, stderr) = rank_cpus(n, &[], None);
+    assert!(rows.iter().all(|(cpus, bound)| cpus == &whole && bound == "none"), "{rows:?}");
+    assert_eq!(stderr, "");
+    let (_, stderr) = rank_cpus(n, &["-v"], None);
+    let why: Vec<&str> = stderr.lines().filter(|l| l.contains("not pinning")).collect();
+    assert_eq!(why.len(), 1, "{stderr}");
+    assert!(why[0].contains(&format!("{n} ranks > {} usable CPUs", allowed.len())), "{stderr}");
+    // A bad FERROCCL_BIND is a bad command line.
+    let out = Command::new(RUNNER).args(["-n", "1", "--", "true"]).env("FERROCCL_BIND", "maybe").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("FERROCCL_BIND=\"maybe\""), "{}", text(&out.stderr));
 }
