@@ -1,38 +1,59 @@
 #!/usr/bin/env bash
-# Small-message allreduce latency: FerroCCL's blocking call and persistent plan vs Open MPI's
-# MPI_Allreduce and persistent allreduce (MPI_Start/MPI_Wait), in one run, alternating.
+# Small-message collective latency: FerroCCL's blocking call and persistent plan vs Open MPI's
+# and MPICH's blocking call and persistent collective (MPI_Start/MPI_Wait), in one run,
+# alternating.
 #
-#   benches/latency.sh [--ranks "2 4"] [--rounds 3] [--sizes 8,4K] [-n 200] [--batches 6]
-#                      [--bind] [--out DIR]
+#   benches/latency.sh [--ranks "2 4"] [--rounds 3] [--sizes 8,64,1K,8K,16K,32K,64K,256K]
+#                      [--dtypes "f32 bf16"] [--colls allreduce] [--peers "ompi mpich"]
+#                      [-n 200] [--batches 6] [--bind] [--out DIR]
 #
-# Builds ferroccl-perf (release) and benches/peers/mpi_latency.c (mpicc, into target/peers/),
-# then, for --rounds rounds and each rank count, runs `ferroccl-perf latency` (F) and
-# mpi_latency (M) back to back, the first of the pair swapped every round. Each of the two
-# alternates its own two modes batch by batch (blocking, plan / MPI_Allreduce, persistent),
-# so the ratios inside one implementation see the same machine state; across the two, the
-# alternation of short runs does what it can (this kind of machine switches between a fast
-# and a slow state every few tens of seconds: look at the "min" table too, which compares
-# each side's fastest batch).
+#   --dtypes   f32 and/or bf16
+#   --colls    allreduce, allgather, broadcast, reduce_scatter (allgather, reduce_scatter:
+#              the size is the per-rank block; broadcast: root 0)
+#   --peers    ompi (Open MPI: mpicc.openmpi / mpirun.openmpi, or plain mpicc / mpirun if
+#              they are Open MPI's) and/or mpich (mpicc.mpich / mpirun.mpich, or plain ones
+#              if they are MPICH's); a peer that is not installed is skipped, saying so
+#              (apt-get install openmpi-bin libopenmpi-dev mpich libmpich-dev).
 #
-# Both: allreduce, f32, sum, in place, same sizes, same calls per batch, same warm-up, a
-# barrier before each batch, the slowest rank's time per call, one checked call per mode.
-# FerroCCL: --transport shm. MPI: mpirun --bind-to none --mca btl self,vader (sm from Open
-# MPI 5), --oversubscribe when ranks > cores; persistent: MPI_Allreduce_init (MPI-4) or
-# Open MPI 4.1's MPIX_Allreduce_init (<mpi-ext.h>, the pcollreq extension).
+# Builds ferroccl-perf (release) and benches/peers/mpi_latency.c once per MPI (into
+# target/peers/mpi_latency.ompi, .mpich), then, for --rounds rounds and each rank count,
+# dtype and collective, runs `ferroccl-perf latency` (F) and each peer back to back, their
+# order rotated every round (with one peer: swapped). Each alternates its own two modes
+# batch by batch (blocking, plan / blocking, persistent), so the ratios inside one
+# implementation see the same machine state; across implementations, the alternation of
+# short runs does what it can (this kind of machine switches between a fast and a slow state
+# every few tens of seconds: look at the "min" table too, which compares each side's
+# fastest batch).
 #
-# --bind pins rank r to CPU r mod nproc on both sides (FerroCCL: taskset through
-# ferroccl-run; MPI: --bind-to core, overload-allowed when ranks > cores). Unpinned, the
-# kernel may put two ranks on one CPU for a whole run (FerroCCL's ranks then hand the CPU to
-# each other with sched_yield on every call: ~10x slower at 8 B on a 2-core VM).
+# All: same op (sum), same sizes, same calls per batch, same warm-up, a barrier before each
+# batch, the slowest rank's time per call, one checked call per mode. FerroCCL: --transport
+# shm. Open MPI: mpirun --bind-to none --mca btl self,vader (sm from Open MPI 5),
+# --oversubscribe when ranks > cores; MPICH: mpirun -bind-to none. Persistent: MPI-4's
+# MPI_*_init (MPICH >= 4) or Open MPI 4.1's MPIX_*_init (<mpi-ext.h>, the pcollreq
+# extension). bf16 in MPI: MPI_UINT16_T and a user-defined sum MPI_Op (see mpi_latency.c).
 #
-# Prints, per rank count, a table of medians over every batch of every round (us per call)
-# and the ratios plan/blocking, plan/MPI persistent, blocking/MPI blocking (< 1: the first is
-# faster), then the same from each mode's fastest batch. Raw rows and logs go to --out.
+# --bind pins rank r to CPU r mod nproc everywhere (FerroCCL: taskset through ferroccl-run;
+# Open MPI: --bind-to core, overload-allowed when ranks > cores; MPICH: -bind-to core).
+# Unpinned, the kernel may put two ranks on one CPU for a whole run (FerroCCL's ranks then
+# hand the CPU to each other with sched_yield on every call: ~10x slower at 8 B on a 2-core
+# VM). MPICH (4.0.2, ch4:ucx, Debian 12) busy-polls: with more ranks than cores it takes
+# milliseconds per call (~8 ms at 8 B, 4 ranks on 2 cores), pinned or not, and
+# MPIR_CVAR_POLLS_BEFORE_YIELD does not change that; its columns then only say so.
+#
+# Prints the machine (nproc, CPU model, load, date), then per dtype, collective and rank
+# count a table of medians over every batch of every round (us per call) of every
+# (implementation, mode) column, the best peer column at each size, and the ratios of
+# FerroCCL's blocking call and plan to that best peer (< 1: FerroCCL is faster), plan /
+# blocking, and paired ratios; then the same from each mode's fastest batch. Raw rows and
+# logs go to --out.
 set -euo pipefail
 
 ranks_list="2 4"
 rounds=3
-sizes="8,4K"
+sizes="8,64,1K,8K,16K,32K,64K,256K"
+dtypes="f32 bf16"
+colls="allreduce"
+peers="ompi mpich"
 iters=200
 batches=6
 out=""
@@ -42,12 +63,23 @@ while [ $# -gt 0 ]; do
         --ranks) ranks_list="$2"; shift 2 ;;
         --rounds) rounds="$2"; shift 2 ;;
         --sizes) sizes="$2"; shift 2 ;;
+        --dtypes) dtypes="$2"; shift 2 ;;
+        --colls) colls="$2"; shift 2 ;;
+        --peers) peers="$2"; shift 2 ;;
         -n) iters="$2"; shift 2 ;;
         --batches) batches="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --bind) bind=1; shift ;;
-        -h|--help) sed -n "2,30p" "$0"; exit 0 ;;
+        -h|--help) sed -n "2,48p" "$0"; exit 0 ;;
         *) echo "latency.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+for d in $dtypes; do
+    case "$d" in f32|bf16) ;; *) echo "latency.sh: --dtypes: $d is not f32 or bf16" >&2; exit 2 ;; esac
+done
+for c in $colls; do
+    case "$c" in allreduce|allgather|broadcast|reduce_scatter) ;;
+        *) echo "latency.sh: --colls: $c is not allreduce, allgather, broadcast or reduce_scatter" >&2; exit 2 ;;
     esac
 done
 
@@ -55,61 +87,106 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 [ -n "$out" ] || out=$(mktemp -d /tmp/ferroccl-latency.XXXX)
 mkdir -p "$out"
+ncpu=$(nproc)
+cpu_model=$(awk -F': *' '/^model name/ { print $2; exit }' /proc/cpuinfo 2>/dev/null || true)
+[ -n "$cpu_model" ] || cpu_model=$(lscpu 2>/dev/null | awk -F': *' '/^Model name/ { print $2; exit }' || true)
+machine="# machine: nproc $ncpu, ${cpu_model:-unknown CPU}, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?') at start; $(date)"
 
-for tool in mpicc mpirun ompi_info; do
-    command -v "$tool" >/dev/null || { echo "latency.sh: $tool not found (apt-get install openmpi-bin libopenmpi-dev)" >&2; exit 1; }
+# The peers that are installed: their compiler and launcher.
+declare -A peer_cc peer_run
+avail=()
+for p in $peers; do
+    cc="" run=""
+    case "$p" in
+        ompi)
+            if command -v mpicc.openmpi >/dev/null && command -v mpirun.openmpi >/dev/null; then
+                cc=mpicc.openmpi run=mpirun.openmpi
+            elif command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -qi "open mpi\|openrte"; then
+                cc=mpicc run=mpirun
+            fi ;;
+        mpich)
+            if command -v mpicc.mpich >/dev/null && command -v mpirun.mpich >/dev/null; then
+                cc=mpicc.mpich run=mpirun.mpich
+            elif command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -qi "hydra"; then
+                cc=mpicc run=mpirun
+            fi ;;
+        *) echo "latency.sh: --peers: $p is not ompi or mpich" >&2; exit 2 ;;
+    esac
+    if [ -z "$cc" ]; then
+        echo "latency.sh: peer $p skipped: not installed (apt-get install openmpi-bin libopenmpi-dev mpich libmpich-dev)" >&2
+        continue
+    fi
+    peer_cc[$p]=$cc
+    peer_run[$p]=$run
+    avail+=("$p")
 done
 
 echo "== building" >&2
 cargo build --release -p ferroccl-perf -p ferroccl-run >&2
 mkdir -p target/peers
-mpicc -O2 -o target/peers/mpi_latency benches/peers/mpi_latency.c
+for p in "${avail[@]}"; do
+    "${peer_cc[$p]}" -O2 -o "target/peers/mpi_latency.$p" benches/peers/mpi_latency.c
+done
 perf=target/release/ferroccl-perf
 runner=target/release/ferroccl-run
-ncpu=$(nproc)
-mpi=target/peers/mpi_latency
 
 btl=vader
-ompi_info | grep -q "MCA btl: vader" || btl=sm
+if [ -n "${peer_run[ompi]:-}" ]; then
+    major=$("${peer_run[ompi]}" --version 2>/dev/null | head -1 | grep -o '[0-9][0-9]*\.[0-9.]*' | head -1 | cut -d. -f1)
+    [ "${major:-4}" -ge 5 ] && btl=sm
+fi
 
-args=(--sizes "$sizes" -n "$iters" --batches "$batches" --raw)
 data="$out/rows.txt"
 : > "$data"
 
-# run IMPL N ROUND: appends "IMPL N SIZE MODE ROUND BATCH US" rows.
+# run IMPL N DTYPE COLL ROUND: appends "IMPL DTYPE COLL N SIZE MODE ROUND BATCH US" rows.
 run() {
-    local impl=$1 n=$2 round=$3 rc=0
-    local log="$out/r$round-$impl-$n.log"
+    local impl=$1 n=$2 dtype=$3 coll=$4 round=$5 rc=0
+    local log="$out/r$round-$impl-$dtype-$coll-$n.log"
+    local args=(--sizes "$sizes" --dtype "$dtype" --coll "$coll" -n "$iters" --batches "$batches" --raw)
     if [ "$impl" = F ] && [ "$bind" = 1 ]; then
         "$runner" -n "$n" --transport shm --no-prefix -- sh -c \
             "exec taskset -c \$((FERROCCL_RANK % $ncpu)) $perf latency ${args[*]}" >"$log" 2>"$log.err" || rc=$?
     elif [ "$impl" = F ]; then
         "$perf" latency "${args[@]}" --ranks "$n" --transport shm >"$log" 2>"$log.err" || rc=$?
-    else
+    elif [ "$impl" = ompi ]; then
         local over=() binding=none
         [ "$n" -gt "$ncpu" ] && over=(--oversubscribe)
         if [ "$bind" = 1 ]; then
             binding=core
             [ "$n" -gt "$ncpu" ] && binding=core:overload-allowed
         fi
-        mpirun --allow-run-as-root "${over[@]}" --bind-to "$binding" -np "$n" --mca btl "self,$btl" \
-            "$mpi" "${args[@]}" >"$log" 2>"$log.err" || rc=$?
+        "${peer_run[ompi]}" --allow-run-as-root "${over[@]}" --bind-to "$binding" -np "$n" --mca btl "self,$btl" \
+            "target/peers/mpi_latency.ompi" "${args[@]}" >"$log" 2>"$log.err" || rc=$?
+    else
+        local binding=none
+        [ "$bind" = 1 ] && binding=core
+        "${peer_run[mpich]}" -bind-to "$binding" -np "$n" \
+            "target/peers/mpi_latency.mpich" "${args[@]}" >"$log" 2>"$log.err" || rc=$?
     fi
     if [ "$rc" != 0 ]; then
-        echo "latency.sh: $impl n=$n round $round exited with $rc; see $log and $log.err" >&2
+        echo "latency.sh: $impl $dtype $coll n=$n round $round exited with $rc; see $log and $log.err" >&2
         tail -3 "$log.err" >&2 || true
     fi
-    grep -q "wrong elements: 0 OK" "$log" || echo "latency.sh: $impl n=$n round $round: no clean check in $log" >&2
-    awk -v impl="$impl" -v n="$n" -v round="$round" '
-        $1 == "#batch" { k = $2 " " $3; print impl, n, $2, $3, round, b[k]++, $4 }' "$log" >>"$data"
+    grep -q "wrong elements: 0 OK" "$log" || echo "latency.sh: $impl $dtype $coll n=$n round $round: no clean check in $log" >&2
+    awk -v impl="$impl" -v n="$n" -v d="$dtype" -v c="$coll" -v round="$round" '
+        $1 == "#batch" { k = $2 " " $3; print impl, d, c, n, $2, $3, round, b[k]++, $4 }' "$log" >>"$data"
 }
 
+impls=(F "${avail[@]}")
+k=${#impls[@]}
 for round in $(seq 1 "$rounds"); do
+    # Rotated every round: each implementation goes first in turn.
+    order=()
+    for ((j = 0; j < k; j++)); do order+=("${impls[$(((j + round - 1) % k))]}"); done
     for n in $ranks_list; do
-        if [ $((round % 2)) = 1 ]; then order="F M"; else order="M F"; fi
-        echo "== round $round/$rounds: $n ranks ($order)" >&2
-        for impl in $order; do
-            run "$impl" "$n" "$round"
+        for dtype in $dtypes; do
+            for coll in $colls; do
+                echo "== round $round/$rounds: $n ranks, $dtype $coll (${order[*]})" >&2
+                for impl in "${order[@]}"; do
+                    run "$impl" "$n" "$dtype" "$coll" "$round"
+                done
+            done
         done
     done
 done
@@ -117,64 +194,97 @@ done
 rev="not a git checkout"
 if git rev-parse --short HEAD >/dev/null 2>&1; then
     rev=$(git rev-parse --short HEAD)
-    git diff --quiet HEAD -- crates tools 2>/dev/null || rev="$rev with local changes"
+    git diff --quiet HEAD -- crates tools benches/peers 2>/dev/null || rev="$rev with local changes"
 fi
-echo "# allreduce f32 sum in place: FerroCCL ($rev) vs $(mpirun --version 2>/dev/null | head -1)"
+versions=""
+for p in "${avail[@]}"; do
+    v=$(sed -n 's/^# mpi_latency: .* ranks, //p' "$out"/r1-"$p"-*.log 2>/dev/null | head -1)
+    versions="$versions, $p = ${v:-?}"
+done
+echo "$machine"
+echo "# $colls, $dtypes, sum, in place where the call is: FerroCCL ($rev) vs peers${versions:-: none}"
 pinned="unpinned"
 [ "$bind" = 1 ] && pinned="rank r pinned to CPU r mod $ncpu"
-echo "# host $(hostname), nproc $(nproc), $pinned; $rounds rounds x $batches batches x $iters calls per mode; time per call (us), the slowest rank's"
-echo "# F blk: comm.allreduce; F plan: allreduce_plan + plan.run(); M blk: MPI_Allreduce; M pers: persistent allreduce + MPI_Start/MPI_Wait"
-echo "# ratios < 1: the first is faster. pb = F plan / F blk; pm = F plan / M pers; bm = F blk / M blk"
+echo "# host $(hostname), $pinned; $rounds rounds x $batches batches x $iters calls per mode; time per call (us), the slowest rank's; finished $(date)"
+echo "# F blk: comm.<coll>; F plan: <coll>_plan + plan.run(); <peer> blk: MPI_<Coll>; <peer> pers: its persistent form + MPI_Start/MPI_Wait:"
+for p in "${avail[@]}"; do
+    for c in $colls; do
+        line=$(sed -n 's/^#  blocking: /blocking: /p' "$out"/r1-"$p"-*-"$c"-*.log 2>/dev/null | head -1)
+        echo "#   $p $c: ${line:-no log}"
+    done
+done
+echo "# best: the fastest peer column at that size (ompi/b = Open MPI blocking, mpich/p = MPICH persistent, ...)"
+echo "# ratios < 1: FerroCCL is faster. F/best = F blk / best; P/best = F plan / best; pb = F plan / F blk"
 echo "# paired: median over batches of the ratio of the two modes' batches in the same process (same machine state)"
-sort -k2,2n -k3,3n "$data" | awk '
+awk -v peers="${avail[*]}" '
     function median(list,   a, k, m, j, x) {
         k = split(list, a, " ")
         for (m = 2; m <= k; m++) { x = a[m] + 0; j = m - 1; while (j >= 1 && a[j] + 0 > x) { a[j + 1] = a[j]; j-- } a[j + 1] = x }
         if (k == 0) return -1
         return (k % 2) ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
     }
+    function num(v, w) { return v > 0 ? sprintf("%" w ".2f", v) : sprintf("%" w "s", "-") }
+    function ratio(a, b, w) { return (a > 0 && b > 0) ? sprintf("%" w ".2f", a / b) : sprintf("%" w "s", "-") }
+    BEGIN {
+        np = split(peers, P, " ")
+        nc = 0
+        impl[++nc] = "F"; md[nc] = "b"; head[nc] = "F blk"
+        impl[++nc] = "F"; md[nc] = "p"; head[nc] = "F plan"
+        for (i = 1; i <= np; i++) {
+            impl[++nc] = P[i]; md[nc] = "b"; head[nc] = P[i] " blk"
+            impl[++nc] = P[i]; md[nc] = "p"; head[nc] = P[i] " pers"
+        }
+    }
     {
-        key = $2 SUBSEP $3; col = $1 " " $4
-        if (!(key in seen)) { seen[key] = 1; order[++nk] = key }
-        t[key, col] = t[key, col] " " $7
-        if (!((key, col) in lo) || $7 + 0 < lo[key, col]) lo[key, col] = $7 + 0
-        # The same batch of the other mode of the same process (paired ratios).
-        pair[key, $1, $5, $6, $4] = $7
+        key = $2 SUBSEP $3 SUBSEP $4; size = $5; m = $6 == "blocking" ? "b" : "p"; col = $1 "/" m
+        if (!(key in gseen)) { gseen[key] = 1; gorder[++ng] = key }
+        if (!((key, size) in sseen)) { sseen[key, size] = 1; ns[key]++; sorder[key, ns[key]] = size }
+        t[key, size, col] = t[key, size, col] " " $9
+        if (!((key, size, col) in lo) || $9 + 0 < lo[key, size, col]) lo[key, size, col] = $9 + 0
+        rb = $7 ":" $8
+        pr[key, size, $1, rb, m] = $9
+        if (m == "b") blist[key, size, $1] = blist[key, size, $1] " " rb
     }
     END {
-        cols[1] = "F blocking"; cols[2] = "F plan"; cols[3] = "M blocking"; cols[4] = "M persistent"
-        for (i = 1; i <= nk; i++) {
-            key = order[i]
-            for (c = 1; c <= 4; c++) med[key, c] = ((key, cols[c]) in t) ? median(t[key, cols[c]]) : -1
-            fr = ""; mr = ""
-            for (pk in pair) {
-                split(pk, q, SUBSEP)
-                if (q[1] SUBSEP q[2] != key || q[6] != "blocking") continue
-                other = q[3] == "F" ? "plan" : "persistent"
-                ok = q[1] SUBSEP q[2] SUBSEP q[3] SUBSEP q[4] SUBSEP q[5] SUBSEP other
-                if (!(ok in pair)) continue
-                r = pair[ok] / pair[pk]
-                if (q[3] == "F") fr = fr " " r; else mr = mr " " r
-            }
-            fpair[key] = median(fr); mpair[key] = median(mr)
-        }
         for (pass = 1; pass <= 2; pass++) {
-            last = ""
             printf "\n## %s\n", pass == 1 ? "medians over all batches" : "fastest batch of each mode (min)"
-            for (i = 1; i <= nk; i++) {
-                key = order[i]; split(key, p, SUBSEP)
-                if (p[1] != last) {
-                    printf "\n# %s ranks\n", p[1]
-                    printf "%8s %8s %8s %8s %8s %7s %7s %7s", "size(B)", "F blk", "F plan", "M blk", "M pers", "pb", "pm", "bm"
-                    if (pass == 1) printf " %12s %12s", "pb paired", "M pers/blk"
-                    printf "\n"
-                    last = p[1]
+            for (g = 1; g <= ng; g++) {
+                key = gorder[g]; split(key, q, SUBSEP)
+                printf "\n# %s %s, %s ranks\n", q[1], q[2], q[3]
+                printf "%8s", "size(B)"
+                for (c = 1; c <= nc; c++) printf " %10s", head[c]
+                printf " %8s %8s %6s %6s %6s", "best", "by", "F/best", "P/best", "pb"
+                if (pass == 1) {
+                    printf " %9s", "pb paired"
+                    for (i = 1; i <= np; i++) printf " %14s", P[i] " pers/blk"
                 }
-                for (c = 1; c <= 4; c++) v[c] = pass == 1 ? med[key, c] : (((key, cols[c]) in lo) ? lo[key, cols[c]] : -1)
-                printf "%8s %8.2f %8.2f %8.2f %8.2f %7.2f %7.2f %7.2f", p[2], v[1], v[2], v[3], v[4], v[2] / v[1], v[2] / v[4], v[1] / v[3]
-                if (pass == 1) printf " %12.2f %12.2f", fpair[key], mpair[key]
                 printf "\n"
+                for (s = 1; s <= ns[key]; s++) {
+                    size = sorder[key, s]
+                    best = -1; by = "-"
+                    for (c = 1; c <= nc; c++) {
+                        k3 = key SUBSEP size SUBSEP impl[c] "/" md[c]
+                        v[c] = -1
+                        if (k3 in t) v[c] = pass == 1 ? median(t[k3]) : lo[k3]
+                        if (c > 2 && v[c] > 0 && (best < 0 || v[c] < best)) { best = v[c]; by = impl[c] "/" md[c] }
+                    }
+                    printf "%8s", size
+                    for (c = 1; c <= nc; c++) printf " %s", num(v[c], 10)
+                    printf " %s %8s %s %s %s", num(best, 8), by, ratio(v[1], best, 6), ratio(v[2], best, 6), ratio(v[2], v[1], 6)
+                    if (pass == 1) {
+                        for (i = 0; i <= np; i++) {
+                            im = i == 0 ? "F" : P[i]
+                            list = ""
+                            nb = split(blist[key, size, im], B, " ")
+                            for (j = 1; j <= nb; j++)
+                                if ((key, size, im, B[j], "p") in pr)
+                                    list = list " " pr[key, size, im, B[j], "p"] / pr[key, size, im, B[j], "b"]
+                            printf " %s", num(median(list), i == 0 ? 9 : 14)
+                        }
+                    }
+                    printf "\n"
+                }
             }
         }
-    }'
-echo "# raw rows (IMPL N SIZE MODE ROUND BATCH US) and logs: $out"
+    }' "$data"
+echo "# raw rows (IMPL DTYPE COLL N SIZE MODE ROUND BATCH US) and logs: $out"

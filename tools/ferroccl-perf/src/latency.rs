@@ -1,42 +1,49 @@
-//! `ferroccl-perf latency`: small-message allreduce latency, a blocking call against a
-//! persistent plan, alternating in one run (see [`help`]).
+//! `ferroccl-perf latency`: small-message collective latency (allreduce by default), a
+//! blocking call against a persistent plan, alternating in one run (see [`help`]).
 
 use std::time::Instant;
 
 use clap::CommandFactory;
-use ferroccl::{Communicator, ReduceOp, TransportKind};
+use ferroccl::{Communicator, Plan, ReduceOp, TransportKind};
+use ferroccl_kernels::bf16;
 
 use crate::args::{self, parse_size, ArgError, Expected};
+use crate::data::Val;
 use crate::sub::{self, Common};
 use crate::Failure;
 
 /// `ferroccl-perf latency`'s usage, printed with every command-line error.
-pub const USAGE: &str = "usage: ferroccl-perf latency [--sizes 8,4K] [-n ITERS] [-w WARMUP] [--batches B] [--raw]
-                             [--ranks N | under ferroccl-run -n N --] [--transport T]";
+pub const USAGE: &str = "usage: ferroccl-perf latency [--sizes 8,4K] [--dtype f32|bf16] [--coll C] [-n ITERS] [-w WARMUP]
+                             [--batches B] [--raw] [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
 /// What `--help` says before the options.
 const ABOUT_MORE: &str = "\
-Allreduce of f32, sum, in place, two ways in one run:
-  blocking   comm.allreduce(&mut buf, ReduceOp::Sum)
-  plan       comm.allreduce_plan(&mut buf, ReduceOp::Sum) built once per size, then
-             plan.run() per call
-For each size: one checked call of each (every rank's input is rank + 1; the sum must be
-n(n+1)/2), WARMUP calls of each, then B batches per mode, alternating batch by batch
-(blocking first in even batches, plan first in odd ones; the machine's speed drifts). A
-batch is a barrier and ITERS timed calls; its time per call is the slowest rank's.";
+A collective (--coll, default allreduce: sum, in place) of f32 or bf16 (--dtype), two ways
+in one run:
+  blocking   comm.allreduce(&mut buf, ReduceOp::Sum) (comm.allgather, comm.broadcast,
+             comm.reduce_scatter)
+  plan       comm.allreduce_plan(&mut buf, ReduceOp::Sum) (allgather_plan, broadcast_plan,
+             reduce_scatter_plan) built once per size, then plan.run() per call
+Sizes are per-rank buffer sizes: for allgather and reduce_scatter the per-rank block (the
+gathered output / the input are n times larger); broadcast's root is rank 0.
+For each size: one checked call of each (every rank's input is rank + 1; allreduce and
+reduce_scatter must give n(n+1)/2, exact in bf16 up to 22 ranks, allgather block r must be
+r + 1, broadcast 1), WARMUP calls of each, then B batches per mode, alternating batch by
+batch (blocking first in even batches, plan first in odd ones; the machine's speed drifts).
+A batch is a barrier and ITERS timed calls; its time per call is the slowest rank's.";
 
 /// What `--help` says after the options.
 const AFTER_HELP: &str = "\
 output (rank 0): per size and mode the median, min and max over the batches of the time
 per call in microseconds, and plan/blocking (median over median). Its peer for MPI is
-benches/peers/mpi_latency.c; benches/latency.sh runs both, alternating.
+benches/peers/mpi_latency.c; benches/latency.sh runs both (Open MPI and MPICH), alternating.
 exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.";
 
 /// `ferroccl-perf latency`'s options (its command line, parsed by clap).
 #[derive(Clone, Debug, PartialEq, clap::Parser)]
 #[command(
     name = "ferroccl-perf latency",
-    about = "ferroccl-perf latency: small-message allreduce latency, blocking call vs persistent plan",
+    about = "ferroccl-perf latency: small-message collective latency, blocking call vs persistent plan",
     override_usage = &USAGE["usage: ".len()..],
     before_help = ABOUT_MORE,
     after_help = AFTER_HELP,
@@ -50,6 +57,12 @@ pub struct LatencyOptions {
     // value, parsed by `sizes`.
     #[arg(long, value_name = "LIST", default_value = "8,4K", allow_hyphen_values = true, value_parser = sizes)]
     pub sizes: std::vec::Vec<usize>,
+    /// Element type: f32 or bf16
+    #[arg(long, value_name = "T", default_value = "f32", allow_hyphen_values = true, value_parser = dtype)]
+    pub dtype: LatDtype,
+    /// Collective: allreduce, allgather, broadcast or reduce_scatter
+    #[arg(long, value_name = "C", default_value = "allreduce", allow_hyphen_values = true, value_parser = coll)]
+    pub coll: LatColl,
     /// Timed calls per batch
     #[arg(short = 'n', value_name = "ITERS", default_value = "200", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
@@ -67,6 +80,79 @@ pub struct LatencyOptions {
     pub common: Common,
 }
 
+/// `--dtype`: the element types `latency` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LatDtype {
+    /// `f32`.
+    F32,
+    /// `half::bf16` (reduced with f32 accumulation).
+    Bf16,
+}
+
+impl LatDtype {
+    /// The name on the command line and in the output.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LatDtype::F32 => "f32",
+            LatDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// `--coll`: the collectives `latency` measures (those with a persistent plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LatColl {
+    /// In-place allreduce, sum.
+    AllReduce,
+    /// Allgather of a per-rank block (out of place).
+    AllGather,
+    /// In-place broadcast from rank 0.
+    Broadcast,
+    /// Reduce-scatter, sum, into a per-rank block (out of place).
+    ReduceScatter,
+}
+
+impl LatColl {
+    /// Every one, in `--coll`'s order.
+    pub const ALL: [LatColl; 4] = [LatColl::AllReduce, LatColl::AllGather, LatColl::Broadcast, LatColl::ReduceScatter];
+
+    /// The name on the command line and in the output.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LatColl::AllReduce => "allreduce",
+            LatColl::AllGather => "allgather",
+            LatColl::Broadcast => "broadcast",
+            LatColl::ReduceScatter => "reduce_scatter",
+        }
+    }
+
+    /// Whether the call works in place on one buffer (no separate input).
+    const fn in_place(self) -> bool {
+        matches!(self, LatColl::AllReduce | LatColl::Broadcast)
+    }
+
+    /// The lengths (input, output) in elements of `count`-element calls on `n` ranks; an
+    /// in-place call has no input.
+    const fn lens(self, count: usize, n: usize) -> (usize, usize) {
+        match self {
+            LatColl::AllReduce | LatColl::Broadcast => (0, count),
+            LatColl::AllGather => (count, n * count),
+            LatColl::ReduceScatter => (n * count, count),
+        }
+    }
+
+    /// What the header says about the call.
+    fn describe(self, dtype: LatDtype) -> String {
+        let t = dtype.name();
+        match self {
+            LatColl::AllReduce => format!("allreduce {t} sum in place"),
+            LatColl::AllGather => format!("allgather {t}, size = the per-rank block"),
+            LatColl::Broadcast => format!("broadcast {t} from rank 0 in place"),
+            LatColl::ReduceScatter => format!("reduce_scatter {t} sum, size = the per-rank block"),
+        }
+    }
+}
+
 /// `--help`.
 pub fn help() -> String {
     LatencyOptions::command().render_help().to_string()
@@ -81,6 +167,24 @@ pub fn parse(args: &[String]) -> Result<Option<LatencyOptions>, ArgError> {
 fn sizes(v: &str) -> Result<Vec<usize>, Expected> {
     let list = v.split(',').map(|s| parse_size(s).filter(|&b| b >= 4)).collect::<Option<Vec<_>>>();
     list.ok_or_else(|| Expected("must be a comma-separated list of sizes of 4 bytes or more, like 8,4K".into()))
+}
+
+/// `--dtype`.
+fn dtype(v: &str) -> Result<LatDtype, Expected> {
+    match v.trim() {
+        "f32" => Ok(LatDtype::F32),
+        "bf16" => Ok(LatDtype::Bf16),
+        _ => Err(Expected("must be f32 or bf16".into())),
+    }
+}
+
+/// `--coll`.
+fn coll(v: &str) -> Result<LatColl, Expected> {
+    let v = v.trim();
+    LatColl::ALL
+        .into_iter()
+        .find(|c| c.name() == v)
+        .ok_or_else(|| Expected("must be one of allreduce, allgather, broadcast, reduce_scatter".into()))
 }
 
 /// The two ways to call.
@@ -104,11 +208,13 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
     let comm = o.common.init()?;
     let (rank, n) = (comm.rank(), comm.size());
     if rank == 0 {
+        let c = o.coll.name();
         println!(
-            "# ferroccl-perf latency: allreduce f32 sum in place, {n} ranks, transport {}",
+            "# ferroccl-perf latency: {}, {n} ranks, transport {}",
+            o.coll.describe(o.dtype),
             comm.transport_to((rank + 1) % n).map_or("self", TransportKind::name)
         );
-        println!("#  blocking: comm.allreduce; plan: comm.allreduce_plan once per size, then plan.run()");
+        println!("#  blocking: comm.{c}; plan: comm.{c}_plan once per size, then plan.run()");
         println!(
             "#  {} batches of {} calls per mode (alternating), {} warm-up calls; time per call: the slowest rank's",
             o.batches, o.iters, o.warmup
@@ -118,7 +224,10 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
     let mut wrong = 0usize;
     let mut ratios = Vec::new();
     for &size in &o.sizes {
-        let (w, medians) = one_size(&comm, o, size)?;
+        let (w, medians) = match o.dtype {
+            LatDtype::F32 => one_size::<f32>(&comm, o, size)?,
+            LatDtype::Bf16 => one_size::<bf16>(&comm, o, size)?,
+        };
         wrong += w;
         ratios.push((size, medians[1] / medians[0]));
     }
@@ -132,37 +241,86 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
     sub::finish(comm, wrong as u64)
 }
 
+/// The blocking call of `coll` (`input` is empty for the in-place ones).
+fn blocking<T: Val>(comm: &Communicator, coll: LatColl, input: &[T], output: &mut [T]) -> ferroccl::Result<()> {
+    match coll {
+        LatColl::AllReduce => comm.allreduce(output, ReduceOp::Sum),
+        LatColl::AllGather => comm.allgather(input, output),
+        LatColl::Broadcast => comm.broadcast(output, 0),
+        LatColl::ReduceScatter => comm.reduce_scatter(input, output, ReduceOp::Sum),
+    }
+}
+
+/// The plan of `coll` over `input` (unused by the in-place ones) and `output`.
+fn plan<'a, T: Val>(comm: &'a Communicator, coll: LatColl, input: &'a mut [T], output: &'a mut [T]) -> ferroccl::Result<Plan<'a, T>> {
+    match coll {
+        LatColl::AllReduce => comm.allreduce_plan(output, ReduceOp::Sum),
+        LatColl::AllGather => comm.allgather_plan(input, output),
+        LatColl::Broadcast => comm.broadcast_plan(output, 0),
+        LatColl::ReduceScatter => comm.reduce_scatter_plan(input, output, ReduceOp::Sum),
+    }
+}
+
+/// The exact result of a checked call on `n` ranks whose inputs are rank + 1.
+fn expected<T: Val>(coll: LatColl, n: usize, out_len: usize) -> Vec<T> {
+    let sum = T::from_small((n * (n + 1) / 2) as i32);
+    match coll {
+        LatColl::AllReduce | LatColl::ReduceScatter => vec![sum; out_len],
+        LatColl::Broadcast => vec![T::from_small(1); out_len],
+        LatColl::AllGather => {
+            let block = out_len / n;
+            (0..out_len).map(|i| T::from_small((i / block + 1) as i32)).collect()
+        }
+    }
+}
+
+/// How many elements of `got` differ from `want`.
+fn wrong<T: Val>(got: &[T], want: &[T]) -> usize {
+    got.iter().zip(want).filter(|(g, w)| g != w).count() + got.len().abs_diff(want.len())
+}
+
 /// Checks, warms up and times one size; returns wrong elements (this rank) and the medians
 /// (blocking, plan) in microseconds.
-fn one_size(comm: &Communicator, o: &LatencyOptions, size: usize) -> Result<(usize, [f64; 2]), Failure> {
+fn one_size<T: Val>(comm: &Communicator, o: &LatencyOptions, size: usize) -> Result<(usize, [f64; 2]), Failure> {
     let (rank, n) = (comm.rank(), comm.size());
-    let count = (size / 4).max(1);
-    let what = |m: Mode| format!("allreduce {size} B {}", m.name());
-    let mut buf = vec![0f32; count];
-    let mut pbuf = vec![0f32; count];
-    let mut plan = comm.allreduce_plan(&mut pbuf, ReduceOp::Sum).map_err(sub::fail(comm, what(Mode::Plan)))?;
-    let want = (n * (n + 1) / 2) as f32;
-    let input = (rank + 1) as f32;
+    let coll = o.coll;
+    let count = (size / std::mem::size_of::<T>()).max(1);
+    let (in_len, out_len) = coll.lens(count, n);
+    let what = |m: Mode| format!("{} {size} B {}", coll.name(), m.name());
+    let zero = T::from_small(0);
+    let (mut input, mut output) = (vec![zero; in_len], vec![zero; out_len]);
+    let (mut pinput, mut poutput) = (vec![zero; in_len], vec![zero; out_len]);
+    let mut plan = plan(comm, coll, &mut pinput, &mut poutput).map_err(sub::fail(comm, what(Mode::Plan)))?;
+    let want = expected::<T>(coll, n, out_len);
+    let mine = T::from_small((rank + 1) as i32);
 
-    buf.fill(input);
-    comm.allreduce(&mut buf, ReduceOp::Sum).map_err(sub::fail(comm, what(Mode::Blocking)))?;
-    let mut wrong = buf.iter().filter(|&&x| x != want).count();
-    plan.output_mut().fill(input);
+    // The checked calls: every rank's input is rank + 1.
+    if coll.in_place() {
+        output.fill(mine);
+        plan.output_mut().fill(mine);
+    } else {
+        input.fill(mine);
+        plan.input_mut().unwrap_or_default().fill(mine);
+    }
+    blocking(comm, coll, &input, &mut output).map_err(sub::fail(comm, what(Mode::Blocking)))?;
+    let mut bad = wrong(&output, &want);
     plan.run().map_err(sub::fail(comm, what(Mode::Plan)))?;
-    wrong += plan.output().iter().filter(|&&x| x != want).count();
-    buf.fill(0.0);
-    plan.output_mut().fill(0.0);
+    bad += wrong(plan.output(), &want);
+    input.fill(zero);
+    output.fill(zero);
+    plan.output_mut().fill(zero);
+    plan.input_mut().unwrap_or_default().fill(zero);
 
-    let mut call = |m: Mode, buf: &mut [f32]| -> Result<(), Failure> {
+    let mut call = |m: Mode, output: &mut [T]| -> Result<(), Failure> {
         match m {
-            Mode::Blocking => comm.allreduce(buf, ReduceOp::Sum),
+            Mode::Blocking => blocking(comm, coll, &input, output),
             Mode::Plan => plan.run(),
         }
         .map_err(sub::fail(comm, what(m)))
     };
     for m in [Mode::Blocking, Mode::Plan] {
         for _ in 0..o.warmup {
-            call(m, &mut buf)?;
+            call(m, &mut output)?;
         }
     }
     let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
@@ -172,7 +330,7 @@ fn one_size(comm: &Communicator, o: &LatencyOptions, size: usize) -> Result<(usi
             comm.barrier().map_err(sub::fail(comm, "barrier"))?;
             let t0 = Instant::now();
             for _ in 0..o.iters {
-                call(m, &mut buf)?;
+                call(m, &mut output)?;
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
             let slowest = sub::max_over_ranks(comm, us)?;
@@ -191,7 +349,7 @@ fn one_size(comm: &Communicator, o: &LatencyOptions, size: usize) -> Result<(usi
             println!(" {size:>11} {:>12} {:>10.2} {lo:>10.2} {hi:>10.2}", m.name(), medians[m as usize]);
         }
     }
-    Ok((wrong, medians))
+    Ok((bad, medians))
 }
 
 #[cfg(test)]
@@ -225,5 +383,41 @@ mod tests {
         assert_eq!(parse(&s(&["--raw=1"])), Err(ArgError::UnknownOption("--raw=1".into())));
         assert!(parse(&s(&["--transport", "pigeon"])).is_err());
         assert!(super::help().contains("allreduce_plan"));
+    }
+
+    #[test]
+    fn dtype_and_coll() {
+        let d = parse(&s(&[])).unwrap().unwrap();
+        assert_eq!((d.dtype, d.coll), (LatDtype::F32, LatColl::AllReduce));
+        let o = parse(&s(&["--dtype", "bf16", "--coll=allgather", "--sizes", "8"])).unwrap().unwrap();
+        assert_eq!((o.dtype, o.coll, o.sizes), (LatDtype::Bf16, LatColl::AllGather, vec![8]));
+        for c in LatColl::ALL {
+            assert_eq!(parse(&s(&["--coll", c.name()])).unwrap().unwrap().coll, c);
+        }
+        assert_eq!(parse(&s(&["--dtype", "bf16", "--dtype", "f32"])).unwrap().unwrap().dtype, LatDtype::F32);
+        let e = parse(&s(&["--dtype", "f16"])).unwrap_err().to_string();
+        assert!(e.contains("--dtype \"f16\"") && e.contains("f32 or bf16"), "{e}");
+        let e = parse(&s(&["--coll", "alltoall"])).unwrap_err().to_string();
+        assert!(e.contains("--coll \"alltoall\"") && e.contains("reduce_scatter"), "{e}");
+        assert_eq!(parse(&s(&["--coll"])), Err(ArgError::MissingValue("--coll".into())));
+        let h = super::help();
+        for want in ["--dtype", "--coll", "reduce_scatter_plan", "per-rank block"] {
+            assert!(h.contains(want), "{want}: {h}");
+        }
+    }
+
+    #[test]
+    fn buffer_lengths_and_expected_results() {
+        assert_eq!(LatColl::AllReduce.lens(4, 3), (0, 4));
+        assert_eq!(LatColl::Broadcast.lens(4, 3), (0, 4));
+        assert_eq!(LatColl::AllGather.lens(4, 3), (4, 12));
+        assert_eq!(LatColl::ReduceScatter.lens(4, 3), (12, 4));
+        assert_eq!(expected::<f32>(LatColl::AllReduce, 4, 2), vec![10.0; 2]);
+        assert_eq!(expected::<f32>(LatColl::Broadcast, 4, 2), vec![1.0; 2]);
+        assert_eq!(expected::<f32>(LatColl::AllGather, 3, 6), vec![1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
+        // Sums of rank + 1 are exact in bf16 up to 22 ranks (253 <= 256).
+        assert_eq!(expected::<bf16>(LatColl::ReduceScatter, 22, 1), vec![bf16::from_f32(253.0)]);
+        assert_eq!(wrong(&[1.0f32, 2.0], &[1.0, 3.0]), 1);
+        assert_eq!(wrong(&[1.0f32], &[1.0, 3.0]), 1);
     }
 }

@@ -42,8 +42,9 @@
 //!
 //! Three more subcommands measure what the table cannot (each has its own `--help`):
 //!
-//! * `ferroccl-perf latency`: small-message allreduce latency, blocking call vs persistent
-//!   plan, alternating in one run ([`latency`]; benches/latency.sh adds Open MPI);
+//! * `ferroccl-perf latency`: small-message latency of allreduce (or allgather, broadcast,
+//!   reduce_scatter; f32 or bf16), blocking call vs persistent plan, alternating in one run
+//!   ([`latency`]; benches/latency.sh adds Open MPI and MPICH);
 //! * `ferroccl-perf idle`: the CPU time a communicator uses while idle, per rank ([`idle`]);
 //! * `ferroccl-perf overlap`: compute + gradient allreduce, sequential vs overlapped with
 //!   the non-blocking API ([`overlap`]).

@@ -219,6 +219,13 @@ fn the_measurement_subcommands_run_and_check() {
     assert_eq!((lat[0][1].as_str(), lat[1][1].as_str()), ("blocking", "plan"), "{out}");
     assert_eq!(out.matches("#batch ").count(), 2 * 2 * 2, "--raw prints every batch: {out}");
     assert!(out.contains("plan / blocking") && out.contains("wrong elements: 0 OK"), "{out}");
+    for coll in ["allgather", "broadcast", "reduce_scatter"] {
+        let o =
+            perf(&["latency", "--sizes", "8", "--dtype", "bf16", "--coll", coll, "-n", "3", "-w", "1", "--batches", "1", "--ranks", "3"]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{coll}: {:?}\n{out}\n{err}", o.status);
+        assert!(out.contains(&format!("latency: {coll} bf16")) && out.contains("wrong elements: 0 OK"), "{out}");
+    }
 
     let o = perf(&["idle", "--seconds", "0.2", "--ranks", "2"]);
     let (out, err) = text(&o);
