@@ -540,6 +540,12 @@ impl Engine {
         }
         self.fabric.check_health(now);
         self.answer_probes();
+        // Peers' one-sided requests wait for nothing but this rank (the driver serves them
+        // too; the window server is shared).
+        let serving = self.park.serving.load(Ordering::Relaxed) > 0 || self.park.held.load(Ordering::Relaxed) > 0;
+        if !self.fabric.inbox.has_fatal() && (serving || self.fabric.inbox.rma_pending()) {
+            self.rma.serve(&self.fabric);
+        }
     }
 
     /// Whether any job in `jobs` has a low-latency part that could move now.

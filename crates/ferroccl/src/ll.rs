@@ -515,7 +515,7 @@ impl LlChannel {
         desc: &Desc,
         spec: &LlSpec,
         input: Option<&[u8]>,
-        mut output: Option<&mut [u8]>,
+        output: Option<&mut [u8]>,
         deadline_after: Duration,
         tend: &dyn Fn(Instant),
         op: &dyn Fn() -> Op,
@@ -530,7 +530,7 @@ impl LlChannel {
         };
         self.post(fabric, s, call, desc, src);
         self.wait(fabric, s, call, desc, deadline_after, tend, op)?;
-        self.finish(s, spec, output.as_deref_mut())?;
+        self.finish(s, spec, output)?;
         self.complete(fabric, s);
         Ok(())
     }
@@ -563,7 +563,12 @@ impl LlChannel {
                 while f != 0 {
                     let p = f.trailing_zeros() as usize;
                     f &= f - 1;
-                    self.check_call(s, p, call, desc, op)?;
+                    if let Err(e) = self.check_call(s, p, call, desc, op) {
+                        // A cause a peer has reported (an abort, a failure) wins over what
+                        // it left in its slot: look at the transports first.
+                        tend(Instant::now());
+                        return Err(fabric.fatal_error(&op()).unwrap_or(e));
+                    }
                 }
                 checked |= fresh;
             }
@@ -576,7 +581,7 @@ impl LlChannel {
                 }
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 {
+            if !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }

@@ -234,7 +234,7 @@ fn run_case(
 pub fn collectives_equal_the_reference_exact_values(s: &Suite) {
     let case = (
         1usize..=s.collective_ranks,
-        prop::sample::select(vec![None, Some(Algo::Ring), Some(Algo::Mesh), Some(Algo::OneShot), Some(Algo::Chain)]),
+        prop::sample::select(vec![None, Some(Algo::Ring), Some(Algo::Mesh), Some(Algo::OneShot), Some(Algo::Chain), Some(Algo::Ll)]),
         prop::sample::select(vec![ProtoChoice::Auto, ProtoChoice::Eager, ProtoChoice::Rendezvous]),
         12u32..=17,
         prop::sample::select(vec![0usize, 1, 2, 3, 5, 17, 100, 1023, 4099]),
@@ -254,11 +254,11 @@ pub fn collectives_equal_the_reference_three_ranks_counts_0_and_1(s: &Suite) {
     run_case(s, 3, None, ProtoChoice::Auto, 1 << 12, &[0, 1], 0, true).unwrap();
 }
 
-/// Random floats (specials included): mesh and oneshot are bit-equal to the rank-order
-/// reference; auto (whatever it picks) is checked through the same path with exact values
-/// above.
+/// Random floats (specials included): mesh, oneshot and the low-latency protocol (where the
+/// wire has it: shm) are bit-equal to the rank-order reference; auto (whatever it picks) is
+/// checked through the same path with exact values above.
 pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
-    for algo in [Algo::Mesh, Algo::OneShot] {
+    for algo in [Algo::Mesh, Algo::OneShot, Algo::Ll] {
         for &n in s.float_ranks {
             run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
                 .unwrap_or_else(|e| panic!("{algo}: {e}"));
