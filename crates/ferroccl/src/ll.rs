@@ -58,6 +58,7 @@ const COLLS: [Collective; 6] = [
 ];
 use crate::error::{Error, Op, Result};
 use crate::fabric::{Fabric, PARK_NAP};
+use crate::params::FaultSite;
 use crate::poll::Poll;
 use crate::proto::{self, Desc};
 
@@ -393,8 +394,11 @@ impl LlChannel {
 
     /// Step 3, once every member has posted `s`: the call's result into `out` (`None`:
     /// this rank wants none, e.g. reduce off the root).
-    fn finish(&self, s: u64, spec: &LlSpec, out: Option<&mut [u8]>) -> Result<()> {
+    fn finish(&self, fabric: &Fabric, s: u64, spec: &LlSpec, out: Option<&mut [u8]>) -> Result<()> {
         let Some(out) = out else { return Ok(()) };
+        if spec.kind.reduces() && fabric.params.injects(FaultSite::ReduceStep, fabric.rank) {
+            return Err(Error::internal("low-latency reduction: injected by FERROCCL_INJECT_FAULT"));
+        }
         let (r, b) = (self.rank, spec.bytes());
         let data = self.slot(s) + HDR;
         match spec.kind {
@@ -530,7 +534,7 @@ impl LlChannel {
         };
         self.post(fabric, s, call, desc, src);
         self.wait(fabric, s, call, desc, deadline_after, tend, op)?;
-        self.finish(s, spec, output)?;
+        self.finish(fabric, s, spec, output)?;
         self.complete(fabric, s);
         Ok(())
     }
@@ -720,7 +724,7 @@ impl LlRun {
         }
         let len = output.len();
         output
-            .with_slice_mut(0, len, |out| chan.finish(self.s, &self.spec, Some(out)))
+            .with_slice_mut(0, len, |out| chan.finish(fabric, self.s, &self.spec, Some(out)))
             .map_err(|e| Error::internal(format!("{}: low-latency result: {e}", named())))??;
         chan.complete(fabric, self.s);
         self.leave();

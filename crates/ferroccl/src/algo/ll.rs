@@ -24,6 +24,13 @@ pub(crate) struct LlSpec {
     pub(crate) in_place: bool,
 }
 
+impl LlKind {
+    /// Whether the call reduces (on this rank or another).
+    pub(crate) fn reduces(self) -> bool {
+        matches!(self, LlKind::Coll(c) if c.reduces())
+    }
+}
+
 impl LlSpec {
     /// Bytes of a rank's slot the call fills, for `n` members.
     pub(crate) fn slot_bytes(kind: LlKind, n: usize, bytes: usize) -> Option<usize> {
