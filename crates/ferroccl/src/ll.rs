@@ -78,6 +78,8 @@ const HDR: usize = 32;
 const SEQ_OFF: usize = 0;
 const CALL_OFF: usize = 8;
 const DESC_OFF: usize = 16;
+/// Data bytes that share the header's cache line.
+const INLINE: usize = 64 - HDR;
 /// Most members a low-latency communicator may have (each call reads every member's slot).
 pub(crate) const MAX_RANKS: usize = 32;
 /// The bounce buffer reductions read slots through, split among the members.
@@ -166,6 +168,31 @@ fn my_cpus() -> [u64; CPU_WORDS] {
         Err(_) => m[0] = u64::MAX,
     }
     m
+}
+
+/// Up to 8 bytes as the little-endian word they start (zero-padded).
+fn word(b: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w[..b.len()].copy_from_slice(b);
+    u64::from_le_bytes(w)
+}
+
+/// `dst.len()` bytes at `at` (8-aligned) of `seg`, by word loads (ordered by the caller's
+/// acquire of the slot's `s`).
+fn load_words(seg: &ShmSegment, at: usize, dst: &mut [u8]) {
+    for (i, c) in dst.chunks_mut(8).enumerate() {
+        let w = seg.atomic_u64(at + 8 * i).load(Ordering::Relaxed).to_le_bytes();
+        c.copy_from_slice(&w[..c.len()]);
+    }
+}
+
+/// A slot's bytes into `dst`: word loads when they are few and aligned, a copy otherwise.
+fn read_small(seg: &ShmSegment, at: usize, dst: &mut [u8]) {
+    if dst.len() <= INLINE && at.is_multiple_of(8) {
+        load_words(seg, at, dst);
+    } else {
+        seg.read(at, dst);
+    }
 }
 
 /// Makes this rank's segment of communicator `comm` (before the members look for it), with
@@ -332,9 +359,20 @@ impl LlChannel {
     fn post(&self, fabric: &Fabric, s: u64, call: u32, desc: &Desc, src: &[u8]) {
         let seg = &self.segs[self.rank];
         let at = self.slot(s);
-        seg.write(at + HDR, src);
-        seg.write(at + CALL_OFF, &call.to_le_bytes());
-        seg.write(at + DESC_OFF, desc);
+        if src.len() <= INLINE {
+            // Header and data share the cache line: word stores, no copy call.
+            seg.atomic_u64(at + CALL_OFF).store(u64::from(call), Ordering::Relaxed);
+            let (d0, d1) = desc.split_at(8);
+            seg.atomic_u64(at + DESC_OFF).store(word(d0), Ordering::Relaxed);
+            seg.atomic_u64(at + DESC_OFF + 8).store(word(d1), Ordering::Relaxed);
+            for (i, c) in src.chunks(8).enumerate() {
+                seg.atomic_u64(at + HDR + 8 * i).store(word(c), Ordering::Relaxed);
+            }
+        } else {
+            seg.write(at + HDR, src);
+            seg.write(at + CALL_OFF, &call.to_le_bytes());
+            seg.write(at + DESC_OFF, desc);
+        }
         // Sequentially consistent: pairs with a sleeping member's announcement (either it
         // sees `s`, or we see it asleep and ring).
         seg.atomic_u64(at + SEQ_OFF).swap(s, Ordering::SeqCst);
@@ -371,12 +409,11 @@ impl LlChannel {
 
     /// Member `p`'s call number and descriptor for call `s` (posted) against ours.
     fn check_call(&self, s: u64, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
-        let at = self.slot(s);
-        let mut c = [0u8; 4];
+        let (at, seg) = (self.slot(s), &self.segs[p]);
+        let theirs = seg.atomic_u64(at + CALL_OFF).load(Ordering::Relaxed) as u32;
         let mut d = [0u8; 16];
-        self.segs[p].read(at + CALL_OFF, &mut c);
-        self.segs[p].read(at + DESC_OFF, &mut d);
-        let theirs = u32::from_le_bytes(c);
+        d[..8].copy_from_slice(&seg.atomic_u64(at + DESC_OFF).load(Ordering::Relaxed).to_le_bytes());
+        d[8..].copy_from_slice(&seg.atomic_u64(at + DESC_OFF + 8).load(Ordering::Relaxed).to_le_bytes());
         if theirs == call && d == *desc {
             return Ok(());
         }
@@ -413,7 +450,7 @@ impl LlChannel {
             LlKind::Coll(Collective::AllGather) => {
                 for (p, seg) in self.segs.iter().enumerate() {
                     if p != r || !spec.in_place {
-                        seg.read(data, &mut out[p * b..(p + 1) * b]);
+                        read_small(seg, data, &mut out[p * b..(p + 1) * b]);
                     }
                 }
             }
@@ -424,7 +461,7 @@ impl LlChannel {
             }
             LlKind::Coll(Collective::Broadcast { root }) => {
                 if root != r {
-                    self.segs[root].read(data, &mut out[..b]);
+                    read_small(&self.segs[root], data, &mut out[..b]);
                 }
             }
         }
@@ -434,8 +471,24 @@ impl LlChannel {
     /// The rank-order reduction of every member's slot bytes at `at` into `out`, through a
     /// bounce buffer on the stack, no larger than needed (it is zeroed on every call).
     fn reduce(&self, spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
-        let need = out.len().saturating_mul(self.segs.len());
-        if need <= 1 << 10 {
+        let n = self.segs.len();
+        if out.len() <= INLINE && at.is_multiple_of(8) {
+            // Word loads into registers' worth of stack, no copy calls.
+            let mut bufs = [[0u8; INLINE]; MAX_RANKS];
+            for (seg, b) in self.segs.iter().zip(bufs.iter_mut()) {
+                load_words(seg, at, &mut b[..out.len()]);
+            }
+            let mut srcs: [&[u8]; MAX_RANKS] = [&[]; MAX_RANKS];
+            for (src, b) in srcs.iter_mut().zip(bufs.iter()) {
+                *src = &b[..out.len()];
+            }
+            return reduce_many_bytes(spec.dtype, spec.op, &srcs[..n], out)
+                .map_err(|e| Error::internal(format!("low-latency reduction: {e}")));
+        }
+        let need = out.len().saturating_mul(n);
+        if need <= 256 {
+            self.reduce_via(&mut Bounce([0u8; 256]).0, spec, at, out)
+        } else if need <= 1 << 10 {
             self.reduce_via(&mut Bounce([0u8; 1 << 10]).0, spec, at, out)
         } else if need <= 4 << 10 {
             self.reduce_via(&mut Bounce([0u8; 4 << 10]).0, spec, at, out)

@@ -316,7 +316,8 @@ fn one_size<T: Val>(comm: &Communicator, o: &LatencyOptions, size: usize) -> Res
             Mode::Blocking => blocking(comm, coll, &input, output),
             Mode::Plan => plan.run(),
         }
-        .map_err(sub::fail(comm, what(m)))
+        // The label is formatted only on failure: timed calls must not pay for it.
+        .map_err(|e| sub::fail(comm, what(m))(e))
     };
     for m in [Mode::Blocking, Mode::Plan] {
         for _ in 0..o.warmup {
