@@ -21,12 +21,15 @@
 //!    buffer (a slot is only ever copied, never borrowed: see `ferroccl_mem::segment`).
 //!
 //! Why two slots are enough without any acknowledgement: a rank posts call `s` only after it
-//! has finished call `s - 1`, for which it waited until every member posted `s - 1`; and each
-//! member posted `s - 1` only after finishing `s - 2`, i.e. after it read everything it needed
-//! from the slots of `s - 2`, the slot that `s` overwrites. So the low-latency calls of one
-//! communicator run strictly one after another on each rank (the engine holds a non-blocking
-//! one back until the one before it has finished), and every call waits for every member's
-//! post (a broadcast root too).
+//! has finished call `s - 1` and seen every member post `s - 1`; a member posts `s - 1` only
+//! after finishing `s - 2`, i.e. after it read everything it needed from the slots of
+//! `s - 2`, the slot that `s` overwrites. So the low-latency calls of one communicator run
+//! strictly one after another on each rank (the engine holds a non-blocking one back until
+//! the one before it has finished), and no rank gets more than one call ahead of another.
+//! A call completes once the members it needs have posted it: every member for the
+//! allreduce, allgather, reduce_scatter, alltoall and barrier, the root for a broadcast
+//! (nobody on the root), every member on a reduce's root (nobody elsewhere); a member
+//! waited for only at the next call is usually there by then.
 //!
 //! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
 //! tens of microseconds when every rank of the host has a core of its own, not at all when
@@ -405,6 +408,17 @@ impl LlChannel {
         set
     }
 
+    /// The members whose post of a call completes it here: every member, except for a
+    /// broadcast (the root, or nobody on the root) and a reduce (nobody off the root).
+    fn needs(&self, spec: &LlSpec) -> u64 {
+        match spec.kind {
+            LlKind::Coll(Collective::Broadcast { root }) if root == self.rank => 0,
+            LlKind::Coll(Collective::Broadcast { root }) => 1 << root,
+            LlKind::Coll(Collective::Reduce { root }) if root != self.rank => 0,
+            _ => self.all_but_me(),
+        }
+    }
+
     fn all_but_me(&self) -> u64 {
         let n = self.segs.len();
         (if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }) & !(1u64 << self.rank)
@@ -588,27 +602,38 @@ impl LlChannel {
             (_, _, Some(o)) => o.get(off..off + len).ok_or_else(|| Error::internal("low-latency call: output too short"))?,
             _ => return Err(Error::internal("low-latency call without its buffers")),
         };
+        if s > 1 {
+            // Every member has posted `s - 1` (so it has finished `s - 2`, whose slot `s`
+            // overwrites): usually so already.
+            self.wait(fabric, s - 1, self.all_but_me(), false, call, desc, deadline_after, tend, op)?;
+        }
         self.post(fabric, s, call, desc, src);
-        self.wait(fabric, s, call, desc, deadline_after, tend, op)?;
+        self.wait(fabric, s, self.needs(spec), true, call, desc, deadline_after, tend, op)?;
         self.finish(fabric, s, spec, output)?;
         self.complete(fabric, s);
         Ok(())
     }
 
-    /// Step 2 on this thread: until every member has posted `s` (and called what we did).
+    /// Step 2 on this thread: until the members in `mask` have posted `s` (with `check`:
+    /// and called what we did).
     #[allow(clippy::too_many_arguments)]
     fn wait(
         &self,
         fabric: &Fabric,
         s: u64,
+        mask: u64,
+        check: bool,
         call: u32,
         desc: &Desc,
         deadline_after: Duration,
         tend: &dyn Fn(Instant),
         op: &dyn Fn() -> Op,
     ) -> Result<()> {
-        let mut missing = self.all_but_me();
-        let mut checked = 0u64;
+        let mut missing = self.missing(s, mask);
+        if missing == 0 && !check {
+            return Ok(());
+        }
+        let mut checked = if check { !mask } else { u64::MAX };
         let mut spins = 0u32;
         let mut start: Option<Instant> = None;
         let mut tended = None::<Instant>;
@@ -617,7 +642,7 @@ impl LlChannel {
         loop {
             let seen = fabric.inbox.bell_seen();
             missing = self.missing(s, missing);
-            let fresh = !missing & !checked & self.all_but_me();
+            let fresh = !missing & !checked & mask;
             if fresh != 0 {
                 let mut f = fresh;
                 while f != 0 {
@@ -724,17 +749,26 @@ impl LlRun {
     /// Whether a round would move it now (looked at before the engine sleeps).
     pub(crate) fn ready(&self) -> bool {
         if !self.posted {
-            return self.chan.done() + 1 == self.s;
+            return self.may_post();
         }
-        self.chan.missing(self.s, self.chan.all_but_me()) == 0
+        self.chan.missing(self.s, self.chan.needs(&self.spec)) == 0
+    }
+
+    /// Whether this rank finished the call before and every member posted it.
+    fn may_post(&self) -> bool {
+        let all = self.chan.all_but_me();
+        self.chan.done() + 1 == self.s && (self.s <= 1 || self.chan.missing(self.s - 1, all) == 0)
     }
 
     /// Members (world ranks) it waits for.
     pub(crate) fn waiting_for(&self) -> Vec<usize> {
         if !self.posted {
-            return Vec::new();
+            if self.chan.done() + 1 != self.s || self.s <= 1 {
+                return Vec::new();
+            }
+            return self.chan.worlds(self.chan.missing(self.s - 1, self.chan.all_but_me())).collect();
         }
-        self.chan.worlds(self.chan.missing(self.s, self.chan.all_but_me())).collect()
+        self.chan.worlds(self.chan.missing(self.s, self.chan.needs(&self.spec))).collect()
     }
 
     /// Moves the call as far as it goes now.
@@ -751,7 +785,7 @@ impl LlRun {
         let named = || op.numbered(call);
         let mut moved = false;
         if !self.posted {
-            if chan.done() + 1 != self.s {
+            if !self.may_post() {
                 return Ok(Poll::Idle);
             }
             let (from_out, off, len) = self.spec.contribution(chan.rank, chan.segs.len());
@@ -765,8 +799,9 @@ impl LlRun {
             self.posted = true;
             moved = true;
         }
-        let missing = chan.missing(self.s, chan.all_but_me());
-        let fresh = !missing & !self.checked & chan.all_but_me();
+        let need = chan.needs(&self.spec);
+        let missing = chan.missing(self.s, need);
+        let fresh = !missing & !self.checked & need;
         let mut f = fresh;
         while f != 0 {
             let p = f.trailing_zeros() as usize;
