@@ -96,6 +96,7 @@ pub mod plot;
 pub mod report;
 pub mod results;
 pub mod rma;
+pub mod skew;
 pub mod sub;
 
 use std::path::PathBuf;
@@ -170,6 +171,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
         Some("idle") => return subcommand(args, idle::USAGE, idle::help, idle::parse, |o| o.common, idle::run),
         Some("overlap") => return subcommand(args, overlap::USAGE, overlap::help, overlap::parse, |o| o.common, overlap::run),
         Some("rma") => return subcommand(args, rma::USAGE, rma::help, rma::parse, |o| o.common, rma::run),
+        Some("skew") => return subcommand(args, skew::USAGE, skew::help, skew::parse, |o| o.common, skew::run),
         _ => {}
     }
     let o = match args::parse(args) {

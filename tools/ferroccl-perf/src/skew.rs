@@ -1,0 +1,165 @@
+//! `ferroccl-perf skew`: a small collective right after CPU-bound work, against the same
+//! after a sleep (see [`help`]).
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::CommandFactory;
+use ferroccl::{Communicator, TransportKind};
+
+use crate::args::{self, parse_size, ArgError};
+use crate::sub::{self, Common};
+use crate::Failure;
+
+/// `ferroccl-perf skew`'s usage, printed with every command-line error.
+pub const USAGE: &str =
+    "usage: ferroccl-perf skew [--work-ms MS] [--size BYTES] [-n ITERS] [--ranks N | under ferroccl-run -n N --] [--transport T]";
+
+/// What `--help` says before the options.
+const ABOUT_MORE: &str = "\
+Each iteration every rank works MS milliseconds, then calls allgather of BYTES per rank
+(f32). Two modes, alternating iteration by iteration:
+  compute   the work is CPU-bound (a loop calibrated to MS ms on an idle CPU): with more
+            ranks than CPUs, ranks share CPUs and finish their work at different times, and
+            the first to arrive wait for the others while those still compute;
+  sleep     the work is a sleep of MS ms: every rank arrives at about the same time.
+Per iteration it records when each rank entered and left the call (the host's clock, shared
+by the ranks). Reported, as medians over the iterations:
+  call_us   the call's duration, averaged over the ranks;
+  tail_us   from the last rank's arrival to the last rank's return: what the collective
+            itself costs once everyone is there. A waiting policy that takes CPU from the ranks
+            still computing shows in compute's call_us; one slow to notice arrivals, in tail_us.";
+
+/// `ferroccl-perf skew`'s options (its command line, parsed by clap).
+#[derive(Clone, Debug, PartialEq, clap::Parser)]
+#[command(
+    name = "ferroccl-perf skew",
+    about = "ferroccl-perf skew: a small collective after CPU-bound work vs after a sleep",
+    override_usage = &USAGE["usage: ".len()..],
+    before_help = ABOUT_MORE,
+    after_help = "exit status: 0 success; 1 a call failed or a result was wrong; 2 bad arguments.",
+    help_template = args::HELP_TEMPLATE,
+    args_override_self = true,
+    max_term_width = 100
+)]
+pub struct SkewOptions {
+    /// Work before each call (milliseconds)
+    #[arg(long = "work-ms", value_name = "MS", default_value = "2", allow_hyphen_values = true, value_parser = args::seconds)]
+    pub work_ms: f64,
+    /// Bytes each rank contributes (K, M suffixes; a multiple of 4)
+    #[arg(long, value_name = "BYTES", default_value = "64", allow_hyphen_values = true, value_parser = size)]
+    pub size: usize,
+    /// Iterations per mode
+    #[arg(short = 'n', value_name = "ITERS", default_value = "200", allow_hyphen_values = true, value_parser = args::whole::<1>)]
+    pub iters: usize,
+    /// `--ranks`, `--transport`.
+    #[command(flatten)]
+    pub common: Common,
+}
+
+/// `--help`.
+pub fn help() -> String {
+    SkewOptions::command().render_help().to_string()
+}
+
+/// Parses the arguments after `skew`; `Ok(None)` for `--help`.
+pub fn parse(args: &[String]) -> Result<Option<SkewOptions>, ArgError> {
+    args::parse_with("ferroccl-perf skew", args)
+}
+
+/// `--size`: a size in bytes, 4 or more.
+fn size(v: &str) -> Result<usize, args::Expected> {
+    parse_size(v).filter(|&b| b >= 4).ok_or_else(|| args::Expected("must be a size in bytes (K, M suffixes), 4 or more".into()))
+}
+
+fn now_us() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+}
+
+/// CPU-bound work: `rounds` of a dependent multiply-add chain.
+fn spin_work(rounds: u64) -> u64 {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..rounds {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i);
+    }
+    std::hint::black_box(x)
+}
+
+/// Rounds of [`spin_work`] that take `ms` on this CPU now.
+fn calibrate(ms: f64) -> u64 {
+    let probe = 1_000_000u64;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        spin_work(probe);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    ((ms / 1e3) / best.max(1e-9) * probe as f64) as u64
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One rank of `ferroccl-perf skew`.
+pub fn run(o: &SkewOptions) -> Result<(), Failure> {
+    let comm: Communicator = o.common.init()?;
+    let (rank, n) = (comm.rank(), comm.size());
+    let count = (o.size / 4).max(1);
+    let rounds = calibrate(o.work_ms);
+    let send: Vec<f32> = vec![rank as f32; count];
+    let mut recv = vec![0f32; count * n];
+    // (arrive, leave) per mode and iteration.
+    let mut times = [vec![(0.0, 0.0); o.iters], vec![(0.0, 0.0); o.iters]];
+    let mut wrong = 0usize;
+    for warm in 0..10 {
+        comm.allgather(&send, &mut recv).map_err(sub::fail(&comm, format!("warm-up allgather {warm}")))?;
+    }
+    comm.barrier().map_err(sub::fail(&comm, "barrier"))?;
+    for i in 0..o.iters {
+        for m in if i % 2 == 0 { [0, 1] } else { [1, 0] } {
+            if m == 0 {
+                spin_work(rounds);
+            } else {
+                std::thread::sleep(Duration::from_secs_f64(o.work_ms / 1e3));
+            }
+            let a = now_us();
+            comm.allgather(&send, &mut recv).map_err(|e| sub::fail(&comm, format!("allgather {i}"))(e))?;
+            times[m][i] = (a, now_us());
+            wrong += (0..n).filter(|&q| recv[q * count..(q + 1) * count].iter().any(|&x| x != q as f32)).count();
+        }
+    }
+    // Every rank's times to rank 0, one iteration at a time (4 values per message).
+    let mut per_iter: Vec<Vec<[f64; 4]>> = Vec::new();
+    for i in 0..o.iters {
+        let mine = [times[0][i].0, times[0][i].1, times[1][i].0, times[1][i].1];
+        if let Some(all) = crate::bench::gather(&comm, &mine).map_err(sub::fail(&comm, "collecting the times"))? {
+            per_iter.push(all);
+        }
+    }
+    let wrong = sub::max_over_ranks(&comm, wrong as f64)? as u64;
+    if rank == 0 {
+        println!(
+            "# ferroccl-perf skew: {n} ranks, transport {}, {} CPUs, allgather {} B per rank after {} ms of work, {} iterations per mode",
+            comm.transport_to((rank + 1) % n).map_or("self", TransportKind::name),
+            std::thread::available_parallelism().map_or(0, usize::from),
+            count * 4,
+            o.work_ms,
+            o.iters
+        );
+        println!("#   mode   call_us   tail_us");
+        for (m, name) in [(0, "compute"), (1, "sleep")] {
+            let (mut call, mut tail) = (Vec::new(), Vec::new());
+            for all in &per_iter {
+                let (a, l) = (2 * m, 2 * m + 1);
+                call.push(all.iter().map(|r| r[l] - r[a]).sum::<f64>() / n as f64);
+                let last_in = all.iter().map(|r| r[a]).fold(f64::MIN, f64::max);
+                let last_out = all.iter().map(|r| r[l]).fold(f64::MIN, f64::max);
+                tail.push(last_out - last_in);
+            }
+            println!("{name:>9} {:>9.1} {:>9.1}", median(&mut call), median(&mut tail));
+        }
+        println!("# wrong blocks: {wrong}{}", if wrong == 0 { " OK" } else { "" });
+    }
+    sub::finish(comm, wrong)
+}
