@@ -131,8 +131,8 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
     }
     // Every rank's times to rank 0, one iteration at a time (4 values per message).
     let mut per_iter: Vec<Vec<[f64; 4]>> = Vec::new();
-    for i in 0..o.iters {
-        let mine = [times[0][i].0, times[0][i].1, times[1][i].0, times[1][i].1];
+    for (c, s) in times[0].iter().zip(&times[1]) {
+        let mine = [c.0, c.1, s.0, s.1];
         if let Some(all) = crate::bench::gather(&comm, &mine).map_err(sub::fail(&comm, "collecting the times"))? {
             per_iter.push(all);
         }
