@@ -110,7 +110,7 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
     let send: Vec<f32> = vec![rank as f32; count];
     let mut recv = vec![0f32; count * n];
     // (arrive, leave) per mode and iteration.
-    let mut times = [vec![(0.0, 0.0); o.iters], vec![(0.0, 0.0); o.iters]];
+    let mut times: [Vec<(f64, f64)>; 2] = [Vec::with_capacity(o.iters), Vec::with_capacity(o.iters)];
     let mut wrong = 0usize;
     for warm in 0..10 {
         comm.allgather(&send, &mut recv).map_err(sub::fail(&comm, format!("warm-up allgather {warm}")))?;
@@ -125,7 +125,7 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
             }
             let a = now_us();
             comm.allgather(&send, &mut recv).map_err(|e| sub::fail(&comm, format!("allgather {i}"))(e))?;
-            times[m][i] = (a, now_us());
+            times[m].push((a, now_us()));
             wrong += (0..n).filter(|&q| recv[q * count..(q + 1) * count].iter().any(|&x| x != q as f32)).count();
         }
     }
