@@ -666,7 +666,9 @@ impl LlChannel {
                 }
             }
             spins = spins.wrapping_add(1);
-            if !spins.is_multiple_of(64) {
+            // Between clock reads, spin a little; with no spin at all (ranks share CPUs),
+            // every round yields.
+            if !self.policy.spin.is_zero() && !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
