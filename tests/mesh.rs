@@ -160,7 +160,7 @@ fn killed(transport: &str, during: &str) {
     killed_with(transport, during, &[]);
 }
 
-fn killed_with(transport: &str, during: &str, env: &[(&str, &str)]) {
+fn killed_with(transport: &str, during: &str, env: &[(&str, &str)]) -> Job {
     let n = 4;
     let victim = 2;
     let j = job(n, transport, &["kill", "--victim", &victim.to_string(), "--during", during], env);
@@ -179,6 +179,7 @@ fn killed_with(transport: &str, during: &str, env: &[(&str, &str)]) {
         assert!(secs < 5.0, "rank {r} took {secs} s to notice: {line}");
     }
     assert!(j.wall < Duration::from_secs(30), "took {:?}", j.wall);
+    j
 }
 
 #[test]
@@ -199,6 +200,25 @@ fn kill_during_one_sided_reads_and_plans() {
         killed(transport, "read");
         killed(transport, "plan");
     }
+}
+/// The low-latency protocol (small calls of a communicator on one host over shm take it by
+/// default): the survivors wait in a 4-element allreduce, in the slots, when rank 2 dies.
+/// Each fails within seconds with the dead rank named as the peer that failed.
+#[test]
+fn kill_during_small_allreduce_shm() {
+    let j = killed_with("shm", "allreduce", &[("FERROCCL_DEBUG", "1")]);
+    for r in [0, 1, 3] {
+        assert!(j.stderr.contains(&format!("rank {r}: low-latency path on")), "rank {r} has no low-latency path\n{}", j.all());
+        let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} saw the failure after"))).unwrap();
+        assert!(line.contains("failed because rank 2"), "rank {r} does not name rank 2 as the peer that failed: {line}");
+    }
+    // At least one survivor was in the low-latency call when it noticed (the others may
+    // have been told by it, or been between calls).
+    assert!(
+        j.stdout.lines().any(|l| l.contains("saw the failure") && l.contains(", ll)")),
+        "nobody was in a low-latency call\n{}",
+        j.all()
+    );
 }
 #[test]
 fn kill_during_barrier_tcp() {
@@ -433,6 +453,44 @@ fn a_stopped_sender_times_out_the_receiver() {
     }
 }
 
+/// A rank stopped (SIGSTOP) while every rank loops on a 4-element allreduce (the
+/// low-latency protocol over shm): the others give up at their 2 s deadline with a timeout
+/// that names the stopped rank as the one they wait for, and the launcher cleans up every
+/// process, the stopped one included.
+#[test]
+fn a_stopped_rank_times_out_a_small_allreduce() {
+    for n in [2, 3] {
+        let env = [("FERROCCL_TIMEOUT", "2"), ("FERROCCL_DEBUG", "1")];
+        let j = job_with_grace(n, "shm", &["stop", "--during", "allreduce"], &env, "0.5");
+        assert_ne!(j.code, Some(0), "{n} ranks: {}", j.all());
+        for r in (0..n).filter(|&r| r != 1) {
+            assert!(
+                j.stderr.contains(&format!("rank {r}: low-latency path on")),
+                "{n} ranks: rank {r} has no low-latency path\n{}",
+                j.all()
+            );
+            let head = format!("[{r}] selftest: rank {r} allreduce failed after");
+            let line = j.stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("{n} ranks: rank {r}: {}", j.all()));
+            assert!(line.contains("timed out") && line.contains("waiting for rank 1"), "{n} ranks: rank {r}: {line}\n{}", j.all());
+            assert!(line.contains(", ll)"), "{n} ranks: rank {r} was not in a low-latency call: {line}");
+            let waited: f64 = line.split("s after the last call").next().unwrap().rsplit('(').next().unwrap().parse().unwrap();
+            assert!((1.5..5.0).contains(&waited), "{n} ranks: rank {r} gave up {waited} s after its last call: {line}");
+            let want = format!("[{r}] selftest: rank {r} timeout waiting for [\"rank 1\"]");
+            assert!(j.stdout.contains(&want), "{n} ranks: rank {r} is not a timeout for rank 1 alone\n{}", j.all());
+        }
+        // Every rank is gone, the stopped one included.
+        for r in 0..n {
+            let pid = j
+                .stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("[{r}] selftest: rank {r} pid ")))
+                .unwrap_or_else(|| panic!("{n} ranks: rank {r} printed no pid\n{}", j.all()));
+            assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "{n} ranks: rank {r} (pid {pid}) is still there");
+        }
+        assert!(j.wall < Duration::from_secs(30), "{n} ranks: took {:?}", j.wall);
+    }
+}
+
 /// A receiver that dies while the sender waits for room in its full ring: the sender fails
 /// promptly naming it, not at the deadline.
 #[test]
@@ -569,6 +627,47 @@ fn mismatched_collectives_fail_on_every_rank() {
                     assert_fails(&j, &lines, &all, &ctx);
                 }
             }
+        }
+    }
+}
+
+/// Mismatches with the low-latency protocol (shm, default parameters: small calls take the
+/// slots): rank 0 calls a 4-element allreduce while the others call a 4-element allgather
+/// (both low-latency calls); rank 0 calls a 4-element allreduce (low-latency) while the
+/// others call one of 1,000,000 elements (a schedule). Every rank fails with a mismatch
+/// that names both calls, within seconds of a 60 s deadline (the low-latency waiter sends
+/// and answers probes after 50 ms).
+#[test]
+fn low_latency_mismatches_fail_every_rank_promptly() {
+    for n in [2, 4] {
+        for (case, count, names) in
+            [("ll-coll-mismatch", 4, ["allreduce", "allgather"]), ("ll-vs-mesh", 1_000_000, ["count 4,", "count 1000000,"])]
+        {
+            let ctx = format!("{case} on {n} ranks");
+            let (j, lines) = fault_with(n, "shm", case, count, &[("FERROCCL_DEBUG", "1")]);
+            let all: Vec<usize> = (0..n).collect();
+            assert_fails(&j, &lines, &all, &ctx);
+            for r in 0..n {
+                assert!(
+                    j.stderr.contains(&format!("rank {r}: low-latency path on")),
+                    "{ctx}: rank {r} has no low-latency path\n{}",
+                    j.all()
+                );
+            }
+            for (r, l) in lines.iter().enumerate() {
+                let l = l.as_deref().unwrap_or_default();
+                assert!(secs(l) < 5.0, "{ctx}: rank {r} took {} s: {l}", secs(l));
+                if r < 2 {
+                    // Rank 0 and a rank it mismatches with: the mismatch itself.
+                    assert!(l.contains("does not match"), "{ctx}: rank {r} is not a mismatch: {l}\n{}", j.all());
+                    for name in names {
+                        assert!(l.contains(name), "{ctx}: rank {r}'s error does not name {name:?}: {l}\n{}", j.all());
+                    }
+                }
+            }
+            let l0 = lines[0].as_deref().unwrap_or_default();
+            assert!(l0.contains(", ll)"), "{ctx}: rank 0 was not in a low-latency call: {l0}");
+            eprintln!("{ctx}: slowest rank failed after {:.3} s", lines.iter().flatten().map(|l| secs(l)).fold(0.0, f64::max));
         }
     }
 }

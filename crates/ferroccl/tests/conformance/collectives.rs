@@ -11,12 +11,12 @@
 
 use std::time::Duration;
 
-use ferroccl::{Algo, Communicator, Element, Params, ProtoChoice, ReduceOp};
+use ferroccl::{Algo, Communicator, Element, LlChoice, Params, ProtoChoice, ReduceOp};
 use ferroccl_kernels::{bf16, f16, reduce_many};
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 
-use crate::harness::{all_ok, check_cases, run_world, Suite};
+use crate::harness::{all_ok, check_cases, run_world, Suite, Wire};
 
 trait T: Element + Copy {
     /// An exactly representable value from a small integer (and powers of two for prod).
@@ -194,26 +194,34 @@ fn run_case(
     seed: u64,
     exact: bool,
 ) -> Result<(), String> {
-    let results = run_world(
-        n,
-        |r| params(s, algo, proto, chunk, r),
-        |comm| -> Result<Vec<Vec<u8>>, String> {
-            let mut outs = Vec::new();
-            for &count in counts {
-                for op in OPS {
-                    macro_rules! each {
-                        ($($t:ty),*) => {$(
-                            let v = check_all::<$t>(&comm, count, op, seed ^ count as u64, exact)?;
-                            outs.push(ferroccl_kernels::as_bytes(&v).to_vec());
-                        )*};
+    run_case_with(n, |r| params(s, algo, proto, chunk, r), |_| counts.to_vec(), seed, exact)
+}
+
+/// [`run_case`] with any parameters, and counts that depend on the element size (the
+/// argument of `counts`, in bytes).
+fn run_case_with(
+    n: usize,
+    params: impl Fn(usize) -> Params + Sync,
+    counts: impl Fn(usize) -> Vec<usize> + Sync,
+    seed: u64,
+    exact: bool,
+) -> Result<(), String> {
+    let results = run_world(n, params, |comm| -> Result<Vec<Vec<u8>>, String> {
+        let mut outs = Vec::new();
+        for op in OPS {
+            macro_rules! each {
+                ($($t:ty),*) => {$(
+                    for count in counts(std::mem::size_of::<$t>()) {
+                        let v = check_all::<$t>(&comm, count, op, seed ^ count as u64, exact)?;
+                        outs.push(ferroccl_kernels::as_bytes(&v).to_vec());
                     }
-                    each!(f32, f16, bf16, f64, i32, u8, i64, u32, i8, u64);
-                }
+                )*};
             }
-            comm.finalize().map_err(|e| e.to_string())?;
-            Ok(outs)
-        },
-    );
+            each!(f32, f16, bf16, f64, i32, u8, i64, u32, i8, u64);
+        }
+        comm.finalize().map_err(|e| e.to_string())?;
+        Ok(outs)
+    });
     let mut first: Option<Vec<Vec<u8>>> = None;
     for (r, res) in results.into_iter().enumerate() {
         let outs = res?;
@@ -342,4 +350,197 @@ pub fn mismatched_calls_fail_on_every_rank(s: &Suite) {
     for (r, msg) in all_ok(res).unwrap().iter().enumerate() {
         assert!(msg.contains("sum") && msg.contains("max"), "rank {r}: {msg}");
     }
+}
+
+/// Bytes of each low-latency slot in the forced-ll tests: small, so that the boundary
+/// (the largest call that fits, and the one just past it) is cheap to reach.
+const LL_SLOT: usize = 4096;
+
+/// The parameters of the forced-ll tests: the low-latency protocol `ll` with slots of
+/// `slot` bytes, the defaults otherwise (the cost model picks what runs past the slots).
+fn ll_params(s: &Suite, ll: LlChoice, slot: usize, rank: usize) -> Params {
+    Params { ll, ll_max_bytes: slot, ..params(s, None, ProtoChoice::Auto, 1 << 14, rank) }
+}
+
+/// The world sizes of the forced-ll tests: 1 to 8 ranks (or the suite's largest) on shm;
+/// elsewhere the protocol is never used (no communicator is on one host over shm), and
+/// forcing it must change nothing, which a few sizes show.
+fn ll_ranks(s: &Suite) -> std::ops::RangeInclusive<usize> {
+    if s.wire == Wire::Shm {
+        1..=s.collective_ranks.max(8)
+    } else {
+        1..=s.collective_ranks.min(3)
+    }
+}
+
+/// Counts for `n` ranks and elements of `size` bytes with slots of `slot` bytes: 0, 1,
+/// odd sizes, the largest call that fits the slots and the one just past it (which runs
+/// a schedule), for allreduce, allgather, broadcast and reduce (the message) and for
+/// reduce_scatter and alltoall (ranks x the block).
+fn ll_counts(n: usize, size: usize, slot: usize) -> Vec<usize> {
+    let (msg, block) = (slot / size, slot / (n * size));
+    let mut c = vec![0, 1, 3, 17, msg, msg + 1, block, block + 1];
+    c.sort_unstable();
+    c.dedup();
+    c
+}
+
+/// The low-latency protocol forced (`LlChoice::Force`): every collective x dtype x op, in
+/// place and out of place, for 1 to 8 ranks, counts 0, 1, odd, the largest that fits the
+/// slots and one past it (the schedules), all bit for bit equal to the reference.
+pub fn forced_ll_collectives_equal_the_reference_up_to_and_past_the_slots(s: &Suite) {
+    for n in ll_ranks(s) {
+        run_case_with(n, |r| ll_params(s, LlChoice::Force, LL_SLOT, r), |size| ll_counts(n, size, LL_SLOT), 0x11 + n as u64, true)
+            .unwrap_or_else(|e| panic!("{:?}, {n} ranks, ll forced, slots of {LL_SLOT} B: {e}", s.wire));
+    }
+}
+
+/// Random floats (specials included) through forced ll, only counts that fit the slots:
+/// bit-equal to the rank-order reference (f16/bf16 included).
+pub fn forced_ll_is_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
+    for n in ll_ranks(s).step_by(3) {
+        // Every collective fits: the block of reduce_scatter and alltoall too.
+        let counts = |size: usize| {
+            let most = LL_SLOT / (n * size);
+            vec![1, 5, most]
+        };
+        run_case_with(n, |r| ll_params(s, LlChoice::Force, LL_SLOT, r), counts, 0x77 + n as u64, false)
+            .unwrap_or_else(|e| panic!("{:?}, {n} ranks, ll forced, random floats: {e}", s.wire));
+    }
+}
+
+/// `split` into two colors (ranks in reverse order inside each): each sub-communicator
+/// gets its own slots and runs forced-ll collectives, interleaved with the world's,
+/// each against the reference. Under [`Wire::Mixed`] the colors are the hosts, so the
+/// sub-communicators (one host, shm) have the protocol while the world (two hosts) has not.
+pub fn forced_ll_on_split_communicators_next_to_the_world(s: &Suite) {
+    let n = if s.wire == Wire::Shm { 6 } else { 4 };
+    let res = run_world(
+        n,
+        |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+        |comm| -> Result<(), String> {
+            let r = comm.rank();
+            let sub = comm
+                .split(Some((r % 2) as u32), -(r as i64))
+                .map_err(|e| format!("rank {r}: split: {e}"))?
+                .ok_or_else(|| format!("rank {r}: split left it out"))?;
+            let want_rank = (n - 1 - r) / 2;
+            if sub.rank() != want_rank || sub.size() != n / 2 {
+                return Err(format!("rank {r}: sub-communicator rank {} of {}, want {want_rank}", sub.rank(), sub.size()));
+            }
+            for round in 0..4u64 {
+                let op = OPS[round as usize % OPS.len()];
+                let count = [1, 7, 300, 1023][round as usize];
+                check_all::<f32>(&sub, count, op, round, true).map_err(|e| format!("sub: {e}"))?;
+                check_all::<i32>(&comm, count, op, round ^ 0xff, true).map_err(|e| format!("world: {e}"))?;
+                check_all::<bf16>(&sub, count / 3, op, round ^ 0xf0, true).map_err(|e| format!("sub: {e}"))?;
+                sub.barrier().map_err(|e| format!("rank {r}: sub barrier: {e}"))?;
+                comm.barrier().map_err(|e| format!("rank {r}: world barrier: {e}"))?;
+            }
+            // Both at once: a non-blocking call on the sub-communicator while the world
+            // runs a blocking one.
+            let mut a = vec![r as u64; 9];
+            let mut b = vec![1i8; 5];
+            sub.scope(|sc| {
+                let req = sc.allreduce(&mut a, ReduceOp::Sum)?;
+                comm.allreduce(&mut b, ReduceOp::Sum)?;
+                req.wait()
+            })
+            .map_err(|e| format!("rank {r}: scope: {e}"))?;
+            let want: u64 = (0..n as u64).filter(|q| q % 2 == r as u64 % 2).sum();
+            if a != [want; 9] || b != [n as i8; 5] {
+                return Err(format!("rank {r}: sub {a:?} (want {want}), world {b:?}"));
+            }
+            sub.finalize().map_err(|e| format!("rank {r}: sub finalize: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {r}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap_or_else(|e| panic!("{:?}: {e}", s.wire));
+}
+
+/// Forced ll, ranks in different calls: an allreduce against an allgather (both small
+/// enough for the slots) fails on both ranks with a mismatch naming both calls; and a
+/// 4-element allreduce against a 1,000,000-element one (the slots against a schedule)
+/// fails both promptly (a probe after 50 ms), far before the 60 s deadline. Over shm the
+/// error names the low-latency call.
+pub fn forced_ll_mismatched_calls_fail_on_every_rank(s: &Suite) {
+    for case in ["allreduce vs allgather", "4 vs 1000000"] {
+        let t0 = std::time::Instant::now();
+        let res = run_world(
+            2,
+            |r| ll_params(s, LlChoice::Force, 256 << 10, r),
+            |comm| -> Result<(ferroccl::Error, Duration), String> {
+                let r = comm.rank();
+                let t = std::time::Instant::now();
+                let mut b = vec![r as f32 + 1.0; if case.starts_with('4') && r == 1 { 1_000_000 } else { 4 }];
+                let res = match (case, r) {
+                    ("allreduce vs allgather", 1) => comm.allgather(&b.clone(), &mut [0f32; 8]),
+                    _ => comm.allreduce(&mut b, ReduceOp::Sum),
+                };
+                match res {
+                    Err(e) => Ok((e, t.elapsed())),
+                    Ok(()) => Err(format!("rank {r}: {case}: no error")),
+                }
+            },
+        );
+        for (r, (e, took)) in all_ok(res).unwrap_or_else(|e| panic!("{case}: {e}")).into_iter().enumerate() {
+            let msg = e.to_string();
+            assert!(matches!(e, ferroccl::Error::Mismatch { .. }), "{case}: rank {r}: not a mismatch: {msg}");
+            let names: &[&str] = if case.starts_with('4') { &["count 4,", "count 1000000"] } else { &["allreduce", "allgather"] };
+            for name in names {
+                assert!(msg.contains(name), "{case}: rank {r}'s error does not name {name:?}: {msg}");
+            }
+            if s.wire == Wire::Shm && (r == 0 || !case.starts_with('4')) {
+                assert!(msg.contains(", ll)"), "{case}: rank {r} was not in a low-latency call: {msg}");
+            }
+            if s.clocks {
+                assert!(took < Duration::from_secs(5), "{case}: rank {r} took {took:?}: {msg}");
+            }
+        }
+        eprintln!("{:?} {case}: both ranks failed within {:?}", s.wire, t0.elapsed());
+    }
+}
+
+/// Every member of every thread-rank world over shm has its low-latency slots: with the
+/// protocol forced, a small allreduce is a low-latency call on every rank, for 2 to 8
+/// ranks, eight worlds each. The only way a caller sees it: rank 0 calls that allreduce
+/// while the others call an allgather, and each rank's mismatch names the algorithm of its
+/// own call. (The other forced-ll tests pass whether or not the slots were set up: a
+/// communicator without them runs the schedules, with the same results.)
+///
+/// Over tcp and mixed no world is on one host over shm: nothing to check.
+pub fn forced_ll_is_on_in_every_thread_rank_world(s: &Suite) {
+    if s.wire != Wire::Shm {
+        return;
+    }
+    let mut off = Vec::new();
+    for n in 2..=8 {
+        for world in 0..8 {
+            let res = run_world(
+                n,
+                |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+                |comm| -> Result<Algo, String> {
+                    let r = comm.rank();
+                    // Every rank through its init first (a mismatch found early would fail
+                    // a slow rank's init instead).
+                    comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
+                    let res =
+                        if r == 0 { comm.allreduce(&mut [1f32; 4], ReduceOp::Sum) } else { comm.allgather(&[1f32], &mut vec![0f32; n]) };
+                    match res {
+                        Err(ferroccl::Error::Mismatch { op: ferroccl::Op::Collective { algo, .. }, .. }) => Ok(algo),
+                        other => Err(format!("rank {r}: {other:?}")),
+                    }
+                },
+            );
+            // Where the slots are missing the barrier is a schedule, and a rank still in it
+            // when rank 0 finds the mismatch fails there: only the calls' algorithms count.
+            let algos: Vec<String> = res.iter().flatten().map(|a| a.to_string()).collect();
+            let errs: Vec<&String> = res.iter().filter_map(|r| r.as_ref().err()).collect();
+            if algos.iter().any(|a| a != "ll") || !errs.is_empty() {
+                let first = errs.first().map_or(String::new(), |e| format!("; {} ranks failed otherwise, first: {e}", errs.len()));
+                off.push(format!("{n} ranks, world {world}: calls ran as {algos:?}{first}"));
+            }
+        }
+    }
+    assert!(off.is_empty(), "worlds without the low-latency protocol (forced, over shm):\n{}", off.join("\n"));
 }

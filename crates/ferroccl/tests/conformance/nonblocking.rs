@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferroccl::{Collective, Communicator, Error, Op, Params, ReduceOp, Request};
+use ferroccl::{Algo, Collective, Communicator, Error, LlChoice, Op, Params, ReduceOp, Request};
 use ferroccl_kernels::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 
-use crate::harness::{check_cases, run_world, RankResult, Suite};
+use crate::harness::{check_cases, run_world, RankResult, Suite, Wire};
 
 fn params(s: &Suite, rank: usize) -> Params {
     Params { timeout: Duration::from_secs(60), ..s.params(rank) }
@@ -170,6 +170,17 @@ fn run_sequence(comm: &Communicator, specs: &[OpSpec], order: &[usize], drop_som
 }
 
 pub fn interleaved_nonblocking_collectives_equal_the_reference(s: &Suite) {
+    interleaved(s, |r| params(s, r));
+}
+
+/// Random sequences of non-blocking collectives (as above) with every call that fits the
+/// slots on the low-latency protocol (forced, slots of [`LL_SLOT`] bytes), the others on the
+/// schedules beside them in the engine.
+pub fn forced_ll_interleaved_nonblocking_collectives_equal_the_reference(s: &Suite) {
+    interleaved(s, |r| ll_params(s, r));
+}
+
+fn interleaved(s: &Suite, params: impl Fn(usize) -> Params + Sync) {
     let case = (2usize..5, proptest::collection::vec(op_spec(4), 1..7), any::<u64>(), any::<bool>());
     let config = ProptestConfig { cases: s.nonblocking_cases, ..ProptestConfig::default() };
     check_cases(config, case, |(n, specs, order_seed, drop_some)| {
@@ -182,7 +193,7 @@ pub fn interleaved_nonblocking_collectives_equal_the_reference(s: &Suite) {
             })
             .collect();
         // Each rank waits in its own random order.
-        let res = world(s, n, |comm| {
+        let res = run_world(n, &params, |comm| {
             let r = comm.rank() as u64;
             let mut order: Vec<usize> = (0..specs.len()).collect();
             let mut x = order_seed ^ (r.wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -529,4 +540,247 @@ pub fn handles_are_send_and_sync() {
     send_sync::<ferroccl::Scope<'static, 'static>>();
     send_sync::<ferroccl::Plan<'static, f32>>();
     send_sync::<ferroccl::Group<'static, 'static>>();
+}
+
+/// Bytes of each low-latency slot in the forced-ll tests (4 KiB: 1024 f32 fit, 1025 do
+/// not).
+const LL_SLOT: usize = 4096;
+
+/// [`params`] with the low-latency protocol forced for every call that fits slots of
+/// [`LL_SLOT`] bytes (only over shm; elsewhere no communicator has slots and nothing
+/// changes).
+fn ll_params(s: &Suite, rank: usize) -> Params {
+    Params { ll: LlChoice::Force, ll_max_bytes: LL_SLOT, ..params(s, rank) }
+}
+
+/// Forced ll in groups: several small allreduces of one type and op (fused), others of
+/// another op, an allgather and a broadcast that fit the slots and an allreduce that does
+/// not, ten rounds with new values; then a group started in a scope next to a non-blocking
+/// call. Every result against the reference.
+pub fn forced_ll_groups_equal_the_reference(s: &Suite) {
+    let res = run_world(
+        4,
+        |r| ll_params(s, r),
+        |comm| -> Result<(), String> {
+            let (r, n) = (comm.rank(), comm.size());
+            let e = |e: Error| format!("rank {r}: {e}");
+            for k in 0..10usize {
+                let mut smalls: Vec<Vec<f32>> = (1..6).map(|j| (0..j * 3).map(|i| val(k + j, r, i) as f32).collect()).collect();
+                let mut maxes: Vec<Vec<i64>> = (0..2).map(|j| (0..4).map(|i| val(k * 2 + j, r, i)).collect()).collect();
+                let send: Vec<u32> = (0..6).map(|i| val(k, r, i) as u32).collect();
+                let mut gathered = vec![0u32; 6 * n];
+                let mut bc: Vec<u8> = (0..17).map(|i| if r == k % n { (val(k, r, i) + 11) as u8 } else { 0 }).collect();
+                let mut big: Vec<f32> = (0..2000).map(|i| val(k, r, i) as f32).collect(); // past the slots
+                comm.group(|g| {
+                    for v in smalls.iter_mut() {
+                        g.allreduce(v, ReduceOp::Sum)?;
+                    }
+                    g.allgather(&send, &mut gathered)?;
+                    for v in maxes.iter_mut() {
+                        g.allreduce(v, ReduceOp::Max)?;
+                    }
+                    g.allreduce(&mut big, ReduceOp::Sum)?;
+                    g.broadcast(&mut bc, k % n)
+                })
+                .map_err(e)?;
+                let sum = |kk: usize, i: usize| (0..n).map(|q| val(kk, q, i)).sum::<i64>();
+                for (j, v) in smalls.iter().enumerate() {
+                    if v.iter().enumerate().any(|(i, &x)| x != sum(k + j + 1, i) as f32) {
+                        return Err(format!("rank {r}, round {k}: fused allreduce {j}: {v:?}"));
+                    }
+                }
+                for (j, v) in maxes.iter().enumerate() {
+                    if v.iter().enumerate().any(|(i, &x)| x != (0..n).map(|q| val(k * 2 + j, q, i)).max().unwrap()) {
+                        return Err(format!("rank {r}, round {k}: fused max {j}: {v:?}"));
+                    }
+                }
+                if gathered.iter().enumerate().any(|(i, &x)| x != val(k, i / 6, i % 6) as u32) {
+                    return Err(format!("rank {r}, round {k}: allgather {gathered:?}"));
+                }
+                if bc.iter().enumerate().any(|(i, &x)| x != (val(k, k % n, i) + 11) as u8) {
+                    return Err(format!("rank {r}, round {k}: broadcast {bc:?}"));
+                }
+                if big.iter().enumerate().any(|(i, &x)| x != sum(k, i) as f32) {
+                    return Err(format!("rank {r}, round {k}: allreduce past the slots"));
+                }
+            }
+            // A group in a scope, next to a non-blocking allreduce (both ll).
+            let (mut a, mut b, mut c) = (vec![r as i32; 5], vec![1.0f64; 3], vec![2u32; 4]);
+            comm.scope(|sc| {
+                let ra = sc.allreduce(&mut a, ReduceOp::Sum)?;
+                let rg = sc.group(|g| {
+                    g.allreduce(&mut b, ReduceOp::Sum)?;
+                    g.allreduce(&mut c, ReduceOp::Sum)
+                })?;
+                rg.wait()?;
+                ra.wait()
+            })
+            .map_err(e)?;
+            let rsum = (0..n as i32).sum::<i32>();
+            if a != [rsum; 5] || b != [n as f64; 3] || c != [2 * n as u32; 4] {
+                return Err(format!("rank {r}: group in a scope: {a:?} {b:?} {c:?}"));
+            }
+            comm.finalize().map_err(e)
+        },
+    );
+    for r in res {
+        assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
+    }
+}
+
+/// Forced ll plans (allreduce, allreduce_into, allgather, reduce_scatter, broadcast), run
+/// the suite's many times with their buffers rewritten between runs, every fifth round
+/// started together in a scope next to a non-blocking allreduce, and next to a plan past
+/// the slots (a schedule). Every result against the reference.
+pub fn forced_ll_plans_run_many_times_and_in_scopes(s: &Suite) {
+    let res = run_world(
+        3,
+        |r| ll_params(s, r),
+        |comm| -> Result<(), String> {
+            let (r, n) = (comm.rank(), comm.size());
+            let e = |e: Error| format!("rank {r}: {e}");
+            let mut ar = vec![0i64; 3];
+            let (mut ai, mut ao) = (vec![0.0f32; 64], vec![0.0f32; 64]);
+            let (mut ag_send, mut ag_recv) = (vec![0u32; 5], vec![0u32; 5 * n]);
+            let (mut rs_send, mut rs_recv) = (vec![0i32; 4 * n], vec![0i32; 4]);
+            let mut bc = vec![0u8; 33];
+            let mut big = vec![0.0f32; 1500]; // 6000 B: past the slots
+            let mut p_ar = comm.allreduce_plan(&mut ar, ReduceOp::Sum).map_err(e)?;
+            let mut p_ai = comm.allreduce_into_plan(&mut ai, &mut ao, ReduceOp::Max).map_err(e)?;
+            let mut p_ag = comm.allgather_plan(&mut ag_send, &mut ag_recv).map_err(e)?;
+            let mut p_rs = comm.reduce_scatter_plan(&mut rs_send, &mut rs_recv, ReduceOp::Sum).map_err(e)?;
+            let mut p_bc = comm.broadcast_plan(&mut bc, 1).map_err(e)?;
+            let mut p_big = comm.allreduce_plan(&mut big, ReduceOp::Sum).map_err(e)?;
+            let runs = s.plan_runs.max(20);
+            for k in 0..runs {
+                p_ar.output_mut().copy_from_slice(&[k as i64, r as i64, 1]);
+                p_ai.input_mut().ok_or("input")?.iter_mut().enumerate().for_each(|(i, x)| *x = val(k, r, i) as f32);
+                p_ag.input_mut().ok_or("input")?.fill((k * 10 + r) as u32);
+                p_rs.input_mut().ok_or("input")?.iter_mut().enumerate().for_each(|(i, x)| *x = (i + k) as i32);
+                p_bc.output_mut().fill(if r == 1 { k as u8 } else { 0xee });
+                p_big.output_mut().iter_mut().enumerate().for_each(|(i, x)| *x = val(k, r, i) as f32);
+                let mut other = vec![(k + r) as u64; 7];
+                if k % 5 == 0 {
+                    comm.scope(|sc| {
+                        let ra = sc.start(&mut p_ar)?;
+                        let ro = sc.allreduce(&mut other, ReduceOp::Sum)?;
+                        let rb = sc.start(&mut p_big)?;
+                        let rai = sc.start(&mut p_ai)?;
+                        let rag = sc.start(&mut p_ag)?;
+                        let rrs = sc.start(&mut p_rs)?;
+                        let rbc = sc.start(&mut p_bc)?;
+                        // Waited in another order than started.
+                        rbc.wait()?;
+                        rb.wait()?;
+                        rrs.wait()?;
+                        ro.wait()?;
+                        rag.wait()?;
+                        rai.wait()?;
+                        ra.wait()
+                    })
+                    .map_err(e)?;
+                    let want = (0..n).map(|q| (k + q) as u64).sum::<u64>();
+                    if other != [want; 7] {
+                        return Err(format!("rank {r}, run {k}: non-blocking allreduce beside the plans {other:?}"));
+                    }
+                } else {
+                    p_ar.run().map_err(e)?;
+                    p_ai.run().map_err(e)?;
+                    p_ag.run().map_err(e)?;
+                    if k % 10 == 1 {
+                        p_big.run().map_err(e)?;
+                    }
+                    p_rs.run().map_err(e)?;
+                    p_bc.run().map_err(e)?;
+                }
+                let want = [k as i64 * n as i64, (0..n as i64).sum(), n as i64];
+                if p_ar.output() != want {
+                    return Err(format!("rank {r}, run {k}: allreduce {:?}, want {want:?}", p_ar.output()));
+                }
+                if p_ai.output().iter().enumerate().any(|(i, &x)| x != (0..n).map(|q| val(k, q, i)).max().unwrap() as f32) {
+                    return Err(format!("rank {r}, run {k}: allreduce_into {:?}", p_ai.output()));
+                }
+                for q in 0..n {
+                    if p_ag.output()[q * 5..q * 5 + 5].iter().any(|&x| x != (k * 10 + q) as u32) {
+                        return Err(format!("rank {r}, run {k}: allgather block {q}"));
+                    }
+                }
+                let rs_want: Vec<i32> = (0..4).map(|i| ((r * 4 + i + k) * n) as i32).collect();
+                if p_rs.output() != rs_want {
+                    return Err(format!("rank {r}, run {k}: reduce_scatter {:?}, want {rs_want:?}", p_rs.output()));
+                }
+                if p_bc.output().iter().any(|&x| x != k as u8) {
+                    return Err(format!("rank {r}, run {k}: broadcast {:?}", p_bc.output()));
+                }
+                if (k % 5 == 0 || k % 10 == 1)
+                    && p_big.output().iter().enumerate().any(|(i, &x)| x != (0..n).map(|q| val(k, q, i)).sum::<i64>() as f32)
+                {
+                    return Err(format!("rank {r}, run {k}: allreduce past the slots"));
+                }
+            }
+            if p_ar.runs() != runs as u64 || p_bc.runs() != runs as u64 {
+                return Err(format!("rank {r}: run counts {} {}", p_ar.runs(), p_bc.runs()));
+            }
+            drop((p_ar, p_ai, p_ag, p_rs, p_bc, p_big));
+            comm.finalize().map_err(e)
+        },
+    );
+    for r in res {
+        assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
+    }
+}
+
+/// Forced ll (over shm the call is a low-latency one, and the error says so): rank 1 never
+/// joins rank 0's allreduce; rank 0 aborts from another thread and its call fails with
+/// `Aborted` promptly; rank 1 then finds the abort. Two ranks: with more thread-ranks the
+/// slots are sometimes not set up at all (see `forced_ll_is_on_in_every_thread_rank_world`).
+pub fn abort_unblocks_a_forced_ll_allreduce_whose_peer_never_comes(s: &Suite) {
+    let done = AtomicBool::new(false);
+    let res = run_world(
+        2,
+        |r| ll_params(s, r),
+        |comm| -> Result<(), String> {
+            let r = comm.rank();
+            if r != 0 {
+                let t0 = Instant::now();
+                while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(20) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let mut x = [1u8];
+                return match comm.allreduce(&mut x, ReduceOp::Sum) {
+                    Err(Error::Aborted { by: Some(0), .. }) => Ok(()),
+                    other => Err(format!("rank {r} after rank 0's abort: {other:?}")),
+                };
+            }
+            let mut buf = vec![0.0f32; 100];
+            let t0 = Instant::now();
+            let err = std::thread::scope(|sc| {
+                sc.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort();
+                });
+                comm.allreduce(&mut buf, ReduceOp::Sum)
+            });
+            let took = t0.elapsed();
+            done.store(true, Ordering::SeqCst);
+            match err {
+                Err(Error::Aborted { rank: 0, op: Op::Collective { coll: Collective::AllReduce, algo, .. }, by: None }) => {
+                    if s.wire == Wire::Shm && algo != Algo::Ll {
+                        return Err(format!("rank 0 aborted a {algo} allreduce, not a low-latency one"));
+                    }
+                }
+                other => return Err(format!("rank 0: {other:?}")),
+            }
+            if s.clocks && took > Duration::from_millis(300) + Duration::from_secs(1) {
+                return Err(format!("abort took {took:?}"));
+            }
+            match comm.allreduce(&mut buf, ReduceOp::Sum) {
+                Err(Error::Aborted { .. }) => Ok(()),
+                other => Err(format!("after abort: {other:?}")),
+            }
+        },
+    );
+    for r in res {
+        assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
+    }
 }

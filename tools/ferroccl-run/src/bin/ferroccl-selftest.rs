@@ -4,12 +4,14 @@
 //! ferroccl-selftest exchange [--sizes 0,1,4097,4K,1M,64M] [--seed S]   every pair, both ways, checked byte for byte
 //! ferroccl-selftest barrier [--iters N]
 //! ferroccl-selftest split                                              split into two groups that work independently
-//! ferroccl-selftest kill --victim R --during barrier|transfer          rank R SIGKILLs itself mid-operation
+//! ferroccl-selftest kill --victim R --during barrier|transfer|read|plan|allreduce
+//!                                                                      rank R SIGKILLs itself mid-operation (allreduce: of 4 f32)
 //! ferroccl-selftest stranger                                           strangers knock on the store and the mesh
 //! ferroccl-selftest all [--sizes ...]                                  exchange + barrier + split in one job
 //! ferroccl-selftest stall --rank R --secs S                            rank R arrives S seconds late to a barrier
 //! ferroccl-selftest mismatch --bytes N                                 rank 0 sends N bytes, rank 1 expects N+1
-//! ferroccl-selftest stop                                               rank 1 SIGSTOPs itself in the middle of a 512 MiB send to rank 0
+//! ferroccl-selftest stop [--during send|allreduce]                    rank 1 SIGSTOPs itself in the middle of a 512 MiB send to rank 0
+//!                                                                      (allreduce: while every rank loops on an allreduce of 4 f32)
 //! ferroccl-selftest coll [--counts 0,1,7,1000,65537]                 every collective, f32/bf16/i32, sum/max/avg, checked
 //! ferroccl-selftest flood                                              rank 0 floods rank 1 with messages; rank 1 never reads, then dies
 //! ferroccl-selftest engine [--runs N]                                  non-blocking collectives in flight together, plans run N times, groups, checked
@@ -77,7 +79,7 @@ fn main() {
         "all" => exchange(&comm, rest).and_then(|()| barrier(&comm, rest)).and_then(|()| split(&comm)),
         "stall" => stall(&comm, rest),
         "mismatch" => mismatch(&comm, rest),
-        "stop" => stop(&comm),
+        "stop" => stop(&comm, rest),
         "flood" => flood(&comm),
         "coll" => coll(&comm, rest),
         "engine" => engine(&comm, rest),
@@ -313,6 +315,11 @@ fn kill(comm: &Communicator, args: &[String]) -> R<()> {
                         }
                     }
                 }
+                // Small enough for the low-latency slots (shm, one host).
+                "allreduce" => {
+                    let mut x = [me as f32; 4];
+                    comm.allreduce(&mut x, ferroccl::ReduceOp::Sum)?;
+                }
                 _ => comm.barrier()?,
             }
         }
@@ -379,7 +386,10 @@ fn mismatch(comm: &Communicator, args: &[String]) -> R<()> {
     Ok(())
 }
 
-fn stop(comm: &Communicator) -> R<()> {
+fn stop(comm: &Communicator, args: &[String]) -> R<()> {
+    if flag(args, "--during") == Some("allreduce") {
+        return stop_in_allreduce(comm);
+    }
     let n = 512 << 20;
     match comm.rank() {
         1 => {
@@ -402,6 +412,43 @@ fn stop(comm: &Communicator) -> R<()> {
         _ => {}
     }
     Ok(())
+}
+
+/// Every rank loops on an allreduce of 4 f32 (the low-latency protocol over shm); rank 1
+/// SIGSTOPs itself 300 ms in. The others must give up at their deadline, naming rank 1:
+/// each prints `rank R allreduce failed after S s: ERROR` and, for a timeout, `rank R
+/// timeout waiting for [...]`.
+fn stop_in_allreduce(comm: &Communicator) -> R<()> {
+    let me = comm.rank();
+    comm.barrier()?;
+    if me == 1 {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGSTOP);
+        });
+    }
+    let start = Instant::now();
+    let mut last = Instant::now();
+    loop {
+        let mut x = [me as f32; 4];
+        last = match comm.allreduce(&mut x, ferroccl::ReduceOp::Sum) {
+            Ok(()) => Instant::now(),
+            Err(e) => {
+                println!(
+                    "selftest: rank {me} allreduce failed after {:.3}s ({:.3}s after the last call returned): {e}",
+                    start.elapsed().as_secs_f64(),
+                    last.elapsed().as_secs_f64()
+                );
+                if let ferroccl::Error::Timeout { waiting_for, .. } = &e {
+                    println!("selftest: rank {me} timeout waiting for {waiting_for:?}");
+                }
+                return Err(e.into());
+            }
+        };
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err("rank 1's stop went unnoticed for 60 s".into());
+        }
+    }
 }
 
 fn flood(comm: &Communicator) -> R<()> {
@@ -660,7 +707,11 @@ fn abort(comm: Communicator) -> ! {
 /// * `mid-transfer`: send 0 -> 1, allreduce, a fused group of two allreduces, with a
 ///   barrier after each (run with `FERROCCL_INJECT_FAULT` to fail one rank mid-transfer);
 /// * `after-finalize`: every rank finalizes the world, then calls allreduce three times on
-///   a communicator split from it (each call must fail, saying so).
+///   a communicator split from it (each call must fail, saying so);
+/// * `ll-coll-mismatch`: rank 0 calls allreduce of N elements, the others allgather of N
+///   (both low-latency calls over shm when N is small);
+/// * `ll-vs-mesh`: rank 0 calls allreduce of 4 elements (low-latency over shm), the others
+///   of N (a schedule when N is large: 1,000,000).
 fn fault(comm: Communicator, args: &[String]) -> ! {
     use ferroccl::ReduceOp;
     let case = flag(args, "--case").unwrap_or("").to_string();
@@ -748,6 +799,17 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             }
             println!("selftest: rank {r} fault {case}: refused {} of 3 calls", refused.len());
             report(t, Err(refused.remove(0)))
+        }
+        "ll-coll-mismatch" => {
+            if r == 0 {
+                comm.allreduce(&mut buf, ReduceOp::Sum)
+            } else {
+                comm.allgather(&buf, &mut vec![0f32; count * n])
+            }
+        }
+        "ll-vs-mesh" => {
+            let len = if r == 0 { count.min(4) } else { count };
+            comm.allreduce(&mut buf[..len], ReduceOp::Sum)
         }
         other => {
             eprintln!("selftest: rank {r} error: unknown fault case {other:?}");
