@@ -83,6 +83,8 @@ const CALL_OFF: usize = 8;
 const DESC_OFF: usize = 16;
 /// Data bytes that share the header's cache line.
 const INLINE: usize = 64 - HDR;
+/// Looks for a member's segment before giving up (see `LlChannel::connect`).
+const OPEN_TRIES: u32 = 20;
 /// Most members a low-latency communicator may have (each call reads every member's slot).
 pub(crate) const MAX_RANKS: usize = 32;
 /// The bounce buffer reductions read slots through, split among the members.
@@ -245,9 +247,22 @@ impl LlChannel {
                 fabric.endpoint(w).ok().and_then(|e| e.shm_pid()).ok_or_else(|| format!("rank {p} is not reached over shm")).and_then(
                     |pid| {
                         let name = seg_name(fabric.job, comm, w);
-                        ShmSegment::find_anonymous(pid, &name)
-                            .and_then(|fd| ShmSegment::open_from(pid, fd, &name, seg_len(cap)))
-                            .map_err(|e| format!("rank {p}'s segment: {e}"))
+                        // The owner keeps its descriptor until every member has looked; but
+                        // ranks that are threads of one process also see each other's
+                        // short-lived descriptors of the same segment (opened to map it),
+                        // which may close between the lookup and the open: look again.
+                        let mut tries = 1;
+                        loop {
+                            let r =
+                                ShmSegment::find_anonymous(pid, &name).and_then(|fd| ShmSegment::open_from(pid, fd, &name, seg_len(cap)));
+                            match r {
+                                Err(_) if tries < OPEN_TRIES => {
+                                    tries += 1;
+                                    std::thread::sleep(Duration::from_micros(200));
+                                }
+                                r => break r.map_err(|e| format!("rank {p}'s segment: {e}")),
+                            }
+                        }
                     },
                 );
             match opened {
