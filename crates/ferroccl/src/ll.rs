@@ -400,7 +400,8 @@ impl LlChannel {
         for (p, &w) in self.members.iter().enumerate() {
             if p != self.rank {
                 if let Ok(ep) = fabric.endpoint(w) {
-                    ep.wake_if_sleeping();
+                    // The swap above is the fence the doorbell protocol needs.
+                    ep.wake_if_sleeping_after_fence();
                 }
             }
         }
@@ -505,17 +506,7 @@ impl LlChannel {
     fn reduce(&self, spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
         let n = self.segs.len();
         if out.len() <= INLINE && at.is_multiple_of(8) {
-            // Word loads into registers' worth of stack, no copy calls.
-            let mut bufs = [[0u8; INLINE]; MAX_RANKS];
-            for (seg, b) in self.segs.iter().zip(bufs.iter_mut()) {
-                load_words(seg, at, &mut b[..out.len()]);
-            }
-            let mut srcs: [&[u8]; MAX_RANKS] = [&[]; MAX_RANKS];
-            for (src, b) in srcs.iter_mut().zip(bufs.iter()) {
-                *src = &b[..out.len()];
-            }
-            return reduce_many_bytes(spec.dtype, spec.op, &srcs[..n], out)
-                .map_err(|e| Error::internal(format!("low-latency reduction: {e}")));
+            return if n <= 4 { self.reduce_inline::<4>(spec, at, out) } else { self.reduce_inline::<MAX_RANKS>(spec, at, out) };
         }
         let need = out.len().saturating_mul(n);
         if need <= 256 {
@@ -527,6 +518,21 @@ impl LlChannel {
         } else {
             self.reduce_via(&mut Bounce([0u8; BOUNCE]).0, spec, at, out)
         }
+    }
+
+    /// [`LlChannel::reduce`] of at most [`INLINE`] bytes at an aligned `at`, for at most `N`
+    /// members: word loads into a stack buffer that is no larger than needed.
+    fn reduce_inline<const N: usize>(&self, spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
+        let n = self.segs.len();
+        let mut bufs = [[0u8; INLINE]; N];
+        for (seg, b) in self.segs.iter().zip(bufs.iter_mut()) {
+            load_words(seg, at, &mut b[..out.len()]);
+        }
+        let mut srcs: [&[u8]; N] = [&[]; N];
+        for (src, b) in srcs.iter_mut().zip(bufs.iter()) {
+            *src = &b[..out.len()];
+        }
+        reduce_many_bytes(spec.dtype, spec.op, &srcs[..n], out).map_err(|e| Error::internal(format!("low-latency reduction: {e}")))
     }
 
     fn reduce_via(&self, bounce: &mut [u8], spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {

@@ -160,9 +160,13 @@ impl Endpoint {
     /// Wakes the peer if it sleeps on its doorbell (shm: a peer that published something
     /// in shared memory itself, outside the rings; the other transports' messages wake
     /// their receivers already).
-    pub(crate) fn wake_if_sleeping(&self) {
+    ///
+    /// The caller has just made a sequentially consistent write (a swap) of what it
+    /// published, which orders it before the look at the peer's sleep flag as the fence of
+    /// the doorbell protocol would.
+    pub(crate) fn wake_if_sleeping_after_fence(&self) {
         if let Endpoint::Shm(e) = self {
-            e.ring_peer_bell();
+            e.ring_peer_bell_if_sleeping();
         }
     }
 

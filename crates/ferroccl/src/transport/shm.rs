@@ -659,8 +659,14 @@ impl ShmEndpoint {
         }
     }
 
-    pub(crate) fn ring_peer_bell(&self) {
+    fn ring_peer_bell(&self) {
         fence(Ordering::SeqCst);
+        self.ring_peer_bell_if_sleeping();
+    }
+
+    /// [`ShmEndpoint::ring_peer_bell`] for a caller whose last write was sequentially
+    /// consistent (it orders that write before the look at the sleep flag, as the fence).
+    pub(crate) fn ring_peer_bell_if_sleeping(&self) {
         if self.peer_seg.atomic_u32(SLEEPING_OFF).load(Ordering::SeqCst) != 0 {
             self.peer_seg.atomic_u32(BELL_OFF).fetch_add(1, Ordering::SeqCst);
             let _ = futex_wake(self.peer_seg.atomic_u32(BELL_OFF), u32::MAX);
