@@ -75,6 +75,18 @@ fn ring_off(sender: usize, ring_bytes: usize) -> usize {
     HEADER_BYTES + sender * (RING_CTRL + ring_bytes)
 }
 
+/// Reads a byte of every page of `len` bytes at `off`: the pages are allocated (shared
+/// memory is, on a read fault) and mapped in this process.
+fn touch_pages(seg: &ShmSegment, off: usize, len: usize) {
+    let mut b = [0u8; 1];
+    let end = (off + len).min(seg.len());
+    let mut at = off;
+    while at < end {
+        seg.read(at, &mut b);
+        at = (at / 4096 + 1) * 4096;
+    }
+}
+
 fn pad64(n: usize) -> usize {
     n.div_ceil(REC) * REC
 }
@@ -626,6 +638,11 @@ impl ShmEndpoint {
                 what: format!("cannot map its segment: {e} ({hint})"),
             }
         })?;
+        // Fault in now, not in the first calls that fill them (a 64 KiB message stream
+        // touched a fresh page of each ring per 4 KiB for the first megabyte): our ring in
+        // the peer's segment, and the peer's ring in ours.
+        touch_pages(&seg, ring_off(rank, ring_bytes), RING_CTRL + ring_bytes);
+        touch_pages(&local.seg, ring_off(peer, ring_bytes), RING_CTRL + ring_bytes);
         Ok(ShmEndpoint {
             rank,
             peer,
