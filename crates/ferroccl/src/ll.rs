@@ -26,10 +26,9 @@
 //! `s - 2`, the slot that `s` overwrites. So the low-latency calls of one communicator run
 //! strictly one after another on each rank (the engine holds a non-blocking one back until
 //! the one before it has finished), and no rank gets more than one call ahead of another.
-//! A call completes once the members it needs have posted it: every member for the
-//! allreduce, allgather, reduce_scatter, alltoall and barrier, the root for a broadcast
-//! (nobody on the root), every member on a reduce's root (nobody elsewhere); a member
-//! waited for only at the next call is usually there by then.
+//! A call completes once every member has posted it, a broadcast's root too: the root needs
+//! nobody's data, but it must see what every member called (two ranks that each take
+//! themselves for the root would otherwise both return `Ok`).
 //!
 //! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
 //! tens of microseconds when every rank of the host has a core of its own, not at all when
@@ -424,15 +423,13 @@ impl LlChannel {
         set
     }
 
-    /// The members whose post of a call completes it here: every member, except for a
-    /// broadcast (the root, or nobody on the root) and a reduce (nobody off the root).
-    fn needs(&self, spec: &LlSpec) -> u64 {
-        match spec.kind {
-            LlKind::Coll(Collective::Broadcast { root }) if root == self.rank => 0,
-            LlKind::Coll(Collective::Broadcast { root }) => 1 << root,
-            LlKind::Coll(Collective::Reduce { root }) if root != self.rank => 0,
-            _ => self.all_but_me(),
-        }
+    /// The members whose post of a call completes it here: every member, for every call. A
+    /// broadcast's root (or a rank off a reduce's root) needs nobody's data, but it must see
+    /// what every member called: two ranks that each take themselves for the root would
+    /// otherwise both return `Ok` (measured cost: a 2-rank 8 B broadcast 0.13 us instead of
+    /// 0.10).
+    fn needs(&self, _spec: &LlSpec) -> u64 {
+        self.all_but_me()
     }
 
     fn all_but_me(&self) -> u64 {
