@@ -323,6 +323,7 @@ impl ShmSegment {
     }
 
     /// The length of the mapping in bytes (never zero).
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -357,6 +358,7 @@ impl ShmSegment {
     /// If `offset` is not a multiple of 4 or `offset + 4 > len()`. Offsets
     /// come from the transport's own layout, so a bad one is a FerroCCL bug,
     /// not a runtime condition.
+    #[inline]
     pub fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
         self.check_range(offset, 4, 4, "atomic_u32");
         // SAFETY: `offset + 4 <= len`, so the 4 bytes lie inside our mapping,
@@ -374,6 +376,7 @@ impl ShmSegment {
     ///
     /// If `offset` is not a multiple of 8 or `offset + 8 > len()` (a FerroCCL
     /// bug, as for [`atomic_u32`](Self::atomic_u32)).
+    #[inline]
     pub fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
         self.check_range(offset, 8, 8, "atomic_u64");
         // SAFETY: as in `atomic_u32`: in bounds of a mapping that outlives
@@ -391,6 +394,7 @@ impl ShmSegment {
     /// # Panics
     ///
     /// If `offset + src.len() > len()` (a FerroCCL bug).
+    #[inline]
     pub fn write(&self, offset: usize, src: &[u8]) {
         self.check_range(offset, src.len(), 1, "write");
         // SAFETY: the destination range is inside our live mapping (checked
@@ -413,6 +417,7 @@ impl ShmSegment {
     /// # Panics
     ///
     /// If `offset + dst.len() > len()` (a FerroCCL bug).
+    #[inline]
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
         self.check_range(offset, dst.len(), 1, "read");
         // SAFETY: the source range is inside our live, readable mapping

@@ -657,8 +657,11 @@ impl LlChannel {
         let mut tended = None::<Instant>;
         let mut probe_at = None::<Instant>;
         let mut probe_gap = PROBE_AFTER;
+        // The doorbell's value is read before each look only once the wait may sleep (past
+        // the spin): a sleep needs the value from before its last look.
+        let mut slow = false;
         loop {
-            let seen = fabric.inbox.bell_seen();
+            let seen = if slow { fabric.inbox.bell_seen() } else { 0 };
             missing = self.missing(s, missing);
             let fresh = !missing & !checked & mask;
             if fresh != 0 {
@@ -695,6 +698,11 @@ impl LlChannel {
             let waited = now - t0;
             if waited < self.policy.spin {
                 std::hint::spin_loop();
+                continue;
+            }
+            if !slow {
+                // Look once more with the doorbell read first, before anything may sleep.
+                slow = true;
                 continue;
             }
             if tended.is_none_or(|t| now - t >= TEND_EVERY) {
