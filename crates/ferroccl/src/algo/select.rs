@@ -119,6 +119,10 @@ const LL_LATENCY_US: f64 = 0.3;
 /// model hands over to the schedules where measurement does (2 ranks, f32: about 48 KiB).
 const LL_COPY_GBPS: f64 = 26.0;
 
+/// Most slot bytes one low-latency call reads (`n` x the message), so that they stay in a
+/// core's L2.
+const LL_MAX_READ: usize = 512 << 10;
+
 /// Predicted time in microseconds of `coll` on `n` ranks over the low-latency protocol
 /// (`bytes` as in [`estimate`]): one round; every byte is copied in once and read (and
 /// reduced) by one core from each slot it needs.
@@ -146,6 +150,11 @@ pub(crate) fn ll_pays(coll: Collective, n: usize, bytes: usize, dtype: DType, op
 /// low-latency protocol pays on `n` ranks over shm ([`ll_pays`] for f32 sums: integer
 /// averages, which never take the ring, only make it pay more).
 pub(crate) fn ll_limit(coll: Collective, n: usize, max: usize) -> usize {
+    // Beyond a core's L2 of slot reads per call the copies stream from memory, and the
+    // model's single copy rate no longer holds (measured, 4 ranks on 2 CPUs: 256 KiB
+    // allreduce 340-460 us over the slots against 330 us scheduled; 128 KiB 186 against
+    // 194-211).
+    let max = max.min(LL_MAX_READ / n.max(1));
     let pays = |b: usize| ll_pays(coll, n, b, DType::F32, ReduceOp::Sum, SHM_LINK);
     if !pays(1) {
         return 0;
@@ -245,6 +254,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_low_latency_protocol_takes_small_messages_only() {
+        let cap = 256 << 10;
+        for n in [2, 3, 4, 8] {
+            for coll in colls(n) {
+                let per = if matches!(coll, Collective::ReduceScatter | Collective::AllToAll) { n } else { 1 };
+                let lim = ll_limit(coll, n, cap / per);
+                // It pays for the smallest messages, never past the slots or a core's L2.
+                assert!(lim >= 64, "{coll} n {n}: {lim}");
+                assert!(lim <= cap / per && lim <= LL_MAX_READ / n, "{coll} n {n}: {lim}");
+                assert!(ll_estimate(coll, n, 8) < estimate(choose(coll, n, 8, DType::F32, ReduceOp::Sum, SHM), coll, n, 8, SHM).unwrap());
+            }
+        }
+        // 2 ranks: handed back to the schedules between 16 and 64 KiB (measured: about 48).
+        let lim = ll_limit(Collective::AllReduce, 2, cap);
+        assert!((16 << 10..=64 << 10).contains(&lim), "{lim}");
     }
 
     #[test]
