@@ -99,6 +99,10 @@ const PROBE_GAP_MAX: Duration = Duration::from_secs(1);
 #[repr(align(64))]
 struct Bounce<const N: usize>([u8; N]);
 
+/// `N` slots' first data bytes, each line 32-byte aligned.
+#[repr(align(64))]
+struct Lines<const N: usize>([[u8; INLINE]; N]);
+
 /// How a waiter spends the time before it sleeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct WaitPolicy {
@@ -521,12 +525,14 @@ impl LlChannel {
     /// members: word loads into a stack buffer that is no larger than needed.
     fn reduce_inline<const N: usize>(&self, spec: &LlSpec, at: usize, out: &mut [u8]) -> Result<()> {
         let n = self.segs.len();
-        let mut bufs = [[0u8; INLINE]; N];
-        for (seg, b) in self.segs.iter().zip(bufs.iter_mut()) {
+        // Aligned, so that the kernels take the elements in place (a misaligned source
+        // would make them copy into scratch memory of their own).
+        let mut bufs = Lines([[0u8; INLINE]; N]);
+        for (seg, b) in self.segs.iter().zip(bufs.0.iter_mut()) {
             load_words(seg, at, &mut b[..out.len()]);
         }
         let mut srcs: [&[u8]; N] = [&[]; N];
-        for (src, b) in srcs.iter_mut().zip(bufs.iter()) {
+        for (src, b) in srcs.iter_mut().zip(bufs.0.iter()) {
             *src = &b[..out.len()];
         }
         reduce_many_bytes(spec.dtype, spec.op, &srcs[..n], out).map_err(|e| Error::internal(format!("low-latency reduction: {e}")))
