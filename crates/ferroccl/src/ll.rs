@@ -378,9 +378,11 @@ impl LlChannel {
     }
 
     /// Step 1: this rank's contribution `src` (the call's own bytes: see
-    /// [`LlSpec::contribution`]) into its slot, then the header, then `s`; wakes sleeping
-    /// members.
-    fn post(&self, fabric: &Fabric, s: u64, call: u32, desc: &Desc, src: &[u8]) {
+    /// [`LlSpec::contribution`]) into its slot, then the header, then `s` (a release store:
+    /// nothing waits here for the slot's cache line to come back from the members that read
+    /// it last). Members asleep on their doorbells are woken by [`LlChannel::wake_sleepers`],
+    /// which the caller runs after it (see there).
+    fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8]) {
         let seg = &self.segs[self.rank];
         let at = self.slot(s);
         if src.len() <= INLINE {
@@ -397,13 +399,20 @@ impl LlChannel {
             seg.write(at + CALL_OFF, &call.to_le_bytes());
             seg.write(at + DESC_OFF, desc);
         }
-        // Sequentially consistent: pairs with a sleeping member's announcement (either it
-        // sees `s`, or we see it asleep and ring).
-        seg.atomic_u64(at + SEQ_OFF).swap(s, Ordering::SeqCst);
+        seg.atomic_u64(at + SEQ_OFF).store(s, Ordering::Release);
+    }
+
+    /// Wakes the members asleep on their doorbells after this rank posted. The fence pairs
+    /// with a sleeper's announcement (`Inbox::sleep`, then a look at the slots): either the
+    /// sleeper sees the post, or this rank sees it asleep and rings. A rank runs it before
+    /// it may sleep itself and when its call ends, so a member waiting for its post is
+    /// woken at the latest when this rank stops running: late only by this rank's own
+    /// wait, which a member that sleeps waits out anyway (it needs every member's post).
+    fn wake_sleepers(&self, fabric: &Fabric) {
+        std::sync::atomic::fence(Ordering::SeqCst);
         for (p, &w) in self.members.iter().enumerate() {
             if p != self.rank {
                 if let Ok(ep) = fabric.endpoint(w) {
-                    // The swap above is the fence the doorbell protocol needs.
                     ep.wake_if_sleeping_after_fence();
                 }
             }
@@ -631,8 +640,11 @@ impl LlChannel {
             // overwrites): usually so already.
             self.wait(fabric, s - 1, self.all_but_me(), false, call, desc, deadline_after, tend, op)?;
         }
-        self.post(fabric, s, call, desc, src);
-        self.wait(fabric, s, self.needs(spec), true, call, desc, deadline_after, tend, op)?;
+        self.post(s, call, desc, src);
+        let r = self.wait(fabric, s, self.needs(spec), true, call, desc, deadline_after, tend, op);
+        // Now that the post's cache line has long left (see `post`).
+        self.wake_sleepers(fabric);
+        r?;
         self.finish(fabric, s, spec, output)?;
         self.complete(fabric, s);
         Ok(())
@@ -707,8 +719,13 @@ impl LlChannel {
                 continue;
             }
             if !slow {
-                // Look once more with the doorbell read first, before anything may sleep.
+                // Look once more with the doorbell read first, before anything may sleep;
+                // and wake the members that sleep waiting for this rank's post, before this
+                // rank may sleep itself.
                 slow = true;
+                if check {
+                    self.wake_sleepers(fabric);
+                }
                 continue;
             }
             if tended.is_none_or(|t| now - t >= TEND_EVERY) {
@@ -828,8 +845,10 @@ impl LlRun {
                 _ => output,
             };
             region
-                .with_slice(off, len, |src| chan.post(fabric, self.s, call, desc, src))
+                .with_slice(off, len, |src| chan.post(self.s, call, desc, src))
                 .map_err(|e| Error::internal(format!("{}: low-latency post: {e}", named())))?;
+            // The engine may sleep before it looks again: wake sleeping members now.
+            chan.wake_sleepers(fabric);
             self.posted = true;
             moved = true;
         }
