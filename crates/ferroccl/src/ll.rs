@@ -10,8 +10,9 @@
 //! in the header's own cache line. A call:
 //!
 //! 1. *posts*: copies this rank's contribution into its own slot, writes the header, and
-//!    publishes `s` (a sequentially consistent store); a peer asleep on its doorbell is
-//!    woken (see below);
+//!    publishes `s` (a release store, so that nothing waits for the slot's cache line to
+//!    come back from the members that read it last; members asleep on their doorbells are
+//!    woken after the wait, see `LlChannel::wake_sleepers`);
 //! 2. *waits* until every member's slot says `s` (the flag and the first data bytes arrive
 //!    in one cache line), comparing every member's call number and descriptor with its own
 //!    (a member in another call is a mismatch, named like any other);
@@ -48,6 +49,11 @@ use ferroccl_mem::ShmSegment;
 
 use crate::algo::ll::{LlKind, LlSpec};
 use crate::algo::{select, Collective};
+use crate::error::{Error, Op, Result};
+use crate::fabric::{Fabric, PARK_NAP};
+use crate::params::FaultSite;
+use crate::poll::Poll;
+use crate::proto::{self, Desc};
 
 /// The collectives, one of each kind (roots do not matter to the cost).
 const COLLS: [Collective; 6] = [
@@ -58,11 +64,6 @@ const COLLS: [Collective; 6] = [
     Collective::Reduce { root: 0 },
     Collective::AllToAll,
 ];
-use crate::error::{Error, Op, Result};
-use crate::fabric::{Fabric, PARK_NAP};
-use crate::params::FaultSite;
-use crate::poll::Poll;
-use crate::proto::{self, Desc};
 
 /// Control lines before the first slot: the readiness word and this rank's CPUs.
 const CTL: usize = 128;
@@ -324,7 +325,7 @@ impl LlChannel {
             eprintln!(
                 "ferroccl: rank {}: low-latency path on for communicator {comm:#x} ({n} ranks, slots of {cap} B, {cpus} CPUs among them, {local} ranks on this host: {})",
                 fabric.rank,
-                if shared { "cores shared, short spins" } else { "a core each" }
+                if shared { "CPUs shared: waits yield at once" } else { "a CPU each: waits spin first" }
             );
         }
         Ok(Some(LlChannel {
