@@ -340,6 +340,7 @@ impl ShmSegment {
 
     /// Panics unless `[offset, offset + size)` lies in the segment and
     /// `offset` is a multiple of `align`.
+    #[inline]
     fn check_range(&self, offset: usize, size: usize, align: usize, what: &str) {
         let end = offset.checked_add(size);
         assert!(
