@@ -19,6 +19,12 @@
 //! peer health and deadlines are still looked at). With no job in flight the background
 //! thread parks on a condition variable and uses no CPU.
 //!
+//! Low-latency calls (`crate::ll`) of a communicator whose ranks are all on this host run
+//! outside the engine, on the caller's thread, when they are blocking calls or plans and no
+//! earlier low-latency call of the communicator is still a job here; otherwise they are
+//! parts of jobs like any other (`Part::ll`), and a waiter's tending (`Engine::tend`) does
+//! for them what a round does: drain, watch, answer probes, serve one-sided requests.
+//!
 //! Completion order: jobs of one communicator are matched between ranks by the sequence
 //! numbers assigned when they are submitted, so several may be in flight at once and they
 //! complete as if issued in order (every rank must issue them in the same order).
