@@ -92,24 +92,25 @@ cpu_model=$(awk -F': *' '/^model name/ { print $2; exit }' /proc/cpuinfo 2>/dev/
 [ -n "$cpu_model" ] || cpu_model=$(lscpu 2>/dev/null | awk -F': *' '/^Model name/ { print $2; exit }' || true)
 machine="# machine: nproc $ncpu, ${cpu_model:-unknown CPU}, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?') at start; $(date)"
 
+# find_mpi SUFFIX VERSION_PATTERN: sets cc and run to the MPI's compiler and launcher, the
+# Debian alternatives (mpicc.SUFFIX, mpirun.SUFFIX), or plain mpicc/mpirun when mpirun's
+# --version matches VERSION_PATTERN; leaves them empty when that MPI is not installed.
+find_mpi() {
+    if command -v "mpicc.$1" >/dev/null && command -v "mpirun.$1" >/dev/null; then
+        cc="mpicc.$1" run="mpirun.$1"
+    elif command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -qi "$2"; then
+        cc=mpicc run=mpirun
+    fi
+}
+
 # The peers that are installed: their compiler and launcher.
 declare -A peer_cc peer_run
 avail=()
 for p in $peers; do
     cc="" run=""
     case "$p" in
-        ompi)
-            if command -v mpicc.openmpi >/dev/null && command -v mpirun.openmpi >/dev/null; then
-                cc=mpicc.openmpi run=mpirun.openmpi
-            elif command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -qi "open mpi\|openrte"; then
-                cc=mpicc run=mpirun
-            fi ;;
-        mpich)
-            if command -v mpicc.mpich >/dev/null && command -v mpirun.mpich >/dev/null; then
-                cc=mpicc.mpich run=mpirun.mpich
-            elif command -v mpicc >/dev/null && mpirun --version 2>/dev/null | grep -qi "hydra"; then
-                cc=mpicc run=mpirun
-            fi ;;
+        ompi) find_mpi openmpi "open mpi\|openrte" ;;
+        mpich) find_mpi mpich "hydra" ;;
         *) echo "latency.sh: --peers: $p is not ompi or mpich" >&2; exit 2 ;;
     esac
     if [ -z "$cc" ]; then

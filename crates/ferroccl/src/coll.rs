@@ -99,6 +99,16 @@ impl Communicator {
         select::choose(coll, self.size(), bytes, dtype, op, link)
     }
 
+    /// A call's shape, its descriptor on the wire (or in a low-latency slot) and its name in
+    /// errors, with `algo`.
+    fn identity(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize, in_place: bool, algo: Algo) -> (Shape, proto::Desc, Op) {
+        let p = &self.fabric().params;
+        let shape =
+            Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
+        let desc = encode_desc(&shape, algo, p.proto);
+        (shape, desc, Op::collective(coll, dtype, count, op, algo))
+    }
+
     /// Picks the algorithm and builds this rank's schedule. Errors here leave the
     /// communicator usable.
     pub(crate) fn prepare(
@@ -115,26 +125,13 @@ impl Communicator {
         let prep = match cached {
             Some(p) => p,
             None => {
-                let p = &self.fabric().params;
                 let algo = self.pick_algo(coll, dtype, op, count);
-                let shape = Shape {
-                    coll,
-                    n: self.size(),
-                    rank: self.rank(),
-                    count,
-                    dtype,
-                    op,
-                    chunk_bytes: p.chunk_bytes,
-                    in_place,
-                    slots: p.slots,
-                };
+                let (shape, desc, id) = self.identity(coll, dtype, op, count, in_place, algo);
                 let ll = (algo == Algo::Ll).then_some(LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place });
                 let sched = match ll {
                     Some(_) => Default::default(),
                     None => algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?,
                 };
-                let desc = encode_desc(&shape, algo, p.proto);
-                let id = Op::collective(coll, dtype, count, op, algo);
                 let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op, ll };
                 self.sched_cache.insert(key, prep.clone());
                 prep
@@ -179,11 +176,7 @@ impl Communicator {
         // The low-latency path needs no schedule: nothing to look up.
         if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Coll(coll), dtype, op, count)) {
             let in_place = input.is_none();
-            let p = &self.fabric().params;
-            let shape =
-                Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
-            let desc = encode_desc(&shape, Algo::Ll, p.proto);
-            let id = Op::collective(coll, dtype, count, op, Algo::Ll);
+            let (_, desc, id) = self.identity(coll, dtype, op, count, in_place, Algo::Ll);
             self.check_usable(&id)?;
             if let Some(numbers) = self.begin_ll(ch, &desc) {
                 let spec = LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place };

@@ -539,19 +539,34 @@ impl Engine {
     /// drain the transports, watch the peers (`now`: the caller's clock reading), answer
     /// probes.
     pub(crate) fn tend(&self, now: Instant) {
+        self.drain();
+        self.fabric.check_health(now);
+        self.answer_probes();
+        if !self.fabric.inbox.has_fatal() {
+            self.serve_rma(self.serving());
+        }
+    }
+
+    /// Whether this rank has windows to serve or verbs peers' regions to answer for.
+    fn serving(&self) -> bool {
+        self.park.serving.load(Ordering::Relaxed) > 0 || self.park.held.load(Ordering::Relaxed) > 0
+    }
+
+    /// Drains the transports into the inbox; a transport whose poll itself failed (without
+    /// recording why) poisons the fabric.
+    fn drain(&self) {
         if let Err(e) = self.fabric.progress() {
             if !self.fabric.inbox.has_fatal() {
                 let _ = self.fabric.poison(e);
             }
         }
-        self.fabric.check_health(now);
-        self.answer_probes();
-        // Peers' one-sided requests wait for nothing but this rank (the driver serves them
-        // too; the window server is shared).
-        let serving = self.park.serving.load(Ordering::Relaxed) > 0 || self.park.held.load(Ordering::Relaxed) > 0;
-        if !self.fabric.inbox.has_fatal() && (serving || self.fabric.inbox.rma_pending()) {
-            self.rma.serve(&self.fabric);
-        }
+    }
+
+    /// Serves the peers' one-sided requests (they wait for nothing but this rank): while
+    /// `serving`, or whenever one arrived (every access is refused with no window left, and
+    /// signals need no window). Whether anything was served.
+    fn serve_rma(&self, serving: bool) -> bool {
+        (serving || self.fabric.inbox.rma_pending()) && self.rma.serve(&self.fabric)
     }
 
     /// Whether any job in `jobs` has a low-latency part that could move now.
@@ -743,30 +758,21 @@ impl Engine {
                 jobs.append(&mut s);
             }
         }
-        let serving = self.park.serving.load(Ordering::Relaxed) > 0 || self.park.held.load(Ordering::Relaxed) > 0;
+        let serving = self.serving();
         if jobs.is_empty() && !serving {
             return false;
         }
-        if let Err(e) = fabric.progress() {
-            // A transport that failed without recording why (its poll itself failed).
-            if !fabric.inbox.has_fatal() {
-                let _ = fabric.poison(e);
-            }
-        }
+        self.drain();
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
         let now = (slow || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
         if let Some(now) = now {
             fabric.check_health(now);
-        }
-        if now.is_some() {
             self.answer_probes();
         }
         let fatal = fabric.inbox.has_fatal();
-        // Peers' one-sided requests first: they wait for nothing but this rank. Served with
-        // no window left too (every access is refused then), and signals need no window.
-        let mut moved = !fatal && (serving || fabric.inbox.rma_pending()) && self.rma.serve(fabric);
+        let mut moved = !fatal && self.serve_rma(serving);
         let mut i = 0;
         while i < jobs.len() {
             let outcome = {

@@ -22,14 +22,15 @@
 //!    buffer (a slot is only ever copied, never borrowed: see `ferroccl_mem::segment`).
 //!
 //! Why two slots are enough without any acknowledgement: a rank posts call `s` only after it
-//! has finished call `s - 1` and seen every member post `s - 1`; a member posts `s - 1` only
-//! after finishing `s - 2`, i.e. after it read everything it needed from the slots of
+//! has finished call `s - 1`, which needed every member's post of `s - 1`; a member posts
+//! `s - 1` only after finishing `s - 2`, i.e. after it read everything it needed from the slots of
 //! `s - 2`, the slot that `s` overwrites. So the low-latency calls of one communicator run
 //! strictly one after another on each rank (the engine holds a non-blocking one back until
 //! the one before it has finished), and no rank gets more than one call ahead of another.
 //! A call completes once every member has posted it, a broadcast's root too: the root needs
 //! nobody's data, but it must see what every member called (two ranks that each take
-//! themselves for the root would otherwise both return `Ok`).
+//! themselves for the root would otherwise both return `Ok`; measured cost: a 2-rank 8 B
+//! broadcast 0.13 us instead of 0.10).
 //!
 //! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
 //! tens of microseconds when every rank of the host has a core of its own, not at all when
@@ -437,15 +438,6 @@ impl LlChannel {
         set
     }
 
-    /// The members whose post of a call completes it here: every member, for every call. A
-    /// broadcast's root (or a rank off a reduce's root) needs nobody's data, but it must see
-    /// what every member called: two ranks that each take themselves for the root would
-    /// otherwise both return `Ok` (measured cost: a 2-rank 8 B broadcast 0.13 us instead of
-    /// 0.10).
-    fn needs(&self, _spec: &LlSpec) -> u64 {
-        self.all_but_me()
-    }
-
     fn all_but_me(&self) -> u64 {
         let n = self.segs.len();
         (if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }) & !(1u64 << self.rank)
@@ -636,13 +628,8 @@ impl LlChannel {
             (_, _, Some(o)) => o.get(off..off + len).ok_or_else(|| Error::internal("low-latency call: output too short"))?,
             _ => return Err(Error::internal("low-latency call without its buffers")),
         };
-        if s > 1 {
-            // Every member has posted `s - 1` (so it has finished `s - 2`, whose slot `s`
-            // overwrites): usually so already.
-            self.wait(fabric, s - 1, self.all_but_me(), false, call, desc, deadline_after, tend, op)?;
-        }
         self.post(s, call, desc, src);
-        let r = self.wait(fabric, s, self.needs(spec), true, call, desc, deadline_after, tend, op);
+        let r = self.wait(fabric, s, call, desc, deadline_after, tend, op);
         // Now that the post's cache line has long left (see `post`).
         self.wake_sleepers(fabric);
         r?;
@@ -651,26 +638,21 @@ impl LlChannel {
         Ok(())
     }
 
-    /// Step 2 on this thread: until the members in `mask` have posted `s` (with `check`:
-    /// and called what we did).
+    /// Step 2 on this thread: until every member has posted `s` (and called what we did).
     #[allow(clippy::too_many_arguments)]
     fn wait(
         &self,
         fabric: &Fabric,
         s: u64,
-        mask: u64,
-        check: bool,
         call: u32,
         desc: &Desc,
         deadline_after: Duration,
         tend: &dyn Fn(Instant),
         op: &dyn Fn() -> Op,
     ) -> Result<()> {
-        let mut missing = self.missing(s, mask);
-        if missing == 0 && !check {
-            return Ok(());
-        }
-        let mut checked = if check { !mask } else { u64::MAX };
+        let all = self.all_but_me();
+        let mut missing = all;
+        let mut checked = !all;
         let mut spins = 0u32;
         let mut start: Option<Instant> = None;
         let mut tended = None::<Instant>;
@@ -682,7 +664,7 @@ impl LlChannel {
         loop {
             let seen = if slow { fabric.inbox.bell_seen() } else { 0 };
             missing = self.missing(s, missing);
-            let fresh = !missing & !checked & mask;
+            let fresh = !missing & !checked & all;
             if fresh != 0 {
                 let mut f = fresh;
                 while f != 0 {
@@ -724,9 +706,7 @@ impl LlChannel {
                 // and wake the members that sleep waiting for this rank's post, before this
                 // rank may sleep itself.
                 slow = true;
-                if check {
-                    self.wake_sleepers(fabric);
-                }
+                self.wake_sleepers(fabric);
                 continue;
             }
             if tended.is_none_or(|t| now - t >= TEND_EVERY) {
@@ -803,24 +783,20 @@ impl LlRun {
         if !self.posted {
             return self.may_post();
         }
-        self.chan.missing(self.s, self.chan.needs(&self.spec)) == 0
+        self.chan.missing(self.s, self.chan.all_but_me()) == 0
     }
 
-    /// Whether this rank finished the call before and every member posted it.
+    /// Whether this rank finished the call before (and so every member posted it).
     fn may_post(&self) -> bool {
-        let all = self.chan.all_but_me();
-        self.chan.done() + 1 == self.s && (self.s <= 1 || self.chan.missing(self.s - 1, all) == 0)
+        self.chan.done() + 1 == self.s
     }
 
     /// Members (world ranks) it waits for.
     pub(crate) fn waiting_for(&self) -> Vec<usize> {
         if !self.posted {
-            if self.chan.done() + 1 != self.s || self.s <= 1 {
-                return Vec::new();
-            }
-            return self.chan.worlds(self.chan.missing(self.s - 1, self.chan.all_but_me())).collect();
+            return Vec::new();
         }
-        self.chan.worlds(self.chan.missing(self.s, self.chan.needs(&self.spec))).collect()
+        self.chan.worlds(self.chan.missing(self.s, self.chan.all_but_me())).collect()
     }
 
     /// Moves the call as far as it goes now.
@@ -853,9 +829,9 @@ impl LlRun {
             self.posted = true;
             moved = true;
         }
-        let need = chan.needs(&self.spec);
-        let missing = chan.missing(self.s, need);
-        let fresh = !missing & !self.checked & need;
+        let all = chan.all_but_me();
+        let missing = chan.missing(self.s, all);
+        let fresh = !missing & !self.checked & all;
         let mut f = fresh;
         while f != 0 {
             let p = f.trailing_zeros() as usize;

@@ -48,7 +48,7 @@ use ferroccl_mem::region::RegionHandle;
 use crate::algo::{Block, Remote};
 use crate::error::{Error, Op, Refusal, Result};
 use crate::fabric::Fabric;
-use crate::inbox::RmaRequest;
+use crate::inbox::{Events, RmaRequest};
 use crate::p2p::XferCtx;
 use crate::proto::{self, GetShape, RegionInfo, RmaStatus, RmaTarget};
 use crate::registry::{PeerWindow, RegionLookup, SharedWindow};
@@ -177,6 +177,16 @@ pub(crate) struct GetOp {
     /// The owner's refusal: the step is over, and its job fails once its other transfers
     /// are over too (so that none of them is still landing when the job returns).
     refusal: Option<Error>,
+}
+
+/// Takes the immediates of the rows of a transfer (first immediate `imm`) from `wpeer` that
+/// have landed, in order, after the `landed` already counted (at most `rows`); whether any did.
+fn take_landed_rows(ev: &mut Events, wpeer: usize, imm: u32, landed: &mut u32, rows: u32) -> bool {
+    let start = *landed;
+    while *landed < rows && ev.imms.remove(&(wpeer, row_imm(imm, *landed))) {
+        *landed += 1;
+    }
+    *landed > start
 }
 
 /// The immediate of row `r` of a read whose first row's is `imm`.
@@ -349,12 +359,8 @@ impl GetOp {
             },
             State::Wait => {
                 let mut ev = cx.fabric.inbox.lock();
-                let mut moved = false;
                 // Rows land in order; each with its own immediate.
-                while self.landed < self.block.rows && ev.imms.remove(&(self.wpeer, row_imm(self.imm, self.landed))) {
-                    self.landed += 1;
-                    moved = true;
-                }
+                let moved = take_landed_rows(&mut ev, self.wpeer, self.imm, &mut self.landed, self.block.rows);
                 if self.landed == self.block.rows {
                     drop(ev);
                     // Every byte has landed: end the owner's access to our buffer.
@@ -602,13 +608,9 @@ impl PutOp {
             },
             State::Wait if self.rdma => {
                 let mut ev = cx.fabric.inbox.lock();
-                let mut moved = false;
                 // Each row's last piece completes (the owner's NIC acknowledged it: its
                 // bytes are in the window) with the row's immediate, in order.
-                while self.landed < self.block.rows && ev.imms.remove(&(self.wpeer, row_imm(self.imm, self.landed))) {
-                    self.landed += 1;
-                    moved = true;
-                }
+                let moved = take_landed_rows(&mut ev, self.wpeer, self.imm, &mut self.landed, self.block.rows);
                 if self.landed == self.block.rows {
                     self.state = State::Done;
                     return Ok(true);

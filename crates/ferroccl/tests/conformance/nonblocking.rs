@@ -407,52 +407,68 @@ pub fn requests_are_futures_and_progress_without_a_waiter(s: &Suite) {
 }
 
 pub fn abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes(s: &Suite) {
-    {
-        // Rank 1 never joins the allreduce; rank 0 aborts from another thread.
-        let done = AtomicBool::new(false);
-        let res = world(s, 2, |comm| -> Result<(), String> {
-            if comm.rank() == 1 {
-                // Wait for rank 0's abort to reach us, without calling anything matching.
-                let t0 = Instant::now();
-                while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(20) {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                let mut x = [1u8];
-                let err = comm.allreduce(&mut x, ReduceOp::Sum);
-                return match err {
-                    Err(Error::Aborted { by: Some(0), .. }) => Ok(()),
-                    other => Err(format!("rank 1 after rank 0's abort: {other:?}")),
-                };
-            }
-            let mut buf = vec![0.0f32; 1000];
+    // Rank 1 never joins the allreduce; rank 0 aborts from another thread. Later calls (a
+    // barrier) fail the same way.
+    abort_while_a_peer_never_comes(s, &|r| params(s, r), 1000, false, &|comm| comm.barrier());
+}
+
+/// Rank 1 never joins rank 0's allreduce of `count` f32 (with `params`); rank 0 aborts from
+/// another thread, and its call fails with `Aborted` promptly (over shm, with `want_ll`,
+/// naming a low-latency call); so does `after` on rank 0, and rank 1's allreduce, which then
+/// finds the abort.
+fn abort_while_a_peer_never_comes(
+    s: &Suite,
+    params: &(dyn Fn(usize) -> Params + Sync),
+    count: usize,
+    want_ll: bool,
+    after: &(dyn Fn(&Communicator) -> ferroccl::Result<()> + Sync),
+) {
+    let done = AtomicBool::new(false);
+    let res = run_world(2, params, |comm| -> Result<(), String> {
+        let r = comm.rank();
+        if r != 0 {
+            // Wait for rank 0's abort to reach us, without calling anything matching.
             let t0 = Instant::now();
-            let err = std::thread::scope(|s| {
-                s.spawn(|| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    comm.abort();
-                });
-                comm.allreduce(&mut buf, ReduceOp::Sum)
-            });
-            let took = t0.elapsed();
-            done.store(true, Ordering::SeqCst);
-            match err {
-                Err(Error::Aborted { rank: 0, op: Op::Collective { coll: Collective::AllReduce, .. }, by: None }) => {}
-                other => return Err(format!("rank 0: {other:?}")),
+            while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(5));
             }
-            // Promptly: the abort came at 0.3 s; allow a slow machine plenty. (Without clocks,
-            // over verbs in an emulated VM, the check is that the error is the abort.)
-            if s.clocks && took > Duration::from_millis(300) + Duration::from_secs(1) {
-                return Err(format!("abort took {took:?}"));
-            }
-            // Later calls fail the same way.
-            match comm.barrier() {
-                Err(Error::Aborted { .. }) => Ok(()),
-                other => Err(format!("after abort: {other:?}")),
-            }
-        });
-        for r in res {
-            assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
+            let mut x = [1u8];
+            return match comm.allreduce(&mut x, ReduceOp::Sum) {
+                Err(Error::Aborted { by: Some(0), .. }) => Ok(()),
+                other => Err(format!("rank {r} after rank 0's abort: {other:?}")),
+            };
         }
+        let mut buf = vec![0.0f32; count];
+        let t0 = Instant::now();
+        let err = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                comm.abort();
+            });
+            comm.allreduce(&mut buf, ReduceOp::Sum)
+        });
+        let took = t0.elapsed();
+        done.store(true, Ordering::SeqCst);
+        match err {
+            Err(Error::Aborted { rank: 0, op: Op::Collective { coll: Collective::AllReduce, algo, .. }, by: None }) => {
+                if want_ll && s.wire == Wire::Shm && algo != Algo::Ll {
+                    return Err(format!("rank 0 aborted a {algo} allreduce, not a low-latency one"));
+                }
+            }
+            other => return Err(format!("rank 0: {other:?}")),
+        }
+        // Promptly: the abort came at 0.3 s; allow a slow machine plenty. (Without clocks,
+        // over verbs in an emulated VM, the check is that the error is the abort.)
+        if s.clocks && took > Duration::from_millis(300) + Duration::from_secs(1) {
+            return Err(format!("abort took {took:?}"));
+        }
+        match after(&comm) {
+            Err(Error::Aborted { .. }) => Ok(()),
+            other => Err(format!("after abort: {other:?}")),
+        }
+    });
+    for r in res {
+        assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
     }
 }
 
@@ -735,52 +751,6 @@ pub fn forced_ll_plans_run_many_times_and_in_scopes(s: &Suite) {
 /// `Aborted` promptly; rank 1 then finds the abort. Two ranks: with more thread-ranks the
 /// slots are sometimes not set up at all (see `forced_ll_is_on_in_every_thread_rank_world`).
 pub fn abort_unblocks_a_forced_ll_allreduce_whose_peer_never_comes(s: &Suite) {
-    let done = AtomicBool::new(false);
-    let res = run_world(
-        2,
-        |r| ll_params(s, r),
-        |comm| -> Result<(), String> {
-            let r = comm.rank();
-            if r != 0 {
-                let t0 = Instant::now();
-                while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(20) {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                let mut x = [1u8];
-                return match comm.allreduce(&mut x, ReduceOp::Sum) {
-                    Err(Error::Aborted { by: Some(0), .. }) => Ok(()),
-                    other => Err(format!("rank {r} after rank 0's abort: {other:?}")),
-                };
-            }
-            let mut buf = vec![0.0f32; 100];
-            let t0 = Instant::now();
-            let err = std::thread::scope(|sc| {
-                sc.spawn(|| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    comm.abort();
-                });
-                comm.allreduce(&mut buf, ReduceOp::Sum)
-            });
-            let took = t0.elapsed();
-            done.store(true, Ordering::SeqCst);
-            match err {
-                Err(Error::Aborted { rank: 0, op: Op::Collective { coll: Collective::AllReduce, algo, .. }, by: None }) => {
-                    if s.wire == Wire::Shm && algo != Algo::Ll {
-                        return Err(format!("rank 0 aborted a {algo} allreduce, not a low-latency one"));
-                    }
-                }
-                other => return Err(format!("rank 0: {other:?}")),
-            }
-            if s.clocks && took > Duration::from_millis(300) + Duration::from_secs(1) {
-                return Err(format!("abort took {took:?}"));
-            }
-            match comm.allreduce(&mut buf, ReduceOp::Sum) {
-                Err(Error::Aborted { .. }) => Ok(()),
-                other => Err(format!("after abort: {other:?}")),
-            }
-        },
-    );
-    for r in res {
-        assert!(r.is_ok(), "{:?}: {}", s.wire, r.unwrap_err());
-    }
+    let again = |comm: &Communicator| comm.allreduce(&mut [0.0f32; 100], ReduceOp::Sum);
+    abort_while_a_peer_never_comes(s, &|r| ll_params(s, r), 100, true, &again);
 }
