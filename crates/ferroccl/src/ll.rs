@@ -341,7 +341,7 @@ impl LlChannel {
             queued: AtomicUsize::new(0),
             limits: COLLS.map(|c| {
                 let per = LlSpec::slot_bytes(LlKind::Coll(c), n, 1).unwrap_or(1).max(1);
-                select::ll_limit(c, n, cap / per)
+                select::ll_limit(c, n, cap / per, shared)
             }),
         }))
     }

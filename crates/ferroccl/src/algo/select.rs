@@ -90,7 +90,12 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         _ => return None,
     };
     let per_byte_us = 1e-3 / link.gbps; // 1 byte at `gbps` GB/s, in microseconds
-    Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + (wire * factor * per_byte_us).max(reduced * 1e-3 / REDUCE_GBPS))
+    let (wire_us, reduce_us) = (wire * factor * per_byte_us, reduced * 1e-3 / REDUCE_GBPS);
+    // Oneshot reduces a chunk only once all n - 1 copies of it have landed (and, in place,
+    // been sent): its reduction follows the wire instead of overlapping it (measured, 2
+    // ranks, shm, f32: 1 MiB 185 us against the ring's 105, 256 KiB 49 against 38).
+    let body = if algo == Algo::OneShot { wire_us + reduce_us } else { wire_us.max(reduce_us) };
+    Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + body)
 }
 
 /// The cheapest algorithm for `coll` by [`estimate`], among those that [`build`](super::build)
@@ -116,12 +121,15 @@ pub(crate) fn choose(coll: Collective, n: usize, bytes: usize, dtype: DType, op:
 /// call's bookkeeping.
 const LL_LATENCY_US: f64 = 0.3;
 /// Copy throughput of one core through the low-latency slots (GB/s), fitted so that the
-/// model hands over to the schedules where measurement does (2 ranks, f32: about 48 KiB).
-const LL_COPY_GBPS: f64 = 26.0;
+/// model hands over to the schedules where measurement does (2 ranks pinned, f32, shm,
+/// alternating ll / oneshot / mesh / ring: allreduce between 128 and 256 KiB, allgather
+/// about 64-128 KiB blocks, reduce_scatter about 64 KiB blocks, broadcast past 256 KiB).
+const LL_COPY_GBPS: f64 = 35.0;
 
-/// Most slot bytes one low-latency call reads (`n` x the message), so that they stay in a
-/// core's L2.
-const LL_MAX_READ: usize = 512 << 10;
+/// Most slot bytes one low-latency call reads (`n` x the message) when every rank has a
+/// CPU of its own, so that they stay in a core's L2 (2 ranks pinned: allreduce 128 KiB
+/// 22 us over the slots against the ring's 29, 256 KiB 51 against 38).
+const LL_MAX_READ: usize = 384 << 10;
 
 /// Predicted time in microseconds of `coll` on `n` ranks over the low-latency protocol
 /// (`bytes` as in [`estimate`]): one round; every byte is copied in once and read (and
@@ -148,13 +156,16 @@ pub(crate) fn ll_pays(coll: Collective, n: usize, bytes: usize, dtype: DType, op
 
 /// The largest message (`bytes` as in [`estimate`], at most `max`) up to which the
 /// low-latency protocol pays on `n` ranks over shm ([`ll_pays`] for f32 sums: integer
-/// averages, which never take the ring, only make it pay more).
-pub(crate) fn ll_limit(coll: Collective, n: usize, max: usize) -> usize {
-    // Beyond a core's L2 of slot reads per call the copies stream from memory, and the
-    // model's single copy rate no longer holds (measured, 4 ranks on 2 CPUs: 256 KiB
-    // allreduce 340-460 us over the slots against 330 us scheduled; 128 KiB 186 against
-    // 194-211).
-    let max = max.min(LL_MAX_READ / n.max(1));
+/// averages, which never take the ring, only make it pay more). `shared`: the ranks share
+/// CPUs.
+pub(crate) fn ll_limit(coll: Collective, n: usize, max: usize, shared: bool) -> usize {
+    // With a CPU each, beyond a core's L2 of slot reads per call the copies stream from
+    // memory and the model's single copy rate no longer holds. Ranks that share CPUs pay
+    // for every round of a schedule with a context switch, which one round of slots
+    // saves: measured, 4 ranks on 2 CPUs, alternating, f32: allreduce 256 KiB 148 us over
+    // the slots against the ring's 179 (1 MiB: 529 against 533), allgather of 256 KiB
+    // blocks 168 against 326; so there the slots' size is the only limit.
+    let max = if shared { max } else { max.min(LL_MAX_READ / n.max(1)) };
     let pays = |b: usize| ll_pays(coll, n, b, DType::F32, ReduceOp::Sum, SHM_LINK);
     if !pays(1) {
         return 0;
@@ -260,18 +271,36 @@ mod tests {
     fn the_low_latency_protocol_takes_small_messages_only() {
         let cap = 256 << 10;
         for n in [2, 3, 4, 8] {
-            for coll in colls(n) {
-                let per = if matches!(coll, Collective::ReduceScatter | Collective::AllToAll) { n } else { 1 };
-                let lim = ll_limit(coll, n, cap / per);
-                // It pays for the smallest messages, never past the slots or a core's L2.
-                assert!(lim >= 64, "{coll} n {n}: {lim}");
-                assert!(lim <= cap / per && lim <= LL_MAX_READ / n, "{coll} n {n}: {lim}");
-                assert!(ll_estimate(coll, n, 8) < estimate(choose(coll, n, 8, DType::F32, ReduceOp::Sum, SHM), coll, n, 8, SHM).unwrap());
+            for shared in [false, true] {
+                for coll in colls(n) {
+                    let per = if matches!(coll, Collective::ReduceScatter | Collective::AllToAll) { n } else { 1 };
+                    let lim = ll_limit(coll, n, cap / per, shared);
+                    // It pays for the smallest messages, never past the slots, nor past a
+                    // core's L2 when the ranks have a CPU each.
+                    assert!(lim >= 64, "{coll} n {n}: {lim}");
+                    assert!(lim <= cap / per && (shared || lim <= LL_MAX_READ / n), "{coll} n {n}: {lim}");
+                    assert!(ll_estimate(coll, n, 8) < estimate(choose(coll, n, 8, DType::F32, ReduceOp::Sum, SHM), coll, n, 8, SHM).unwrap());
+                }
             }
         }
-        // 2 ranks: handed back to the schedules between 16 and 64 KiB (measured: about 48).
-        let lim = ll_limit(Collective::AllReduce, 2, cap);
-        assert!((16 << 10..=64 << 10).contains(&lim), "{lim}");
+        // 2 ranks with a CPU each, as measured: allreduce handed back to the schedules
+        // between 128 and 256 KiB, allgather between 32 and 128 KiB blocks.
+        let lim = ll_limit(Collective::AllReduce, 2, cap, false);
+        assert!((128 << 10..256 << 10).contains(&lim), "{lim}");
+        let lim = ll_limit(Collective::AllGather, 2, cap, false);
+        assert!((32 << 10..128 << 10).contains(&lim), "{lim}");
+        // 4 ranks on 2 CPUs: the slots' size.
+        assert_eq!(ll_limit(Collective::AllReduce, 4, cap, true), cap);
+    }
+
+    #[test]
+    fn two_ranks_take_the_ring_past_small_messages() {
+        // Measured (2 ranks, shm, f32): oneshot 16 KiB 6.6 us against the ring's 6.1, 1 MiB
+        // 185 against 105.
+        for bytes in [64 << 10, 1 << 20, 4 << 20, 256 << 20] {
+            assert_eq!(choose(Collective::AllReduce, 2, bytes, DType::F32, ReduceOp::Sum, SHM), Algo::Ring, "{bytes}");
+        }
+        assert_eq!(choose(Collective::AllReduce, 2, 4 << 10, DType::F32, ReduceOp::Sum, SHM), Algo::OneShot);
     }
 
     #[test]
