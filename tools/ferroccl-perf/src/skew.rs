@@ -27,7 +27,12 @@ by the ranks). Reported, as medians over the iterations:
   call_us   the call's duration, averaged over the ranks;
   tail_us   from the last rank's arrival to the last rank's return: what the collective
             itself costs once everyone is there. A waiting policy that takes CPU from the ranks
-            still computing shows in compute's call_us; one slow to notice arrivals, in tail_us.";
+            still computing shows in compute's call_us; one slow to notice arrivals, in tail_us.
+  then_sleep, then_compute
+            tail_us of the iterations whose call is followed by a sleep, and by CPU-bound
+            work: with more ranks than CPUs, the ranks that return first and start computing
+            hold the CPUs that the others need to return (a scheduler's time slice, ~1-2
+            ms); then_sleep is the collective's own tail.";
 
 /// `ferroccl-perf skew`'s options (its command line, parsed by clap).
 #[derive(Clone, Debug, PartialEq, clap::Parser)]
@@ -51,6 +56,10 @@ pub struct SkewOptions {
     /// Iterations per mode
     #[arg(short = 'n', value_name = "ITERS", default_value = "200", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
+    /// Also print every iteration: "#iter I MODE" and each rank's arrival and return (us
+    /// after the first arrival)
+    #[arg(long)]
+    pub raw: bool,
     /// `--ranks`, `--transport`.
     #[command(flatten)]
     pub common: Common,
@@ -147,17 +156,37 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
             o.work_ms,
             o.iters
         );
-        println!("#   mode   call_us   tail_us");
+        if o.raw {
+            for (i, all) in per_iter.iter().enumerate() {
+                for (m, name) in [(0, "compute"), (1, "sleep")] {
+                    let first = all.iter().map(|r| r[2 * m]).fold(f64::MAX, f64::min);
+                    let ranks: Vec<String> =
+                        all.iter().map(|r| format!("{:.0}-{:.0}", r[2 * m] - first, r[2 * m + 1] - first)).collect();
+                    println!("#iter {i} {name} {}", ranks.join(" "));
+                }
+            }
+        }
+        println!("#   mode   call_us   tail_us  then_sleep  then_compute");
         for (m, name) in [(0, "compute"), (1, "sleep")] {
             let (mut call, mut tail) = (Vec::new(), Vec::new());
-            for all in &per_iter {
+            // Even iterations run compute, sleep; odd ones sleep, compute: so both calls of
+            // an even iteration are followed by a sleep, both of an odd one by compute.
+            let mut then: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+            for (i, all) in per_iter.iter().enumerate() {
                 let (a, l) = (2 * m, 2 * m + 1);
                 call.push(all.iter().map(|r| r[l] - r[a]).sum::<f64>() / n as f64);
                 let last_in = all.iter().map(|r| r[a]).fold(f64::MIN, f64::max);
                 let last_out = all.iter().map(|r| r[l]).fold(f64::MIN, f64::max);
                 tail.push(last_out - last_in);
+                then[i % 2].push(last_out - last_in);
             }
-            println!("{name:>9} {:>9.1} {:>9.1}", median(&mut call), median(&mut tail));
+            println!(
+                "{name:>9} {:>9.1} {:>9.1} {:>11.1} {:>13.1}",
+                median(&mut call),
+                median(&mut tail),
+                median(&mut then[0]),
+                median(&mut then[1])
+            );
         }
         println!("# wrong blocks: {wrong}{}", if wrong == 0 { " OK" } else { "" });
     }

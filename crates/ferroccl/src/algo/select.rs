@@ -126,7 +126,7 @@ const LL_LATENCY_US: f64 = 0.3;
 /// about 64-128 KiB blocks, reduce_scatter about 64 KiB blocks, broadcast past 256 KiB).
 const LL_COPY_GBPS: f64 = 35.0;
 
-/// Most slot bytes one low-latency call reads (`n` x the message) when every rank has a
+/// Most slot bytes one low-latency call reads (`n` x the message; broadcast: the message) when every rank has a
 /// CPU of its own, so that they stay in a core's L2 (2 ranks pinned: allreduce 128 KiB
 /// 22 us over the slots against the ring's 29, 256 KiB 51 against 38).
 const LL_MAX_READ: usize = 384 << 10;
@@ -165,7 +165,9 @@ pub(crate) fn ll_limit(coll: Collective, n: usize, max: usize, shared: bool) -> 
     // saves: measured, 4 ranks on 2 CPUs, alternating, f32: allreduce 256 KiB 148 us over
     // the slots against the ring's 179 (1 MiB: 529 against 533), allgather of 256 KiB
     // blocks 168 against 326; so there the slots' size is the only limit.
-    let max = if shared { max } else { max.min(LL_MAX_READ / n.max(1)) };
+    // Slots read per call: every member's, but for broadcast only the root's.
+    let reads = if matches!(coll, Collective::Broadcast { .. }) { 1 } else { n.max(1) };
+    let max = if shared { max } else { max.min(LL_MAX_READ / reads) };
     let pays = |b: usize| ll_pays(coll, n, b, DType::F32, ReduceOp::Sum, SHM_LINK);
     if !pays(1) {
         return 0;
@@ -278,8 +280,11 @@ mod tests {
                     // It pays for the smallest messages, never past the slots, nor past a
                     // core's L2 when the ranks have a CPU each.
                     assert!(lim >= 64, "{coll} n {n}: {lim}");
-                    assert!(lim <= cap / per && (shared || lim <= LL_MAX_READ / n), "{coll} n {n}: {lim}");
-                    assert!(ll_estimate(coll, n, 8) < estimate(choose(coll, n, 8, DType::F32, ReduceOp::Sum, SHM), coll, n, 8, SHM).unwrap());
+                    let reads = if matches!(coll, Collective::Broadcast { .. }) { 1 } else { n };
+                    assert!(lim <= cap / per && (shared || lim <= LL_MAX_READ / reads), "{coll} n {n}: {lim}");
+                    assert!(
+                        ll_estimate(coll, n, 8) < estimate(choose(coll, n, 8, DType::F32, ReduceOp::Sum, SHM), coll, n, 8, SHM).unwrap()
+                    );
                 }
             }
         }
@@ -289,6 +294,9 @@ mod tests {
         assert!((128 << 10..256 << 10).contains(&lim), "{lim}");
         let lim = ll_limit(Collective::AllGather, 2, cap, false);
         assert!((32 << 10..128 << 10).contains(&lim), "{lim}");
+        // Broadcast reads one slot: 2 ranks pinned, 256 KiB 26 us over the slots against
+        // 35-38 scheduled, 512 KiB 56 against 75.
+        assert_eq!(ll_limit(Collective::Broadcast { root: 0 }, 2, cap, false), cap);
         // 4 ranks on 2 CPUs: the slots' size.
         assert_eq!(ll_limit(Collective::AllReduce, 4, cap, true), cap);
     }
