@@ -3,12 +3,12 @@
 # in one run, because this kind of machine changes speed every few tens of seconds.
 #
 #   bash benches/ab.sh OLD_BIN_DIR NEW_BIN_DIR [--rounds 8] [--ranks 2] [--transport shm]
-#                      [-n 2000]
+#                      [-n 2000] [--sizes 8,4K]
 #
 # Each BIN_DIR holds a release `ferroccl-run` and `ferroccl-perf` (for instance a copy of
 # target/release from the previous commit, and target/release now). Per round, each side
 # runs, pinned (`ferroccl-run --bind`):
-#   * `ferroccl-perf latency --sizes 8,4K`: allreduce f32 sum in place, blocking call and
+#   * `ferroccl-perf latency --sizes 8,4K` (or --sizes): allreduce f32 sum in place, blocking call and
 #     persistent plan, 5 batches of N calls each (every batch is one sample);
 #   * `ferroccl-perf sendrecv -b 8 -e 8`: 8 B exchanged both ways with sendrecv, N calls
 #     (one sample per round).
@@ -25,12 +25,14 @@ rounds=8
 ranks=2
 transport=shm
 iters=2000
+sizes=8,4K
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds="$2"; shift 2 ;;
         --ranks) ranks="$2"; shift 2 ;;
         --transport) transport="$2"; shift 2 ;;
         -n) iters="$2"; shift 2 ;;
+        --sizes) sizes="$2"; shift 2 ;;
         *) echo "ab.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -46,7 +48,7 @@ samples="$out/samples"
 run_side() { # side dir
     local side=$1 dir=$2
     "$dir/ferroccl-run" -n "$ranks" --bind --transport "$transport" -- \
-        "$dir/ferroccl-perf" latency --sizes 8,4K -n "$iters" -w 200 --batches 5 --raw >"$out/lat.$side.log" 2>&1
+        "$dir/ferroccl-perf" latency --sizes "$sizes" -n "$iters" -w 200 --batches 5 --raw >"$out/lat.$side.log" 2>&1
     sed -n 's/^\[0\] #batch \([0-9]*\) \([a-z]*\) \([0-9.]*\)$/allreduce-\1B-\2 '"$side"' \3/p' "$out/lat.$side.log" >>"$samples"
     "$dir/ferroccl-run" -n "$ranks" --bind --transport "$transport" -- \
         "$dir/ferroccl-perf" sendrecv -b 8 -e 8 -n "$iters" -w 200 -c 0 >"$out/sr.$side.log" 2>&1

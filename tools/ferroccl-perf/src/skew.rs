@@ -160,8 +160,7 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
             for (i, all) in per_iter.iter().enumerate() {
                 for (m, name) in [(0, "compute"), (1, "sleep")] {
                     let first = all.iter().map(|r| r[2 * m]).fold(f64::MAX, f64::min);
-                    let ranks: Vec<String> =
-                        all.iter().map(|r| format!("{:.0}-{:.0}", r[2 * m] - first, r[2 * m + 1] - first)).collect();
+                    let ranks: Vec<String> = all.iter().map(|r| format!("{:.0}-{:.0}", r[2 * m] - first, r[2 * m + 1] - first)).collect();
                     println!("#iter {i} {name} {}", ranks.join(" "));
                 }
             }
