@@ -12,7 +12,7 @@
 //! 1. *posts*: copies this rank's contribution into its own slot, writes the header, and
 //!    publishes `s` (a release store, so that nothing waits for the slot's cache line to
 //!    come back from the members that read it last; members asleep on their doorbells are
-//!    woken after the wait, see `LlChannel::wake_sleepers`);
+//!    woken after the finish, see `LlChannel::wake_sleepers`);
 //! 2. *waits* until every member's slot says `s` (the flag and the first data bytes arrive
 //!    in one cache line), comparing every member's call number and descriptor with its own
 //!    (a member in another call is a mismatch, named like any other);
@@ -660,16 +660,18 @@ impl LlChannel {
         if small {
             mine[..len].copy_from_slice(src);
         }
-        let r = self.wait(fabric, s, call, desc, deadline_after, tend, op);
-        // Now that the post's cache line has long left (see `post`).
+        let r = self.wait(fabric, s, call, desc, deadline_after, tend, op).and_then(|()| {
+            let own = match input {
+                _ if small => Own::Posted(&mine[..len]),
+                Some(i) => Own::Posted(i),
+                None => Own::InPlace,
+            };
+            self.finish(fabric, s, spec, output, own)
+        });
+        // After the finish, so that its work, not a stall, covers the time the post's
+        // stores take to leave (the fence waits for them; see `post`).
         self.wake_sleepers(fabric);
         r?;
-        let own = match input {
-            _ if small => Own::Posted(&mine[..len]),
-            Some(i) => Own::Posted(i),
-            None => Own::InPlace,
-        };
-        self.finish(fabric, s, spec, output, own)?;
         self.complete(fabric, s);
         Ok(())
     }
