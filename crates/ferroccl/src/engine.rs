@@ -801,7 +801,10 @@ impl Engine {
                             }
                             Ok(false)
                         }
-                        Err(e) => Err(fabric.poison_in(e, &|r| body.world(r))),
+                        Err(e) => match fabric.cause_behind(&e, &body.label(), &|| self.drain()) {
+                            Some(cause) => Err(fabric.poison(cause)),
+                            None => Err(fabric.poison_in(e, &|r| body.world(r))),
+                        },
                     },
                 }
             };

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::{StoreClient, StoreServer};
-use crate::error::{Error, Fault, Op, Result};
+use crate::error::{Error, Fault, FaultKind, Op, Result};
 use crate::health::Health;
 use crate::inbox::{Backoff, Events, Inbox};
 use crate::mesh::{Mesh, PeerInfo};
@@ -31,6 +31,9 @@ use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
 /// its deadline again.
 pub(crate) const PARK_NAP: Duration = Duration::from_millis(5);
+/// How long a rank that found a peer in another call looks for a cause reported behind it
+/// (see [`Fabric::cause_behind`]) before it reports the mismatch.
+pub(crate) const MISMATCH_GRACE: Duration = Duration::from_millis(50);
 
 /// Everything needed to build a fabric.
 #[derive(Debug)]
@@ -237,6 +240,32 @@ impl Fabric {
     /// The error for the fabric's fatal state, if any, as seen by an operation.
     pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
         self.health.fatal_error(op)
+    }
+
+    /// For a mismatch `err` found in what a peer left behind (a message, a slot), the cause
+    /// that peer or another reports within [`MISMATCH_GRACE`] (an abort, a failure), which
+    /// explains the mismatch and wins over it: a peer that aborted in the middle of a call
+    /// leaves that call's messages behind, and the abort may still be on its way (over tcp
+    /// it follows them on the same socket). A mismatch reported by a peer changes nothing
+    /// (this rank's own report of it names the same two calls). `drain` moves the
+    /// transports meanwhile. `None` for other errors, or when nothing is reported in time.
+    pub(crate) fn cause_behind(&self, err: &Error, op: &Op, drain: &dyn Fn()) -> Option<Error> {
+        if !matches!(err, Error::Mismatch { .. }) {
+            return None;
+        }
+        let until = Instant::now() + MISMATCH_GRACE;
+        loop {
+            drain();
+            if self.inbox.has_fatal() {
+                let cause = self.fatal_error(op);
+                let kind = cause.as_ref().and_then(Error::root_cause).map(|c| c.kind);
+                return cause.filter(|_| kind != Some(FaultKind::Mismatch));
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// The error for a call `op` on a fabric whose world communicator was finalized (`world`:

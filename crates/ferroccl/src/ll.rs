@@ -709,10 +709,9 @@ impl LlChannel {
                     let p = f.trailing_zeros() as usize;
                     f &= f - 1;
                     if let Err(e) = self.check_call(s, p, call, desc, op) {
-                        // A cause a peer has reported (an abort, a failure) wins over what
-                        // it left in its slot: look at the transports first.
-                        tend(Instant::now());
-                        return Err(fabric.fatal_error(&op()).unwrap_or(e));
+                        // A cause a peer reports (an abort, a failure) wins over what it
+                        // left in its slot.
+                        return Err(fabric.cause_behind(&e, &op(), &|| tend(Instant::now())).unwrap_or(e));
                     }
                 }
                 checked |= fresh;
