@@ -383,6 +383,14 @@ proptest! {
         prop_assert_eq!(t.verify(&src, &dst), Ok(()));
         prop_assert_eq!(&t, &RoutingTable::compute(&src, &dst).unwrap());
         prop_assert!(coverage_counts(&t, &src, &dst).is_ok());
+        let want: usize = (0..n)
+            .map(|d| (0..dst.tensors().len()).map(|i| dst.block(d, i).unwrap().elems() * dst.tensors()[i].dtype().size()).sum::<usize>())
+            .sum();
+        prop_assert_eq!((0..m).map(|s| t.bytes_from(s)).sum::<usize>(), want);
+        prop_assert_eq!((0..n).map(|d| t.bytes_to(d)).sum::<usize>(), want);
+        for s in 0..m {
+            prop_assert_eq!(t.pieces_from(s).map(Piece::bytes).sum::<usize>(), t.bytes_from(s));
+        }
     }
 
     #[test]
