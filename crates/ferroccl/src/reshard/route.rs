@@ -106,7 +106,7 @@ pub(super) fn match_tensors(src: &ModelLayout, dst: &ModelLayout) -> Result<Vec<
 
 /// The sorted, deduplicated cut positions of `within` along one axis: its two ends and the
 /// ends of every block in `blocks` (already clipped to it).
-fn cuts(within: (usize, usize), blocks: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
+pub(super) fn cuts(within: (usize, usize), blocks: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
     let mut c = vec![within.0, within.1];
     for (a, b) in blocks {
         c.push(a);
@@ -257,9 +257,9 @@ impl RoutingTable {
     /// stays a rectangle.
     ///
     /// Balance: in a replica group of `k` holders and `B` bytes, each holder's *fair share* is
-    /// `B / k`, and each sends less than one *unit* more or less than it, a unit being a row of
-    /// the group's widest piece (the cuts are at most a row of a cell apart, or one element in a
-    /// one-row cell, so the real error is often smaller). So a sender's total is its
+    /// `B / k`, and each sends less than one *unit* more or less than it, the unit being the
+    /// largest cut step among the group's cells: a row of the cell (in bytes), or one element
+    /// for a cell of one row. So a sender's total is its
     /// single-holder bytes plus its fair share of each group it belongs to, within a unit per
     /// group. [`RoutingTable::verify`] checks this.
     pub fn compute(src: &ModelLayout, dst: &ModelLayout) -> Result<RoutingTable, ReshardError> {

@@ -287,7 +287,17 @@ fn verify_catches_broken_tables() {
     broken(&|p| p[0].rows = 1000);
     broken(&|p| p[0].dst_stride = 4);
     broken(&|p| p[0].region.row0 += 1);
+    // One replica sending everything breaks the balance rule.
+    let src = one(2, DType::F32, [8, 4], Placement::replicated(2));
+    let dst = one(1, DType::F32, [8, 4], Placement::replicated(1));
+    let mut t = route(&src, &dst);
+    assert_eq!(t.pieces().len(), 2);
+    t.pieces_mut().iter_mut().for_each(|p| p.src_rank = 0);
+    let e = t.check_balance(&src, &[0], &dst).unwrap_err();
+    assert!(e.contains("replica group [0, 1]") && e.contains("rank 0 sends 128"), "{e}");
+    assert!(t.verify(&src, &dst).is_err());
     // A table for other layouts.
+    let src = one(2, DType::F32, [8, 8], Placement::rows(&[4, 4]));
     assert!(good.verify(&src, &one(2, DType::F32, [8, 8], Placement::rows(&[4, 4]))).is_err());
     assert!(good.verify(&src, &one(3, DType::F32, [8, 8], Placement::rows(&[4, 4, 0]))).is_err());
 }

@@ -3,7 +3,10 @@
 use std::collections::BTreeMap;
 
 use super::layout::{Block, ModelLayout};
-use super::route::{match_tensors, RoutingTable};
+use super::route::{cuts, match_tensors, RoutingTable};
+
+/// The cell grid of one (destination rank, tensor): the key, the row cuts, the column cuts.
+type Grid = ((usize, usize), Vec<usize>, Vec<usize>);
 
 /// What a byte of a rank's buffer holds: (global row, global column, byte of the element) of
 /// tensor `tensor` (a position in `layout`), or `None` if the byte is not in that tensor's
@@ -87,7 +90,9 @@ impl RoutingTable {
                 count.clear();
                 count.resize(db.elems() * elem, 0);
                 let base = dst.offset_at(d, di);
-                for p in self.pieces_to(d).iter().filter(|p| p.tensor == di) {
+                let mine = self.pieces_to(d);
+                let (a, b) = (mine.partition_point(|p| p.tensor < di), mine.partition_point(|p| p.tensor <= di));
+                for p in &mine[a..b] {
                     for r in 0..p.rows {
                         for b in 0..p.row_bytes {
                             let (sp, dp) = (p.src_offset + r * p.src_stride + b, p.dst_offset + r * p.dst_stride + b);
@@ -133,18 +138,34 @@ impl RoutingTable {
     }
 
     /// The balance rule of [`RoutingTable::compute`], per replica group (pieces whose region
-    /// is held by the same set of two or more source ranks).
+    /// is held by the same set of two or more source ranks), the unit found from the cells the
+    /// group's pieces touch (the grid `compute` cuts each destination block into).
     pub(super) fn check_balance(&self, src: &ModelLayout, src_of: &[usize], dst: &ModelLayout) -> Result<(), String> {
         // holders -> (bytes, unit, bytes per holder)
         let mut groups: BTreeMap<Vec<usize>, (u128, u128, BTreeMap<usize, u128>)> = BTreeMap::new();
+        // The cell grid of the last (destination rank, tensor) seen (pieces come sorted by it).
+        let mut grid: Option<Grid> = None;
         for p in self.pieces() {
             let si = src_of[p.tensor];
             let holders: Vec<usize> = (0..src.ranks()).filter(|&s| src.block_at(s, si).contains(&p.region)).collect();
             if holders.len() < 2 {
                 continue;
             }
+            let key = (p.dst_rank, p.tensor);
+            if grid.as_ref().is_none_or(|g| g.0 != key) {
+                let db = dst.block_at(p.dst_rank, p.tensor);
+                let meet: Vec<Block> = (0..src.ranks()).map(|s| src.block_at(s, si).intersect(&db)).filter(|b| !b.is_empty()).collect();
+                let rc = cuts((db.row0, db.row_end()), meet.iter().map(|b| (b.row0, b.row_end())));
+                let cc = cuts((db.col0, db.col_end()), meet.iter().map(|b| (b.col0, b.col_end())));
+                grid = Some((key, rc, cc));
+            }
+            let (_, rc, cc) = grid.as_ref().expect("set above");
             let elem = dst.tensors()[p.tensor].dtype().size() as u128;
-            let unit = p.region.cols as u128 * elem;
+            // The unit of the cells the piece touches: a row of a cell, one element in a one-row cell.
+            let g = &p.region;
+            let multi_row = rc.windows(2).any(|w| w[0] < g.row_end() && g.row0 < w[1] && w[1] - w[0] > 1);
+            let widest = cc.windows(2).filter(|w| w[0] < g.col_end() && g.col0 < w[1]).map(|w| w[1] - w[0]).max().unwrap_or(1);
+            let unit = if multi_row { widest as u128 * elem } else { elem };
             let g = groups.entry(holders).or_default();
             g.0 += p.bytes() as u128;
             g.1 = g.1.max(unit);
