@@ -56,6 +56,7 @@ pub(crate) mod poll;
 pub(crate) mod prepared;
 pub(crate) mod proto;
 pub(crate) mod registry;
+pub mod reshard;
 pub(crate) mod rma;
 pub mod transfer;
 pub(crate) mod transport;
