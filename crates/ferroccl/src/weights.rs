@@ -28,6 +28,33 @@
 //! fails (a sender dead, a deadline, a refusal) returns the error and leaves the front
 //! buffer and its version as they were, so a reader never sees a torn version.
 //!
+//! ```no_run
+//! use ferroccl::reshard::{ModelLayout, Placement, TensorLayout};
+//! use ferroccl::{Communicator, DType, WeightRole};
+//!
+//! # fn sync(comm: &Communicator) -> ferroccl::Result<()> {
+//! // Members 0 and 1 train (row shards), members 2, 3 and 4 serve (column shards).
+//! let w = |p| TensorLayout::new("layer0.weight", DType::Bf16, [1024, 768], p);
+//! let src = ModelLayout::new(2, vec![w(Placement::rows(&[512, 512]))]).expect("layout");
+//! let dst = ModelLayout::new(3, vec![w(Placement::cols(&[256; 3]))]).expect("layout");
+//! let mut ws = comm.weight_sync(&src, &[0, 1], &dst, &[2, 3, 4])?; // once
+//! for version in 1..=10 {
+//!     match ws.role() {
+//!         WeightRole::Source(_) => {
+//!             ws.with_tensor_mut("layer0.weight", |block| block.fill(version as u8))?;
+//!             ws.publish(version)?;
+//!         }
+//!         WeightRole::Destination(_) => {
+//!             ws.pull(version)?;
+//!             ws.with_tensor("layer0.weight", |v, block| assert!(v == version && block[0] == version as u8))?;
+//!         }
+//!         WeightRole::None => {}
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Signals are one value per pair of ranks (a signal from one rank at another only rises),
 //! so a weight sync owns the signals between its sources and its destinations while it is
 //! in use; it starts its versions above every signal any member had seen at setup, so an

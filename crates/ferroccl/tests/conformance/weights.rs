@@ -210,7 +210,8 @@ fn one_tensor(ranks: usize) -> ModelLayout {
 /// Bad arguments are errors on every member, before any communication (so nobody hangs):
 /// overlapping groups, wrong lengths, ranks out of range or twice; then versions that do
 /// not increase, a pull of another version than the one published (naming the source),
-/// calls of the other role; the communicator stays usable throughout.
+/// calls of the other role or of no role; a second sync between the same ranks starts its
+/// versions again; the communicator stays usable throughout.
 pub fn weight_sync_bad_arguments_are_errors(s: &Suite) {
     let res = run_world(
         3,
@@ -260,6 +261,31 @@ pub fn weight_sync_bad_arguments_are_errors(s: &Suite) {
                         ws.pull(3).map_err(|e| e.to_string())?;
                         ws.with_tensor("w", |v, b| if v == 3 { check(&two, j, 3, b) } else { Err(format!("version {v}")) })
                             .map_err(|e| e.to_string())??;
+                    }
+                    other => return Err(format!("role {other:?}")),
+                }
+                drop(ws);
+                comm.barrier().map_err(|e| e.to_string())?;
+
+                // A second sync between some of the same ranks (its versions start again
+                // at 1), member 2 in neither group.
+                let mut ws = comm.weight_sync(&one, &[1], &one, &[0]).map_err(|e| e.to_string())?;
+                match ws.role() {
+                    WeightRole::Source(0) => {
+                        ws.with_tensor_mut("w", |b| fill(&one, 0, 1, b)).map_err(|e| e.to_string())?;
+                        ws.publish(1).map_err(|e| e.to_string())?;
+                        ws.wait_consumed(1).map_err(|e| e.to_string())?;
+                    }
+                    WeightRole::Destination(0) => {
+                        ws.pull(1).map_err(|e| e.to_string())?;
+                        ws.with_current(|v, b| if v == 1 { check(&one, 0, 1, b) } else { Err(format!("version {v}")) })
+                            .map_err(|e| e.to_string())??;
+                    }
+                    WeightRole::None => {
+                        expect_err("publish without a role", ws.publish(1), "not a source")?;
+                        expect_err("pull without a role", ws.pull(1), "not a destination")?;
+                        expect_err("read without a role", ws.with_current(|_, _| ()), "not a destination")?;
+                        expect_err("write without a role", ws.with_buffer_mut(|_| ()), "not a source")?;
                     }
                     other => return Err(format!("role {other:?}")),
                 }
