@@ -91,6 +91,7 @@ macro_rules! conformance_suite {
             weights::weight_sync_never_shows_a_torn_version,
             weights::weight_sync_bad_arguments_are_errors,
             weights::weight_sync_failure_keeps_the_last_version,
+            weights::weight_sync_abort_during_a_pull_never_tears,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -334,3 +334,44 @@ pub fn weight_sync_failure_keeps_the_last_version(s: &Suite) {
     );
     all_ok(res).unwrap();
 }
+
+/// A source that aborts right after publishing version 2 of a 2 MiB tensor (at once, or
+/// after 1 or 5 ms), while the destination reads it: the pull either completes with
+/// version 2 byte-exact, or fails naming the source and leaves version 1 in place,
+/// byte-exact. Never a mix.
+pub fn weight_sync_abort_during_a_pull_never_tears(s: &Suite) {
+    let src = ModelLayout::new(1, vec![TensorLayout::new("w", DType::U8, [1024, 2048], Placement::replicated(1))]).unwrap();
+    let dst = ModelLayout::new(1, vec![TensorLayout::new("w", DType::U8, [1024, 2048], Placement::cols(&[2048]))]).unwrap();
+    for delay_ms in [0u64, 1, 5] {
+        let res = run_world(
+            2,
+            |r| Params { timeout: Duration::from_secs(10), ..s.params(r) },
+            |comm| -> RankResult<()> {
+                let me = comm.rank();
+                let mut ws = comm.weight_sync(&src, &[0], &dst, &[1]).map_err(|e| format!("rank {me}: {e}"))?;
+                if me == 0 {
+                    for v in [1, 2] {
+                        ws.with_buffer_mut(|b| fill(&src, 0, v, b)).map_err(|e| e.to_string())?;
+                        ws.publish(v).map_err(|e| e.to_string())?;
+                    }
+                    std::thread::sleep(Duration::from_millis(delay_ms));
+                    comm.abort();
+                    // Keep the window a while: the destination's error is the abort.
+                    std::thread::sleep(Duration::from_millis(300));
+                    return Ok(());
+                }
+                ws.pull(1).map_err(|e| format!("rank 1: pull 1: {e}"))?;
+                let want = match ws.pull(2) {
+                    Ok(()) => 2,
+                    Err(Error::Aborted { by: Some(0), .. }) => 1,
+                    Err(e) if e.to_string().contains("rank 0") => 1,
+                    Err(e) => return Err(format!("rank 1: pull 2 while the source aborted: {e}")),
+                };
+                ws.with_current(|v, b| if v == want { check(&dst, 0, v, b) } else { Err(format!("version {v}, want {want}")) })
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("rank 1, abort after {delay_ms} ms: {e}"))
+            },
+        );
+        all_ok(res).unwrap();
+    }
+}
