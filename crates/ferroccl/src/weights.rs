@@ -8,8 +8,9 @@
 //! **destination** rank allocates two buffers (front: the last complete version; back: the
 //! one being filled) and builds one [`TransferPlan`](crate::TransferPlan) of reads of its
 //! pieces per buffer (a column shard is one strided read); the sources' handles are
-//! exchanged in one allgather. Nothing is allocated, registered or exchanged per sync
-//! after that.
+//! exchanged in one allgather. No buffer is allocated, and nothing is registered or
+//! exchanged, per sync after that (the signal waits allocate a little bookkeeping per
+//! call: `tests/weights_hot_path.rs`).
 //!
 //! Each sync of version `v` (strictly increasing, from 1):
 //!
