@@ -61,6 +61,7 @@ pub(crate) mod rma;
 pub mod transfer;
 pub(crate) mod transport;
 pub(crate) mod transport_kind;
+pub mod weights;
 pub mod window;
 pub(crate) mod wire;
 
@@ -74,4 +75,5 @@ pub use persistent::Plan;
 pub use registry::RegStats;
 pub use transfer::{Strided, TransferPlan, TransferPlanBuilder};
 pub use transport_kind::TransportKind;
+pub use weights::{WeightRole, WeightSync};
 pub use window::{Access, RemoteHandle, Window};

@@ -47,6 +47,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use ferroccl_kernels::{DType, Element};
@@ -215,7 +216,7 @@ impl<'w> TransferPlanBuilder<'w> {
         let bad = |i: usize, what: String| Error::invalid(format!("rank {me}: transfer plan entry {i}: {what}"));
         let mut dests: HashMap<DestKey, Vec<DestRange>> = HashMap::new();
         let mut parts: Vec<(&'w Window<'w>, Vec<Step>)> = Vec::new();
-        let mut direct: Vec<Direct<'w>> = Vec::new();
+        let mut direct: Vec<Direct> = Vec::new();
         let mut count = 0;
         for (i, e) in self.entries.iter().enumerate() {
             let what = || format!("{} row(s) of {} {}", e.shape.rows, e.shape.row_len, e.dtype);
@@ -260,7 +261,16 @@ impl<'w> TransferPlanBuilder<'w> {
                 ranges.push((s, s + block.row, i));
             }
             let remote = h.remote();
-            direct.push(Direct { owner: h.owner(), remote, offset: roff, span: rspan, local: e.local, at: loff, block, dir: e.dir });
+            direct.push(Direct {
+                owner: h.owner(),
+                remote,
+                offset: roff,
+                span: rspan,
+                local: e.local.region().clone(),
+                at: loff,
+                block,
+                dir: e.dir,
+            });
             let len = lspan as usize;
             let action = match e.dir {
                 Dir::Read => Action::Get { peer, remote, offset: roff, dst: Slice::new(Buf::Output, loff, len), block },
@@ -323,7 +333,7 @@ impl<'w> TransferPlanBuilder<'w> {
                     && fabric.shared_window(d.owner, d.remote.window, d.remote.key, d.remote.len).is_some()
             });
         let direct = if all_direct { direct } else { Vec::new() };
-        Ok(TransferPlan { comm, job, transfers: count, runs: 0, direct, op })
+        Ok(TransferPlan { comm, plan: OwnedPlan { job, transfers: count, runs: 0, direct, op }, _windows: PhantomData })
     }
 }
 
@@ -333,23 +343,34 @@ impl<'w> TransferPlanBuilder<'w> {
 #[derive(Debug)]
 pub struct TransferPlan<'w> {
     comm: &'w Communicator,
+    plan: OwnedPlan,
+    _windows: PhantomData<&'w Window<'w>>,
+}
+
+/// A built plan without its borrows, run with the communicator it was built on: for a
+/// crate type that owns the plan's local windows next to the plan (`weights`), which a
+/// [`TransferPlan`]'s borrow would make self-referential. Its job holds the local windows'
+/// regions, so it never reaches freed memory; its owner keeps the windows alive as long as
+/// the plan, so that runs land in live windows.
+#[derive(Debug)]
+pub(crate) struct OwnedPlan {
     job: Arc<Job>,
     transfers: usize,
     runs: u64,
     /// When every entry is a copy to or from a same-host peer's shared window (and the
     /// plan raises no signal): the entries, run by the calling thread without a job.
-    direct: Vec<Direct<'w>>,
+    direct: Vec<Direct>,
     op: Op,
 }
 
-/// One entry of a plan that runs as copies (see `TransferPlan::direct`).
+/// One entry of a plan that runs as copies (see `OwnedPlan::direct`).
 #[derive(Debug)]
-struct Direct<'w> {
+struct Direct {
     owner: usize,
     remote: Remote,
     offset: u64,
     span: u64,
-    local: &'w Window<'w>,
+    local: RegionHandle,
     at: usize,
     block: Block,
     dir: Dir,
@@ -366,34 +387,56 @@ impl TransferPlan<'_> {
     /// data has landed); the communicator stays usable. A dead owner or the deadline fail
     /// it as any call.
     pub fn run(&mut self) -> Result<()> {
-        self.run_with_signal(self.runs + 1)
+        self.plan.run_with_signal(self.comm, self.plan.runs + 1)
     }
 
     /// [`TransferPlan::run`], raising the plan's signals ([`TransferPlanBuilder::signal`])
     /// to `value` at the end (signals only rise: give increasing values).
     pub fn run_with_signal(&mut self, value: u64) -> Result<()> {
+        self.plan.run_with_signal(self.comm, value)
+    }
+
+    /// Transfers in the plan (entries of length 0 are not counted).
+    pub fn transfers(&self) -> usize {
+        self.plan.transfers
+    }
+
+    /// How many times the plan has run.
+    pub fn runs(&self) -> u64 {
+        self.plan.runs
+    }
+
+    /// The plan without its borrows (see [`OwnedPlan`]).
+    pub(crate) fn into_owned(self) -> OwnedPlan {
+        self.plan
+    }
+}
+
+impl OwnedPlan {
+    /// [`TransferPlan::run_with_signal`] on `comm`, the communicator the plan was built on.
+    pub(crate) fn run_with_signal(&mut self, comm: &Communicator, value: u64) -> Result<()> {
         if !self.direct.is_empty() {
-            if let Some(r) = self.run_direct() {
+            if let Some(r) = self.run_direct(comm) {
                 self.runs += 1;
                 return r;
             }
         }
         self.job.body().signal = value;
-        self.comm.submit(&self.job, true, true)?;
+        comm.submit(&self.job, true, true)?;
         self.runs += 1;
-        self.comm.wait_job(&self.job)
+        comm.wait_job(&self.job)
     }
 
     /// A run as copies into and out of peers' shared windows; `None` when one of them is no
     /// longer mapped (the job runs the plan then, and the owner answers).
-    fn run_direct(&self) -> Option<Result<()>> {
-        let (comm, fabric) = (self.comm, self.comm.fabric());
+    fn run_direct(&self, comm: &Communicator) -> Option<Result<()>> {
+        let fabric = comm.fabric();
         if let Err(e) = comm.check_usable(&self.op) {
             return Some(Err(e));
         }
         let mut refusal = None;
         for d in &self.direct {
-            let local = d.local.region();
+            let local = &d.local;
             let write = d.dir == Dir::Write;
             let copied = crate::rma::direct(fabric, d.owner, &d.remote, d.offset, d.span, write, |w| {
                 crate::rma::for_rows(&d.block, d.offset, d.at, |ro, lo, n| {
@@ -418,16 +461,6 @@ impl TransferPlan<'_> {
             }
         }
         Some(refusal.map_or(Ok(()), Err))
-    }
-
-    /// Transfers in the plan (entries of length 0 are not counted).
-    pub fn transfers(&self) -> usize {
-        self.transfers
-    }
-
-    /// How many times the plan has run.
-    pub fn runs(&self) -> u64 {
-        self.runs
     }
 }
 

@@ -4,7 +4,8 @@
 //! need it sharded another way. A [`RoutingTable`] is computed once from the two
 //! [`ModelLayout`]s and says, for each destination rank, which source rank sends which byte
 //! ranges of its local buffer to which byte ranges of the destination's; a later step replays
-//! it every sync over one-sided transfer plans (not built yet, see `docs/reshard.md`).
+//! it every sync over one-sided transfer plans ([`Communicator::weight_sync`](crate::Communicator::weight_sync),
+//! in [`crate::weights`]; see `docs/reshard.md`).
 //!
 //! This module does no I/O and knows nothing of the communicator: it stands on the lowest
 //! floor of the layer table and imports only the kernels' [`DType`].

@@ -4,7 +4,7 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs` or `onesided.rs`; `conformance_suite!` makes one
+//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs`, `onesided.rs` or `weights.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -26,6 +26,7 @@ mod harness;
 mod nonblocking;
 mod onesided;
 mod p2p;
+mod weights;
 
 use harness::{Suite, Wire};
 
@@ -86,6 +87,11 @@ macro_rules! conformance_suite {
             onesided::reads_of_windows_are_zero_copy_over_verbs,
             onesided::writes_of_windows_are_zero_copy_over_verbs,
             onesided::reads_during_a_drop_are_whole_then_refused,
+            weights::weight_sync_moves_random_layouts_exactly,
+            weights::weight_sync_never_shows_a_torn_version,
+            weights::weight_sync_bad_arguments_are_errors,
+            weights::weight_sync_failure_keeps_the_last_version,
+            weights::weight_sync_abort_during_a_pull_never_tears,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -1,0 +1,530 @@
+//! M->N weight sync: a [`RoutingTable`] replayed every sync over one-sided transfer plans
+//! (issue 13; see `docs/reshard.md`).
+//!
+//! Every member of a communicator calls [`Communicator::weight_sync`] with the same two
+//! layouts and the two groups' ranks. Once, at setup: every rank computes the routing
+//! table itself (no communication); a **source** rank allocates its local buffer as a
+//! window ([`Communicator::alloc_window`]: same-host readers copy it directly); a
+//! **destination** rank allocates two buffers (front: the last complete version; back: the
+//! one being filled) and builds one [`TransferPlan`](crate::TransferPlan) of reads of its
+//! pieces per buffer (a column shard is one strided read); the sources' handles are
+//! exchanged in one allgather. No buffer is allocated, and nothing is registered or
+//! exchanged, per sync after that (the signal waits allocate a little bookkeeping per
+//! call: `tests/weights_hot_path.rs`).
+//!
+//! Each sync of version `v` (strictly increasing, from 1):
+//!
+//! * a source writes the version into its buffer ([`WeightSync::with_buffer_mut`],
+//!   [`WeightSync::with_tensor_mut`], which first wait until the destinations it feeds
+//!   have pulled the last published version), then [`WeightSync::publish`]es it: its signal
+//!   at every destination it feeds rises to `v`;
+//! * a destination [`WeightSync::pull`]s it: it waits until every sender's signal has
+//!   risen past the version it holds and checks that it is `v`, runs its plan into the
+//!   back buffer, raises its signal at every sender to `v` (the acknowledgement that
+//!   [`WeightSync::wait_consumed`] waits for), and only then makes the back buffer the
+//!   front one. [`WeightSync::with_current`] and [`WeightSync::with_tensor`] read the front.
+//!
+//! A source never writes its buffer while a destination may still read the previous
+//! version, and a destination never shows a buffer it has not finished reading: a pull that
+//! fails (a sender dead, a deadline, a refusal) returns the error and leaves the front
+//! buffer and its version as they were, so a reader never sees a torn version.
+//!
+//! ```no_run
+//! use ferroccl::reshard::{ModelLayout, Placement, TensorLayout};
+//! use ferroccl::{Communicator, DType, WeightRole};
+//!
+//! # fn sync(comm: &Communicator) -> ferroccl::Result<()> {
+//! // Members 0 and 1 train (row shards), members 2, 3 and 4 serve (column shards).
+//! let w = |p| TensorLayout::new("layer0.weight", DType::Bf16, [1024, 768], p);
+//! let src = ModelLayout::new(2, vec![w(Placement::rows(&[512, 512]))]).expect("layout");
+//! let dst = ModelLayout::new(3, vec![w(Placement::cols(&[256; 3]))]).expect("layout");
+//! let mut ws = comm.weight_sync(&src, &[0, 1], &dst, &[2, 3, 4])?; // once
+//! for version in 1..=10 {
+//!     match ws.role() {
+//!         WeightRole::Source(_) => {
+//!             ws.with_tensor_mut("layer0.weight", |block| block.fill(version as u8))?;
+//!             ws.publish(version)?;
+//!         }
+//!         WeightRole::Destination(_) => {
+//!             ws.pull(version)?;
+//!             ws.with_tensor("layer0.weight", |v, block| assert!(v == version && block[0] == version as u8))?;
+//!         }
+//!         WeightRole::None => {}
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Signals are one value per pair of ranks (a signal from one rank at another only rises),
+//! so a weight sync owns the signals between its sources and its destinations while it is
+//! in use; it starts its versions above every signal any member had seen at setup, so an
+//! earlier sync between the same ranks does not confuse it.
+
+use std::collections::BTreeSet;
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::reshard::{ModelLayout, RoutingTable};
+use crate::transfer::{OwnedPlan, Strided};
+use crate::window::{RemoteHandle, Window};
+
+/// What a member does in a [`WeightSync`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightRole {
+    /// Rank `i` of the source (trainer) group.
+    Source(usize),
+    /// Rank `j` of the destination (inference) group.
+    Destination(usize),
+    /// In neither group: it took part in the setup only.
+    None,
+}
+
+/// Where a tensor lies in a rank's local buffer: (name, first byte, bytes).
+type TensorSpan = (String, usize, usize);
+
+/// A member's side of an M->N weight sync; see the [module documentation](self).
+#[derive(Debug)]
+pub struct WeightSync<'c> {
+    comm: &'c Communicator,
+    table: RoutingTable,
+    /// Added to every version on the wire: above every signal seen at setup.
+    base: u64,
+    role: Role,
+}
+
+#[derive(Debug)]
+enum Role {
+    None,
+    Source(Box<Source>),
+    Destination(Box<Destination>),
+}
+
+#[derive(Debug)]
+struct Source {
+    index: usize,
+    window: Window<'static>,
+    len: usize,
+    tensors: Vec<TensorSpan>,
+    /// Communicator ranks of the destinations this rank sends to.
+    dests: Vec<usize>,
+    /// Raises this rank's signal at every destination (no transfer); `None` without any.
+    publish: Option<OwnedPlan>,
+    /// The last version published (0: none).
+    published: u64,
+    /// The last version every destination acknowledged.
+    consumed: u64,
+}
+
+#[derive(Debug)]
+struct Destination {
+    index: usize,
+    buffers: [Window<'static>; 2],
+    len: usize,
+    tensors: Vec<TensorSpan>,
+    /// Communicator ranks of the sources this rank reads from.
+    senders: Vec<usize>,
+    /// The reads into `buffers[b]`; `None` when nothing comes to this rank.
+    plans: [Option<OwnedPlan>; 2],
+    /// Raises this rank's signal at every sender (the acknowledgement).
+    ack: Option<OwnedPlan>,
+    /// Which buffer is the front one.
+    front: usize,
+    /// The version in the front buffer (0: none yet).
+    version: u64,
+}
+
+/// Bytes each member contributes to the setup's allgather: a status byte (0: no window,
+/// 1: a source's handle follows, 2: setup failed here), the highest signal this member has
+/// seen (u64, little endian), a handle.
+const SETUP_BYTES: usize = 1 + 8 + RemoteHandle::BYTES;
+
+fn invalid(me: usize, what: String) -> Error {
+    Error::invalid(format!("rank {me}: weight_sync: {what}"))
+}
+
+/// The tensors of `rank`'s buffer in `layout`.
+fn spans(layout: &ModelLayout, rank: usize) -> Vec<TensorSpan> {
+    layout
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(t, tl)| {
+            let off = layout.offset(rank, t).unwrap_or(0);
+            let len = layout.block(rank, t).map_or(0, |b| b.rows * b.cols * tl.dtype().size());
+            (tl.name().to_string(), off, len)
+        })
+        .collect()
+}
+
+/// Checks one group's ranks: as many as its layout has, in range, unique.
+fn check_group(me: usize, size: usize, side: &str, ranks: &[usize], layout: &ModelLayout) -> Result<()> {
+    if ranks.len() != layout.ranks() {
+        return Err(invalid(me, format!("{} {side} ranks given, the {side} layout has {}", ranks.len(), layout.ranks())));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        if r >= size {
+            return Err(invalid(me, format!("{side} rank {i} is member {r}, out of range (communicator of {size} ranks)")));
+        }
+        if !seen.insert(r) {
+            return Err(invalid(me, format!("member {r} is listed twice among the {side} ranks")));
+        }
+    }
+    Ok(())
+}
+
+impl Communicator {
+    /// Sets up an M->N weight sync (see the [`weights`](crate::weights) module): collective,
+    /// every member calls it with the same arguments. `src_ranks[i]` is the member that is
+    /// rank `i` of the `src` layout, `dst_ranks[j]` the member that is rank `j` of the `dst`
+    /// layout; the groups are disjoint, and members in neither take part in the setup only.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] (on every member alike, before any communication) when a
+    /// group's length differs from its layout's ranks, a rank is out of range or listed
+    /// twice, a member is in both groups, or the routing table cannot be computed (a
+    /// [`ReshardError`](crate::reshard::ReshardError), naming the tensor); on every member,
+    /// naming it, when a member could not allocate its buffers; and as any collective.
+    pub fn weight_sync(&self, src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ranks: &[usize]) -> Result<WeightSync<'_>> {
+        let (me, size) = (self.rank(), self.size());
+        check_group(me, size, "source", src_ranks, src)?;
+        check_group(me, size, "destination", dst_ranks, dst)?;
+        if let Some(r) = src_ranks.iter().find(|r| dst_ranks.contains(r)) {
+            return Err(invalid(me, format!("member {r} is in both the source and the destination group")));
+        }
+        let table = RoutingTable::compute(src, dst).map_err(|e| invalid(me, e.to_string()))?;
+        let src_index = src_ranks.iter().position(|&r| r == me);
+        let dst_index = dst_ranks.iter().position(|&r| r == me);
+
+        // Buffers first, so that a failure here is reported to everyone by the allgather.
+        let mut mine = [0u8; SETUP_BYTES];
+        let highest = (0..size).map(|p| self.signal_value(p)).max().unwrap_or(0);
+        mine[1..9].copy_from_slice(&highest.to_le_bytes());
+        let mut failure = None;
+        let mut src_window = None;
+        let mut dst_windows = None;
+        if let Some(i) = src_index {
+            let len = src.buffer_len(i).unwrap_or(0);
+            match self.alloc_window::<u8>(len.max(1)) {
+                Ok(w) => {
+                    mine[0] = 1;
+                    mine[9..].copy_from_slice(&w.handle().to_bytes());
+                    src_window = Some((w, len));
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+        if let Some(j) = dst_index {
+            let len = dst.buffer_len(j).unwrap_or(0);
+            match (self.alloc_window::<u8>(len.max(1)), self.alloc_window::<u8>(len.max(1))) {
+                (Ok(a), Ok(b)) => dst_windows = Some(([a, b], len)),
+                (Err(e), _) | (_, Err(e)) => failure = Some(e),
+            }
+        }
+        if failure.is_some() {
+            mine[0] = 2;
+        }
+        let mut all = vec![0u8; SETUP_BYTES * size];
+        self.allgather(&mine, &mut all)?;
+        if let Some(e) = failure {
+            return Err(invalid(me, format!("allocating this rank's buffers: {e}")));
+        }
+        if let Some(r) = all.chunks(SETUP_BYTES).position(|c| c[0] == 2) {
+            return Err(invalid(me, format!("member {r} could not allocate its buffers")));
+        }
+        let mut base = 0u64;
+        for c in all.chunks(SETUP_BYTES) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&c[1..9]);
+            base = base.max(u64::from_le_bytes(b));
+        }
+
+        let role = if let (Some(i), Some((window, len))) = (src_index, src_window) {
+            let dests: BTreeSet<usize> = table.pieces_from(i).map(|p| dst_ranks[p.dst_rank]).collect();
+            let dests: Vec<usize> = dests.into_iter().collect();
+            let publish = match dests.is_empty() {
+                true => None,
+                false => Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
+            };
+            Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), dests, publish, published: 0, consumed: 0 }))
+        } else if let (Some(j), Some((buffers, len))) = (dst_index, dst_windows) {
+            let pieces = table.pieces_to(j);
+            let mut handles = Vec::with_capacity(src_ranks.len());
+            for &r in src_ranks {
+                let c = &all[r * SETUP_BYTES..(r + 1) * SETUP_BYTES];
+                if c[0] != 1 {
+                    return Err(invalid(me, format!("member {r} sent no window handle")));
+                }
+                handles.push(RemoteHandle::from_bytes(&c[9..])?);
+            }
+            let senders: BTreeSet<usize> = pieces.iter().map(|p| src_ranks[p.src_rank]).collect();
+            let senders: Vec<usize> = senders.into_iter().collect();
+            let plan_into = |w: &Window<'static>| -> Result<Option<OwnedPlan>> {
+                if pieces.is_empty() {
+                    return Ok(None);
+                }
+                let b = pieces.iter().fold(self.transfer_plan(), |b, p| {
+                    let shape = Strided { rows: p.rows, row_len: p.row_bytes, from_stride: p.src_stride, to_stride: p.dst_stride };
+                    b.read_strided::<u8>(&handles[p.src_rank], p.src_offset, w, p.dst_offset, shape)
+                });
+                Ok(Some(b.build()?.into_owned()))
+            };
+            let plans = [plan_into(&buffers[0])?, plan_into(&buffers[1])?];
+            let ack = match senders.is_empty() {
+                true => None,
+                false => Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
+            };
+            Role::Destination(Box::new(Destination {
+                index: j,
+                buffers,
+                len,
+                tensors: spans(dst, j),
+                senders,
+                plans,
+                ack,
+                front: 0,
+                version: 0,
+            }))
+        } else {
+            Role::None
+        };
+        Ok(WeightSync { comm: self, table, base, role })
+    }
+}
+
+impl WeightSync<'_> {
+    /// This member's role.
+    pub fn role(&self) -> WeightRole {
+        match &self.role {
+            Role::None => WeightRole::None,
+            Role::Source(s) => WeightRole::Source(s.index),
+            Role::Destination(d) => WeightRole::Destination(d.index),
+        }
+    }
+
+    /// The routing table every member computed.
+    pub fn routing_table(&self) -> &RoutingTable {
+        &self.table
+    }
+
+    fn me(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn not(&self, call: &str, role: &str) -> Error {
+        Error::invalid(format!("rank {}: WeightSync::{call}: this member is not a {role} rank", self.me()))
+    }
+
+    /// The wire value of version `v`.
+    fn wire(&self, call: &str, v: u64) -> Result<u64> {
+        self.base.checked_add(v).ok_or_else(|| Error::invalid(format!("rank {}: WeightSync::{call}: version {v} is too large", self.me())))
+    }
+
+    /// A source's buffer, for the trainer to write the next version into: waits (with the
+    /// communicator's deadline) until every destination this rank feeds has pulled the last
+    /// published version, then runs `f` on the whole buffer (this rank's blocks, laid out
+    /// as [`ModelLayout::offset`] says).
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a source; as [`WeightSync::wait_consumed`].
+    pub fn with_buffer_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        self.buffer_mut("with_buffer_mut", None, f)
+    }
+
+    /// [`WeightSync::with_buffer_mut`] on one tensor's block (empty where this rank holds
+    /// none of it).
+    ///
+    /// # Errors
+    ///
+    /// As [`WeightSync::with_buffer_mut`], and for a name the layout does not list.
+    pub fn with_tensor_mut<R>(&mut self, name: &str, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        self.buffer_mut("with_tensor_mut", Some(name), f)
+    }
+
+    fn buffer_mut<R>(&mut self, call: &str, name: Option<&str>, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let me = self.me();
+        let Role::Source(s) = &self.role else {
+            return Err(self.not(call, "source"));
+        };
+        let (off, len) = span(me, call, &s.tensors, s.len, name)?;
+        let published = s.published;
+        self.wait_consumed(published)?;
+        let Role::Source(s) = &self.role else {
+            return Err(self.not(call, "source"));
+        };
+        s.window.region().with_slice_mut(off, len, f).map_err(|e| Error::invalid(format!("rank {me}: WeightSync::{call}: {e}")))
+    }
+
+    /// Tells every destination this rank feeds that version `v` is in its buffer (its
+    /// signal there rises to `v`). Waits first, as [`WeightSync::with_buffer_mut`] does,
+    /// until the previous version was pulled. Returns once every signal is raised.
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a source, for a version 0 or not above the last one
+    /// published; a dead destination or the deadline as any call.
+    pub fn publish(&mut self, v: u64) -> Result<()> {
+        let me = self.me();
+        let wire = self.wire("publish", v)?;
+        let Role::Source(s) = &self.role else {
+            return Err(self.not("publish", "source"));
+        };
+        if v <= s.published {
+            return Err(Error::invalid(format!(
+                "rank {me}: WeightSync::publish({v}): versions must increase (version {} was published)",
+                s.published
+            )));
+        }
+        let previous = s.published;
+        self.wait_consumed(previous)?;
+        let comm = self.comm;
+        let Role::Source(s) = &mut self.role else {
+            return Err(self.not("publish", "source"));
+        };
+        if let Some(p) = &mut s.publish {
+            p.run_with_signal(comm, wire)?;
+        }
+        s.published = v;
+        Ok(())
+    }
+
+    /// Waits (with the communicator's deadline) until every destination this rank feeds has
+    /// pulled version `v` (at most the last one published). Returns at once if they have.
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a source, for a version not yet published; a dead
+    /// destination (named) or the deadline as any call.
+    pub fn wait_consumed(&mut self, v: u64) -> Result<()> {
+        let me = self.me();
+        let wire = self.wire("wait_consumed", v)?;
+        let comm = self.comm;
+        let Role::Source(s) = &mut self.role else {
+            return Err(self.not("wait_consumed", "source"));
+        };
+        if v > s.published {
+            return Err(Error::invalid(format!(
+                "rank {me}: WeightSync::wait_consumed({v}): the last version published is {}",
+                s.published
+            )));
+        }
+        if v <= s.consumed {
+            return Ok(());
+        }
+        for &d in &s.dests {
+            comm.wait_signal(d, wire)?;
+        }
+        s.consumed = v;
+        Ok(())
+    }
+
+    /// The last version published by this source (0: none).
+    pub fn published(&self) -> u64 {
+        match &self.role {
+            Role::Source(s) => s.published,
+            _ => 0,
+        }
+    }
+
+    /// Pulls version `v` into this destination: waits (with the communicator's deadline)
+    /// until every sender has published a version above the one held, checks that it is
+    /// `v`, reads every piece into the back buffer, acknowledges `v` to every sender, and
+    /// makes the back buffer the front one.
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a destination; for a version not above the one held; when
+    /// a sender published another version than `v` (naming it; nothing was read); a dead
+    /// sender (named), a refused read or the deadline as any call. On every error the
+    /// front buffer and its version are as they were.
+    pub fn pull(&mut self, v: u64) -> Result<()> {
+        let me = self.me();
+        let wire = self.wire("pull", v)?;
+        let (comm, base) = (self.comm, self.base);
+        let Role::Destination(d) = &mut self.role else {
+            return Err(self.not("pull", "destination"));
+        };
+        if v <= d.version {
+            return Err(Error::invalid(format!(
+                "rank {me}: WeightSync::pull({v}): versions must increase (this rank holds version {})",
+                d.version
+            )));
+        }
+        let next = base + d.version + 1;
+        for &s in &d.senders {
+            let got = comm.wait_signal(s, next)?;
+            if got != wire {
+                return Err(Error::invalid(format!(
+                    "rank {me}: WeightSync::pull({v}): source member {s} published version {}",
+                    got.saturating_sub(base)
+                )));
+            }
+        }
+        let back = 1 - d.front;
+        if let Some(p) = &mut d.plans[back] {
+            p.run_with_signal(comm, 0)?;
+        }
+        if let Some(a) = &mut d.ack {
+            a.run_with_signal(comm, wire)?;
+        }
+        d.front = back;
+        d.version = v;
+        Ok(())
+    }
+
+    /// The version in this destination's front buffer (0: none yet, or not a destination).
+    pub fn current_version(&self) -> u64 {
+        match &self.role {
+            Role::Destination(d) => d.version,
+            _ => 0,
+        }
+    }
+
+    /// Runs `f` on the last complete version: its number (0: none pulled yet, the buffer
+    /// zeroed) and this destination's whole buffer.
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a destination.
+    pub fn with_current<R>(&self, f: impl FnOnce(u64, &[u8]) -> R) -> Result<R> {
+        self.front("with_current", None, f)
+    }
+
+    /// [`WeightSync::with_current`] on one tensor's block of the front buffer (empty where
+    /// this rank holds none of it).
+    ///
+    /// # Errors
+    ///
+    /// On a member that is not a destination, for a name the layout does not list.
+    pub fn with_tensor<R>(&self, name: &str, f: impl FnOnce(u64, &[u8]) -> R) -> Result<R> {
+        self.front("with_tensor", Some(name), f)
+    }
+
+    fn front<R>(&self, call: &str, name: Option<&str>, f: impl FnOnce(u64, &[u8]) -> R) -> Result<R> {
+        let me = self.me();
+        let Role::Destination(d) = &self.role else {
+            return Err(self.not(call, "destination"));
+        };
+        let (off, len) = span(me, call, &d.tensors, d.len, name)?;
+        let v = d.version;
+        d.buffers[d.front]
+            .region()
+            .with_slice(off, len, |b| f(v, b))
+            .map_err(|e| Error::invalid(format!("rank {me}: WeightSync::{call}: {e}")))
+    }
+}
+
+/// The byte range of tensor `name` (or the whole buffer) in a local buffer.
+fn span(me: usize, call: &str, tensors: &[TensorSpan], len: usize, name: Option<&str>) -> Result<(usize, usize)> {
+    match name {
+        None => Ok((0, len)),
+        Some(n) => tensors
+            .iter()
+            .find(|t| t.0 == n)
+            .map(|t| (t.1, t.2))
+            .ok_or_else(|| Error::invalid(format!("rank {me}: WeightSync::{call}: no tensor `{n}` in the layout"))),
+    }
+}
