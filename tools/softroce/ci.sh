@@ -31,7 +31,10 @@ log "built ${#bins[@]} test binaries and ferroccl-run in $(( $(date +%s) - t0 ))
 # Inside the VM the tests must not skip for want of a device.
 export FERROCCL_VERBS_REQUIRED=1
 rc=0
-bash "$HERE/run.sh" test "$HERE/verbs-suite.sh" "$(dirname "$run_bin")" "${bins[@]}" || rc=$?
+# The suite took 460 s on a quiet 2-core host (2026-11-26, with the weight
+# sync tests); 1200 s leaves room for a slower or busier CI machine.
+FERROCCL_SOFTROCE_TIMEOUT="${FERROCCL_SOFTROCE_TIMEOUT:-1200}" \
+    bash "$HERE/run.sh" test "$HERE/verbs-suite.sh" "$(dirname "$run_bin")" "${bins[@]}" || rc=$?
 log "verbs tests in the VM: exit status $rc; $(( $(date +%s) - t0 )) s so far"
 
 # Two hosts for real: two VMs whose NICs are joined to each other only, one 4-rank job
