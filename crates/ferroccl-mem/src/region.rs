@@ -1045,8 +1045,11 @@ mod tests {
             let t = thread::spawn(move || {
                 rx.recv().unwrap();
                 thread::sleep(Duration::from_millis(30));
+                // The instant just before the drop: after it, this thread may be
+                // descheduled while the scope's owner already returns.
+                let before = Instant::now();
                 drop(lease);
-                Instant::now()
+                before
             });
             tx.send(()).unwrap();
             t
