@@ -126,7 +126,7 @@ impl Job {
             let pg = Pid::from_raw(r.pid);
             if killpg(pg, None).is_ok() {
                 if self.verbose {
-                    eprintln!("ferroccl-run: killing processes left behind in rank {}'s process group", r.rank);
+                    say!("ferroccl-run: killing processes left behind in rank {}'s process group", r.rank);
                 }
                 let _ = killpg(pg, Signal::SIGKILL);
             }
@@ -148,7 +148,7 @@ impl Job {
             }
         }
         if !stuck.is_empty() {
-            eprintln!(
+            say!(
                 "ferroccl-run: output of ranks {} still open {} s after they exited (a process outside their group holds it); not waiting",
                 rank_list(&stuck),
                 secs(DRAIN_WAIT)

@@ -123,6 +123,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// `eprintln!` as one `write`: the runner's own lines share a pipe with the ranks' lines
+/// (often one stream, as `2>&1`), and `eprintln!` writes a formatted line in pieces, so
+/// another process's line could land inside it ("ferroccl-run: rank 3 [2] selftest: ...").
+/// A line of up to `PIPE_BUF` (4 KiB) bytes written at once is never split.
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::say_line(::std::format_args!($($arg)*)) };
+}
+
 mod args;
 pub mod cli;
 mod job;
@@ -162,11 +170,19 @@ where
         }
         Ok(Invocation::Run(opts)) => run(&opts),
         Err(e) => {
-            eprintln!("ferroccl-run: error: {e}");
-            eprintln!("{USAGE}");
+            say!("ferroccl-run: error: {e}");
+            say!("{USAGE}");
             2
         }
     }
+}
+
+/// Writes `args` and a newline to stderr with one `write_all` (see `say!`).
+fn say_line(args: std::fmt::Arguments<'_>) {
+    let mut line = std::fmt::format(args);
+    line.push('\n');
+    // A closed stderr is ignored, where `eprintln!` would panic.
+    let _ = io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// A fresh job token: 32 random bytes from the OS as 64 lowercase hex digits.

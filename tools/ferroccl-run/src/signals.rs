@@ -25,10 +25,10 @@ pub(crate) fn forward(signals: &mut Signals, job: &Job, running: &[usize], got: 
     for sig in signals.pending() {
         if got.is_none() {
             *got = Some(sig);
-            eprintln!("ferroccl-run: got {}; sending SIGTERM to ranks {}", signal_name(sig), rank_list(running));
+            say!("ferroccl-run: got {}; sending SIGTERM to ranks {}", signal_name(sig), rank_list(running));
             job.begin_stop(stopping, SIGNAL_TERM_TO_KILL);
         } else {
-            eprintln!("ferroccl-run: got {} again; sending SIGKILL to ranks {}", signal_name(sig), rank_list(running));
+            say!("ferroccl-run: got {} again; sending SIGKILL to ranks {}", signal_name(sig), rank_list(running));
             job.signal_running(Signal::SIGKILL);
             if let Some(s) = stopping {
                 s.kill_sent = true;

@@ -67,18 +67,18 @@ pub(crate) fn resolve_program(program: &OsStr) -> io::Result<PathBuf> {
 /// This keeps `unsafe` out of the runner: no `pre_exec` hook is needed.
 pub(crate) fn exec_rank(args: &[OsString]) -> i32 {
     let [parent, cpu, path, argv @ ..] = args else {
-        eprintln!("ferroccl-run: internal error: bad exec-shim arguments");
+        say!("ferroccl-run: internal error: bad exec-shim arguments");
         return 1;
     };
     if argv.is_empty() {
-        eprintln!("ferroccl-run: internal error: bad exec-shim arguments");
+        say!("ferroccl-run: internal error: bad exec-shim arguments");
         return 1;
     }
     let parent: Option<i32> = parent.to_str().and_then(|p| p.parse().ok());
     #[cfg(target_os = "linux")]
     {
         if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
-            eprintln!("ferroccl-run: warning: cannot set the parent-death signal: {e}");
+            say!("ferroccl-run: warning: cannot set the parent-death signal: {e}");
         }
     }
     if parent.is_some_and(|p| nix::unistd::getppid().as_raw() != p) {
@@ -93,7 +93,7 @@ pub(crate) fn exec_rank(args: &[OsString]) -> i32 {
             let pinned = set.set(cpu).and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
             match pinned {
                 Ok(()) => bound = Some(cpu),
-                Err(e) => eprintln!("ferroccl-run: warning: cannot pin to CPU {cpu}: {e}"),
+                Err(e) => say!("ferroccl-run: warning: cannot pin to CPU {cpu}: {e}"),
             }
         }
     }
@@ -112,7 +112,7 @@ pub(crate) fn exec_rank(args: &[OsString]) -> i32 {
         Err(e) => e,
         Ok(never) => match never {},
     };
-    eprintln!("ferroccl-run: cannot run {}: {err}", path.to_string_lossy());
+    say!("ferroccl-run: cannot run {}: {err}", path.to_string_lossy());
     if err == nix::errno::Errno::ENOENT {
         127
     } else {
@@ -173,13 +173,13 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
     let pin = opts.bind.pins(opts.nranks, cpus.len());
     match opts.bind {
         Bind::Always if !pin => {
-            eprintln!("ferroccl-run: warning: --bind: cannot pin the ranks here (no CPU list, or not started as ferroccl-run)");
+            say!("ferroccl-run: warning: --bind: cannot pin the ranks here (no CPU list, or not started as ferroccl-run)");
         }
         Bind::Auto if !pin && opts.verbose => {
             if cpus.is_empty() {
-                eprintln!("ferroccl-run: not pinning the ranks: cannot pin them here (no CPU list, or not started as ferroccl-run)");
+                say!("ferroccl-run: not pinning the ranks: cannot pin them here (no CPU list, or not started as ferroccl-run)");
             } else {
-                eprintln!(
+                say!(
                     "ferroccl-run: not pinning the ranks: {} ranks > {} usable CPUs (oversubscribed; --bind pins them anyway)",
                     opts.nranks,
                     cpus.len()
@@ -206,7 +206,7 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("ferroccl-run: cannot start rank {rank} ({}): {e}", opts.program.to_string_lossy());
+                say!("ferroccl-run: cannot start rank {rank} ({}): {e}", opts.program.to_string_lossy());
                 return Err(match e.kind() {
                     io::ErrorKind::NotFound => 127,
                     io::ErrorKind::PermissionDenied => 126,
@@ -219,12 +219,12 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
         job.ranks.push(Rank { rank, pid, child, status: None });
         if opts.verbose {
             match cpu {
-                Some(c) => eprintln!("ferroccl-run: rank {rank} pid {pid} on CPU {c}"),
-                None => eprintln!("ferroccl-run: rank {rank} pid {pid}"),
+                Some(c) => say!("ferroccl-run: rank {rank} pid {pid} on CPU {c}"),
+                None => say!("ferroccl-run: rank {rank} pid {pid}"),
             }
         }
         let (Some(out), Some(err)) = streams else {
-            eprintln!("ferroccl-run: internal error: rank {rank} has no output pipes");
+            say!("ferroccl-run: internal error: rank {rank} has no output pipes");
             return Err(1);
         };
         let prefix = opts.prefix;
@@ -236,7 +236,7 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
             match spawned {
                 Ok(h) => job.pumps.push((rank, h)),
                 Err(e) => {
-                    eprintln!("ferroccl-run: cannot start an output thread for rank {rank}: {e}");
+                    say!("ferroccl-run: cannot start an output thread for rank {rank}: {e}");
                     return Err(1);
                 }
             }

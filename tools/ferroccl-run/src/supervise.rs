@@ -33,7 +33,7 @@ pub(crate) fn run(opts: &Options) -> i32 {
     let max_value = match store_max_value(|k| std::env::var(k).ok()) {
         Ok(v) => v,
         Err(msg) => {
-            eprintln!("ferroccl-run: error: {msg}");
+            say!("ferroccl-run: error: {msg}");
             return 2;
         }
     };
@@ -41,35 +41,35 @@ pub(crate) fn run(opts: &Options) -> i32 {
         Ok(p) => p,
         Err(e) => {
             let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
-            eprintln!("ferroccl-run: cannot run {}: {e}", opts.program.to_string_lossy());
+            say!("ferroccl-run: cannot run {}: {e}", opts.program.to_string_lossy());
             return code;
         }
     };
     let token = match new_token() {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("ferroccl-run: cannot make a job token: {e}");
+            say!("ferroccl-run: cannot make a job token: {e}");
             return 1;
         }
     };
     let mut signals = match signals::catch() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("ferroccl-run: cannot install signal handlers: {e}");
+            say!("ferroccl-run: cannot install signal handlers: {e}");
             return 1;
         }
     };
     let store = match StoreServer::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), &token, max_value) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("ferroccl-run: cannot start the bootstrap store: {e}");
+            say!("ferroccl-run: cannot start the bootstrap store: {e}");
             signals.handle().close();
             return 1;
         }
     };
     let store_addr = store.addr();
     if opts.verbose {
-        eprintln!("ferroccl-run: store at {store_addr}, {} ranks", opts.nranks);
+        say!("ferroccl-run: store at {store_addr}, {} ranks", opts.nranks);
     }
 
     let mut job = Job { ranks: Vec::with_capacity(opts.nranks), pumps: Vec::new(), verbose: opts.verbose };
@@ -82,7 +82,7 @@ pub(crate) fn run(opts: &Options) -> i32 {
     store.shutdown();
     signals.handle().close();
     if opts.verbose {
-        eprintln!("ferroccl-run: wall time {} s, exit status {code}", secs(started.elapsed()));
+        say!("ferroccl-run: wall time {} s, exit status {code}", secs(started.elapsed()));
     }
     let _ = io::stdout().flush();
     code
@@ -103,17 +103,17 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
                 Ok(Some(st)) => st,
                 Ok(None) => continue,
                 Err(e) => {
-                    eprintln!("ferroccl-run: cannot wait for rank {}: {e}", r.rank);
+                    say!("ferroccl-run: cannot wait for rank {}: {e}", r.rank);
                     ExitStatus::from_raw(1 << 8)
                 }
             };
             r.status = Some(st);
             // Once the runner is stopping the job, exits are its own doing.
             if stopping.is_none() && !st.success() {
-                eprintln!("ferroccl-run: rank {} {}", r.rank, Describe(st));
+                say!("ferroccl-run: rank {} {}", r.rank, Describe(st));
                 failure = Some(policy::root_cause(failure, Failure { rank: r.rank, status: st, at: Instant::now() }));
             } else if opts.verbose {
-                eprintln!("ferroccl-run: rank {} (pid {}) {}", r.rank, r.pid, Describe(st));
+                say!("ferroccl-run: rank {} (pid {}) {}", r.rank, r.pid, Describe(st));
             }
         }
         let running = job.running();
@@ -127,7 +127,7 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
         if stopping.is_none() {
             if let Some(Failure { rank: failed, at, .. }) = failure {
                 if now >= at + opts.grace {
-                    eprintln!(
+                    say!(
                         "ferroccl-run: killed ranks {} (still running {} s after rank {failed} failed)",
                         rank_list(&running),
                         secs(opts.grace)
@@ -138,11 +138,7 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
         }
         if stopping.is_none() && deadline.is_some_and(|d| now >= d) {
             timed_out = true;
-            eprintln!(
-                "ferroccl-run: timeout after {} s; ranks still running: {}",
-                secs(opts.timeout.unwrap_or_default()),
-                rank_list(&running)
-            );
+            say!("ferroccl-run: timeout after {} s; ranks still running: {}", secs(opts.timeout.unwrap_or_default()), rank_list(&running));
             job.begin_stop(&mut stopping, TERM_TO_KILL);
         }
         if let Some(s) = &mut stopping {

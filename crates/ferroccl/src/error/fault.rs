@@ -111,8 +111,10 @@ impl Fault {
         let me = err.reporter();
         let (kind, culprit, op, what) = match err {
             Error::PeerFailed { peer, op, reason, .. } => (FaultKind::Failed, Some(*peer), op.to_string(), reason.clone()),
+            // Said as what happened to the peer, as the other faults are ("rank 1 is
+            // unreachable over verbs: the queue pair is cut or failed").
             Error::Transport { peer: Some(peer), transport, what, .. } => {
-                (FaultKind::Failed, Some(*peer), format!("{transport} transport"), what.clone())
+                (FaultKind::Failed, Some(*peer), format!("{transport} transport"), format!("is unreachable over {transport}: {what}"))
             }
             // No peer involved: the trouble is this rank's own (as with a verbs call).
             Error::Transport { peer: None, transport, what, .. } => (FaultKind::Other, me, format!("{transport} transport"), what.clone()),
