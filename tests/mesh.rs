@@ -825,3 +825,88 @@ fn examples_run_and_check_themselves() {
         }
     }
 }
+
+/// M->N weight sync over real processes (`ferroccl-selftest weights`): 2 trainers and 2
+/// inference ranks, 1 and 2, over shm and tcp; every inference rank checks every byte of
+/// every version.
+#[test]
+fn weight_sync_over_processes() {
+    for transport in ["shm", "tcp"] {
+        for (n, sources) in [(4, "2"), (3, "1")] {
+            let j = job(n, transport, &["weights", "--sources", sources, "--versions", "5"], &[]);
+            assert_all_ok(&j, n);
+            for r in 0..n {
+                assert!(
+                    j.stdout.contains(&format!("[{r}] selftest: rank {r} weights ok: 5 versions, ")),
+                    "{transport}, {n} ranks: rank {r} has no weights line\n{}",
+                    j.all()
+                );
+            }
+        }
+    }
+}
+
+/// The `weights failed` line of rank `r` (`selftest: rank R weights failed at version V:
+/// ERROR[; holding version H, verified]`), without its prefix.
+fn weights_failure<'a>(j: &'a Job, r: usize, ctx: &str) -> &'a str {
+    let head = format!("[{r}] selftest: rank {r} weights failed at version ");
+    j.stdout.lines().find_map(|l| l.strip_prefix(&head)).unwrap_or_else(|| panic!("{ctx}: rank {r} reported no failure\n{}", j.all()))
+}
+
+/// The version an inference rank's failure line says it failed at, and the one it holds.
+fn failed_and_held(line: &str, ctx: &str) -> (u64, u64) {
+    let failed = line.split(':').next().and_then(|v| v.parse().ok());
+    let held = line.rsplit("; holding version ").next().and_then(|h| h.strip_suffix(", verified")).and_then(|h| h.parse().ok());
+    match (failed, held) {
+        (Some(f), Some(h)) => (f, h),
+        _ => panic!("{ctx}: not a verified failure: {line}"),
+    }
+}
+
+/// A weight sync of 2 trainers (ranks 0, 1) and 2 inference ranks (2, 3) whose trainer 1
+/// is SIGKILLed after writing half of its buffer for version 3: the launcher names the
+/// SIGKILL, every inference rank fails its pull of version 3 naming rank 1, and still
+/// holds version 2, every byte of it checked (never a torn version). Or it fails its pull
+/// of version 2, holding version 1: its acknowledgement of 2 reached rank 1 (which then
+/// went on to version 3 and died) while the acknowledgement plan still ran, and the death
+/// failed that run; a pull whose acknowledgement fails does not flip (docs/reshard.md).
+#[test]
+fn a_trainer_killed_mid_sync_leaves_every_inference_rank_on_its_last_version() {
+    for transport in ["shm", "tcp"] {
+        let ctx = format!("trainer killed, {transport}");
+        let j = job(4, transport, &["weights", "--sources", "2", "--versions", "5", "--kill-source-at", "3"], &[]);
+        assert_eq!(j.code, Some(137), "{ctx}\n{}", j.all());
+        assert!(j.stderr.contains("rank 1 was killed by signal SIGKILL"), "{ctx}\n{}", j.all());
+        assert!(j.stdout.contains("[1] selftest: rank 1 kills itself after writing "), "{ctx}\n{}", j.all());
+        for r in [2, 3] {
+            let line = weights_failure(&j, r, &ctx);
+            let (failed, held) = failed_and_held(line, &ctx);
+            assert!((failed == 3 || failed == 2) && held + 1 == failed, "{ctx}: rank {r}: {line}");
+            assert!(line.contains("rank 1"), "{ctx}: rank {r}'s error does not name rank 1: {line}");
+        }
+        assert!(j.wall < Duration::from_secs(30), "{ctx}: took {:?}", j.wall);
+    }
+}
+
+/// The same sync with inference rank 3 SIGKILLed when it should pull version 3: both
+/// trainers fail naming rank 3 (they wait for its acknowledgement, or their communicator
+/// was poisoned by its death), and inference rank 2 fails at some pull (the death poisons
+/// its communicator too: a pull of version 2 or 3 under way fails, or the pull of 4, which
+/// never comes), holding the version before it, every byte of it checked.
+#[test]
+fn an_inference_rank_killed_mid_sync_is_named_by_the_trainers() {
+    for transport in ["shm", "tcp"] {
+        let ctx = format!("inference rank killed, {transport}");
+        let j = job(4, transport, &["weights", "--sources", "2", "--versions", "5", "--kill-dest-at", "3"], &[]);
+        assert_eq!(j.code, Some(137), "{ctx}\n{}", j.all());
+        assert!(j.stderr.contains("rank 3 was killed by signal SIGKILL"), "{ctx}\n{}", j.all());
+        for r in [0, 1] {
+            let line = weights_failure(&j, r, &ctx);
+            assert!(line.contains("rank 3"), "{ctx}: rank {r}'s error does not name rank 3: {line}");
+        }
+        let line = weights_failure(&j, 2, &ctx);
+        let (failed, held) = failed_and_held(line, &ctx);
+        assert_eq!(held + 1, failed, "{ctx}: rank 2: {line}");
+        assert!(j.wall < Duration::from_secs(30), "{ctx}: took {:?}", j.wall);
+    }
+}

@@ -6,7 +6,9 @@
 # host), verbs between the VMs (two hosts, two rxe devices, packets on a real NIC link).
 #   pair-suite.sh BIN_DIR
 # Every rank runs `ferroccl-selftest exchange`, then `coll` (every collective, checked
-# against the reference). Exits 1 if any of this VM's ranks failed.
+# against the reference), then `weights --sources 2` (M->N weight sync: ranks 0 and 1 on
+# VM a train, 2 and 3 on VM b pull and check every byte of every version). Exits 1 if any
+# of this VM's ranks failed.
 set -u
 bin_dir=$1
 [ -n "${FERROCCL_TOKEN:-}" ] || { echo "pair-suite: FERROCCL_TOKEN must be set"; exit 2; }
@@ -14,7 +16,7 @@ case "$FERROCCL_SOFTROCE_ROLE" in a) ranks=(0 1) ;; b) ranks=(2 3) ;; *) exit 2 
 export WORLD_SIZE=4 MASTER_ADDR=192.0.2.1 LOCAL_WORLD_SIZE=2 FERROCCL_TIMEOUT=120
 port=29500
 rc=0
-for mode in "exchange --sizes 0,1,70000,1M" "coll --counts 0,1,7,1000,65537"; do
+for mode in "exchange --sizes 0,1,70000,1M" "coll --counts 0,1,7,1000,65537" "weights --sources 2 --versions 5"; do
     # A fresh store port per job: the previous job's store may still be winding down.
     port=$(( port + 10 ))
     export MASTER_PORT=$port
@@ -27,8 +29,11 @@ for mode in "exchange --sizes 0,1,70000,1M" "coll --counts 0,1,7,1000,65537"; do
     for i in "${!pids[@]}"; do
         r=${ranks[$i]}
         if wait "${pids[$i]}"; then st=0; else st=$?; fi
-        sed "s/^/[rank $r] /" "/tmp/rank$r.log" | grep -E "exchanged|collectives ok|error|rank $r ok" | head -5
+        sed "s/^/[rank $r] /" "/tmp/rank$r.log" | grep -E "exchanged|collectives ok|weights ok|error|rank $r ok" | head -5
         [ "$st" -eq 0 ] || { echo "=== FAILED: rank $r, ${mode%% *}: exit $st"; tail -5 "/tmp/rank$r.log"; rc=1; }
+        if [ "${mode%% *}" = weights ]; then
+            grep -q "rank $r weights ok" "/tmp/rank$r.log" || { echo "=== FAILED: rank $r printed no weights ok line"; rc=1; }
+        fi
     done
     if [ "${mode%% *}" = exchange ]; then
         # auto must have picked shm inside this VM and verbs to the other.

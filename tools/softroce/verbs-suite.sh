@@ -7,7 +7,8 @@
 # 2. multi-process collectives over verbs (ferroccl-run + ferroccl-selftest coll from
 #    BIN_DIR), 2, 3 and 4 ranks, checked against the reference by every rank;
 #    then the progress engine (non-blocking collectives, plans, groups; ferroccl-selftest
-#    engine) and abort over verbs;
+#    engine), the M->N weight sync (ferroccl-selftest weights, 2 and 3 ranks) and abort
+#    over verbs;
 # 3. a rank SIGKILLed mid-barrier and mid-transfer: every survivor must report an error
 #    naming it, and the launcher must exit with the victim's status;
 # 4. two "hosts" in the VM (rxe0 and rxe1, two-hosts.sh): collectives over a mixed mesh
@@ -62,6 +63,18 @@ engine() { # engine N
 }
 engine 2
 engine 3
+# M->N weight sync over verbs (ferroccl-selftest weights): the first half of the ranks
+# train, the others pull and check every byte of every version.
+weights() { # weights N
+    local n=$1 t0 out
+    t0=$(( $(date +%s%N) / 1000000 ))
+    out=$("${run[@]}" -n "$n" -- "$selftest" weights --versions 5 2>&1)
+    local st=$?
+    echo "=== weight sync over ${run[2]}, $n ranks: exit $st in $(secs "$t0") ms"
+    [ "$st" -eq 0 ] && [ "$(grep -c 'weights ok' <<< "$out")" -eq "$n" ] || { echo "$out" | tail -20; fail "weights, $n ranks"; }
+}
+weights 2
+weights 3
 out=$("${run[@]}" -n 2 -- "$selftest" abort 2>&1)
 st=$?
 echo "=== abort over ${run[2]}: exit $st; $(grep -c 'aborted after' <<< "$out") ranks aborted"

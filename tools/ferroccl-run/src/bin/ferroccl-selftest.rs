@@ -18,6 +18,9 @@
 //! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
 //! ferroccl-selftest fault --case C [--count N]                         a deliberate misuse; every rank must report an error (see `fault`)
 //! ferroccl-selftest die-in-init --victim R --after-ms D [--delay-ms L] rank R SIGKILLs itself D ms into init; the others start init L ms late
+//! ferroccl-selftest weights [--sources M] [--versions V]               M->N weight sync: the first M ranks (default half) train, the others
+//!                   [--kill-source-at V | --kill-dest-at V]            pull and check every byte of every version; the last source (or
+//!                                                                      destination) SIGKILLs itself mid-write (before pulling) of version V
 //! ```
 //! Global option: `--fake-hosts K` pretends ranks live on hosts of K ranks each
 //! (FERROCCL_HOST_ID = rank / K), to exercise mixed shm/tcp meshes on one machine.
@@ -85,6 +88,7 @@ fn main() {
         "engine" => engine(&comm, rest),
         "abort" => abort(comm),
         "fault" => fault(comm, rest),
+        "weights" => weights(&comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
@@ -817,4 +821,215 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
         }
     };
     report(t, res.and_then(|()| comm.finalize()))
+}
+
+/// `extent` cut into `parts` shards, sizes 1 : 2 : 3 ... (uneven), adding up to `extent`.
+fn uneven(extent: usize, parts: usize) -> Vec<usize> {
+    let total = parts * (parts + 1) / 2;
+    let cut = |i: usize| extent * (i * (i + 1) / 2) / total;
+    (0..parts).map(|i| cut(i + 1) - cut(i)).collect()
+}
+
+/// `extent` cut into `parts` equal shards (the first ones one larger when it does not divide).
+fn even(extent: usize, parts: usize) -> Vec<usize> {
+    (0..parts).map(|i| extent / parts + usize::from(i < extent % parts)).collect()
+}
+
+/// An empty first shard, then [`uneven`] shards (one shard of all when `parts` is 1).
+fn with_empty(extent: usize, parts: usize) -> Vec<usize> {
+    match parts {
+        1 => vec![extent],
+        _ => std::iter::once(0).chain(uneven(extent, parts - 1)).collect(),
+    }
+}
+
+/// Two replicas of even row shards when `ranks` is even, else uneven row shards.
+fn mesh(extent: usize, ranks: usize) -> ferroccl::reshard::Placement {
+    use ferroccl::reshard::Placement;
+    match ranks % 2 {
+        0 => Placement::rows_replicated(&even(extent, ranks / 2), 2),
+        _ => Placement::rows(&uneven(extent, ranks)),
+    }
+}
+
+/// The `weights` model: twelve tensors (f32 and bf16, 0.9 MB) placed one way over `m`
+/// trainer ranks and another way over `n` inference ranks: replicated, row and column
+/// shards (even, uneven, one empty), and 2-replica meshes. Tensor 0 is row-sharded evenly
+/// over the trainers and replicated on every inference rank, so every inference rank reads
+/// from every trainer.
+fn weights_model(m: usize, n: usize) -> R<(ferroccl::reshard::ModelLayout, ferroccl::reshard::ModelLayout)> {
+    use ferroccl::reshard::{ModelLayout, Placement as P, TensorLayout};
+    use ferroccl::DType::{Bf16, F32};
+    type Side = fn(usize, usize) -> P;
+    #[rustfmt::skip]
+    let spec: [(&str, ferroccl::DType, [usize; 2], Side, Side); 12] = [
+        ("embed", Bf16, [256, 64], |e, k| P::rows(&even(e, k)), |_, k| P::replicated(k)),
+        ("l0.qkv", F32, [64, 192], |_, k| P::cols(&uneven(192, k)), |e, k| P::rows(&uneven(e, k))),
+        ("l0.out", Bf16, [192, 64], |e, k| P::rows(&with_empty(e, k)), |_, k| P::cols(&even(64, k))),
+        ("l0.norm", F32, [192, 1], |_, k| P::replicated(k), |e, k| P::rows(&uneven(e, k))),
+        ("l0.up", Bf16, [192, 256], mesh, |_, k| P::cols(&uneven(256, k))),
+        ("l0.down", F32, [256, 192], |_, k| P::cols(&even(192, k)), mesh),
+        ("l1.qkv", Bf16, [64, 192], |e, k| P::rows(&uneven(e, k)), |_, k| P::cols(&with_empty(192, k))),
+        ("l1.out", F32, [192, 64], |_, k| P::replicated(k), |_, k| P::cols(&uneven(64, k))),
+        ("l1.norm", Bf16, [1, 192], |_, k| P::cols(&uneven(192, k)), |_, k| P::replicated(k)),
+        ("l1.up", F32, [192, 256], |e, k| P::rows(&even(e, k)), |e, k| P::rows(&uneven(e, k))),
+        ("l1.down", Bf16, [256, 192], |_, k| P::cols(&with_empty(192, k)), mesh),
+        ("head", F32, [100, 301], |_, k| P::cols(&uneven(301, k)), |e, k| P::rows(&even(e, k))),
+    ];
+    let side = |ranks: usize, src: bool| {
+        let tensors = spec.iter().map(|&(name, dt, shape, s, d)| {
+            let place = if src { s } else { d };
+            TensorLayout::new(name, dt, shape, place(shape[0], ranks))
+        });
+        ModelLayout::new(ranks, tensors.collect())
+    };
+    Ok((side(m, true)?, side(n, false)?))
+}
+
+/// Element (`row`, `col`) of tensor `t` in `version`, as its little-endian bytes (the first
+/// `dtype.size()` of them): exact in f32 (integers below 2^24) and in bf16 (-127..=127),
+/// and different in every version for every element.
+fn weight_bytes(dtype: ferroccl::DType, t: usize, row: usize, col: usize, version: u64) -> [u8; 4] {
+    let (t, row, col) = (t as u64, row as u64, col as u64);
+    match dtype {
+        ferroccl::DType::Bf16 => {
+            let x = ((t * 31 + row * 7 + col * 3 + version * 13) % 255) as f32 - 127.0;
+            let b = ferroccl_kernels::bf16::from_f32(x).to_le_bytes();
+            [b[0], b[1], 0, 0]
+        }
+        _ => (((t * 1_000_003 + row * 7919 + col * 131 + version * 104_729) % 16_777_213) as f32).to_le_bytes(),
+    }
+}
+
+/// Calls `f(tensor, row, col, byte offset in the buffer, element bytes)` for every element
+/// `rank` holds in `layout`.
+fn each_element(
+    layout: &ferroccl::reshard::ModelLayout,
+    rank: usize,
+    mut f: impl FnMut(usize, usize, usize, usize, usize) -> R<()>,
+) -> R<()> {
+    for (t, tl) in layout.tensors().iter().enumerate() {
+        let (Some(b), Some(off)) = (layout.block(rank, t), layout.offset(rank, t)) else { continue };
+        let es = tl.dtype().size();
+        for r in 0..b.rows {
+            for c in 0..b.cols {
+                f(t, b.row0 + r, b.col0 + c, off + (r * b.cols + c) * es, es)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every byte of `rank`'s buffer `buf` against `version` of `layout`; the error names
+/// the first wrong element.
+fn check_weights(layout: &ferroccl::reshard::ModelLayout, rank: usize, version: u64, buf: &[u8]) -> R<()> {
+    each_element(layout, rank, |t, row, col, at, es| {
+        let tl = &layout.tensors()[t];
+        let want = weight_bytes(tl.dtype(), t, row, col, version);
+        if buf[at..at + es] != want[..es] {
+            return Err(format!(
+                "version {version}: tensor {} ({}) row {row} col {col} is {:02x?}, want {:02x?}",
+                tl.name(),
+                tl.dtype(),
+                &buf[at..at + es],
+                &want[..es]
+            )
+            .into());
+        }
+        Ok(())
+    })
+}
+
+/// M->N weight sync (issue 13) over real processes: the first `--sources M` ranks (default
+/// half, at least one) are trainers, the others inference ranks, with the
+/// [`weights_model`] laid out differently on each side. For each of `--versions V`
+/// (default 5) the trainers write every element as a function of (tensor, global row,
+/// column, version) and publish it; each inference rank pulls it and checks every byte of
+/// its buffer. Prints `selftest: rank R weights ok: V versions, B bytes per sync (...)`.
+///
+/// `--kill-source-at V`: the last trainer SIGKILLs itself after writing half of its buffer
+/// for version V. `--kill-dest-at V`: the last inference rank SIGKILLs itself when it
+/// should pull version V. A rank whose sync fails prints `selftest: rank R weights failed
+/// at version V: ERROR`, an inference rank followed by `; holding version H, verified`
+/// once it checked every byte of its current (front) buffer, which must be the last
+/// version it pulled completely.
+fn weights(comm: &Communicator, args: &[String]) -> R<()> {
+    use ferroccl::WeightRole;
+    let (n, me) = (comm.size(), comm.rank());
+    let num =
+        |f: &str| -> R<Option<u64>> { flag(args, f).map(|v| v.parse::<u64>().map_err(|e| format!("{f} {v}: {e}").into())).transpose() };
+    let m = num("--sources")?.map_or((n / 2).max(1), |v| v as usize);
+    if n < 2 || m == 0 || m >= n {
+        return Err(format!("weights needs at least one source and one destination: --sources {m} of {n} ranks").into());
+    }
+    let versions = num("--versions")?.unwrap_or(5);
+    let (kill_source_at, kill_dest_at) = (num("--kill-source-at")?, num("--kill-dest-at")?);
+    let (src, dst) = weights_model(m, n - m)?;
+    let (src_ranks, dst_ranks): (Vec<usize>, Vec<usize>) = ((0..m).collect(), (m..n).collect());
+    let t = Instant::now();
+    let mut ws = comm.weight_sync(&src, &src_ranks, &dst, &dst_ranks)?;
+    let die = |what: &str| {
+        println!("selftest: rank {me} kills itself {what}");
+        let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+    };
+    let (role, bytes) = match ws.role() {
+        WeightRole::Source(i) => (format!("source {i} of {m}"), ws.routing_table().bytes_from(i)),
+        WeightRole::Destination(j) => (format!("destination {j} of {}", n - m), ws.routing_table().bytes_to(j)),
+        WeightRole::None => return Err("this rank has no role in the weight sync".into()),
+    };
+    for v in 1..=versions {
+        let step: R<()> = match ws.role() {
+            WeightRole::Source(i) => (|| {
+                ws.with_buffer_mut(|buf| {
+                    let mut fresh = vec![0u8; buf.len()];
+                    each_element(&src, i, |t, row, col, at, es| {
+                        fresh[at..at + es].copy_from_slice(&weight_bytes(src.tensors()[t].dtype(), t, row, col, v)[..es]);
+                        Ok(())
+                    })?;
+                    if kill_source_at == Some(v) && i == m - 1 {
+                        let half = buf.len() / 2;
+                        buf[..half].copy_from_slice(&fresh[..half]);
+                        die(&format!("after writing {half} of {} bytes of version {v}", buf.len()));
+                    }
+                    buf.copy_from_slice(&fresh);
+                    Ok::<(), Box<dyn std::error::Error>>(())
+                })??;
+                ws.publish(v)?;
+                if v == versions {
+                    ws.wait_consumed(v)?;
+                }
+                Ok(())
+            })(),
+            WeightRole::Destination(j) => {
+                if kill_dest_at == Some(v) && me == n - 1 {
+                    die(&format!("instead of pulling version {v}"));
+                }
+                match ws.pull(v) {
+                    Ok(()) => ws.with_current(|got, buf| match got == v {
+                        true => check_weights(&dst, j, v, buf),
+                        false => Err(format!("pulled version {v}, the current version is {got}").into()),
+                    })?,
+                    Err(e) => {
+                        // The front buffer must still hold the last version pulled, whole.
+                        let held = ws.with_current(|h, buf| if h == 0 { Ok(h) } else { check_weights(&dst, j, h, buf).map(|()| h) })?;
+                        let held = held.map_err(|bad| format!("pull of version {v} failed ({e}), and then {bad}"))?;
+                        if held != v - 1 {
+                            return Err(format!("pull of version {v} failed ({e}), and then the current version is {held}").into());
+                        }
+                        println!("selftest: rank {me} weights failed at version {v}: {e}; holding version {held}, verified");
+                        return Err(e.into());
+                    }
+                }
+            }
+            WeightRole::None => Ok(()),
+        };
+        if let Err(e) = step {
+            println!("selftest: rank {me} weights failed at version {v}: {e}");
+            return Err(e);
+        }
+    }
+    drop(ws);
+    comm.barrier()?;
+    println!("selftest: rank {me} weights ok: {versions} versions, {bytes} bytes per sync ({role}, {:.3}s)", t.elapsed().as_secs_f64());
+    Ok(())
 }
