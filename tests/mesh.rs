@@ -803,7 +803,7 @@ fn calls_after_the_world_finalized_fail_every_time() {
 #[test]
 fn examples_run_and_check_themselves() {
     let dir = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples");
-    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights"] {
+    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights", "weight_sync"] {
         let exe = dir.join(name);
         if !exe.exists() {
             eprintln!("skipping example {name}: {} is not built (cargo test --workspace builds it)", exe.display());

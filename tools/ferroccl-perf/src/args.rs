@@ -18,7 +18,7 @@ use crate::colls::Coll;
 pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|sendrecv|all> \
 [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-d DTYPE] [-o OP] [-c 0|1] [--inplace|--no-inplace] \
 [--plan] [--algo A] [--transport T] [--ranks N] [--root R] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]
-       ferroccl-perf <latency|idle|overlap|rma|skew|plot> ... (see ferroccl-perf --help)";
+       ferroccl-perf <latency|idle|overlap|rma|skew|weights|plot> ... (see ferroccl-perf --help)";
 
 /// `--help`'s usage lines.
 const HELP_USAGE: &str = "\
@@ -29,7 +29,8 @@ ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-perf idle [OPTIONS]      CPU time an idle communicator uses
        ferroccl-perf overlap [OPTIONS]   compute + allreduce, sequential vs non-blocking
        ferroccl-perf rma [OPTIONS]       one-sided reads of a scattered model: register every step, once, plan
-       (ferroccl-perf latency|idle|overlap|rma|skew --help for theirs)";
+       ferroccl-perf weights [OPTIONS]   M->N weight sync vs the memcpy bound vs broadcasting every tensor
+       (ferroccl-perf latency|idle|overlap|rma|skew|weights --help for theirs)";
 
 /// The end of `--help`, after the options.
 const AFTER_HELP: &str = "\

@@ -40,14 +40,23 @@
 //! ([`args`]); a bad one is an error naming the option and the value, with the usage line,
 //! and exit status 2.
 //!
-//! Three more subcommands measure what the table cannot (each has its own `--help`):
+//! More subcommands measure what the table cannot (each has its own `--help`):
 //!
 //! * `ferroccl-perf latency`: small-message latency of allreduce (or allgather, broadcast,
 //!   reduce_scatter; f32 or bf16), blocking call vs persistent plan, alternating in one run
 //!   ([`latency`]; benches/latency.sh adds Open MPI and MPICH);
 //! * `ferroccl-perf idle`: the CPU time a communicator uses while idle, per rank ([`idle`]);
 //! * `ferroccl-perf overlap`: compute + gradient allreduce, sequential vs overlapped with
-//!   the non-blocking API ([`overlap`]).
+//!   the non-blocking API ([`overlap`]);
+//! * `ferroccl-perf rma`: one-sided reads of a scattered model, registered every step vs
+//!   once vs a transfer plan ([`rma`]);
+//! * `ferroccl-perf skew`: a small collective after CPU-bound work vs after a sleep
+//!   ([`skew`]);
+//! * `ferroccl-perf weights`: M->N weight sync (`Communicator::weight_sync`) of a model of
+//!   `--model-bytes` in `--tensors` bf16 tensors (replicated, row- and column-sharded) from
+//!   the first `--sources` ranks to the others, against the memcpy bound and against
+//!   broadcasting every tensor from rank 0 ([`weights`]; benches/weights.sh gives issue 13's
+//!   runs).
 //!
 //! `ferroccl-perf plot OUT.svg A.json [B.json ...]` draws results files (this tool's
 //! `--json`, or benches/peers' MPI program's) in one picture without running anything;
@@ -98,6 +107,7 @@ pub mod results;
 pub mod rma;
 pub mod skew;
 pub mod sub;
+pub mod weights;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -172,6 +182,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
         Some("overlap") => return subcommand(args, overlap::USAGE, overlap::help, overlap::parse, |o| o.common, overlap::run),
         Some("rma") => return subcommand(args, rma::USAGE, rma::help, rma::parse, |o| o.common, rma::run),
         Some("skew") => return subcommand(args, skew::USAGE, skew::help, skew::parse, |o| o.common, skew::run),
+        Some("weights") => return subcommand(args, weights::USAGE, weights::help, weights::parse, |o| o.common, weights::run),
         _ => {}
     }
     let o = match args::parse(args) {

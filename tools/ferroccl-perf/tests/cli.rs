@@ -254,3 +254,43 @@ fn the_measurement_subcommands_run_and_check() {
     let o = perf(&["latency", "--help"]);
     assert!(o.status.success() && text(&o).0.contains("allreduce_plan"), "{:?}", text(&o));
 }
+
+#[test]
+fn the_weights_subcommand_runs_and_checks() {
+    for sources in ["1", "2"] {
+        let o = perf(&[
+            "weights",
+            "--model-bytes",
+            "256K",
+            "--tensors",
+            "9",
+            "--sources",
+            sources,
+            "--rounds",
+            "2",
+            "--iters",
+            "2",
+            "--ranks",
+            "3",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "--sources {sources}: {:?}\n{out}\n{err}", o.status);
+        assert!(out.contains(&format!("{sources} source(s) -> {} destination(s)", 3 - sources.parse::<usize>().unwrap())), "{out}");
+        // Two rounds, then round 1 and rounds 2..2 again in the summary.
+        let rows = rows(&out);
+        assert_eq!(rows.iter().map(|r| r[0].as_str()).collect::<Vec<_>>(), ["1", "2", "1", "2..2"], "{out}");
+        assert!(rows.iter().all(|r| r.len() == 9), "{out}");
+    }
+    for (args, code, want) in [
+        (&["weights", "--model-bytes", "1"][..], 2, "--model-bytes \"1\""),
+        (&["weights", "--tensors", "0"][..], 2, "--tensors \"0\""),
+        (&["weights", "--sources", "2", "--ranks", "2", "--model-bytes", "64K"][..], 1, "--sources 2 needs 1 to 1 sources"),
+    ] {
+        let o = perf(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let o = perf(&["weights", "--help"]);
+    assert!(o.status.success() && text(&o).0.contains("memcpy bound"), "{:?}", text(&o));
+}
