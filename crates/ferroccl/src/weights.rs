@@ -8,9 +8,8 @@
 //! **destination** rank allocates two buffers (front: the last complete version; back: the
 //! one being filled) and builds one [`TransferPlan`](crate::TransferPlan) of reads of its
 //! pieces per buffer (a column shard is one strided read); the sources' handles are
-//! exchanged in one allgather. No buffer is allocated, and nothing is registered or
-//! exchanged, per sync after that (the signal waits allocate a little bookkeeping per
-//! call: `tests/weights_hot_path.rs`).
+//! exchanged in one allgather. Nothing is allocated, registered or exchanged per sync after
+//! that: a sync runs plans and signal waits prepared at setup (`tests/weights_hot_path.rs`).
 //!
 //! Each sync of version `v` (strictly increasing, from 1):
 //!
@@ -64,7 +63,7 @@
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::reshard::{ModelLayout, RoutingTable};
 use crate::transfer::{OwnedPlan, Strided};
 use crate::window::{RemoteHandle, Window};
@@ -106,10 +105,10 @@ struct Source {
     window: Window<'static>,
     len: usize,
     tensors: Vec<TensorSpan>,
-    /// Communicator ranks of the destinations this rank sends to.
-    dests: Vec<usize>,
     /// Raises this rank's signal at every destination (no transfer); `None` without any.
     publish: Option<OwnedPlan>,
+    /// Waits for every destination's signal (their acknowledgements); `None` without any.
+    acks: Option<OwnedPlan>,
     /// The last version published (0: none).
     published: u64,
     /// The last version every destination acknowledged.
@@ -128,6 +127,8 @@ struct Destination {
     plans: [Option<OwnedPlan>; 2],
     /// Raises this rank's signal at every sender (the acknowledgement).
     ack: Option<OwnedPlan>,
+    /// Waits for every sender's signal (their next version); `None` without any.
+    published: Option<OwnedPlan>,
     /// Which buffer is the front one.
     front: usize,
     /// The version in the front buffer (0: none yet).
@@ -244,11 +245,14 @@ impl Communicator {
         let role = if let (Some(i), Some((window, len))) = (src_index, src_window) {
             let dests: BTreeSet<usize> = table.pieces_from(i).map(|p| dst_ranks[p.dst_rank]).collect();
             let dests: Vec<usize> = dests.into_iter().collect();
-            let publish = match dests.is_empty() {
-                true => None,
-                false => Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
+            let (publish, acks) = match dests.is_empty() {
+                true => (None, None),
+                false => (
+                    Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(self, &dests, Op::other("weight sync: waiting for the destinations' acknowledgements"))?),
+                ),
             };
-            Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), dests, publish, published: 0, consumed: 0 }))
+            Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), publish, acks, published: 0, consumed: 0 }))
         } else if let (Some(j), Some((buffers, len))) = (dst_index, dst_windows) {
             let pieces = table.pieces_to(j);
             let mut handles = Vec::with_capacity(src_ranks.len());
@@ -272,9 +276,12 @@ impl Communicator {
                 Ok(Some(b.build()?.into_owned()))
             };
             let plans = [plan_into(&buffers[0])?, plan_into(&buffers[1])?];
-            let ack = match senders.is_empty() {
-                true => None,
-                false => Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
+            let (ack, published) = match senders.is_empty() {
+                true => (None, None),
+                false => (
+                    Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(self, &senders, Op::other("weight sync: waiting for the sources' next version"))?),
+                ),
             };
             Role::Destination(Box::new(Destination {
                 index: j,
@@ -284,6 +291,7 @@ impl Communicator {
                 senders,
                 plans,
                 ack,
+                published,
                 front: 0,
                 version: 0,
             }))
@@ -414,8 +422,8 @@ impl WeightSync<'_> {
         if v <= s.consumed {
             return Ok(());
         }
-        for &d in &s.dests {
-            comm.wait_signal(d, wire)?;
+        if let Some(w) = &mut s.acks {
+            w.run_with_signal(comm, wire)?;
         }
         s.consumed = v;
         Ok(())
@@ -453,9 +461,12 @@ impl WeightSync<'_> {
                 d.version
             )));
         }
-        let next = base + d.version + 1;
+        // Every sender's signal at once (one prepared wait), then each one's value.
+        if let Some(w) = &mut d.published {
+            w.run_with_signal(comm, base + d.version + 1)?;
+        }
         for &s in &d.senders {
-            let got = comm.wait_signal(s, next)?;
+            let got = comm.signal_value(s);
             if got != wire {
                 return Err(Error::invalid(format!(
                     "rank {me}: WeightSync::pull({v}): source member {s} published version {}",
