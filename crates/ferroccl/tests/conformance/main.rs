@@ -92,6 +92,7 @@ macro_rules! conformance_suite {
             weights::weight_sync_bad_arguments_are_errors,
             weights::weight_sync_failure_keeps_the_last_version,
             weights::weight_sync_abort_during_a_pull_never_tears,
+            weights::weight_sync_rejects_members_with_other_layouts,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
