@@ -445,6 +445,17 @@ fn a_thousand_tensors_over_64_by_64_ranks() {
     let start = std::time::Instant::now();
     let t = RoutingTable::compute(&src, &dst).unwrap();
     eprintln!("1,000 tensors, 64 -> 64 ranks: {} pieces in {:?}", t.pieces().len(), start.elapsed());
+    // The table itself, pinned (the digest of the first implementation's table, before
+    // the counting sort and the single-holder shortcut): a faster computation must give
+    // this very table.
+    let mut h = Fingerprint::new();
+    for p in t.pieces() {
+        for v in [p.tensor, p.src_rank, p.dst_rank, p.src_offset, p.dst_offset, p.rows, p.row_bytes, p.src_stride, p.dst_stride] {
+            h.usize(v);
+        }
+        h.usize(p.region.row0).usize(p.region.rows).usize(p.region.col0).usize(p.region.cols);
+    }
+    assert_eq!(h.finish(), 0x0f4a_c612_7d57_82cc, "table digest {:#018x}", h.finish());
     coverage_counts(&t, &src, &dst).unwrap();
     t.check_balance(&src, &(0..1000).collect::<Vec<_>>(), &dst).unwrap();
     let want: usize =
