@@ -178,10 +178,16 @@ fn disagreement(me: usize, prints: &[u64]) -> Option<Error> {
     let which = match rest.len() {
         0 => format!("member {first} passed other layouts or groups than member {reference} (fingerprint {:#018x}, member {reference}'s {want:#018x})", prints[first]),
         _ => {
-            let names: Vec<String> = odd.iter().map(|m| m.to_string()).collect();
-            let values: Vec<String> = odd.iter().map(|&m| format!("{:#018x}", prints[m])).collect();
+            // At most `SHOWN` of them by name (a large communicator's message stays short).
+            const SHOWN: usize = 8;
+            let names: Vec<String> = odd.iter().take(SHOWN).map(|m| m.to_string()).collect();
+            let values: Vec<String> = odd.iter().take(SHOWN).map(|&m| format!("{:#018x}", prints[m])).collect();
+            let more = match odd.len().saturating_sub(SHOWN) {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
             format!(
-                "members {} passed other layouts or groups than member {reference} (fingerprints {}, member {reference}'s {want:#018x})",
+                "members {}{more} passed other layouts or groups than member {reference} (fingerprints {}, member {reference}'s {want:#018x})",
                 names.join(", "),
                 values.join(", ")
             )
@@ -615,6 +621,11 @@ mod tests {
         assert!(first.contains("member 0 passed other layouts or groups than member 1"), "{first}");
         let two = message(&[7, 8, 7, 9, 7]).unwrap();
         assert!(two.contains("members 1, 3 passed other layouts or groups than member 0"), "{two}");
+        // Many: eight named, the rest counted.
+        let mut many = vec![1u64; 20];
+        many.extend([2u64; 11]);
+        let many = message(&many).unwrap();
+        assert!(many.contains("members 20, 21, 22, 23, 24, 25, 26, 27 and 3 more passed other layouts or groups than member 0"), "{many}");
         // A tie: the lowest member's fingerprint is the reference.
         let tie = message(&[4, 5]).unwrap();
         assert!(tie.contains("member 1 passed other layouts or groups than member 0"), "{tie}");
