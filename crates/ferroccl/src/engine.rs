@@ -163,6 +163,12 @@ impl Part {
         self.finished = false;
     }
 
+    /// Makes room for every transfer the part's schedule has in flight at once (see
+    /// `Exec::reserve`): for a part run many times, so that no run allocates.
+    pub(crate) fn reserve(&mut self, size: usize) {
+        self.exec.reserve(&self.sched, size);
+    }
+
     /// World ranks the part waits for.
     fn waiting_for(&self) -> Vec<usize> {
         match &self.ll {

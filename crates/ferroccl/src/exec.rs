@@ -159,6 +159,30 @@ impl Exec {
         self.refused = None;
     }
 
+    /// Gives each (peer, direction) queue room for every transfer step of `sched` that uses
+    /// it (as `poll` files them), so that no run of a schedule prepared once and run many
+    /// times (a transfer plan, a prepared signal wait) grows a queue the first time a step
+    /// waits where it used to complete at once. Not for one-off schedules: a cost per call.
+    pub(crate) fn reserve(&mut self, sched: &Schedule, size: usize) {
+        if self.queues.len() < 2 * size {
+            self.queues.resize_with(2 * size, Default::default);
+        }
+        let mut need = vec![0usize; 2 * size];
+        for step in &sched.steps {
+            let qi = match &step.op {
+                Action::Recv { peer, .. } | Action::Get { peer, .. } | Action::WaitSignal { peer, .. } => 2 * *peer,
+                Action::Send { peer, .. } | Action::Put { peer, .. } | Action::Signal { peer, .. } => 2 * *peer + 1,
+                _ => continue,
+            };
+            if let Some(n) = need.get_mut(qi) {
+                *n += 1;
+            }
+        }
+        for (q, n) in self.queues.iter_mut().zip(need) {
+            q.reserve(n);
+        }
+    }
+
     /// Drops every transfer in flight (after a failure): revokes lent buffers.
     pub(crate) fn abandon(&mut self) {
         for q in &mut self.queues {
@@ -224,7 +248,9 @@ impl Exec {
                 Action::Signal { peer, value } => {
                     Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, value.unwrap_or(run.signal)))))
                 }
-                Action::WaitSignal { peer, value } => Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, *value)))),
+                Action::WaitSignal { peer, value } => {
+                    Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, value.unwrap_or(run.signal)))))
+                }
                 local => {
                     if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })
                         && cx.fabric.params.injects(FaultSite::ReduceStep, cx.fabric.rank)

@@ -321,6 +321,9 @@ impl<'w> TransferPlanBuilder<'w> {
             part.after_others = true;
             parts.push(part);
         }
+        for p in &mut parts {
+            p.reserve(comm.size());
+        }
         let job = Job::new(comm.job_body(parts));
         // Every entry a same-host peer's shared window (mapped now, not at the first run),
         // and no signal: a run is copies by this thread, no job.
@@ -413,6 +416,26 @@ impl TransferPlan<'_> {
 }
 
 impl OwnedPlan {
+    /// A plan of no transfer whose run waits (with the communicator's deadline) until every
+    /// member of `peers` has raised its signal at this rank to at least the run's value:
+    /// [`Communicator::wait_signal`] prepared once, so that a run allocates nothing (a
+    /// weight sync's waits). `op` names the waits in errors.
+    pub(crate) fn signal_waits(comm: &Communicator, peers: &[usize], op: Op) -> Result<OwnedPlan> {
+        if let Some(&peer) = peers.iter().find(|&&p| p >= comm.size()) {
+            return Err(Error::invalid(format!(
+                "rank {}: {op}: member {peer} out of range (communicator of {} ranks)",
+                comm.rank(),
+                comm.size()
+            )));
+        }
+        let steps = peers.iter().map(|&peer| Step { op: Action::WaitSignal { peer, value: None }, deps: vec![] }).collect();
+        let sched = Schedule { steps, scratch_bytes: 0 };
+        let mut part = comm.p2p_part(op.clone(), CHAN_USER, sched, None, RegionHandle::owned(0));
+        part.reserve(comm.size());
+        let job = Job::new(comm.job_body(vec![part]));
+        Ok(OwnedPlan { job, transfers: 0, runs: 0, direct: Vec::new(), op })
+    }
+
     /// [`TransferPlan::run_with_signal`] on `comm`, the communicator the plan was built on.
     pub(crate) fn run_with_signal(&mut self, comm: &Communicator, value: u64) -> Result<()> {
         if !self.direct.is_empty() {

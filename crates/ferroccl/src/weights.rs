@@ -8,9 +8,10 @@
 //! **destination** rank allocates two buffers (front: the last complete version; back: the
 //! one being filled) and builds one [`TransferPlan`](crate::TransferPlan) of reads of its
 //! pieces per buffer (a column shard is one strided read); the sources' handles are
-//! exchanged in one allgather. No buffer is allocated, and nothing is registered or
-//! exchanged, per sync after that (the signal waits allocate a little bookkeeping per
-//! call: `tests/weights_hot_path.rs`).
+//! exchanged in one allgather, with a fingerprint of each member's arguments (members that
+//! passed other layouts or groups are named in an error on every member, before any
+//! transfer). Nothing is allocated, registered or exchanged per sync after that: a sync runs
+//! plans and signal waits prepared at setup (`tests/weights_hot_path.rs`).
 //!
 //! Each sync of version `v` (strictly increasing, from 1):
 //!
@@ -64,8 +65,8 @@
 use std::collections::BTreeSet;
 
 use crate::comm::Communicator;
-use crate::error::{Error, Result};
-use crate::reshard::{ModelLayout, RoutingTable};
+use crate::error::{Error, Op, Result};
+use crate::reshard::{Fingerprint, ModelLayout, RoutingTable};
 use crate::transfer::{OwnedPlan, Strided};
 use crate::window::{RemoteHandle, Window};
 
@@ -106,10 +107,10 @@ struct Source {
     window: Window<'static>,
     len: usize,
     tensors: Vec<TensorSpan>,
-    /// Communicator ranks of the destinations this rank sends to.
-    dests: Vec<usize>,
     /// Raises this rank's signal at every destination (no transfer); `None` without any.
     publish: Option<OwnedPlan>,
+    /// Waits for every destination's signal (their acknowledgements); `None` without any.
+    acks: Option<OwnedPlan>,
     /// The last version published (0: none).
     published: u64,
     /// The last version every destination acknowledged.
@@ -128,6 +129,8 @@ struct Destination {
     plans: [Option<OwnedPlan>; 2],
     /// Raises this rank's signal at every sender (the acknowledgement).
     ack: Option<OwnedPlan>,
+    /// Waits for every sender's signal (their next version); `None` without any.
+    published: Option<OwnedPlan>,
     /// Which buffer is the front one.
     front: usize,
     /// The version in the front buffer (0: none yet).
@@ -136,8 +139,62 @@ struct Destination {
 
 /// Bytes each member contributes to the setup's allgather: a status byte (0: no window,
 /// 1: a source's handle follows, 2: setup failed here), the highest signal this member has
-/// seen (u64, little endian), a handle.
-const SETUP_BYTES: usize = 1 + 8 + RemoteHandle::BYTES;
+/// seen (u64, little endian), the fingerprint of its arguments (u64, little endian, see
+/// [`fingerprint`]), a handle.
+const SETUP_BYTES: usize = 1 + 8 + 8 + RemoteHandle::BYTES;
+/// Where the handle starts in a member's setup bytes.
+const HANDLE_AT: usize = 17;
+
+/// The fingerprint of a weight sync's arguments: both layouts
+/// ([`ModelLayout::fingerprint`]'s encoding) and both groups, so that members can check at
+/// setup that they passed the same ones.
+fn fingerprint(src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ranks: &[usize]) -> u64 {
+    let mut h = Fingerprint::new();
+    h.bytes(b"ferroccl.weight_sync.v1");
+    for (layout, ranks) in [(src, src_ranks), (dst, dst_ranks)] {
+        layout.hash_into(&mut h);
+        h.usize(ranks.len());
+        for &r in ranks {
+            h.usize(r);
+        }
+    }
+    h.finish()
+}
+
+/// The members whose fingerprint differs from the one most members have (ties: the one of
+/// the lowest member), as an error naming them; `None` when all agree.
+fn disagreement(me: usize, prints: &[u64]) -> Option<Error> {
+    let count = |f: u64| prints.iter().filter(|&&g| g == f).count();
+    // The first member holding the most common fingerprint (the first one wins ties).
+    let mut reference = 0;
+    for (m, &f) in prints.iter().enumerate() {
+        if count(f) > count(prints[reference]) {
+            reference = m;
+        }
+    }
+    let want = prints[reference];
+    let odd: Vec<usize> = (0..prints.len()).filter(|&m| prints[m] != want).collect();
+    let (&first, rest) = odd.split_first()?;
+    let which = match rest.len() {
+        0 => format!("member {first} passed other layouts or groups than member {reference} (fingerprint {:#018x}, member {reference}'s {want:#018x})", prints[first]),
+        _ => {
+            // At most `SHOWN` of them by name (a large communicator's message stays short).
+            const SHOWN: usize = 8;
+            let names: Vec<String> = odd.iter().take(SHOWN).map(|m| m.to_string()).collect();
+            let values: Vec<String> = odd.iter().take(SHOWN).map(|&m| format!("{:#018x}", prints[m])).collect();
+            let more = match odd.len().saturating_sub(SHOWN) {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            format!(
+                "members {}{more} passed other layouts or groups than member {reference} (fingerprints {}, member {reference}'s {want:#018x})",
+                names.join(", "),
+                values.join(", ")
+            )
+        }
+    };
+    Some(invalid(me, which))
+}
 
 fn invalid(me: usize, what: String) -> Error {
     Error::invalid(format!("rank {me}: weight_sync: {what}"))
@@ -186,6 +243,9 @@ impl Communicator {
     /// group's length differs from its layout's ranks, a rank is out of range or listed
     /// twice, a member is in both groups, or the routing table cannot be computed (a
     /// [`ReshardError`](crate::reshard::ReshardError), naming the tensor); on every member,
+    /// naming them, when members passed other layouts or groups than the others (the
+    /// fingerprints of their arguments, [`ModelLayout::fingerprint`] and the groups, are
+    /// compared in the setup's one allgather, before any transfer); on every member,
     /// naming it, when a member could not allocate its buffers; and as any collective.
     pub fn weight_sync(&self, src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ranks: &[usize]) -> Result<WeightSync<'_>> {
         let (me, size) = (self.rank(), self.size());
@@ -202,6 +262,7 @@ impl Communicator {
         let mut mine = [0u8; SETUP_BYTES];
         let highest = (0..size).map(|p| self.signal_value(p)).max().unwrap_or(0);
         mine[1..9].copy_from_slice(&highest.to_le_bytes());
+        mine[9..HANDLE_AT].copy_from_slice(&fingerprint(src, src_ranks, dst, dst_ranks).to_le_bytes());
         let mut failure = None;
         let mut src_window = None;
         let mut dst_windows = None;
@@ -210,7 +271,7 @@ impl Communicator {
             match self.alloc_window::<u8>(len.max(1)) {
                 Ok(w) => {
                     mine[0] = 1;
-                    mine[9..].copy_from_slice(&w.handle().to_bytes());
+                    mine[HANDLE_AT..].copy_from_slice(&w.handle().to_bytes());
                     src_window = Some((w, len));
                 }
                 Err(e) => failure = Some(e),
@@ -228,27 +289,30 @@ impl Communicator {
         }
         let mut all = vec![0u8; SETUP_BYTES * size];
         self.allgather(&mine, &mut all)?;
+        let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let prints: Vec<u64> = all.chunks(SETUP_BYTES).map(|c| le(&c[9..HANDLE_AT])).collect();
+        if let Some(e) = disagreement(me, &prints) {
+            return Err(e);
+        }
         if let Some(e) = failure {
             return Err(invalid(me, format!("allocating this rank's buffers: {e}")));
         }
         if let Some(r) = all.chunks(SETUP_BYTES).position(|c| c[0] == 2) {
             return Err(invalid(me, format!("member {r} could not allocate its buffers")));
         }
-        let mut base = 0u64;
-        for c in all.chunks(SETUP_BYTES) {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&c[1..9]);
-            base = base.max(u64::from_le_bytes(b));
-        }
+        let base = all.chunks(SETUP_BYTES).map(|c| le(&c[1..9])).max().unwrap_or(0);
 
         let role = if let (Some(i), Some((window, len))) = (src_index, src_window) {
             let dests: BTreeSet<usize> = table.pieces_from(i).map(|p| dst_ranks[p.dst_rank]).collect();
             let dests: Vec<usize> = dests.into_iter().collect();
-            let publish = match dests.is_empty() {
-                true => None,
-                false => Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
+            let (publish, acks) = match dests.is_empty() {
+                true => (None, None),
+                false => (
+                    Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(self, &dests, Op::other("weight sync: waiting for the destinations' acknowledgements"))?),
+                ),
             };
-            Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), dests, publish, published: 0, consumed: 0 }))
+            Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), publish, acks, published: 0, consumed: 0 }))
         } else if let (Some(j), Some((buffers, len))) = (dst_index, dst_windows) {
             let pieces = table.pieces_to(j);
             let mut handles = Vec::with_capacity(src_ranks.len());
@@ -257,7 +321,7 @@ impl Communicator {
                 if c[0] != 1 {
                     return Err(invalid(me, format!("member {r} sent no window handle")));
                 }
-                handles.push(RemoteHandle::from_bytes(&c[9..])?);
+                handles.push(RemoteHandle::from_bytes(&c[HANDLE_AT..])?);
             }
             let senders: BTreeSet<usize> = pieces.iter().map(|p| src_ranks[p.src_rank]).collect();
             let senders: Vec<usize> = senders.into_iter().collect();
@@ -272,9 +336,12 @@ impl Communicator {
                 Ok(Some(b.build()?.into_owned()))
             };
             let plans = [plan_into(&buffers[0])?, plan_into(&buffers[1])?];
-            let ack = match senders.is_empty() {
-                true => None,
-                false => Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
+            let (ack, published) = match senders.is_empty() {
+                true => (None, None),
+                false => (
+                    Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(self, &senders, Op::other("weight sync: waiting for the sources' next version"))?),
+                ),
             };
             Role::Destination(Box::new(Destination {
                 index: j,
@@ -284,6 +351,7 @@ impl Communicator {
                 senders,
                 plans,
                 ack,
+                published,
                 front: 0,
                 version: 0,
             }))
@@ -414,8 +482,8 @@ impl WeightSync<'_> {
         if v <= s.consumed {
             return Ok(());
         }
-        for &d in &s.dests {
-            comm.wait_signal(d, wire)?;
+        if let Some(w) = &mut s.acks {
+            w.run_with_signal(comm, wire)?;
         }
         s.consumed = v;
         Ok(())
@@ -453,9 +521,12 @@ impl WeightSync<'_> {
                 d.version
             )));
         }
-        let next = base + d.version + 1;
+        // Every sender's signal at once (one prepared wait), then each one's value.
+        if let Some(w) = &mut d.published {
+            w.run_with_signal(comm, base + d.version + 1)?;
+        }
         for &s in &d.senders {
-            let got = comm.wait_signal(s, next)?;
+            let got = comm.signal_value(s);
             if got != wire {
                 return Err(Error::invalid(format!(
                     "rank {me}: WeightSync::pull({v}): source member {s} published version {}",
@@ -526,5 +597,56 @@ fn span(me: usize, call: &str, tensors: &[TensorSpan], len: usize, name: Option<
             .find(|t| t.0 == n)
             .map(|t| (t.1, t.2))
             .ok_or_else(|| Error::invalid(format!("rank {me}: WeightSync::{call}: no tensor `{n}` in the layout"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reshard::{Placement, TensorLayout};
+    use ferroccl_kernels::DType;
+
+    fn message(prints: &[u64]) -> Option<String> {
+        disagreement(0, prints).map(|e| e.to_string())
+    }
+
+    #[test]
+    fn disagreeing_members_are_named_against_the_most_common_fingerprint() {
+        assert_eq!(message(&[7, 7, 7]), None);
+        assert_eq!(message(&[5]), None);
+        let one = message(&[7, 7, 7, 9]).unwrap();
+        assert!(one.contains("member 3 passed other layouts or groups than member 0 (fingerprint 0x0000000000000009"), "{one}");
+        // Member 0 is the odd one: the others are the reference.
+        let first = message(&[9, 7, 7]).unwrap();
+        assert!(first.contains("member 0 passed other layouts or groups than member 1"), "{first}");
+        let two = message(&[7, 8, 7, 9, 7]).unwrap();
+        assert!(two.contains("members 1, 3 passed other layouts or groups than member 0"), "{two}");
+        // Many: eight named, the rest counted.
+        let mut many = vec![1u64; 20];
+        many.extend([2u64; 11]);
+        let many = message(&many).unwrap();
+        assert!(many.contains("members 20, 21, 22, 23, 24, 25, 26, 27 and 3 more passed other layouts or groups than member 0"), "{many}");
+        // A tie: the lowest member's fingerprint is the reference.
+        let tie = message(&[4, 5]).unwrap();
+        assert!(tie.contains("member 1 passed other layouts or groups than member 0"), "{tie}");
+    }
+
+    #[test]
+    fn the_arguments_fingerprint_covers_both_layouts_and_both_groups() {
+        let t = |p| TensorLayout::new("w", DType::F32, [8, 4], p);
+        let src = ModelLayout::new(2, vec![t(Placement::rows(&[4, 4]))]).unwrap();
+        let dst = ModelLayout::new(2, vec![t(Placement::cols(&[2, 2]))]).unwrap();
+        let f = fingerprint(&src, &[0, 1], &dst, &[2, 3]);
+        assert_eq!(f, fingerprint(&src, &[0, 1], &dst, &[2, 3]));
+        let others = [
+            fingerprint(&src, &[1, 0], &dst, &[2, 3]),
+            fingerprint(&src, &[0, 1], &dst, &[3, 2]),
+            fingerprint(&dst, &[0, 1], &src, &[2, 3]),
+            fingerprint(&src, &[0, 1], &src, &[2, 3]),
+            fingerprint(&src, &[0, 1], &dst, &[2, 4]),
+        ];
+        for (i, o) in others.iter().enumerate() {
+            assert_ne!(f, *o, "change {i}");
+        }
     }
 }

@@ -478,7 +478,8 @@ impl Communicator {
     pub fn wait_signal(&self, from: usize, value: u64) -> Result<u64> {
         let op = Op::other(format!("wait for signal {value} from rank {from}"));
         let wfrom = self.check_peer_or_self(from, &op)?;
-        let sched = Schedule { steps: vec![Step { op: Action::WaitSignal { peer: from, value }, deps: vec![] }], scratch_bytes: 0 };
+        let sched =
+            Schedule { steps: vec![Step { op: Action::WaitSignal { peer: from, value: Some(value) }, deps: vec![] }], scratch_bytes: 0 };
         let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
         self.run_part(part)?;
         Ok(self.fabric().inbox.lock().signals.get(&wfrom).copied().unwrap_or(0))

@@ -1,9 +1,13 @@
-//! A weight sync's per-sync path (`with_buffer_mut`, `publish`, `pull`) makes no
-//! registration and no window, maps no further window, and its allocations are a small
-//! constant per sync (the bookkeeping of the signal waits, `Communicator::wait_signal`),
-//! not buffers: counted over 200 syncs on two thread-ranks (shm) with a counting global
-//! allocator that sees every allocation of the process. Alone in its test binary, so no
-//! other test allocates meanwhile.
+//! A weight sync's per-sync path (`with_buffer_mut`, `publish`, `wait_consumed`, `pull`)
+//! makes no registration and no window, maps no further window, and allocates nothing,
+//! after a warm-up (pools, queues and tables at their working size): counted over 200 syncs
+//! on two thread-ranks (shm) with a counting global allocator that sees every allocation of
+//! the process, the engines' threads included. Its plans (the reads, the publishing and
+//! acknowledging signals) and its signal waits (the sources' waits for acknowledgements,
+//! the destinations' waits for the next version) are all built at setup and rerun; a wait
+//! made per call (`Communicator::wait_signal`, a schedule and a job each time) used to cost
+//! 19 allocations per sync here (3,846 in 200). Alone in its test binary, so no other test
+//! allocates meanwhile.
 
 use std::sync::Barrier;
 use std::time::Duration;
@@ -16,13 +20,8 @@ use ferroccl_mem::alloc_count::{allocations, CountingAlloc};
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// At most this many allocations per sync, both ranks together (measured: see the test's
-/// output); a per-sync buffer, plan or handle exchange would show as far more, and as
-/// registrations or windows.
-const MAX_ALLOCS_PER_SYNC: u64 = 64;
-
 #[test]
-fn weight_syncs_register_nothing_and_allocate_a_small_constant() {
+fn weight_syncs_register_nothing_and_allocate_nothing() {
     const SYNCS: u64 = 200;
     let token = new_token();
     let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20).unwrap();
@@ -46,6 +45,7 @@ fn weight_syncs_register_nothing_and_allocate_a_small_constant() {
                         WeightRole::Source(_) => {
                             ws.with_buffer_mut(|b| b[0] = v as u8).expect("write");
                             ws.publish(v).expect("publish");
+                            ws.wait_consumed(v).expect("wait_consumed");
                         }
                         _ => ws.pull(v).expect("pull"),
                     };
@@ -53,6 +53,10 @@ fn weight_syncs_register_nothing_and_allocate_a_small_constant() {
                     for v in 1..=50 {
                         sync(v);
                     }
+                    // And let every thread the ranks started (their engines' progress
+                    // threads, spawned at setup) run its start-up, which allocates, on a
+                    // loaded machine too.
+                    std::thread::sleep(Duration::from_millis(200));
                     barrier.wait();
                     let st = comm.registration_stats();
                     let a0 = allocations();
@@ -88,5 +92,5 @@ fn weight_syncs_register_nothing_and_allocate_a_small_constant() {
         assert_eq!(windows, 0, "rank {rank}: {windows} windows made in {SYNCS} syncs");
         assert_eq!(mapped, 0, "rank {rank}: {mapped} windows mapped in {SYNCS} syncs");
     }
-    assert!(allocs <= MAX_ALLOCS_PER_SYNC * SYNCS, "{allocs} allocations in {SYNCS} syncs");
+    assert_eq!(allocs, 0, "{allocs} allocations (process-wide) in {SYNCS} syncs");
 }

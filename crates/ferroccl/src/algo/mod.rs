@@ -114,8 +114,9 @@ pub(crate) enum Action {
     /// the value the run is given), after the `Put`s to `peer` posted before it have
     /// landed; complete when `peer` says so.
     Signal { peer: usize, value: Option<u64> },
-    /// Wait until the signal communicator rank `peer` gave this rank is at least `value`.
-    WaitSignal { peer: usize, value: u64 },
+    /// Wait until the signal communicator rank `peer` gave this rank is at least `value`
+    /// (`None`: the value the run is given; a wait prepared once, run many times).
+    WaitSignal { peer: usize, value: Option<u64> },
 }
 
 /// The shape of a one-sided step: `rows` rows of `row` bytes, `remote_stride` bytes apart

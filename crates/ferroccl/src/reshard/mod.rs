@@ -23,6 +23,8 @@
 //!   each sends its fair share within one row (the rule: [`RoutingTable::compute`]).
 //! * [`RoutingTable::verify`] replays a table in memory, byte by byte, and checks coverage,
 //!   sources, bounds and balance.
+//! * [`ModelLayout::fingerprint`] is a deterministic 64-bit hash of a layout, which ranks
+//!   compare to check that they were given the same one.
 //!
 //! ```
 //! use ferroccl::reshard::{ModelLayout, Placement, RoutingTable, TensorLayout};
@@ -41,6 +43,7 @@
 //! # Ok::<(), ferroccl::reshard::ReshardError>(())
 //! ```
 
+mod fingerprint;
 mod layout;
 mod route;
 #[cfg(test)]
@@ -51,6 +54,7 @@ use std::fmt;
 
 use ferroccl_kernels::DType;
 
+pub(crate) use fingerprint::Fingerprint;
 pub use layout::{Block, ModelLayout, Placement, TensorLayout, DEFAULT_ALIGN};
 pub use route::{Piece, RoutingTable};
 

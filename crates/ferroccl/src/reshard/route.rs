@@ -71,8 +71,9 @@ struct Cell {
     region: Block,
 }
 
-/// A cell (or part of one) given to a sender; `set` numbers its holders' set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// A cell (or part of one) given to a sender; `set` numbers its holders' set ([`SINGLE`]
+/// for a cell with one holder).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Assigned {
     dst: usize,
     tensor: usize,
@@ -107,14 +108,21 @@ pub(super) fn match_tensors(src: &ModelLayout, dst: &ModelLayout) -> Result<Vec<
 /// The sorted, deduplicated cut positions of `within` along one axis: its two ends and the
 /// ends of every block in `blocks` (already clipped to it).
 pub(super) fn cuts(within: (usize, usize), blocks: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
-    let mut c = vec![within.0, within.1];
+    let mut c = Vec::new();
+    cuts_into(&mut c, within, blocks);
+    c
+}
+
+/// [`cuts`] into `c` (cleared first), reusing its allocation.
+fn cuts_into(c: &mut Vec<usize>, within: (usize, usize), blocks: impl Iterator<Item = (usize, usize)>) {
+    c.clear();
+    c.extend([within.0, within.1]);
     for (a, b) in blocks {
         c.push(a);
         c.push(b);
     }
     c.sort_unstable();
     c.dedup();
-    c
 }
 
 /// The cell index range `[i, j)` of `lo..hi` in `cuts` (both are cut positions).
@@ -212,6 +220,35 @@ fn share(cells: &[Cell], members: &[usize], set: usize, elem_of: &dyn Fn(usize) 
     }
 }
 
+/// The set of a cell with one holder (every group's ordinal is below it).
+const SINGLE: usize = usize::MAX;
+
+/// The positions of `assigned` grouped by (destination, tensor) in that order (a counting
+/// sort: one pass, no copy of the entries), each group sorted by (sender, holders' set):
+/// what the merge needs, each key's rectangles together (their order does not matter:
+/// [`merge`] sorts them).
+fn by_destination(assigned: &[Assigned], dsts: usize, tensors: usize) -> Vec<usize> {
+    let key = |a: &Assigned| a.dst * tensors + a.tensor;
+    let mut start = vec![0usize; dsts * tensors + 1];
+    for a in assigned {
+        start[key(a) + 1] += 1;
+    }
+    for k in 1..start.len() {
+        start[k] += start[k - 1];
+    }
+    let mut order = vec![0usize; assigned.len()];
+    let mut at = start.clone();
+    for (i, a) in assigned.iter().enumerate() {
+        let k = key(a);
+        order[at[k]] = i;
+        at[k] += 1;
+    }
+    for k in 0..dsts * tensors {
+        order[start[k]..start[k + 1]].sort_unstable_by_key(|&i| (assigned[i].src, assigned[i].set));
+    }
+    order
+}
+
 /// Merges rectangles of one (destination, tensor, sender, holders) key where their union is a
 /// rectangle, until none can be merged.
 fn merge(rects: &mut Vec<Block>) {
@@ -269,9 +306,14 @@ impl RoutingTable {
         }
         let elem_of = |di: usize| dst.tensors()[di].dtype().size();
         let mut groups: BTreeMap<Vec<usize>, Vec<Cell>> = BTreeMap::new();
-        let mut holders: Vec<usize> = Vec::new();
         let mut meet: Vec<(usize, Block)> = Vec::new();
         let mut cand: Vec<Vec<usize>> = Vec::new();
+        let (mut rc, mut cc) = (Vec::new(), Vec::new());
+        // Cells with one holder go straight to `assigned` (most cells: no copy, no map
+        // lookup), with the set `SINGLE`; their holder's key still enters `groups` (with no
+        // cells), so that every group's ordinal, which its sharing depends on, is the same.
+        let mut assigned = Vec::new();
+        let mut single = vec![false; src.ranks()];
         for (di, &si) in src_of.iter().enumerate() {
             for d in 0..dst.ranks() {
                 let db = dst.block_at(d, di);
@@ -280,8 +322,8 @@ impl RoutingTable {
                 }
                 meet.clear();
                 meet.extend((0..src.ranks()).map(|s| (s, src.block_at(s, si).intersect(&db))).filter(|(_, b)| !b.is_empty()));
-                let rc = cuts((db.row0, db.row_end()), meet.iter().map(|(_, b)| (b.row0, b.row_end())));
-                let cc = cuts((db.col0, db.col_end()), meet.iter().map(|(_, b)| (b.col0, b.col_end())));
+                cuts_into(&mut rc, (db.row0, db.row_end()), meet.iter().map(|(_, b)| (b.row0, b.row_end())));
+                cuts_into(&mut cc, (db.col0, db.col_end()), meet.iter().map(|(_, b)| (b.col0, b.col_end())));
                 let (nr, nc) = (rc.len() - 1, cc.len() - 1);
                 cand.iter_mut().for_each(Vec::clear);
                 cand.resize_with(cand.len().max(nr * nc), Vec::new);
@@ -297,38 +339,47 @@ impl RoutingTable {
                 for r in 0..nr {
                     for c in 0..nc {
                         let region = Block::new(rc[r], rc[r + 1] - rc[r], cc[c], cc[c + 1] - cc[c]);
-                        holders.clone_from(&cand[r * nc + c]);
-                        if holders.is_empty() {
-                            let tensor = dst.tensors()[di].name().to_string();
-                            return Err(ReshardError::Uncovered { tensor, row: region.row0, col: region.col0 });
-                        }
-                        let cell = Cell { tensor: di, dst: d, region };
-                        match groups.get_mut(holders.as_slice()) {
-                            Some(cells) => cells.push(cell),
-                            None => {
-                                groups.insert(holders.clone(), vec![cell]);
+                        match cand[r * nc + c].as_slice() {
+                            [] => {
+                                let tensor = dst.tensors()[di].name().to_string();
+                                return Err(ReshardError::Uncovered { tensor, row: region.row0, col: region.col0 });
+                            }
+                            &[only] => {
+                                if !single[only] {
+                                    single[only] = true;
+                                    groups.insert(vec![only], Vec::new());
+                                }
+                                assigned.push(Assigned { dst: d, tensor: di, src: only, set: SINGLE, region });
+                                continue;
+                            }
+                            holders => {
+                                let cell = Cell { tensor: di, dst: d, region };
+                                match groups.get_mut(holders) {
+                                    Some(cells) => cells.push(cell),
+                                    None => {
+                                        groups.insert(holders.to_vec(), vec![cell]);
+                                    }
+                                }
                             }
                         }
                     }
                 }
             }
         }
-        let mut assigned = Vec::new();
         for (set, (members, cells)) in groups.iter().enumerate() {
-            if let [only] = members.as_slice() {
-                assigned.extend(cells.iter().map(|c| Assigned { dst: c.dst, tensor: c.tensor, src: *only, set, region: c.region }));
-            } else {
+            if members.len() > 1 {
                 share(cells, members, set, &elem_of, &mut assigned);
             }
         }
         drop(groups);
-        assigned.sort_unstable();
+        let order = by_destination(&assigned, dst.ranks(), dst.tensors().len());
         let mut pieces = Vec::with_capacity(assigned.len());
         let mut rects = Vec::new();
-        for same in assigned.chunk_by(|a, b| (a.dst, a.tensor, a.src, a.set) == (b.dst, b.tensor, b.src, b.set)) {
-            let a = same[0];
+        let key = |a: &Assigned| (a.dst, a.tensor, a.src, a.set);
+        for same in order.chunk_by(|&x, &y| key(&assigned[x]) == key(&assigned[y])) {
+            let a = assigned[same[0]];
             rects.clear();
-            rects.extend(same.iter().map(|x| x.region));
+            rects.extend(same.iter().map(|&x| assigned[x].region));
             merge(&mut rects);
             let si = src_of[a.tensor];
             let elem = elem_of(a.tensor);
@@ -357,7 +408,12 @@ impl RoutingTable {
                 });
             }
         }
-        pieces.sort_unstable_by_key(|p| (p.dst_rank, p.tensor, p.region.row0, p.region.col0, p.src_rank));
+        // Already grouped by (destination, tensor): each group sorted alone (the keys are
+        // unique, as no two pieces write the same byte, so this is the one sorted order).
+        for same in pieces.chunk_by_mut(|a, b| (a.dst_rank, a.tensor) == (b.dst_rank, b.tensor)) {
+            same.sort_unstable_by_key(|p| (p.region.row0, p.region.col0, p.src_rank));
+        }
+        debug_assert!(pieces.is_sorted_by_key(|p| (p.dst_rank, p.tensor, p.region.row0, p.region.col0, p.src_rank)));
         let mut by_dst = vec![(0, 0); dst.ranks()];
         for (d, range) in by_dst.iter_mut().enumerate() {
             *range = (pieces.partition_point(|p| p.dst_rank < d), pieces.partition_point(|p| p.dst_rank <= d));

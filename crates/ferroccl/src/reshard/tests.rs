@@ -445,10 +445,72 @@ fn a_thousand_tensors_over_64_by_64_ranks() {
     let start = std::time::Instant::now();
     let t = RoutingTable::compute(&src, &dst).unwrap();
     eprintln!("1,000 tensors, 64 -> 64 ranks: {} pieces in {:?}", t.pieces().len(), start.elapsed());
+    // The table itself, pinned (the digest of the first implementation's table, before
+    // the counting sort and the single-holder shortcut): a faster computation must give
+    // this very table.
+    let mut h = Fingerprint::new();
+    for p in t.pieces() {
+        for v in [p.tensor, p.src_rank, p.dst_rank, p.src_offset, p.dst_offset, p.rows, p.row_bytes, p.src_stride, p.dst_stride] {
+            h.usize(v);
+        }
+        h.usize(p.region.row0).usize(p.region.rows).usize(p.region.col0).usize(p.region.cols);
+    }
+    assert_eq!(h.finish(), 0x0f4a_c612_7d57_82cc, "table digest {:#018x}", h.finish());
     coverage_counts(&t, &src, &dst).unwrap();
     t.check_balance(&src, &(0..1000).collect::<Vec<_>>(), &dst).unwrap();
     let want: usize =
         (0..n).map(|r| (0..1000).map(|i| dst.block(r, i).unwrap().elems() * dst.tensors()[i].dtype().size()).sum::<usize>()).sum();
     assert_eq!((0..m).map(|r| t.bytes_from(r)).sum::<usize>(), want);
     assert_eq!((0..n).map(|r| t.bytes_to(r)).sum::<usize>(), want);
+}
+
+#[test]
+fn fingerprints_are_equal_for_equal_layouts_and_differ_for_any_change() {
+    let t = |name: &str, dtype, shape, p| TensorLayout::new(name, dtype, shape, p);
+    let base = || vec![t("w", DType::Bf16, [8, 4], Placement::rows(&[4, 4])), t("b", DType::F32, [8, 1], Placement::replicated(2))];
+    let a = model(2, base());
+    assert_eq!(a.fingerprint(), model(2, base()).fingerprint(), "built twice");
+    assert_eq!(a.fingerprint(), a.clone().fingerprint());
+    // The same blocks given another way: the same buffers and tables, the same fingerprint.
+    let same = model(
+        2,
+        vec![
+            t("w", DType::Bf16, [8, 4], Placement::blocks(vec![Block::new(0, 4, 0, 4), Block::new(4, 4, 0, 4)])),
+            t("b", DType::F32, [8, 1], Placement::replicated(2)),
+        ],
+    );
+    assert_eq!(a.fingerprint(), same.fingerprint());
+    // Pinned: the encoding is the same on every rank, build and platform (a change to it
+    // must change its version tag, and this value; FNV-1a written independently, in
+    // Python, over the encoding the docs describe gives the same).
+    assert_eq!(a.fingerprint(), 0x302c_c374_7c9c_38f4, "{:#018x}", a.fingerprint());
+
+    let changed = [
+        ("a renamed tensor", model(2, vec![t("v", DType::Bf16, [8, 4], Placement::rows(&[4, 4])), base()[1].clone()])),
+        ("another dtype", model(2, vec![t("w", DType::F16, [8, 4], Placement::rows(&[4, 4])), base()[1].clone()])),
+        ("another shape", model(2, vec![t("w", DType::Bf16, [8, 2], Placement::rows(&[4, 4])), base()[1].clone()])),
+        ("other shards", model(2, vec![t("w", DType::Bf16, [8, 4], Placement::rows(&[2, 6])), base()[1].clone()])),
+        ("columns, not rows", model(2, vec![t("w", DType::Bf16, [8, 4], Placement::cols(&[2, 2])), base()[1].clone()])),
+        (
+            "ranks swapped",
+            model(2, vec![t("w", DType::Bf16, [8, 4], Placement::rows(&[4, 4])), t("b", DType::F32, [8, 1], Placement::rows(&[0, 8]))]),
+        ),
+        ("the tensors reordered", model(2, base().into_iter().rev().collect())),
+        ("a tensor fewer", model(2, base()[..1].to_vec())),
+        ("another alignment", ModelLayout::with_align(2, base(), 128).unwrap()),
+        (
+            "more ranks",
+            model(3, vec![t("w", DType::Bf16, [8, 4], Placement::rows(&[4, 4, 0])), t("b", DType::F32, [8, 1], Placement::replicated(3))]),
+        ),
+    ];
+    let mut seen = vec![a.fingerprint()];
+    for (what, m) in &changed {
+        let f = m.fingerprint();
+        assert!(!seen.contains(&f), "{what}: fingerprint {f:#018x} seen before");
+        seen.push(f);
+    }
+    // Name and dtype bytes are length-prefixed: moving a byte between fields changes it.
+    let ab = model(1, vec![t("ab", DType::U8, [1, 1], Placement::replicated(1)), t("c", DType::U8, [1, 1], Placement::replicated(1))]);
+    let a_bc = model(1, vec![t("a", DType::U8, [1, 1], Placement::replicated(1)), t("bc", DType::U8, [1, 1], Placement::replicated(1))]);
+    assert_ne!(ab.fingerprint(), a_bc.fingerprint());
 }

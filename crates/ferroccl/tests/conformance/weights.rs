@@ -401,3 +401,62 @@ pub fn weight_sync_moves_random_layouts_exactly_up_to_four_by_four(s: &Suite) {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Members that pass other arguments than the rest (here member 3 another destination
+/// layout, then member 1 its source group in another order, then both) get, on every
+/// member alike, an invalid argument naming them, from the setup's fingerprint check,
+/// before any transfer; the communicator stays usable and a weight sync with agreeing
+/// arguments then works.
+pub fn weight_sync_rejects_members_with_other_layouts(s: &Suite) {
+    let tensor = |p| TensorLayout::new("w", DType::F32, [8, 4], p);
+    let src = ModelLayout::new(2, vec![tensor(Placement::rows(&[4, 4]))]).unwrap();
+    let dst = ModelLayout::new(2, vec![tensor(Placement::cols(&[2, 2]))]).unwrap();
+    let other_dst = ModelLayout::new(2, vec![tensor(Placement::cols(&[1, 3]))]).unwrap();
+    let res = run_world(
+        4,
+        |r| params(s, r),
+        |comm: Communicator| -> RankResult<()> {
+            let me = comm.rank();
+            let expect = |what: &str, r: ferroccl::Result<WeightSync<'_>>, needle: &str| -> Result<(), String> {
+                match r {
+                    Err(Error::InvalidArgument(m)) if m.contains(needle) && m.contains("fingerprint") => Ok(()),
+                    Err(e) => Err(format!("{what}: {e} (want an invalid argument naming `{needle}`)")),
+                    Ok(_) => Err(format!("{what}: set up (want an invalid argument naming `{needle}`)")),
+                }
+            };
+            let go = || -> Result<(), String> {
+                let d = if me == 3 { &other_dst } else { &dst };
+                expect(
+                    "another layout",
+                    comm.weight_sync(&src, &[0, 1], d, &[2, 3]),
+                    "member 3 passed other layouts or groups than member 0",
+                )?;
+                let g: &[usize] = if me == 1 { &[1, 0] } else { &[0, 1] };
+                expect("another group", comm.weight_sync(&src, g, &dst, &[2, 3]), "member 1 passed other layouts or groups than member 0")?;
+                let d = if me == 3 { &other_dst } else { &dst };
+                expect("both", comm.weight_sync(&src, g, d, &[2, 3]), "members 1, 3 passed other layouts or groups than member 0")?;
+                comm.barrier().map_err(|e| format!("barrier: {e}"))?;
+
+                let mut ws = comm.weight_sync(&src, &[0, 1], &dst, &[2, 3]).map_err(|e| format!("agreeing arguments: {e}"))?;
+                match ws.role() {
+                    WeightRole::Source(i) => {
+                        ws.with_buffer_mut(|b| fill(&src, i, 1, b)).map_err(|e| e.to_string())?;
+                        ws.publish(1).map_err(|e| e.to_string())?;
+                        ws.wait_consumed(1).map_err(|e| e.to_string())?;
+                    }
+                    WeightRole::Destination(j) => {
+                        ws.pull(1).map_err(|e| e.to_string())?;
+                        ws.with_current(|v, b| if v == 1 { check(&dst, j, 1, b) } else { Err(format!("version {v}")) })
+                            .map_err(|e| e.to_string())??;
+                    }
+                    WeightRole::None => return Err("no role".into()),
+                }
+                drop(ws);
+                comm.barrier().map_err(|e| format!("barrier: {e}"))
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
