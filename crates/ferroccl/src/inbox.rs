@@ -459,6 +459,15 @@ impl Inbox {
         self.lock().imms.insert((peer, imm));
     }
 
+    /// The rows of a strided write from `peer` have fully landed: immediates
+    /// `row_imm(imm, 0..rows)`, under one lock.
+    pub(crate) fn write_imms(&self, peer: usize, imm: u32, rows: u32) {
+        let mut ev = self.lock();
+        for r in 0..rows {
+            ev.imms.insert((peer, crate::transport::row_imm(imm, r)));
+        }
+    }
+
     /// `peer` said goodbye.
     pub(crate) fn peer_closed(&self, peer: usize) {
         self.lock().closed.insert(peer);

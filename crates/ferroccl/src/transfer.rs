@@ -461,18 +461,26 @@ impl OwnedPlan {
         for d in &self.direct {
             let local = &d.local;
             let write = d.dir == Dir::Write;
+            // The local bytes the entry spans are taken once (one range lock), not per row:
+            // a column shard of 1024 rows would otherwise lock 1024 times.
+            let lspan = d.block.span(d.block.local_stride).unwrap_or(0) as usize;
             let copied = crate::rma::direct(fabric, d.owner, &d.remote, d.offset, d.span, write, |w| {
-                crate::rma::for_rows(&d.block, d.offset, d.at, |ro, lo, n| {
-                    let r = match d.dir {
-                        Dir::Read => local.with_slice_mut(lo, n, |b| w.read(ro, b)),
-                        Dir::Write => local.with_slice(lo, n, |b| w.write(ro, b)),
-                    };
-                    match r {
-                        Ok(true) => Ok(()),
-                        Ok(false) => Err(Error::internal(format!("{}: a checked row did not fit the shared window", self.op))),
-                        Err(e) => Err(Error::invalid(format!("{}: {e}", self.op))),
-                    }
-                })
+                let bad_row = || Error::internal(format!("{}: a checked row did not fit the shared window", self.op));
+                let r = match d.dir {
+                    Dir::Read => local.with_slice_mut(d.at, lspan, |buf| {
+                        crate::rma::for_rows(&d.block, d.offset, 0, |ro, lo, n| match buf.get_mut(lo..lo + n).map(|b| w.read(ro, b)) {
+                            Some(true) => Ok(()),
+                            _ => Err(bad_row()),
+                        })
+                    }),
+                    Dir::Write => local.with_slice(d.at, lspan, |buf| {
+                        crate::rma::for_rows(&d.block, d.offset, 0, |ro, lo, n| match buf.get(lo..lo + n) {
+                            Some(b) if w.write(ro, b) => Ok(()),
+                            _ => Err(bad_row()),
+                        })
+                    }),
+                };
+                r.map_err(|e| Error::invalid(format!("{}: {e}", self.op)))?
             });
             match copied {
                 Err(e) => return Some(Err(e)),

@@ -17,15 +17,26 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
-use crate::transport::{Connected, Descriptor, Endpoint, Handshake, SetupCx, TcpInfo, TransportKind, WriteReq};
+use crate::transport::{row_imm, Connected, Descriptor, Endpoint, Handshake, SetupCx, TcpInfo, TransportKind, WriteReq};
 use crate::wire::{Reader, Writer};
 
 const HDR: usize = 40;
 const K_MSG: u8 = 1;
 const K_WRITE: u8 = 2;
 const K_BYE: u8 = 3;
+/// A strided write: `len` bytes in rows of the u32 at header byte 32, landing the u32 at
+/// byte 36 apart from `addr` on; every row's immediate is reported (`row_imm`).
+const K_WRITE_ROWS: u8 = 4;
 /// Largest two-sided message on tcp.
 const MAX_MSG: usize = 4 << 20;
+/// Rows shorter than this are gathered into batches of up to this many bytes before they
+/// go into the socket (one system call per batch, not per row).
+const GATHER_MAX: usize = 256 << 10;
+
+/// The little-endian u32 at `h[at..at + 4]`.
+fn u32_at(h: &[u8; HDR], at: usize) -> u32 {
+    u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]])
+}
 
 fn header(kind: u8, imm: u32, len: u64, key: u64, addr: u64) -> [u8; HDR] {
     let mut h = [0u8; HDR];
@@ -222,6 +233,9 @@ pub(crate) struct TcpEndpoint {
     closing: Arc<AtomicBool>,
     /// Set when a frame was cut short by a send timeout: the stream is unusable.
     broken: AtomicBool,
+    /// Where [`TcpEndpoint::post_write_rows`] gathers short rows (taken before the writer's
+    /// lock, never after it; kept, so a strided write allocates nothing once it has grown).
+    gather: Mutex<Vec<u8>>,
 }
 
 impl TcpEndpoint {
@@ -244,6 +258,7 @@ impl TcpEndpoint {
             inbox,
             closing,
             broken: AtomicBool::new(false),
+            gather: Mutex::new(Vec::new()),
         })
     }
 
@@ -433,6 +448,84 @@ impl TcpEndpoint {
         )
     }
 
+    /// `rows` rows of `w.len` bytes, `src_stride` apart from `w.offset` in the source and
+    /// `dst_stride` apart from `w.dst_offset` at the peer, as one frame (`K_WRITE_ROWS`),
+    /// each row's immediate `row_imm(w.imm, r)` reported when all have landed. Rows are
+    /// gathered into the socket in batches of up to 256 KiB. A row or stride over 4 GiB
+    /// goes as one frame per row.
+    pub(crate) fn post_write_rows(&self, w: &WriteReq<'_>, rows: u32, src_stride: u64, dst_stride: u64, deadline: Instant) -> Result<()> {
+        let row = w.len;
+        let span = |stride: u64| u64::from(rows.saturating_sub(1)).checked_mul(stride).and_then(|s| s.checked_add(row as u64));
+        let (Some(src_span), Some(dst_span)) = (span(src_stride), span(dst_stride)) else {
+            return Err(Error::invalid(format!("a strided write of {rows} rows of {row} bytes overflows")));
+        };
+        if rows == 0 || row == 0 {
+            return Ok(());
+        }
+        if rows > 1 && (src_stride < row as u64 || dst_stride < row as u64) {
+            return Err(Error::invalid(format!("strided write: strides {src_stride}/{dst_stride} shorter than a row of {row} bytes")));
+        }
+        if (w.offset as u64).checked_add(src_span).is_none_or(|e| e > w.src.len() as u64) {
+            return Err(Error::invalid(format!(
+                "strided write source [{}, +{src_span}) overruns the local region of {} bytes",
+                w.offset,
+                w.src.len()
+            )));
+        }
+        if w.dst.addr.checked_add(w.dst.len).is_none() || w.dst_offset.checked_add(dst_span).is_none_or(|e| e > w.dst.len) {
+            return Err(Error::invalid(format!(
+                "strided write of {dst_span} bytes at offset {} overruns the peer's region of {} bytes",
+                w.dst_offset, w.dst.len
+            )));
+        }
+        let (Ok(row32), Ok(stride32)) = (u32::try_from(row), u32::try_from(dst_stride)) else {
+            for r in 0..rows {
+                let one = WriteReq {
+                    offset: w.offset + (u64::from(r) * src_stride) as usize,
+                    dst_offset: w.dst_offset + u64::from(r) * dst_stride,
+                    imm: row_imm(w.imm, r),
+                    ..*w
+                };
+                self.post_write(&one, deadline)?;
+            }
+            return Ok(());
+        };
+        let mut hdr = header(K_WRITE_ROWS, w.imm, row as u64 * u64::from(rows), w.dst.key, w.dst_addr(0));
+        hdr[32..36].copy_from_slice(&row32.to_le_bytes());
+        hdr[36..40].copy_from_slice(&stride32.to_le_bytes());
+        let mut gather = self.gather.lock().unwrap_or_else(|e| e.into_inner());
+        let gather = &mut *gather;
+        self.send_frame(
+            &hdr,
+            |put| {
+                w.src
+                    .with_slice(w.offset, src_span as usize, |b| {
+                        gather.clear();
+                        for r in 0..rows as usize {
+                            let at = r * src_stride as usize;
+                            let one = &b[at..at + row];
+                            if row >= GATHER_MAX {
+                                put(one)?;
+                                continue;
+                            }
+                            if gather.len() + row > GATHER_MAX {
+                                put(gather)?;
+                                gather.clear();
+                            }
+                            gather.extend_from_slice(one);
+                        }
+                        if !gather.is_empty() {
+                            put(gather)?;
+                        }
+                        Ok(())
+                    })
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+            },
+            deadline,
+            "write",
+        )
+    }
+
     pub(crate) fn close(&self, deadline: Instant) {
         self.closing.store(true, Ordering::Release);
         if let Ok(mut w) = self.writer.try_lock() {
@@ -449,6 +542,43 @@ impl Drop for TcpEndpoint {
     fn drop(&mut self) {
         self.close(Instant::now() + Duration::from_millis(200));
     }
+}
+
+/// Reads `rows` rows of `row` bytes into `dst`, `stride` bytes apart, with `readv` of up
+/// to 64 rows at a time (a column shard's rows are often a few KiB: one `read` each would
+/// cost more than the copy).
+fn read_rows(s: &mut TcpStream, dst: &mut [u8], rows: usize, row: usize, stride: usize) -> std::io::Result<()> {
+    use std::io::IoSliceMut;
+    const BATCH: usize = 64;
+    let (mut r, mut done) = (0usize, 0usize);
+    while r < rows {
+        let mut chunks = dst.chunks_mut(stride.max(row)).skip(r).take(rows - r);
+        let mut first = true;
+        let mut iov: [IoSliceMut<'_>; BATCH] = std::array::from_fn(|_| {
+            let c = chunks.next().map_or(&mut [][..], |c| &mut c[..row]);
+            let c = if std::mem::take(&mut first) { &mut c[done..] } else { c };
+            IoSliceMut::new(c)
+        });
+        let n = match s.read_vectored(&mut iov) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let mut n = n;
+        while n > 0 {
+            let left = row - done;
+            if n >= left {
+                n -= left;
+                r += 1;
+                done = 0;
+            } else {
+                done += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<AtomicBool>) {
@@ -502,6 +632,31 @@ fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<At
                 inbox.write_imm(peer, imm);
                 inbox.notify();
             }
+            K_WRITE_ROWS => {
+                let (row, stride) = (u32_at(&h, 32) as usize, u64::from(u32_at(&h, 36)));
+                let rows = match len.checked_div(row as u64) {
+                    Some(n) if len % row as u64 == 0 && n <= u64::from(u32::MAX) && (n <= 1 || stride >= row as u64) => n as u32,
+                    _ => {
+                        fail(format!("sent a strided write of {len} bytes in rows of {row}, {stride} apart"));
+                        return;
+                    }
+                };
+                let span = u64::from(rows.saturating_sub(1)) * stride + row as u64;
+                let Ok(span) = usize::try_from(span) else {
+                    fail(format!("sent a strided write spanning {span} bytes"));
+                    return;
+                };
+                let r = inbox.land_write(TransportKind::Tcp, peer, key, addr, span, |dst| {
+                    read_rows(&mut s, dst, rows as usize, row, stride as usize)
+                        .map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
+                });
+                if r.is_err() {
+                    inbox.notify();
+                    return;
+                }
+                inbox.write_imms(peer, imm, rows);
+                inbox.notify();
+            }
             K_BYE => {
                 inbox.peer_closed(peer);
                 inbox.notify();
@@ -521,6 +676,46 @@ mod tests {
     use crate::inbox::{Bell, Inbox};
     use std::io::Read;
     use std::net::TcpListener;
+
+    /// `read_rows` puts every row in its place and leaves the gaps alone, however the
+    /// stream cuts the bytes (here in pieces of 1 to 997 bytes, so reads end mid-row and
+    /// mid-batch), for more rows than one `readv` batch.
+    #[test]
+    fn read_rows_scatters_rows_from_any_cut_of_the_stream() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut b, _) = listener.accept().unwrap();
+        let (rows, row, stride) = (150usize, 37usize, 50usize);
+        let data: Vec<u8> = (0..rows * row).map(|i| (i % 251) as u8).collect();
+        let sent = data.clone();
+        let writer = std::thread::spawn(move || {
+            let mut at = 0;
+            let mut k = 1usize;
+            while at < sent.len() {
+                let n = (k * 389 % 997 + 1).min(sent.len() - at);
+                a.write_all(&sent[at..at + n]).unwrap();
+                a.flush().unwrap();
+                std::thread::sleep(Duration::from_micros(200));
+                at += n;
+                k += 1;
+            }
+        });
+        let mut dst = vec![0xeeu8; (rows - 1) * stride + row];
+        read_rows(&mut b, &mut dst, rows, row, stride).unwrap();
+        writer.join().unwrap();
+        for r in 0..rows {
+            assert_eq!(&dst[r * stride..r * stride + row], &data[r * row..(r + 1) * row], "row {r}");
+            if r + 1 < rows {
+                assert!(dst[r * stride + row..(r + 1) * stride].iter().all(|&x| x == 0xee), "gap after row {r}");
+            }
+        }
+        // A stream that ends early is an error, not a short success.
+        let mut c = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut d, _) = listener.accept().unwrap();
+        c.write_all(&data[..row * 3 + 5]).unwrap();
+        drop(c);
+        assert!(read_rows(&mut d, &mut dst, rows, row, stride).is_err());
+    }
 
     /// A best-effort send into a socket whose peer is not reading (its buffers full) is
     /// `WouldBlock` and leaves the stream intact: once the peer reads again, every frame
