@@ -138,7 +138,8 @@ struct Destination {
 }
 
 /// Bytes each member contributes to the setup's allgather: a status byte (0: no window,
-/// 1: a source's handle follows, 2: setup failed here), the highest signal this member has
+/// 1: a source's handle follows, 2: allocating failed here, 3: this member rejected its
+/// arguments), the highest signal this member has
 /// seen (u64, little endian), the fingerprint of its arguments (u64, little endian, see
 /// [`fingerprint`]), a handle.
 const SETUP_BYTES: usize = 1 + 8 + 8 + RemoteHandle::BYTES;
@@ -239,24 +240,36 @@ impl Communicator {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] (on every member alike, before any communication) when a
-    /// group's length differs from its layout's ranks, a rank is out of range or listed
-    /// twice, a member is in both groups, or the routing table cannot be computed (a
-    /// [`ReshardError`](crate::reshard::ReshardError), naming the tensor); on every member,
+    /// [`Error::InvalidArgument`] (on every member alike, after the setup's one allgather and
+    /// before any transfer) when a group's length differs from its layout's ranks, a rank is
+    /// out of range or listed twice, a member is in both groups, or the routing table cannot
+    /// be computed (a [`ReshardError`](crate::reshard::ReshardError), naming the tensor): a
+    /// member that finds this alone says so in the allgather, and the others fail naming
+    /// it, never waiting for it; on every member,
     /// naming them, when members passed other layouts or groups than the others (the
     /// fingerprints of their arguments, [`ModelLayout::fingerprint`] and the groups, are
     /// compared in the setup's one allgather, before any transfer); on every member,
     /// naming it, when a member could not allocate its buffers; and as any collective.
     pub fn weight_sync(&self, src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ranks: &[usize]) -> Result<WeightSync<'_>> {
         let (me, size) = (self.rank(), self.size());
-        check_group(me, size, "source", src_ranks, src)?;
-        check_group(me, size, "destination", dst_ranks, dst)?;
-        if let Some(r) = src_ranks.iter().find(|r| dst_ranks.contains(r)) {
-            return Err(invalid(me, format!("member {r} is in both the source and the destination group")));
-        }
-        let table = RoutingTable::compute(src, dst).map_err(|e| invalid(me, e.to_string()))?;
-        let src_index = src_ranks.iter().position(|&r| r == me);
-        let dst_index = dst_ranks.iter().position(|&r| r == me);
+        // A member whose own checks fail still takes part in the allgather (saying so), so
+        // that the others fail at once too instead of waiting for it until the deadline.
+        let checked = (|| {
+            check_group(me, size, "source", src_ranks, src)?;
+            check_group(me, size, "destination", dst_ranks, dst)?;
+            if let Some(r) = src_ranks.iter().find(|r| dst_ranks.contains(r)) {
+                return Err(invalid(me, format!("member {r} is in both the source and the destination group")));
+            }
+            RoutingTable::compute(src, dst).map_err(|e| invalid(me, e.to_string()))
+        })();
+        let (table, rejected) = match checked {
+            Ok(t) => (Some(t), None),
+            Err(e) => (None, Some(e)),
+        };
+        let (src_index, dst_index) = match rejected {
+            Some(_) => (None, None),
+            None => (src_ranks.iter().position(|&r| r == me), dst_ranks.iter().position(|&r| r == me)),
+        };
 
         // Buffers first, so that a failure here is reported to everyone by the allgather.
         let mut mine = [0u8; SETUP_BYTES];
@@ -287,12 +300,23 @@ impl Communicator {
         if failure.is_some() {
             mine[0] = 2;
         }
+        if rejected.is_some() {
+            mine[0] = 3;
+        }
         let mut all = vec![0u8; SETUP_BYTES * size];
         self.allgather(&mine, &mut all)?;
+        let table = match (table, rejected) {
+            (Some(t), None) => t,
+            (_, Some(e)) => return Err(e),
+            (None, None) => return Err(Error::internal(format!("rank {me}: weight_sync: no routing table and no error"))),
+        };
         let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let prints: Vec<u64> = all.chunks(SETUP_BYTES).map(|c| le(&c[9..HANDLE_AT])).collect();
         if let Some(e) = disagreement(me, &prints) {
             return Err(e);
+        }
+        if let Some(r) = all.chunks(SETUP_BYTES).position(|c| c[0] == 3) {
+            return Err(invalid(me, format!("member {r} rejected the arguments (its error says why)")));
         }
         if let Some(e) = failure {
             return Err(invalid(me, format!("allocating this rank's buffers: {e}")));

@@ -405,8 +405,8 @@ pub fn weight_sync_moves_random_layouts_exactly_up_to_four_by_four(s: &Suite) {
 /// Members that pass other arguments than the rest (here member 3 another destination
 /// layout, then member 1 its source group in another order, then both) get, on every
 /// member alike, an invalid argument naming them, from the setup's fingerprint check,
-/// before any transfer; the communicator stays usable and a weight sync with agreeing
-/// arguments then works.
+/// before any transfer; a member whose own checks fail is named by the others at once; the
+/// communicator stays usable and a weight sync with agreeing arguments then works.
 pub fn weight_sync_rejects_members_with_other_layouts(s: &Suite) {
     let tensor = |p| TensorLayout::new("w", DType::F32, [8, 4], p);
     let src = ModelLayout::new(2, vec![tensor(Placement::rows(&[4, 4]))]).unwrap();
@@ -435,6 +435,16 @@ pub fn weight_sync_rejects_members_with_other_layouts(s: &Suite) {
                 expect("another group", comm.weight_sync(&src, g, &dst, &[2, 3]), "member 1 passed other layouts or groups than member 0")?;
                 let d = if me == 3 { &other_dst } else { &dst };
                 expect("both", comm.weight_sync(&src, g, d, &[2, 3]), "members 1, 3 passed other layouts or groups than member 0")?;
+                // A member whose own check fails (a destination group one short) still
+                // takes part in the setup: it reports its own error, the others name it at
+                // once (never waiting for it until the deadline).
+                let dg: &[usize] = if me == 2 { &[2] } else { &[2, 3] };
+                match comm.weight_sync(&src, &[0, 1], &dst, dg) {
+                    Err(Error::InvalidArgument(m)) if me == 2 && m.contains("1 destination ranks given") => {}
+                    Err(Error::InvalidArgument(m)) if me != 2 && m.contains("member 2 passed other layouts or groups") => {}
+                    Err(e) => return Err(format!("a group one short on member 2: {e}")),
+                    Ok(_) => return Err("a group one short on member 2: set up".into()),
+                }
                 comm.barrier().map_err(|e| format!("barrier: {e}"))?;
 
                 let mut ws = comm.weight_sync(&src, &[0, 1], &dst, &[2, 3]).map_err(|e| format!("agreeing arguments: {e}"))?;
