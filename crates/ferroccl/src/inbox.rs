@@ -464,7 +464,7 @@ impl Inbox {
     pub(crate) fn write_imms(&self, peer: usize, imm: u32, rows: u32) {
         let mut ev = self.lock();
         for r in 0..rows {
-            ev.imms.insert((peer, crate::transport::row_imm(imm, r)));
+            ev.imms.insert((peer, row_imm(imm, r)));
         }
     }
 
@@ -521,4 +521,10 @@ impl Inbox {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
+}
+
+/// The immediate of row `r` of a read whose first row's is `imm` (each row of a strided
+/// read lands with its own; tcp sends all rows in one frame and reports them all).
+pub(crate) fn row_imm(imm: u32, r: u32) -> u32 {
+    imm.wrapping_add(r) & 0x7fff_ffff
 }

@@ -326,11 +326,7 @@ impl WriteReq<'_> {
     }
 }
 
-/// The immediate of row `r` of a read whose first row's is `imm` (each row of a strided
-/// read lands with its own; tcp sends all rows in one frame and reports them all).
-pub(crate) fn row_imm(imm: u32, r: u32) -> u32 {
-    imm.wrapping_add(r) & 0x7fff_ffff
-}
+pub(crate) use crate::inbox::row_imm;
 
 /// How a posted write completes.
 #[derive(Debug)]
