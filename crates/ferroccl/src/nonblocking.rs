@@ -451,14 +451,39 @@ impl<'s> Group<'s, '_> {
         self.add_call(self.scope.comm.allgather_call(send, recv))
     }
 
+    /// Adds an [`Communicator::allgather_in_place`].
+    pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<()> {
+        self.add_call(self.scope.comm.allgather_in_place_call(buf))
+    }
+
     /// Adds an [`Communicator::reduce_scatter`].
     pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
         self.add_call(self.scope.comm.reduce_scatter_call(send, recv, op))
     }
 
+    /// Adds an [`Communicator::reduce_scatter_in_place`].
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_scatter_in_place_call(buf, op))
+    }
+
     /// Adds a [`Communicator::broadcast`].
     pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<()> {
         self.add_call(self.scope.comm.broadcast_call(buf, root))
+    }
+
+    /// Adds a [`Communicator::reduce`].
+    pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_call(send, recv, op, root))
+    }
+
+    /// Adds a [`Communicator::reduce_in_place`].
+    pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_in_place_call(buf, op, root))
+    }
+
+    /// Adds an [`Communicator::alltoall`].
+    pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
+        self.add_call(self.scope.comm.alltoall_call(send, recv))
     }
 
     /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,
