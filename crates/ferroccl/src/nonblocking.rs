@@ -374,8 +374,8 @@ impl<'s, 'env> Scope<'s, 'env> {
                 (None, None) => break,
                 (Some((s, sent)), Some((r, got))) if sent.len() != got.len() => {
                     return Err(Error::invalid(format!(
-                        "rank {me}: group: {s} ({} bytes) and {r} ({} bytes), its send #{k} to itself and receive #{k} from \
-                         itself, which match, differ in length",
+                        "rank {me}: group: its send #{k} to itself ({s}, {} bytes) and its receive #{k} from itself ({r}, {} \
+                         bytes) differ in length (the k-th send to this rank itself goes to the k-th receive from it)",
                         sent.len(),
                         got.len()
                     )))
