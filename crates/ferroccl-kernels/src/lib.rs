@@ -92,6 +92,7 @@ pub mod reference;
 mod x86;
 
 pub use error::KernelError;
+pub use half;
 pub use half::{bf16, f16};
 pub use kernels::{Kernels, SimdLevel};
 pub use op::ReduceOp;

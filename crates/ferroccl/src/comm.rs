@@ -262,7 +262,12 @@ impl Communicator {
 
     fn peer_world(&self, peer: usize, op: &Op) -> Result<usize> {
         if peer == self.rank {
-            return Err(Error::invalid(format!("rank {}: {op}: peer is this rank itself", self.rank)));
+            // Alone, a send to itself would wait for a receive that can only come after it.
+            return Err(Error::invalid(format!(
+                "rank {}: {op}: peer is this rank itself (put the send to itself and the receive from itself in one \
+                 group, `comm.group(|g| {{ g.send(..)?; g.recv(..) }})`, or use `sendrecv`, which copies)",
+                self.rank
+            )));
         }
         self.member_world(peer, op)
     }
@@ -407,7 +412,9 @@ impl Communicator {
     }
 
     /// Sends `data` to member `peer`, which must call [`Communicator::recv`] with a buffer of
-    /// the same length. Returns once `data` may be reused.
+    /// the same length. Returns once `data` may be reused. `peer` may not be this rank
+    /// itself (it would wait for its own receive): a send to itself goes in a
+    /// [`Group`](crate::Group) with the matching receive, or use [`Communicator::sendrecv`].
     pub fn send<T: Element>(&self, data: &[T], peer: usize) -> Result<()> {
         let op = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
         self.check_peer(peer, &op)?;

@@ -68,6 +68,13 @@ pub(crate) mod wire;
 pub use algo::{Algo, Collective};
 pub use comm::{Communicator, InitConfig};
 pub use error::{Departure, Error, FaultKind, Op, Refusal, Result, RootCause};
+/// The `half` crate that FerroCCL's [`f16`](struct@f16) and [`bf16`] come from (the same
+/// version), for its other items (e.g. `half::slice::HalfFloatSliceExt`) without a second
+/// copy to pin.
+pub use ferroccl_kernels::half;
+/// IEEE 754 half precision and bfloat16, re-exported from the `half` crate: the element
+/// types [`DType::F16`] and [`DType::Bf16`].
+pub use ferroccl_kernels::{bf16, f16};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};
 pub use nonblocking::{Group, Request, Scope};
 pub use params::{FaultSite, InjectedFault, LlChoice, Params, ProtoChoice, TransportChoice};

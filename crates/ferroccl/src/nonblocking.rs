@@ -316,7 +316,8 @@ impl<'s, 'env> Scope<'s, 'env> {
         self.start_call(self.comm.alltoall_call(send, recv))
     }
 
-    /// Non-blocking [`Communicator::send`].
+    /// Non-blocking [`Communicator::send`]. `peer` may not be this rank itself: a send to
+    /// itself goes in a group with its receive (see [`Group::send`]).
     pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
         let part = self.send_part(data, peer)?;
         self.submit(vec![part])
@@ -348,12 +349,58 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// request; their transfers are in flight together and progress in the same rounds.
     /// Nothing is started if `f` fails (then nothing went on the wire either).
     pub fn group(&self, f: impl for<'g> FnOnce(&'g Group<'s, 'env>) -> Result<()>) -> Result<Request<'s>> {
-        let g = Group { scope: *self, parts: Mutex::new(Vec::new()), fusable: Mutex::new(Vec::new()) };
+        let g =
+            Group { scope: *self, parts: Mutex::new(Vec::new()), fusable: Mutex::new(Vec::new()), selfs: Mutex::new(SelfP2p::default()) };
         f(&g)?;
         let mut parts = g.parts.into_inner().unwrap_or_else(|e| e.into_inner());
         let fusable = g.fusable.into_inner().unwrap_or_else(|e| e.into_inner());
+        let copies = self.self_copies(g.selfs.into_inner().unwrap_or_else(|e| e.into_inner()))?;
         parts.extend(self.fuse(fusable)?);
+        parts.extend(copies);
         self.submit(parts)
+    }
+
+    /// The local copies of a group's sends to this rank itself (NCCL's self send/receive in
+    /// a group): the k-th send to itself goes to the k-th receive from itself, which must
+    /// have the same length in bytes; one left without its partner is an error (nothing
+    /// could ever match it: the group would wait forever).
+    fn self_copies(&self, SelfP2p { sends, recvs }: SelfP2p) -> Result<Vec<Part>> {
+        let me = self.comm.rank();
+        let (n_sends, n_recvs) = (sends.len(), recvs.len());
+        let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
+        let mut parts = Vec::with_capacity(n_sends);
+        for k in 1.. {
+            match (sends.next(), recvs.next()) {
+                (None, None) => break,
+                (Some((s, sent)), Some((r, got))) if sent.len() != got.len() => {
+                    return Err(Error::invalid(format!(
+                        "rank {me}: group: its send #{k} to itself ({s}, {} bytes) and its receive #{k} from itself ({r}, {} \
+                         bytes) differ in length (the k-th send to this rank itself goes to the k-th receive from it)",
+                        sent.len(),
+                        got.len()
+                    )))
+                }
+                (Some((_, sent)), Some((r, got))) => {
+                    let sched = crate::algo::control::self_copy(got.len());
+                    parts.push(self.comm.p2p_part(r, CHAN_USER, sched, Some(sent), got));
+                }
+                (Some((s, _)), None) => {
+                    return Err(Error::invalid(format!(
+                        "rank {me}: group: {s} (send #{k} to itself) has no matching receive from rank {me} in the group \
+                         ({n_sends} sends to itself, {n_recvs} receives): a send to this rank itself is a copy into a receive \
+                         from itself added to the same group"
+                    )))
+                }
+                (None, Some((r, _))) => {
+                    return Err(Error::invalid(format!(
+                        "rank {me}: group: {r} (receive #{k} from itself) has no matching send to rank {me} in the group \
+                         ({n_sends} sends to itself, {n_recvs} receives): a receive from this rank itself is a copy of a send \
+                         to itself added to the same group"
+                    )))
+                }
+            }
+        }
+        Ok(parts)
     }
 
     /// The parts of a group's small in-place allreduces: those with the same element type
@@ -404,11 +451,25 @@ impl<'s, 'env> Scope<'s, 'env> {
 /// Operations collected to start as one unit; see [`Scope::group`] and
 /// [`Communicator::group`]. Its calls check their arguments at once and start nothing until
 /// the group is complete.
+///
+/// It takes the collective and point-to-point calls a [`Scope`] takes, and one more: as in
+/// NCCL, a send to this rank itself, copied into a receive from itself added to the same
+/// group (see [`Group::send`]).
 pub struct Group<'s, 'env> {
     scope: Scope<'s, 'env>,
     parts: Mutex<Vec<Part>>,
     /// Small in-place allreduces (call index, dtype, op, buffer), fused when the group ends.
     fusable: Mutex<Vec<Fusable<'s>>>,
+    /// Sends to this rank itself and receives from it, matched when the group ends.
+    selfs: Mutex<SelfP2p>,
+}
+
+/// A group's sends to this rank itself and receives from it, in the order they were added
+/// (each with its name and registered buffer).
+#[derive(Default)]
+struct SelfP2p {
+    sends: Vec<(Op, RegionHandle)>,
+    recvs: Vec<(Op, RegionHandle)>,
 }
 
 impl std::fmt::Debug for Group<'_, '_> {
@@ -451,9 +512,19 @@ impl<'s> Group<'s, '_> {
         self.add_call(self.scope.comm.allgather_call(send, recv))
     }
 
+    /// Adds an [`Communicator::allgather_in_place`].
+    pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<()> {
+        self.add_call(self.scope.comm.allgather_in_place_call(buf))
+    }
+
     /// Adds an [`Communicator::reduce_scatter`].
     pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
         self.add_call(self.scope.comm.reduce_scatter_call(send, recv, op))
+    }
+
+    /// Adds an [`Communicator::reduce_scatter_in_place`].
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_scatter_in_place_call(buf, op))
     }
 
     /// Adds a [`Communicator::broadcast`].
@@ -461,14 +532,52 @@ impl<'s> Group<'s, '_> {
         self.add_call(self.scope.comm.broadcast_call(buf, root))
     }
 
+    /// Adds a [`Communicator::reduce`].
+    pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_call(send, recv, op, root))
+    }
+
+    /// Adds a [`Communicator::reduce_in_place`].
+    pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.add_call(self.scope.comm.reduce_in_place_call(buf, op, root))
+    }
+
+    /// Adds an [`Communicator::alltoall`].
+    pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
+        self.add_call(self.scope.comm.alltoall_call(send, recv))
+    }
+
     /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,
     /// whatever order they are added in: every receive is posted in the first round).
+    ///
+    /// `peer` may be this rank itself, as in NCCL: the group must then also have a
+    /// [`Group::recv`] from this rank of the same length, and the data is copied into it
+    /// (the k-th send to itself into the k-th receive from itself). A send to itself left
+    /// without its receive, or of another length, fails the group when it ends, before
+    /// anything starts.
     pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<()> {
+        if peer == self.scope.comm.rank() {
+            let name = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
+            return self.add_self(true, name, self.scope.regions.register_ro(as_bytes(data)));
+        }
         self.add(self.scope.send_part(data, peer))
     }
 
-    /// Adds a [`Communicator::recv`].
+    /// Adds a [`Communicator::recv`]. `peer` may be this rank itself: see [`Group::send`].
     pub fn recv<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<()> {
+        if peer == self.scope.comm.rank() {
+            let name = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
+            return self.add_self(false, name, self.scope.regions.register(as_bytes_mut(buf)));
+        }
         self.add(self.scope.recv_part(buf, peer))
+    }
+
+    /// Notes a send to this rank itself (`send`) or a receive from it, to be matched when
+    /// the group ends.
+    fn add_self(&self, send: bool, name: Op, buf: RegionHandle) -> Result<()> {
+        self.scope.comm.check_usable(&name)?;
+        let mut selfs = self.selfs.lock().unwrap_or_else(|e| e.into_inner());
+        if send { &mut selfs.sends } else { &mut selfs.recvs }.push((name, buf));
+        Ok(())
     }
 }

@@ -14,6 +14,13 @@ pub(crate) fn recv(peer: usize, len: usize) -> Schedule {
     Schedule { steps: vec![Step { op: Action::Recv { peer, dst: Slice::new(Buf::Output, 0, len) }, deps: vec![] }], scratch_bytes: 0 }
 }
 
+/// A send to this rank itself and its receive, matched in a group: `len` bytes of `Input`
+/// copied into `Output`, nothing on the wire.
+pub(crate) fn self_copy(len: usize) -> Schedule {
+    let op = Action::Copy { dst: Slice::new(Buf::Output, 0, len), src: Slice::new(Buf::Input, 0, len) };
+    Schedule { steps: vec![Step { op, deps: vec![] }], scratch_bytes: 0 }
+}
+
 /// The receive first (its clear-to-send goes out before anything waits), then the send of
 /// `Input`: no pattern of sendrecvs can deadlock.
 pub(crate) fn sendrecv(to: usize, send_len: usize, from: usize, recv_len: usize) -> Schedule {

@@ -4,7 +4,8 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs`, `onesided.rs` or `weights.rs`; `conformance_suite!` makes one
+//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs`, `groups.rs`, `onesided.rs` or
+//! `weights.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -22,6 +23,7 @@
 //! a device) sit next to its instantiation.
 
 mod collectives;
+mod groups;
 mod harness;
 mod nonblocking;
 mod onesided;
@@ -72,6 +74,8 @@ macro_rules! conformance_suite {
             nonblocking::forced_ll_groups_equal_the_reference,
             nonblocking::forced_ll_plans_run_many_times_and_in_scopes,
             nonblocking::abort_unblocks_a_forced_ll_allreduce_whose_peer_never_comes,
+            groups::groups_send_and_receive_to_self,
+            groups::groups_take_every_scope_call,
             onesided::windows_read_and_write_exactly,
             onesided::concurrent_reads_of_one_window,
             onesided::refused_accesses_touch_nothing,
