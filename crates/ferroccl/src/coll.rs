@@ -71,6 +71,10 @@ impl Communicator {
     /// or, unless another algorithm is forced, the cost model picks it.
     pub(crate) fn takes_ll(&self, kind: LlKind, dtype: DType, op: ReduceOp, count: usize) -> bool {
         let Some(ch) = &self.ll else { return false };
+        if kind == LlKind::Coll(Collective::AllToAllV) {
+            // Per-peer counts do not fit the slots' layout.
+            return false;
+        }
         let p = &self.fabric().params;
         let Some(bytes) = count.checked_mul(dtype.size()) else { return false };
         if p.ll == LlChoice::Off || (count == 0 && kind != LlKind::Barrier) || !ch.fits(kind, bytes) {
@@ -314,6 +318,127 @@ impl Communicator {
     /// `send` goes to rank j, block i of `recv` comes from rank i.
     pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.collective(self.alltoall_call(send, recv)?)
+    }
+
+    /// All-to-all with per-peer counts and displacements (MPI's `Alltoallv`), all in
+    /// elements, one per member: `send_counts[p]` elements of `send` from
+    /// `send_displs[p]` go to rank `p`, which receives them into its `recv` at
+    /// `recv_displs[rank()]`; `recv_counts[p]` is what rank `p` sends this rank. Counts may
+    /// be 0 and blocks need not be contiguous (gaps are left as they were); receive ranges
+    /// must not overlap. This rank's own block is copied locally.
+    ///
+    /// # Errors
+    ///
+    /// Found before anything moves (the communicator stays usable): count or displacement
+    /// lists that do not have `size()` entries, a block past the end of its buffer (the
+    /// error names the peer), overlapping receive blocks (naming both peers),
+    /// `send_counts[rank()] != recv_counts[rank()]`.
+    ///
+    /// Found on the wire: a rank's `recv_counts[p]` that differs from what `p` sends it is
+    /// an [`Error::Mismatch`] naming both ranks and both counts. Every pair of ranks
+    /// exchanges one message each way (empty ones included), whose length the receiver
+    /// compares with its count, so a disagreement never hangs and never writes past a
+    /// block. The receiver's call fails (and the sender's, if its data went by
+    /// rendezvous); the error is fatal for the communicator, and every member learns of
+    /// it at once: in this call if still in it, else in its next call (a sender whose
+    /// eager message has already left).
+    ///
+    /// ```no_run
+    /// # let comm = ferroccl::Communicator::init()?;
+    /// // Rank r sends r + 1 elements to every rank: rank r receives p + 1 from each rank p.
+    /// let (n, r) = (comm.size(), comm.rank());
+    /// let send = vec![r as f32; n * (r + 1)];
+    /// let send_counts = vec![r + 1; n];
+    /// let send_displs: Vec<usize> = (0..n).map(|p| p * (r + 1)).collect();
+    /// let recv_counts: Vec<usize> = (0..n).map(|p| p + 1).collect();
+    /// let recv_displs: Vec<usize> = (0..n).map(|p| p * (p + 1) / 2).collect();
+    /// let mut recv = vec![0f32; n * (n + 1) / 2];
+    /// comm.alltoallv(&send, &send_counts, &send_displs, &mut recv, &recv_counts, &recv_displs)?;
+    /// # Ok::<(), ferroccl::Error>(())
+    /// ```
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<()> {
+        let prep = self.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        let scratch = self.scratch().get(prep.sched.scratch_bytes);
+        let r = with_region(as_bytes_mut(recv), |out| {
+            with_region_ro(as_bytes(send), |inp| self.run_coll(prep, Some(inp.clone()), out.clone(), scratch.clone()))
+        });
+        self.scratch().put(scratch);
+        r
+    }
+
+    /// Checks an alltoallv's counts and displacements against its buffers (`(length,
+    /// counts, displacements)` of each, in elements) and builds its schedule and identity.
+    /// Errors here leave the communicator usable.
+    pub(crate) fn alltoallv_prepare(
+        &self,
+        dtype: DType,
+        send: (usize, &[usize], &[usize]),
+        recv: (usize, &[usize], &[usize]),
+    ) -> Result<Prepared> {
+        const NAME: &str = "alltoallv";
+        let (n, me) = (self.size(), self.rank());
+        let bad = |what: String| Error::invalid(format!("rank {me}: {NAME}: {what}"));
+        let elem = dtype.size();
+        // (byte offset, byte length) of every block of one buffer.
+        let blocks = |side: &str, (len, counts, displs): (usize, &[usize], &[usize])| -> Result<Vec<(usize, usize)>> {
+            for (what, v) in [("counts", counts), ("displacements", displs)] {
+                if v.len() != n {
+                    return Err(bad(format!("{side}_{what} has {} entries, expected one per member ({n})", v.len())));
+                }
+            }
+            let mut out = Vec::with_capacity(n);
+            for (p, (&c, &d)) in counts.iter().zip(displs).enumerate() {
+                match d.checked_add(c) {
+                    Some(end) if end <= len => out.push((d * elem, c * elem)),
+                    _ => {
+                        return Err(bad(format!(
+                            "the {side} block of peer {p} ({c} elements at displacement {d}) runs past the {side} buffer's {len} elements"
+                        )))
+                    }
+                }
+            }
+            Ok(out)
+        };
+        let sends = blocks("send", send)?;
+        let recvs = blocks("recv", recv)?;
+        // Receive blocks must not overlap (empty ones never do).
+        let mut order: Vec<usize> = (0..n).filter(|&p| recvs[p].1 > 0).collect();
+        order.sort_by_key(|&p| recvs[p].0);
+        for w in order.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if recvs[a].0 + recvs[a].1 > recvs[b].0 {
+                let (ea, eb) = (recvs[a].0 / elem, recvs[b].0 / elem);
+                return Err(bad(format!(
+                    "the recv blocks of peers {a} ({} elements at {ea}) and {b} ({} elements at {eb}) overlap",
+                    recvs[a].1 / elem,
+                    recvs[b].1 / elem
+                )));
+            }
+        }
+        if sends[me].1 != recvs[me].1 {
+            return Err(bad(format!(
+                "rank {me} sends itself {} elements but expects {} from itself (send_counts[{me}] != recv_counts[{me}])",
+                sends[me].1 / elem,
+                recvs[me].1 / elem
+            )));
+        }
+        let total = send.1.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let algo = Algo::Mesh;
+        // The descriptor compared on the wire leaves the counts out (they are per rank);
+        // errors name this rank's total sent.
+        let (_, desc, _) = self.identity(Collective::AllToAllV, dtype, ReduceOp::Sum, 0, false, algo);
+        let name = Op::collective(Collective::AllToAllV, dtype, total, ReduceOp::Sum, algo);
+        let sched = algo::build_alltoallv(n, me, &sends, &recvs);
+        self.check_usable(&name)?;
+        Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op: ReduceOp::Sum, ll: None })
     }
 
     // The argument checks and call descriptions, shared by the blocking calls, the

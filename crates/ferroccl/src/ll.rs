@@ -506,6 +506,8 @@ impl LlChannel {
                     seg.read(data + r * b, &mut out[p * b..(p + 1) * b]);
                 }
             }
+            // Per-peer counts do not fit the slots' layout: never taken (`takes_ll`).
+            LlKind::Coll(Collective::AllToAllV) => return Err(Error::internal("alltoallv does not run on the low-latency slots")),
             LlKind::Coll(Collective::Broadcast { root }) => {
                 if root != r {
                     read_small(&self.segs[root], data, &mut out[..b]);

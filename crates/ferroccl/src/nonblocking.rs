@@ -316,6 +316,24 @@ impl<'s, 'env> Scope<'s, 'env> {
         self.start_call(self.comm.alltoall_call(send, recv))
     }
 
+    /// Non-blocking [`Communicator::alltoallv`] (the same checks, before anything starts).
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &'s [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'s mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<Request<'s>> {
+        let prep = self.comm.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
+        self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
+        let output = self.regions.register(as_bytes_mut(recv));
+        let input = self.regions.register_ro(as_bytes(send));
+        self.submit(vec![self.comm.coll_part(prep, Some(input), output, scratch)])
+    }
+
     /// Non-blocking [`Communicator::send`].
     pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
         let part = self.send_part(data, peer)?;

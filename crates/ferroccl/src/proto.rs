@@ -73,10 +73,12 @@ fn coll_code(c: Collective) -> u8 {
         Collective::Broadcast { .. } => 4,
         Collective::Reduce { .. } => 5,
         Collective::AllToAll => 6,
+        Collective::AllToAllV => 9,
     }
 }
 
-const COLL_NAMES: [&str; 9] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split"];
+const COLL_NAMES: [&str; 10] =
+    ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split", "alltoallv"];
 
 /// The descriptor of a barrier (a call every member makes, on the collective channel).
 pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
@@ -129,6 +131,10 @@ pub(crate) fn describe(d: &Desc) -> String {
     let count = u64::from_le_bytes(c);
     let rooted = matches!(d[0], 4 | 5);
     let reduces = matches!(d[0], 1 | 3 | 5);
+    if d[0] == 9 {
+        // alltoallv: the counts are per rank and pair, checked transfer by transfer.
+        return format!("{coll}({dtype}, algo {algo}, proto {proto})");
+    }
     format!(
         "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",
         if reduces { format!(", {op}") } else { String::new() },

@@ -14,7 +14,9 @@
 //!   so independent transfers overlap with each other and with reductions.
 //! * A step never reads or writes a range that an unfinished step writes (the deps say so).
 //! * Builders never emit a transfer of length 0 (they drop it) unless a count of 0 makes the
-//!   whole schedule empty.
+//!   whole schedule empty; except alltoallv's, which sends every peer one message, empty
+//!   or not, so that its receiver can compare the length with its own count (the
+//!   simulator, which refuses empty transfers, does not run it).
 //!
 //! # Buffers and in-place calls
 //!
@@ -202,6 +204,11 @@ pub enum Collective {
     },
     /// Input `count * n` per rank; block j goes to rank j; output block i comes from rank i.
     AllToAll,
+    /// All-to-all with per-peer counts and displacements
+    /// ([`Communicator::alltoallv`](crate::Communicator::alltoallv)): `count` is this rank's
+    /// total of elements sent (it differs between ranks, so the call descriptor compared on
+    /// the wire leaves it out).
+    AllToAllV,
 }
 
 /// The collective algorithms (not every one implements every collective: see
@@ -260,6 +267,7 @@ impl Collective {
             Collective::Broadcast { .. } => "broadcast",
             Collective::Reduce { .. } => "reduce",
             Collective::AllToAll => "alltoall",
+            Collective::AllToAllV => "alltoallv",
         }
     }
 
@@ -285,6 +293,7 @@ impl Collective {
             Collective::AllGather => (count, all),
             Collective::ReduceScatter => (all, count),
             Collective::AllToAll => (all, all),
+            Collective::AllToAllV => (count, count),
         })
     }
 }
@@ -329,7 +338,8 @@ impl Algo {
             Algo::Mesh => true,
             Algo::OneShot => matches!(coll, Collective::AllReduce),
             Algo::Chain => matches!(coll, Collective::Broadcast { .. }),
-            Algo::Ll => true,
+            // Per-peer counts do not fit the slots' layout.
+            Algo::Ll => !matches!(coll, Collective::AllToAllV),
         }
     }
 
@@ -362,6 +372,16 @@ impl std::str::FromStr for Algo {
 /// Whether `dtype` is a floating-point type.
 pub(crate) const fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::Bf16)
+}
+
+/// Builds rank `rank`'s schedule of an alltoallv among `n` ranks (always [`Algo::Mesh`]):
+/// `send[p]` / `recv[p]` are the (byte offset, byte length) of the block of `Input` for rank
+/// `p` / of `Output` from rank `p`, already checked against the buffers, with
+/// `send[rank].1 == recv[rank].1`. One transfer per ordered pair of ranks, zero-length ones
+/// included (see `mesh/alltoallv.rs`).
+pub(crate) fn build_alltoallv(n: usize, rank: usize, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Schedule {
+    debug_assert!(send.len() == n && recv.len() == n && rank < n && send[rank].1 == recv[rank].1);
+    mesh::alltoallv::build(n, rank, send, recv)
 }
 
 /// Builds `shape.rank`'s schedule of one call of `shape.coll` with `algo`.
@@ -411,6 +431,7 @@ pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
         (Algo::Mesh, Collective::AllGather) => mesh::allgather::build(shape),
         (Algo::Mesh, Collective::ReduceScatter) => mesh::reduce_scatter::build(shape),
         (Algo::Mesh, Collective::AllToAll) => mesh::alltoall::build(shape),
+        (_, Collective::AllToAllV) => return Err("alltoallv has per-peer counts: its schedule comes from build_alltoallv".into()),
         (Algo::Mesh, Collective::Reduce { root }) => mesh::reduce::build(shape, root),
         (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
         (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),

@@ -9,6 +9,7 @@
 pub(super) mod allgather;
 pub(super) mod allreduce;
 pub(super) mod alltoall;
+pub(super) mod alltoallv;
 pub(super) mod broadcast;
 pub(super) mod reduce;
 pub(super) mod reduce_scatter;
