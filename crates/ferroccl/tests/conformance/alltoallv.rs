@@ -58,6 +58,11 @@ impl V for u8 {
         x as u8
     }
 }
+impl V for u32 {
+    fn v(x: u64) -> Self {
+        x as u32
+    }
+}
 impl V for i64 {
     fn v(x: u64) -> Self {
         x as i64
@@ -190,6 +195,46 @@ pub fn alltoallv_equals_the_reference(s: &Suite) {
         );
         all_ok(res).map(|_| ()).map_err(|e| format!("{:?} {n} ranks {proto:?}: {e}", s.wire))
     });
+}
+
+/// A persistent alltoallv runs many times (and started in a scope) with rewritten send
+/// buffers, each run against the reference.
+pub fn alltoallv_plans_run_many_times(s: &Suite) {
+    for (n, seed) in [(2usize, 11u64), (3, 12), (4, 13)] {
+        let res = run_world(
+            n,
+            |r| params(s, ProtoChoice::Auto, Duration::from_secs(60), r),
+            |comm| {
+                let r = comm.rank();
+                let k = case(n, seed, 100);
+                let (sl, rl) = (&k.send[r], &k.recv[r]);
+                let sentinel = 0xEEEE_EEEE_u32;
+                let mut send = vec![0u32; sl.len];
+                let mut recv = vec![sentinel; rl.len];
+                let mut plan = comm
+                    .alltoallv_plan(&mut send, &sl.counts, &sl.displs, &mut recv, &rl.counts, &rl.displs)
+                    .map_err(|e| format!("rank {r}: plan: {e}"))?;
+                let runs = s.plan_runs.min(50) as u64;
+                for run in 0..runs {
+                    let seed = seed.wrapping_mul(1000).wrapping_add(run);
+                    let data = send_data::<u32>(r, sl.len, seed);
+                    plan.input_mut().ok_or("no input")?.copy_from_slice(&data);
+                    if run % 5 == 4 {
+                        comm.scope(|sc| sc.start(&mut plan)?.wait()).map_err(|e| format!("rank {r}: run {run} in a scope: {e}"))?;
+                    } else {
+                        plan.run().map_err(|e| format!("rank {r}: run {run}: {e}"))?;
+                    }
+                    let want = reference::<u32>(&k, r, seed, sentinel);
+                    if plan.output() != &want[..] {
+                        return Err(format!("rank {r}/{n}: run {run}: got {:?}, want {want:?}", plan.output()));
+                    }
+                }
+                drop(plan);
+                comm.finalize().map_err(|e| e.to_string())
+            },
+        );
+        all_ok(res).unwrap();
+    }
 }
 
 /// Counts and displacements that do not fit the buffers are errors naming the peer, found
