@@ -507,7 +507,13 @@ impl LlChannel {
                 }
             }
             // Per-peer counts do not fit the slots' layout: never taken (`takes_ll`).
-            LlKind::Coll(Collective::AllToAllV) => return Err(Error::internal("alltoallv does not run on the low-latency slots")),
+            LlKind::Coll(
+                c @ (Collective::AllToAllV
+                | Collective::Gather { .. }
+                | Collective::Scatter { .. }
+                | Collective::GatherV { .. }
+                | Collective::ScatterV { .. }),
+            ) => return Err(Error::internal(format!("{} does not run on the low-latency slots", c.name()))),
             LlKind::Coll(Collective::Broadcast { root }) => {
                 if root != r {
                     read_small(&self.segs[root], data, &mut out[..b]);

@@ -180,7 +180,8 @@ fn check(c: &Case) -> Result<Vec<Vec<u8>>, String> {
         Collective::AllToAll => (0..n).map(|r| (0..n).flat_map(|i| inputs[i][r * blk..(r + 1) * blk].to_vec()).collect()).collect(),
         Collective::Broadcast { root } => vec![inputs[root].clone(); n],
         Collective::Reduce { root } => (0..n).map(|r| if r == root { reduce_all(c, &inputs) } else { initial[r].clone() }).collect(),
-        Collective::AllToAllV => return Err("alltoallv is not built from a shape".into()),
+        c if c.per_call() => return Err(format!("{} is not built from a shape", c.name())),
+        c => return Err(format!("{} has no reference here", c.name())),
     };
     for r in 0..n {
         if approximate(c) {
@@ -533,4 +534,29 @@ fn alltoallv_sends_every_peer_one_whole_block_in_pairwise_order() {
     // Alone: only the copy, and nothing at all for an empty block.
     assert_eq!(super::build_alltoallv(1, 0, &[(0, 4)], &[(8, 4)]).steps.len(), 1);
     assert!(super::build_alltoallv(1, 0, &[(0, 0)], &[(8, 0)]).steps.is_empty());
+}
+
+#[test]
+fn gather_and_scatter_exchange_one_message_per_rank_with_the_root() {
+    let sl = |buf, start, len| Slice::new(buf, start, len);
+    // Off the root: one message, empty or not.
+    let g = super::build_gather(3, 2, 1, (0, 0), &[]);
+    assert_eq!(g.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(), vec![Action::Send { peer: 1, src: sl(Buf::Input, 0, 0) }]);
+    let sc = super::build_scatter(3, 0, 1, &[], (4, 8));
+    assert_eq!(sc.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(), vec![Action::Recv { peer: 1, dst: sl(Buf::Output, 4, 8) }]);
+    // The root: every other rank from root + 1 on, then its own block.
+    let g = super::build_gather(3, 1, 1, (0, 4), &[(8, 0), (0, 4), (4, 4)]);
+    assert_eq!(
+        g.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(),
+        vec![
+            Action::Recv { peer: 2, dst: sl(Buf::Output, 4, 4) },
+            Action::Recv { peer: 0, dst: sl(Buf::Output, 8, 0) },
+            Action::Copy { dst: sl(Buf::Output, 0, 4), src: sl(Buf::Input, 0, 4) },
+        ]
+    );
+    let sc = super::build_scatter(2, 0, 0, &[(6, 2), (0, 6)], (0, 2));
+    assert_eq!(
+        sc.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(),
+        vec![Action::Send { peer: 1, src: sl(Buf::Input, 0, 6) }, Action::Copy { dst: sl(Buf::Output, 0, 2), src: sl(Buf::Input, 6, 2) }]
+    );
 }

@@ -143,7 +143,9 @@ impl Op {
         match self {
             Op::Send { dtype, .. } | Op::Recv { dtype, .. } | Op::SendRecv { dtype, .. } => Some(*dtype),
             // One whole block per transfer: its length is a count the caller passed.
-            Op::Collective { coll: Collective::AllToAllV, dtype, .. } => Some(*dtype),
+            Op::Collective { coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. }, dtype, .. } => {
+                Some(*dtype)
+            }
             _ => None,
         }
     }

@@ -2,7 +2,8 @@
 //! order, with gaps) against a reference computed from the same matrix, blocking and in a
 //! scope, several dtypes, 2 to 4 ranks, every protocol; bad arguments found before
 //! anything moves; counts that disagree between a sender and its receiver fail on the
-//! wire, on every rank, without waiting for the deadline.
+//! wire, on every rank, without waiting for the deadline. The rooted calls built the same
+//! way (gather, scatter, gatherv, scatterv) likewise.
 
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
@@ -338,4 +339,177 @@ pub fn alltoallv_mismatched_counts_fail_on_every_rank(s: &Suite) {
     mismatch_case(s, 3, 0);
     mismatch_case(s, 300, 200);
     mismatch_case(s, 2, 300);
+}
+
+/// gather, scatter (equal counts) and gatherv, scatterv (random counts with zeros, gapped
+/// layouts at the root) from every root, on 2 to 4 ranks, four dtypes, every protocol.
+pub fn gather_scatter_and_v_forms_equal_the_reference(s: &Suite) {
+    let protos = prop_oneof![Just(ProtoChoice::Auto), Just(ProtoChoice::Eager), Just(ProtoChoice::Rendezvous)];
+    let config = ProptestConfig { cases: s.nonblocking_cases, ..ProptestConfig::default() };
+    check_cases(config, (2usize..=4, any::<u64>(), protos), |(n, seed, proto)| {
+        let res = run_world(
+            n,
+            |r| params(s, proto, Duration::from_secs(60), r),
+            |comm| {
+                for root in 0..n {
+                    let seed = seed ^ (root as u64) << 40;
+                    rooted::<f32>(&comm, root, seed)?;
+                    rooted::<bf16>(&comm, root, seed ^ 1)?;
+                    rooted::<u8>(&comm, root, seed ^ 2)?;
+                    rooted::<i64>(&comm, root, seed ^ 3)?;
+                }
+                comm.finalize().map_err(|e| e.to_string())
+            },
+        );
+        all_ok(res).map(|_| ()).map_err(|e| format!("{:?} {n} ranks {proto:?}: {e}", s.wire))
+    });
+}
+
+fn rooted<X: V>(comm: &Communicator, root: usize, seed: u64) -> Result<(), String> {
+    let (n, r) = (comm.size(), comm.rank());
+    let ctx = |what: &str| format!("rank {r}/{n} {what} root {root} {}", X::DTYPE);
+    let sentinel = X::v(0xFFFF_FFFF_FFFF_FFFF);
+    let c = Rng(seed).below(101) as usize;
+
+    // gather
+    let send = send_data::<X>(r, c, seed);
+    let mut recv = vec![sentinel; if r == root { n * c } else { 0 }];
+    comm.gather(&send, &mut recv, root).map_err(|e| format!("{}: {e}", ctx("gather")))?;
+    if r == root {
+        let want: Vec<X> = (0..n).flat_map(|p| send_data::<X>(p, c, seed)).collect();
+        if recv != want {
+            return Err(format!("{}: got {recv:?}, want {want:?}", ctx("gather")));
+        }
+    }
+
+    // scatter
+    let all = send_data::<X>(root, n * c, seed ^ 7);
+    let send = if r == root { all.clone() } else { Vec::new() };
+    let mut recv = vec![sentinel; c];
+    comm.scatter(&send, &mut recv, root).map_err(|e| format!("{}: {e}", ctx("scatter")))?;
+    if recv[..] != all[r * c..(r + 1) * c] {
+        return Err(format!("{}: got {recv:?}, want {:?}", ctx("scatter"), &all[r * c..(r + 1) * c]));
+    }
+
+    // gatherv: rank p sends c[p][root]; the root's layout is gapped.
+    let k = case(n, seed, 100);
+    let send = send_data::<X>(r, k.c[r][root], seed);
+    let rl = &k.recv[root];
+    let mut recv = vec![sentinel; if r == root { rl.len } else { 0 }];
+    let (rc, rd) = if r == root { (&rl.counts[..], &rl.displs[..]) } else { (&[][..], &[][..]) };
+    comm.gatherv(&send, &mut recv, rc, rd, root).map_err(|e| format!("{}: {e}", ctx("gatherv")))?;
+    if r == root {
+        let mut want = vec![sentinel; rl.len];
+        for p in 0..n {
+            want[rl.displs[p]..rl.displs[p] + k.c[p][root]].copy_from_slice(&send_data::<X>(p, k.c[p][root], seed));
+        }
+        if recv != want {
+            return Err(format!("{}: got {recv:?}, want {want:?} ({k:?})", ctx("gatherv")));
+        }
+    }
+
+    // scatterv: the root sends c[root][p] to p from its gapped layout.
+    let sl = &k.send[root];
+    let data = send_data::<X>(root, sl.len, seed ^ 9);
+    let send = if r == root { data.clone() } else { Vec::new() };
+    let (sc, sd) = if r == root { (&sl.counts[..], &sl.displs[..]) } else { (&[][..], &[][..]) };
+    let mut recv = vec![sentinel; k.c[root][r]];
+    comm.scatterv(&send, sc, sd, &mut recv, root).map_err(|e| format!("{}: {e}", ctx("scatterv")))?;
+    let want = &data[sl.displs[r]..sl.displs[r] + k.c[root][r]];
+    if recv[..] != want[..] {
+        return Err(format!("{}: got {recv:?}, want {want:?} ({k:?})", ctx("scatterv")));
+    }
+    Ok(())
+}
+
+/// Bad arguments of the rooted calls are errors before anything moves; a gatherv or
+/// scatterv whose root's count for a rank differs from that rank's fails on every rank,
+/// promptly, naming both counts where it is found.
+pub fn gather_scatter_bad_arguments_and_mismatches_are_errors(s: &Suite) {
+    let res = run_world(
+        3,
+        |r| params(s, ProtoChoice::Auto, Duration::from_secs(20), r),
+        |comm| -> Result<(), String> {
+            let me = comm.rank();
+            let mut buf = [0u32; 6];
+            let mut errs = Vec::new();
+            let mut expect = |r: ferroccl::Result<()>, want: &str| match r {
+                Ok(()) => errs.push(format!("rank {me}: no error for {want:?}")),
+                Err(e) if !e.to_string().contains(want) => errs.push(format!("rank {me}: {e} does not say {want:?}")),
+                Err(_) => {}
+            };
+            expect(comm.gather(&[1u32; 2], &mut buf, 3), "root 3 is out of range");
+            expect(comm.scatterv(&[1u32; 2], &[1, 1, 0], &[0, 1, 2], &mut buf, 5), "root 5 is out of range");
+            if me == 0 {
+                expect(comm.gather(&[1u32; 3], &mut buf, 0), "recv has 6 elements, expected 9");
+                expect(comm.scatter(&[1u32; 5], &mut buf[..2], 0), "send has 5 elements, expected 6");
+                expect(comm.gatherv(&[1u32; 2], &mut buf, &[2, 2], &[0, 2], 0), "recv_counts has 2 entries");
+                expect(comm.gatherv(&[1u32; 2], &mut buf, &[2, 2, 2], &[0, 2, 5], 0), "recv block of peer 2");
+                expect(comm.gatherv(&[1u32; 2], &mut buf, &[2, 2, 2], &[0, 1, 4], 0), "overlap");
+                expect(comm.gatherv(&[1u32; 1], &mut buf, &[2, 2, 2], &[0, 2, 4], 0), "recv_counts[0] is 2");
+                expect(comm.scatterv(&[1u32; 6], &[2, 2, 3], &[0, 2, 4], &mut buf[..2], 0), "send block of peer 2");
+                expect(comm.scatterv(&[1u32; 6], &[2, 2, 2], &[0, 2, 4], &mut buf[..1], 0), "send_counts[0] is 2");
+            }
+            if !errs.is_empty() {
+                return Err(errs.join("\n"));
+            }
+            // Still usable.
+            let mine = [me as u32 * 10, me as u32 * 10 + 1];
+            let mut all = [0u32; 6];
+            comm.gather(&mine, &mut all, 0).map_err(|e| format!("rank {me}: {e}"))?;
+            if me == 0 && all != [0, 1, 10, 11, 20, 21] {
+                return Err(format!("rank 0: gathered {all:?}"));
+            }
+            comm.finalize().map_err(|e| e.to_string())
+        },
+    );
+    all_ok(res).unwrap();
+    // Mismatches: rank 1 sends 3 where the root (0) expects 2, eager and rendezvous; the
+    // root sends rank 2 four elements where it expects five.
+    for (gather, got, want) in [(true, 3usize, 2usize), (true, 0, 300), (true, 400, 2), (false, 4, 5), (false, 300, 0)] {
+        let res = run_world(
+            3,
+            |r| params(s, ProtoChoice::Auto, Duration::from_secs(5), r),
+            |comm| {
+                let me = comm.rank();
+                comm.barrier().map_err(|e| format!("rank {me}: barrier before: {e}"))?;
+                let t0 = Instant::now();
+                let first = if gather {
+                    let send = vec![1u32; if me == 1 { got } else { 2 }];
+                    let counts = [2, want, 2];
+                    let displs = [0, 2, 2 + want];
+                    let mut recv = vec![0u32; 4 + want];
+                    comm.gatherv(&send, &mut recv, &counts, &displs, 0)
+                } else {
+                    let counts = [2, 2, got];
+                    let send = vec![1u32; 4 + got];
+                    let mut recv = vec![0u32; if me == 2 { want } else { 2 }];
+                    comm.scatterv(&send, &counts, &[0, 2, 4], &mut recv, 0)
+                };
+                let (in_call, err) = match first {
+                    Err(e) => (true, e),
+                    Ok(()) => match comm.barrier() {
+                        Err(e) => (false, e),
+                        Ok(()) => return Err(format!("rank {me}: mismatch unnoticed")),
+                    },
+                };
+                Ok((in_call, err.to_string(), t0.elapsed()))
+            },
+        );
+        let sides = all_ok(res).unwrap();
+        let ctx = format!("{:?} gather {gather} got {got} want {want}: {sides:#?}", s.wire);
+        let (finder, text) = if gather {
+            (0, [format!("rank 0 receives {want} u32"), format!("rank 1 sends {got} u32")])
+        } else {
+            (2, [format!("rank 2 receives {want} u32"), format!("rank 0 sends {got} u32")])
+        };
+        assert!(sides[finder].0, "the receiver's call succeeded: {ctx}");
+        assert!(text.iter().all(|t| sides[finder].1.contains(t.as_str())), "rank {finder} does not name both counts: {ctx}");
+        for (r, (_, err, after)) in sides.iter().enumerate() {
+            assert!(!err.contains("timed out"), "rank {r} waited for the deadline: {ctx}");
+            if s.clocks {
+                assert!(*after < Duration::from_secs(3), "rank {r} failed only after {after:?}: {ctx}");
+            }
+        }
+    }
 }
