@@ -374,34 +374,44 @@ impl Communicator {
     /// `recv` is ignored (it may be empty). Every rank must pass the same length (checked on
     /// the wire, like every collective's arguments).
     pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A gather's checks (lengths in elements), schedule and identity.
+    pub(crate) fn gather_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
         self.check_root("gather", root)?;
-        let (n, me, c, elem) = (self.size(), self.rank(), send.len(), T::DTYPE.size());
+        let (n, me, c, elem) = (self.size(), self.rank(), send_len, dtype.size());
         let mut recvs = Vec::new();
         if me == root {
             let want = c.checked_mul(n).ok_or_else(|| Error::invalid("gather: size overflows"))?;
-            self.check_len("gather", "recv", recv.len(), want)?;
+            self.check_len("gather", "recv", recv_len, want)?;
             recvs = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_gather(n, me, root, (0, c * elem), &recvs);
-        let prep = self.v_prepared(Collective::Gather { root }, T::DTYPE, c, c, sched)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+        self.v_prepared(Collective::Gather { root }, dtype, c, c, sched)
     }
 
     /// Scatters `root`'s `send` (`size() * recv.len()` elements): rank r receives block r
     /// in `recv` (the same length on every rank); off the root `send` is ignored (it may be
     /// empty).
     pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A scatter's checks (lengths in elements), schedule and identity.
+    pub(crate) fn scatter_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
         self.check_root("scatter", root)?;
-        let (n, me, c, elem) = (self.size(), self.rank(), recv.len(), T::DTYPE.size());
+        let (n, me, c, elem) = (self.size(), self.rank(), recv_len, dtype.size());
         let mut sends = Vec::new();
         if me == root {
             let want = c.checked_mul(n).ok_or_else(|| Error::invalid("scatter: size overflows"))?;
-            self.check_len("scatter", "send", send.len(), want)?;
+            self.check_len("scatter", "send", send_len, want)?;
             sends = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_scatter(n, me, root, &sends, (0, c * elem));
-        let prep = self.v_prepared(Collective::Scatter { root }, T::DTYPE, c, c, sched)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+        self.v_prepared(Collective::Scatter { root }, dtype, c, c, sched)
     }
 
     /// Gather with per-rank counts (MPI's `Gatherv`): every rank sends its whole `send`;
@@ -417,23 +427,34 @@ impl Communicator {
     /// message (one per rank, empty ones included), fatal for the communicator and relayed
     /// to every member (a rank whose message has left learns of it at its next call).
     pub fn gatherv<T: Element>(&self, send: &[T], recv: &mut [T], recv_counts: &[usize], recv_displs: &[usize], root: usize) -> Result<()> {
+        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A gatherv's checks (lengths, counts, displacements in elements), schedule and
+    /// identity.
+    pub(crate) fn gatherv_prepare(
+        &self,
+        dtype: DType,
+        send_len: usize,
+        recv: (usize, &[usize], &[usize]),
+        root: usize,
+    ) -> Result<Prepared> {
         const NAME: &str = "gatherv";
         self.check_root(NAME, root)?;
-        let (n, me, elem) = (self.size(), self.rank(), T::DTYPE.size());
+        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
         let mut recvs = Vec::new();
         if me == root {
-            recvs = self.v_blocks(NAME, elem, "recv", (recv.len(), recv_counts, recv_displs), true)?;
-            if recvs[root].1 != send.len() * elem {
+            recvs = self.v_blocks(NAME, elem, "recv", recv, true)?;
+            if recvs[root].1 != send_len * elem {
                 return Err(Error::invalid(format!(
-                    "rank {me}: {NAME}: the root sends itself {} elements but recv_counts[{root}] is {}",
-                    send.len(),
+                    "rank {me}: {NAME}: the root sends itself {send_len} elements but recv_counts[{root}] is {}",
                     recvs[root].1 / elem
                 )));
             }
         }
-        let sched = algo::build_gather(n, me, root, (0, send.len() * elem), &recvs);
-        let prep = self.v_prepared(Collective::GatherV { root }, T::DTYPE, 0, send.len(), sched)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+        let sched = algo::build_gather(n, me, root, (0, send_len * elem), &recvs);
+        self.v_prepared(Collective::GatherV { root }, dtype, 0, send_len, sched)
     }
 
     /// Scatter with per-rank counts (MPI's `Scatterv`): on the root, `send_counts[p]`
@@ -449,23 +470,34 @@ impl Communicator {
         recv: &mut [T],
         root: usize,
     ) -> Result<()> {
+        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A scatterv's checks (lengths, counts, displacements in elements), schedule and
+    /// identity.
+    pub(crate) fn scatterv_prepare(
+        &self,
+        dtype: DType,
+        send: (usize, &[usize], &[usize]),
+        recv_len: usize,
+        root: usize,
+    ) -> Result<Prepared> {
         const NAME: &str = "scatterv";
         self.check_root(NAME, root)?;
-        let (n, me, elem) = (self.size(), self.rank(), T::DTYPE.size());
+        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
         let mut sends = Vec::new();
         if me == root {
-            sends = self.v_blocks(NAME, elem, "send", (send.len(), send_counts, send_displs), false)?;
-            if sends[root].1 != recv.len() * elem {
+            sends = self.v_blocks(NAME, elem, "send", send, false)?;
+            if sends[root].1 != recv_len * elem {
                 return Err(Error::invalid(format!(
-                    "rank {me}: {NAME}: the root expects {} elements from itself but send_counts[{root}] is {}",
-                    recv.len(),
+                    "rank {me}: {NAME}: the root expects {recv_len} elements from itself but send_counts[{root}] is {}",
                     sends[root].1 / elem
                 )));
             }
         }
-        let sched = algo::build_scatter(n, me, root, &sends, (0, recv.len() * elem));
-        let prep = self.v_prepared(Collective::ScatterV { root }, T::DTYPE, 0, recv.len(), sched)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+        let sched = algo::build_scatter(n, me, root, &sends, (0, recv_len * elem));
+        self.v_prepared(Collective::ScatterV { root }, dtype, 0, recv_len, sched)
     }
 
     /// The (byte offset, byte length) of every block of a buffer of `len` elements given by

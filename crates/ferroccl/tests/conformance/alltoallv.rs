@@ -419,6 +419,44 @@ fn rooted<X: V>(comm: &Communicator, root: usize, seed: u64) -> Result<(), Strin
     if recv[..] != want[..] {
         return Err(format!("{}: got {recv:?}, want {want:?} ({k:?})", ctx("scatterv")));
     }
+    let blocking = recv;
+
+    // The four at once in a scope (gatherv's and scatterv's results against the blocking
+    // calls'; gather and scatter against the reference again).
+    let g_send = send_data::<X>(r, c, seed);
+    let mut g_recv = vec![sentinel; if r == root { n * c } else { 0 }];
+    let s_send = if r == root { all.clone() } else { Vec::new() };
+    let mut s_recv = vec![sentinel; c];
+    let gv_send = send_data::<X>(r, k.c[r][root], seed);
+    let mut gv_recv = vec![sentinel; if r == root { rl.len } else { 0 }];
+    let mut sv_recv = vec![sentinel; k.c[root][r]];
+    comm.scope(|scope| {
+        let a = scope.gather(&g_send, &mut g_recv, root)?;
+        let b = scope.scatter(&s_send, &mut s_recv, root)?;
+        let c = scope.gatherv(&gv_send, &mut gv_recv, rc, rd, root)?;
+        let d = scope.scatterv(&send, sc, sd, &mut sv_recv, root)?;
+        d.wait()?;
+        c.wait()?;
+        b.wait()?;
+        a.wait()
+    })
+    .map_err(|e| format!("{}: {e}", ctx("scope")))?;
+    if r == root {
+        let want: Vec<X> = (0..n).flat_map(|p| send_data::<X>(p, c, seed)).collect();
+        if g_recv != want {
+            return Err(format!("{}: gather: got {g_recv:?}, want {want:?}", ctx("scope")));
+        }
+        let mut want = vec![sentinel; rl.len];
+        for p in 0..n {
+            want[rl.displs[p]..rl.displs[p] + k.c[p][root]].copy_from_slice(&send_data::<X>(p, k.c[p][root], seed));
+        }
+        if gv_recv != want {
+            return Err(format!("{}: gatherv: got {gv_recv:?}, want {want:?}", ctx("scope")));
+        }
+    }
+    if s_recv[..] != all[r * c..(r + 1) * c] || sv_recv != blocking {
+        return Err(format!("{}: scatter got {s_recv:?}, scatterv got {sv_recv:?} (blocking: {blocking:?})", ctx("scope")));
+    }
     Ok(())
 }
 
