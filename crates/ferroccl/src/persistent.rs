@@ -205,6 +205,46 @@ impl Communicator {
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
+    /// A persistent gather (see [`Communicator::gather`]); refill `send` through
+    /// [`Plan::input_mut`].
+    pub fn gather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent scatter (see [`Communicator::scatter`]); refill `send` (on the root)
+    /// through [`Plan::input_mut`].
+    pub fn scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent gatherv (see [`Communicator::gatherv`]), checked and built once.
+    pub fn gatherv_plan<'a, T: Element>(
+        &'a self,
+        send: &'a mut [T],
+        recv: &'a mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        root: usize,
+    ) -> Result<Plan<'a, T>> {
+        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent scatterv (see [`Communicator::scatterv`]), checked and built once.
+    pub fn scatterv_plan<'a, T: Element>(
+        &'a self,
+        send: &'a mut [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'a mut [T],
+        root: usize,
+    ) -> Result<Plan<'a, T>> {
+        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
     /// A persistent broadcast of `root`'s `buf` (see [`Communicator::broadcast`]).
     pub fn broadcast_plan<'a, T: Element>(&'a self, buf: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
         let call = self.broadcast_call(&mut *buf, root)?.spec();

@@ -238,6 +238,62 @@ pub fn alltoallv_plans_run_many_times(s: &Suite) {
     }
 }
 
+/// Persistent gatherv and scatter plans run many times with rewritten send buffers,
+/// every root, against the reference.
+pub fn rooted_plans_run_many_times(s: &Suite) {
+    for (n, seed) in [(2usize, 21u64), (3, 22), (4, 23)] {
+        let res = run_world(
+            n,
+            |r| params(s, ProtoChoice::Auto, Duration::from_secs(60), r),
+            |comm| {
+                let r = comm.rank();
+                let runs = s.plan_runs.min(20) as u64;
+                let sentinel = 0xEEEE_EEEE_u32;
+                for root in 0..n {
+                    let k = case(n, seed ^ root as u64, 100);
+                    let rl = &k.recv[root];
+                    let mut send = vec![0u32; k.c[r][root]];
+                    let mut recv = vec![sentinel; if r == root { rl.len } else { 0 }];
+                    let (rc, rd) = if r == root { (&rl.counts[..], &rl.displs[..]) } else { (&[][..], &[][..]) };
+                    let mut plan =
+                        comm.gatherv_plan(&mut send, &mut recv, rc, rd, root).map_err(|e| format!("rank {r}: gatherv plan: {e}"))?;
+                    for run in 0..runs {
+                        let seed = seed.wrapping_mul(1000).wrapping_add(run);
+                        plan.input_mut().ok_or("no input")?.copy_from_slice(&send_data::<u32>(r, k.c[r][root], seed));
+                        plan.run().map_err(|e| format!("rank {r}: gatherv run {run}: {e}"))?;
+                        if r == root {
+                            let mut want = vec![sentinel; rl.len];
+                            for p in 0..n {
+                                want[rl.displs[p]..rl.displs[p] + k.c[p][root]].copy_from_slice(&send_data::<u32>(p, k.c[p][root], seed));
+                            }
+                            if plan.output() != &want[..] {
+                                return Err(format!("rank {r}/{n}: gatherv run {run}: got {:?}, want {want:?}", plan.output()));
+                            }
+                        }
+                    }
+                    drop(plan);
+                    let c = 1 + seed as usize % 7;
+                    let mut send = vec![0u32; if r == root { n * c } else { 0 }];
+                    let mut recv = vec![sentinel; c];
+                    let mut plan = comm.scatter_plan(&mut send, &mut recv, root).map_err(|e| format!("rank {r}: scatter plan: {e}"))?;
+                    for run in 0..runs {
+                        let all = send_data::<u32>(root, n * c, run);
+                        if r == root {
+                            plan.input_mut().ok_or("no input")?.copy_from_slice(&all);
+                        }
+                        plan.run().map_err(|e| format!("rank {r}: scatter run {run}: {e}"))?;
+                        if plan.output() != &all[r * c..(r + 1) * c] {
+                            return Err(format!("rank {r}/{n}: scatter run {run}: got {:?}", plan.output()));
+                        }
+                    }
+                }
+                comm.finalize().map_err(|e| e.to_string())
+            },
+        );
+        all_ok(res).unwrap();
+    }
+}
+
 /// Counts and displacements that do not fit the buffers are errors naming the peer, found
 /// before anything moves: the communicator stays usable.
 pub fn alltoallv_bad_arguments_are_errors(s: &Suite) {

@@ -68,6 +68,7 @@ macro_rules! conformance_suite {
             alltoallv::alltoallv_mismatched_counts_fail_on_every_rank,
             alltoallv::gather_scatter_and_v_forms_equal_the_reference,
             alltoallv::gather_scatter_bad_arguments_and_mismatches_are_errors,
+            alltoallv::rooted_plans_run_many_times,
             nonblocking::interleaved_nonblocking_collectives_equal_the_reference,
             nonblocking::plans_run_many_times_with_rewritten_buffers,
             nonblocking::groups_run_as_one_unit,
