@@ -15,7 +15,7 @@ use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::ll::{LlKind, LlSpec};
 use crate::algo::select;
-use crate::algo::{self, Algo, Collective, Shape};
+use crate::algo::{self, Algo, Collective, Schedule, Shape};
 use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
@@ -71,6 +71,10 @@ impl Communicator {
     /// or, unless another algorithm is forced, the cost model picks it.
     pub(crate) fn takes_ll(&self, kind: LlKind, dtype: DType, op: ReduceOp, count: usize) -> bool {
         let Some(ch) = &self.ll else { return false };
+        if matches!(kind, LlKind::Coll(c) if c.per_call()) {
+            // Per-call schedules (alltoallv, gather, scatter) do not run on the slots.
+            return false;
+        }
         let p = &self.fabric().params;
         let Some(bytes) = count.checked_mul(dtype.size()) else { return false };
         if p.ll == LlChoice::Off || (count == 0 && kind != LlKind::Barrier) || !ch.fits(kind, bytes) {
@@ -314,6 +318,280 @@ impl Communicator {
     /// `send` goes to rank j, block i of `recv` comes from rank i.
     pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.collective(self.alltoall_call(send, recv)?)
+    }
+
+    /// All-to-all with per-peer counts and displacements (MPI's `Alltoallv`), all in
+    /// elements, one per member: `send_counts[p]` elements of `send` from
+    /// `send_displs[p]` go to rank `p`, which receives them into its `recv` at
+    /// `recv_displs[rank()]`; `recv_counts[p]` is what rank `p` sends this rank. Counts may
+    /// be 0 and blocks need not be contiguous (gaps are left as they were); receive ranges
+    /// must not overlap. This rank's own block is copied locally.
+    ///
+    /// # Errors
+    ///
+    /// Found before anything moves (the communicator stays usable): count or displacement
+    /// lists that do not have `size()` entries, a block past the end of its buffer (the
+    /// error names the peer), overlapping receive blocks (naming both peers),
+    /// `send_counts[rank()] != recv_counts[rank()]`.
+    ///
+    /// Found on the wire: a rank's `recv_counts[p]` that differs from what `p` sends it is
+    /// an [`Error::Mismatch`] naming both ranks and both counts. Every pair of ranks
+    /// exchanges one message each way (empty ones included), whose length the receiver
+    /// compares with its count, so a disagreement never hangs and never writes past a
+    /// block. The receiver's call fails (and the sender's, if its data went by
+    /// rendezvous); the error is fatal for the communicator, and every member learns of
+    /// it at once: in this call if still in it, else in its next call (a sender whose
+    /// eager message has already left).
+    ///
+    /// ```no_run
+    /// # let comm = ferroccl::Communicator::init()?;
+    /// // Rank r sends r + 1 elements to every rank: rank r receives p + 1 from each rank p.
+    /// let (n, r) = (comm.size(), comm.rank());
+    /// let send = vec![r as f32; n * (r + 1)];
+    /// let send_counts = vec![r + 1; n];
+    /// let send_displs: Vec<usize> = (0..n).map(|p| p * (r + 1)).collect();
+    /// let recv_counts: Vec<usize> = (0..n).map(|p| p + 1).collect();
+    /// let recv_displs: Vec<usize> = (0..n).map(|p| p * (p + 1) / 2).collect();
+    /// let mut recv = vec![0f32; n * (n + 1) / 2];
+    /// comm.alltoallv(&send, &send_counts, &send_displs, &mut recv, &recv_counts, &recv_displs)?;
+    /// # Ok::<(), ferroccl::Error>(())
+    /// ```
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<()> {
+        let prep = self.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Gathers every rank's `send` (the same length on every rank) into `root`'s `recv`
+    /// (`size() * send.len()` elements, rank r's block at `r * send.len()`); off the root
+    /// `recv` is ignored (it may be empty). Every rank must pass the same length (checked on
+    /// the wire, like every collective's arguments).
+    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A gather's checks (lengths in elements), schedule and identity.
+    pub(crate) fn gather_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
+        self.check_root("gather", root)?;
+        let (n, me, c, elem) = (self.size(), self.rank(), send_len, dtype.size());
+        let mut recvs = Vec::new();
+        if me == root {
+            let want = c.checked_mul(n).ok_or_else(|| Error::invalid("gather: size overflows"))?;
+            self.check_len("gather", "recv", recv_len, want)?;
+            recvs = (0..n).map(|p| (p * c * elem, c * elem)).collect();
+        }
+        let sched = algo::build_gather(n, me, root, (0, c * elem), &recvs);
+        self.v_prepared(Collective::Gather { root }, dtype, c, c, sched)
+    }
+
+    /// Scatters `root`'s `send` (`size() * recv.len()` elements): rank r receives block r
+    /// in `recv` (the same length on every rank); off the root `send` is ignored (it may be
+    /// empty).
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A scatter's checks (lengths in elements), schedule and identity.
+    pub(crate) fn scatter_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
+        self.check_root("scatter", root)?;
+        let (n, me, c, elem) = (self.size(), self.rank(), recv_len, dtype.size());
+        let mut sends = Vec::new();
+        if me == root {
+            let want = c.checked_mul(n).ok_or_else(|| Error::invalid("scatter: size overflows"))?;
+            self.check_len("scatter", "send", send_len, want)?;
+            sends = (0..n).map(|p| (p * c * elem, c * elem)).collect();
+        }
+        let sched = algo::build_scatter(n, me, root, &sends, (0, c * elem));
+        self.v_prepared(Collective::Scatter { root }, dtype, c, c, sched)
+    }
+
+    /// Gather with per-rank counts (MPI's `Gatherv`): every rank sends its whole `send`;
+    /// on the root, rank p's block lands in `recv` at `recv_displs[p]` and must have
+    /// `recv_counts[p]` elements (counts may be 0, blocks may leave gaps, must not
+    /// overlap). Off the root `recv`, `recv_counts` and `recv_displs` are ignored.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Communicator::alltoallv`]: bad counts or displacements on the root before
+    /// anything moves (naming the peer); a rank whose `send.len()` differs from the root's
+    /// count for it is an [`Error::Mismatch`] naming both, found by the root from the
+    /// message (one per rank, empty ones included), fatal for the communicator and relayed
+    /// to every member (a rank whose message has left learns of it at its next call).
+    pub fn gatherv<T: Element>(&self, send: &[T], recv: &mut [T], recv_counts: &[usize], recv_displs: &[usize], root: usize) -> Result<()> {
+        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A gatherv's checks (lengths, counts, displacements in elements), schedule and
+    /// identity.
+    pub(crate) fn gatherv_prepare(
+        &self,
+        dtype: DType,
+        send_len: usize,
+        recv: (usize, &[usize], &[usize]),
+        root: usize,
+    ) -> Result<Prepared> {
+        const NAME: &str = "gatherv";
+        self.check_root(NAME, root)?;
+        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
+        let mut recvs = Vec::new();
+        if me == root {
+            recvs = self.v_blocks(NAME, elem, "recv", recv, true)?;
+            if recvs[root].1 != send_len * elem {
+                return Err(Error::invalid(format!(
+                    "rank {me}: {NAME}: the root sends itself {send_len} elements but recv_counts[{root}] is {}",
+                    recvs[root].1 / elem
+                )));
+            }
+        }
+        let sched = algo::build_gather(n, me, root, (0, send_len * elem), &recvs);
+        self.v_prepared(Collective::GatherV { root }, dtype, 0, send_len, sched)
+    }
+
+    /// Scatter with per-rank counts (MPI's `Scatterv`): on the root, `send_counts[p]`
+    /// elements of `send` from `send_displs[p]` go to rank p (counts may be 0; send blocks
+    /// may overlap); every rank receives into its whole `recv`, whose length must equal the
+    /// root's count for it. Off the root `send`, `send_counts` and `send_displs` are
+    /// ignored. Errors as for [`Communicator::gatherv`] (the receiver finds a mismatch).
+    pub fn scatterv<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// A scatterv's checks (lengths, counts, displacements in elements), schedule and
+    /// identity.
+    pub(crate) fn scatterv_prepare(
+        &self,
+        dtype: DType,
+        send: (usize, &[usize], &[usize]),
+        recv_len: usize,
+        root: usize,
+    ) -> Result<Prepared> {
+        const NAME: &str = "scatterv";
+        self.check_root(NAME, root)?;
+        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
+        let mut sends = Vec::new();
+        if me == root {
+            sends = self.v_blocks(NAME, elem, "send", send, false)?;
+            if sends[root].1 != recv_len * elem {
+                return Err(Error::invalid(format!(
+                    "rank {me}: {NAME}: the root expects {recv_len} elements from itself but send_counts[{root}] is {}",
+                    sends[root].1 / elem
+                )));
+            }
+        }
+        let sched = algo::build_scatter(n, me, root, &sends, (0, recv_len * elem));
+        self.v_prepared(Collective::ScatterV { root }, dtype, 0, recv_len, sched)
+    }
+
+    /// The (byte offset, byte length) of every block of a buffer of `len` elements given by
+    /// per-member `counts` and `displs` (elements), for call `name`'s `side` ("send",
+    /// "recv"); with `exclusive`, blocks that overlap are refused (receive sides).
+    fn v_blocks(
+        &self,
+        name: &str,
+        elem: usize,
+        side: &str,
+        (len, counts, displs): (usize, &[usize], &[usize]),
+        exclusive: bool,
+    ) -> Result<Vec<(usize, usize)>> {
+        let (n, me) = (self.size(), self.rank());
+        let bad = |what: String| Error::invalid(format!("rank {me}: {name}: {what}"));
+        for (what, v) in [("counts", counts), ("displacements", displs)] {
+            if v.len() != n {
+                return Err(bad(format!("{side}_{what} has {} entries, expected one per member ({n})", v.len())));
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        for (p, (&c, &d)) in counts.iter().zip(displs).enumerate() {
+            match d.checked_add(c) {
+                Some(end) if end <= len => out.push((d * elem, c * elem)),
+                _ => {
+                    return Err(bad(format!(
+                        "the {side} block of peer {p} ({c} elements at displacement {d}) runs past the {side} buffer's {len} elements"
+                    )))
+                }
+            }
+        }
+        if exclusive {
+            // Empty blocks never overlap.
+            let mut order: Vec<usize> = (0..n).filter(|&p| out[p].1 > 0).collect();
+            order.sort_by_key(|&p| out[p].0);
+            for w in order.windows(2) {
+                let (a, b) = (w[0], w[1]);
+                if out[a].0 + out[a].1 > out[b].0 {
+                    let (ea, eb) = (out[a].0 / elem, out[b].0 / elem);
+                    return Err(bad(format!(
+                        "the {side} blocks of peers {a} ({} elements at {ea}) and {b} ({} elements at {eb}) overlap",
+                        out[a].1 / elem,
+                        out[b].1 / elem
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A per-call schedule's identity: its descriptor (with `desc_count`, the same on every
+    /// rank) and its name in errors (with `count`, this rank's).
+    fn v_prepared(&self, coll: Collective, dtype: DType, desc_count: usize, count: usize, sched: Schedule) -> Result<Prepared> {
+        let algo = Algo::Mesh;
+        let (_, desc, _) = self.identity(coll, dtype, ReduceOp::Sum, desc_count, false, algo);
+        let name = Op::collective(coll, dtype, count, ReduceOp::Sum, algo);
+        self.check_usable(&name)?;
+        Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op: ReduceOp::Sum, ll: None })
+    }
+
+    /// Runs a prepared out-of-place call over `send` and `recv`.
+    fn run_v(&self, prep: Prepared, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let scratch = self.scratch().get(prep.sched.scratch_bytes);
+        let r = with_region(recv, |out| with_region_ro(send, |inp| self.run_coll(prep, Some(inp.clone()), out.clone(), scratch.clone())));
+        self.scratch().put(scratch);
+        r
+    }
+
+    /// Checks an alltoallv's counts and displacements against its buffers (`(length,
+    /// counts, displacements)` of each, in elements) and builds its schedule and identity.
+    /// Errors here leave the communicator usable.
+    pub(crate) fn alltoallv_prepare(
+        &self,
+        dtype: DType,
+        send: (usize, &[usize], &[usize]),
+        recv: (usize, &[usize], &[usize]),
+    ) -> Result<Prepared> {
+        const NAME: &str = "alltoallv";
+        let (n, me) = (self.size(), self.rank());
+        let bad = |what: String| Error::invalid(format!("rank {me}: {NAME}: {what}"));
+        let elem = dtype.size();
+        let sends = self.v_blocks(NAME, elem, "send", send, false)?;
+        let recvs = self.v_blocks(NAME, elem, "recv", recv, true)?;
+        if sends[me].1 != recvs[me].1 {
+            return Err(bad(format!(
+                "rank {me} sends itself {} elements but expects {} from itself (send_counts[{me}] != recv_counts[{me}])",
+                sends[me].1 / elem,
+                recvs[me].1 / elem
+            )));
+        }
+        let total = send.1.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        // The descriptor compared on the wire leaves the counts out (they are per rank);
+        // errors name this rank's total sent.
+        self.v_prepared(Collective::AllToAllV, dtype, 0, total, algo::build_alltoallv(n, me, &sends, &recvs))
     }
 
     // The argument checks and call descriptions, shared by the blocking calls, the

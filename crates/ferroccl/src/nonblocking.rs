@@ -316,6 +316,68 @@ impl<'s, 'env> Scope<'s, 'env> {
         self.start_call(self.comm.alltoall_call(send, recv))
     }
 
+    /// Non-blocking [`Communicator::alltoallv`] (the same checks, before anything starts).
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &'s [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'s mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<Request<'s>> {
+        let prep = self.comm.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Non-blocking [`Communicator::gather`].
+    pub fn gather<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
+        let prep = self.comm.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Non-blocking [`Communicator::scatter`].
+    pub fn scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
+        let prep = self.comm.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Non-blocking [`Communicator::gatherv`].
+    pub fn gatherv<T: Element>(
+        &self,
+        send: &'s [T],
+        recv: &'s mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        root: usize,
+    ) -> Result<Request<'s>> {
+        let prep = self.comm.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Non-blocking [`Communicator::scatterv`].
+    pub fn scatterv<T: Element>(
+        &self,
+        send: &'s [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'s mut [T],
+        root: usize,
+    ) -> Result<Request<'s>> {
+        let prep = self.comm.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    }
+
+    /// Registers a per-call collective's buffers (alltoallv, gather, scatter) in the scope
+    /// and starts it.
+    fn start_prepared(&self, prep: crate::prepared::Prepared, send: &'s [u8], recv: &'s mut [u8]) -> Result<Request<'s>> {
+        let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
+        self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
+        let output = self.regions.register(recv);
+        let input = self.regions.register_ro(send);
+        self.submit(vec![self.comm.coll_part(prep, Some(input), output, scratch)])
+    }
+
     /// Non-blocking [`Communicator::send`]. `peer` may not be this rank itself: a send to
     /// itself goes in a group with its receive (see [`Group::send`]).
     pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {

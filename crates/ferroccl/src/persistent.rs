@@ -42,6 +42,7 @@ use crate::coll::CallSpec;
 use crate::comm::Communicator;
 use crate::engine::Job;
 use crate::error::{Error, Op, Result};
+use crate::prepared::Prepared;
 use crate::proto::Desc;
 
 /// A collective built once, run many times; see the [module documentation](self).
@@ -70,6 +71,11 @@ impl<'a, T: Element> Plan<'a, T> {
     fn build(comm: &'a Communicator, call: CallSpec, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
         let CallSpec { name, coll, dtype, op, count } = call;
         let prep = comm.prepare(name, coll, dtype, op, count, input.is_none())?;
+        Self::build_prepared(comm, prep, input, output)
+    }
+
+    /// A plan of the prepared call `prep` (checked against `input` / `output`).
+    fn build_prepared(comm: &'a Communicator, prep: Prepared, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
         let scratch = RegionHandle::owned(prep.sched.scratch_bytes);
         let out = Registration::new(as_bytes_mut(output));
         // Writable, so that the owner can refill it between runs; the schedules never
@@ -181,6 +187,62 @@ impl Communicator {
     pub fn reduce_scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
         let call = self.reduce_scatter_call(&*send, &mut *recv, op)?.spec();
         Plan::build(self, call, Some(send), recv)
+    }
+
+    /// A persistent alltoallv (see [`Communicator::alltoallv`]): the counts and
+    /// displacements are checked and the schedule is built once, for every run; refill
+    /// `send` through [`Plan::input_mut`].
+    pub fn alltoallv_plan<'a, T: Element>(
+        &'a self,
+        send: &'a mut [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'a mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<Plan<'a, T>> {
+        let prep = self.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent gather (see [`Communicator::gather`]); refill `send` through
+    /// [`Plan::input_mut`].
+    pub fn gather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent scatter (see [`Communicator::scatter`]); refill `send` (on the root)
+    /// through [`Plan::input_mut`].
+    pub fn scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent gatherv (see [`Communicator::gatherv`]), checked and built once.
+    pub fn gatherv_plan<'a, T: Element>(
+        &'a self,
+        send: &'a mut [T],
+        recv: &'a mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        root: usize,
+    ) -> Result<Plan<'a, T>> {
+        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
+    }
+
+    /// A persistent scatterv (see [`Communicator::scatterv`]), checked and built once.
+    pub fn scatterv_plan<'a, T: Element>(
+        &'a self,
+        send: &'a mut [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'a mut [T],
+        root: usize,
+    ) -> Result<Plan<'a, T>> {
+        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent broadcast of `root`'s `buf` (see [`Communicator::broadcast`]).

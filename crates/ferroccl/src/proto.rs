@@ -73,10 +73,30 @@ fn coll_code(c: Collective) -> u8 {
         Collective::Broadcast { .. } => 4,
         Collective::Reduce { .. } => 5,
         Collective::AllToAll => 6,
+        Collective::AllToAllV => 9,
+        Collective::Gather { .. } => 10,
+        Collective::Scatter { .. } => 11,
+        Collective::GatherV { .. } => 12,
+        Collective::ScatterV { .. } => 13,
     }
 }
 
-const COLL_NAMES: [&str; 9] = ["?", "allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "barrier", "split"];
+const COLL_NAMES: [&str; 14] = [
+    "?",
+    "allreduce",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "barrier",
+    "split",
+    "alltoallv",
+    "gather",
+    "scatter",
+    "gatherv",
+    "scatterv",
+];
 
 /// The descriptor of a barrier (a call every member makes, on the collective channel).
 pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
@@ -127,8 +147,16 @@ pub(crate) fn describe(d: &Desc) -> String {
     let mut c = [0u8; 8];
     c[..6].copy_from_slice(&d[8..14]);
     let count = u64::from_le_bytes(c);
-    let rooted = matches!(d[0], 4 | 5);
+    let rooted = matches!(d[0], 4 | 5 | 10..=13);
     let reduces = matches!(d[0], 1 | 3 | 5);
+    if d[0] == 9 {
+        // alltoallv: the counts are per rank and pair, checked transfer by transfer.
+        return format!("{coll}({dtype}, algo {algo}, proto {proto})");
+    }
+    if matches!(d[0], 12 | 13) {
+        // gatherv, scatterv: likewise, per rank.
+        return format!("{coll}({dtype}, root {root}, algo {algo}, proto {proto})");
+    }
     format!(
         "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",
         if reduces { format!(", {op}") } else { String::new() },

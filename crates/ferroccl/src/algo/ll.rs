@@ -51,7 +51,15 @@ impl LlSpec {
         let from_output = self.in_place;
         match self.kind {
             LlKind::Barrier => (false, 0, 0),
-            LlKind::Coll(Collective::AllReduce | Collective::Reduce { .. }) => (from_output, 0, b),
+            LlKind::Coll(
+                Collective::AllReduce
+                | Collective::Reduce { .. }
+                | Collective::AllToAllV
+                | Collective::Gather { .. }
+                | Collective::Scatter { .. }
+                | Collective::GatherV { .. }
+                | Collective::ScatterV { .. },
+            ) => (from_output, 0, b),
             LlKind::Coll(Collective::AllGather) => (from_output, if self.in_place { rank * b } else { 0 }, b),
             LlKind::Coll(Collective::ReduceScatter | Collective::AllToAll) => (from_output, 0, b * n),
             LlKind::Coll(Collective::Broadcast { root }) => (true, 0, if rank == root { b } else { 0 }),

@@ -14,7 +14,9 @@
 //!   so independent transfers overlap with each other and with reductions.
 //! * A step never reads or writes a range that an unfinished step writes (the deps say so).
 //! * Builders never emit a transfer of length 0 (they drop it) unless a count of 0 makes the
-//!   whole schedule empty.
+//!   whole schedule empty; except alltoallv's, which sends every peer one message, empty
+//!   or not, so that its receiver can compare the length with its own count (the
+//!   simulator, which refuses empty transfers, does not run it).
 //!
 //! # Buffers and in-place calls
 //!
@@ -202,6 +204,34 @@ pub enum Collective {
     },
     /// Input `count * n` per rank; block j goes to rank j; output block i comes from rank i.
     AllToAll,
+    /// All-to-all with per-peer counts and displacements
+    /// ([`Communicator::alltoallv`](crate::Communicator::alltoallv)): `count` is this rank's
+    /// total of elements sent (it differs between ranks, so the call descriptor compared on
+    /// the wire leaves it out).
+    AllToAllV,
+    /// Every rank's `count` elements land in `root`'s output (`n * count`, rank r's block at
+    /// block r).
+    Gather {
+        /// The rank that receives.
+        root: usize,
+    },
+    /// `root`'s input (`n * count`): block r goes to rank r's output (`count`).
+    Scatter {
+        /// The rank that sends.
+        root: usize,
+    },
+    /// Gather with per-rank counts and displacements at the root
+    /// ([`Communicator::gatherv`](crate::Communicator::gatherv)); `count` is this rank's.
+    GatherV {
+        /// The rank that receives.
+        root: usize,
+    },
+    /// Scatter with per-rank counts and displacements at the root
+    /// ([`Communicator::scatterv`](crate::Communicator::scatterv)); `count` is this rank's.
+    ScatterV {
+        /// The rank that sends.
+        root: usize,
+    },
 }
 
 /// The collective algorithms (not every one implements every collective: see
@@ -260,7 +290,26 @@ impl Collective {
             Collective::Broadcast { .. } => "broadcast",
             Collective::Reduce { .. } => "reduce",
             Collective::AllToAll => "alltoall",
+            Collective::AllToAllV => "alltoallv",
+            Collective::Gather { .. } => "gather",
+            Collective::Scatter { .. } => "scatter",
+            Collective::GatherV { .. } => "gatherv",
+            Collective::ScatterV { .. } => "scatterv",
         }
+    }
+
+    /// Whether the call's schedule is built per call from its arguments by the builders of
+    /// `build_alltoallv`, `build_gather`, `build_scatter` (never from a [`Shape`], never on
+    /// the low-latency slots).
+    pub(crate) const fn per_call(self) -> bool {
+        matches!(
+            self,
+            Collective::AllToAllV
+                | Collective::Gather { .. }
+                | Collective::Scatter { .. }
+                | Collective::GatherV { .. }
+                | Collective::ScatterV { .. }
+        )
     }
 
     /// Whether the collective combines values with a [`ReduceOp`].
@@ -271,7 +320,12 @@ impl Collective {
     /// The root, for rooted collectives.
     pub const fn root(self) -> Option<usize> {
         match self {
-            Collective::Broadcast { root } | Collective::Reduce { root } => Some(root),
+            Collective::Broadcast { root }
+            | Collective::Reduce { root }
+            | Collective::Gather { root }
+            | Collective::Scatter { root }
+            | Collective::GatherV { root }
+            | Collective::ScatterV { root } => Some(root),
             _ => None,
         }
     }
@@ -285,6 +339,9 @@ impl Collective {
             Collective::AllGather => (count, all),
             Collective::ReduceScatter => (all, count),
             Collective::AllToAll => (all, all),
+            Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. } => (count, count),
+            Collective::Gather { .. } => (count, all),
+            Collective::Scatter { .. } => (all, count),
         })
     }
 }
@@ -329,7 +386,8 @@ impl Algo {
             Algo::Mesh => true,
             Algo::OneShot => matches!(coll, Collective::AllReduce),
             Algo::Chain => matches!(coll, Collective::Broadcast { .. }),
-            Algo::Ll => true,
+            // Per-peer counts do not fit the slots' layout.
+            Algo::Ll => !coll.per_call(),
         }
     }
 
@@ -362,6 +420,32 @@ impl std::str::FromStr for Algo {
 /// Whether `dtype` is a floating-point type.
 pub(crate) const fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::Bf16)
+}
+
+/// Builds rank `rank`'s schedule of an alltoallv among `n` ranks (always [`Algo::Mesh`]):
+/// `send[p]` / `recv[p]` are the (byte offset, byte length) of the block of `Input` for rank
+/// `p` / of `Output` from rank `p`, already checked against the buffers, with
+/// `send[rank].1 == recv[rank].1`. One transfer per ordered pair of ranks, zero-length ones
+/// included (see `mesh/alltoallv.rs`).
+pub(crate) fn build_alltoallv(n: usize, rank: usize, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Schedule {
+    debug_assert!(send.len() == n && recv.len() == n && rank < n && send[rank].1 == recv[rank].1);
+    mesh::alltoallv::build(n, rank, send, recv)
+}
+
+/// Builds rank `rank`'s schedule of a gather (or gatherv) to `root` among `n` ranks (always
+/// [`Algo::Mesh`]): `send` is the (byte offset, byte length) of this rank's block of
+/// `Input`; on the root, `recv[p]` is where rank `p`'s block lands in `Output` (elsewhere
+/// `recv` is not read), with `recv[root].1 == send.1`. Every other rank sends the root one
+/// message, empty or not (see `mesh/rooted.rs`).
+pub(crate) fn build_gather(n: usize, rank: usize, root: usize, send: (usize, usize), recv: &[(usize, usize)]) -> Schedule {
+    mesh::rooted::gather(n, rank, root, send, recv)
+}
+
+/// Builds rank `rank`'s schedule of a scatter (or scatterv) from `root` among `n` ranks:
+/// on the root `send[p]` is rank `p`'s block of `Input` (elsewhere not read); `recv` is
+/// where this rank's block lands in `Output`, with `send[root].1 == recv.1` on the root.
+pub(crate) fn build_scatter(n: usize, rank: usize, root: usize, send: &[(usize, usize)], recv: (usize, usize)) -> Schedule {
+    mesh::rooted::scatter(n, rank, root, send, recv)
 }
 
 /// Builds `shape.rank`'s schedule of one call of `shape.coll` with `algo`.
@@ -411,6 +495,7 @@ pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
         (Algo::Mesh, Collective::AllGather) => mesh::allgather::build(shape),
         (Algo::Mesh, Collective::ReduceScatter) => mesh::reduce_scatter::build(shape),
         (Algo::Mesh, Collective::AllToAll) => mesh::alltoall::build(shape),
+        (_, c) if c.per_call() => return Err(format!("{} is built per call (build_alltoallv, build_gather, build_scatter)", c.name())),
         (Algo::Mesh, Collective::Reduce { root }) => mesh::reduce::build(shape, root),
         (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
         (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),

@@ -80,6 +80,12 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         // One ReduceMany reads n blocks of S / n.
         (Algo::Mesh, Collective::AllReduce) => (2.0, 2.0 * (nf - 2.0), 2.0 * frac * total, contention, total),
         (Algo::Mesh, Collective::AllGather | Collective::AllToAll) => (1.0, nf - 2.0, frac * total, contention, 0.0),
+        // `bytes`: this rank's whole send buffer (its counts are its own).
+        (Algo::Mesh, Collective::AllToAllV) => (1.0, nf - 2.0, frac * total, contention, 0.0),
+        // The root receives (sends) n - 1 blocks of this rank's count.
+        (Algo::Mesh, Collective::Gather { .. } | Collective::Scatter { .. } | Collective::GatherV { .. } | Collective::ScatterV { .. }) => {
+            (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0)
+        }
         (Algo::Mesh, Collective::ReduceScatter) => (1.0, nf - 2.0, frac * total, contention, total),
         // The root receives (sends) n - 1 messages.
         (Algo::Mesh, Collective::Reduce { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, nf * total),
@@ -142,6 +148,11 @@ pub(crate) fn ll_estimate(coll: Collective, n: usize, bytes: usize) -> f64 {
         Collective::AllGather => s + 2.0 * nf * s,
         Collective::ReduceScatter => nf * s + nf * s + s,
         Collective::AllToAll => nf * s + 2.0 * nf * s,
+        Collective::AllToAllV
+        | Collective::Gather { .. }
+        | Collective::Scatter { .. }
+        | Collective::GatherV { .. }
+        | Collective::ScatterV { .. } => 3.0 * s,
         Collective::Broadcast { .. } => 3.0 * s,
     };
     LL_LATENCY_US + copied * 1e-3 / LL_COPY_GBPS

@@ -180,6 +180,8 @@ fn check(c: &Case) -> Result<Vec<Vec<u8>>, String> {
         Collective::AllToAll => (0..n).map(|r| (0..n).flat_map(|i| inputs[i][r * blk..(r + 1) * blk].to_vec()).collect()).collect(),
         Collective::Broadcast { root } => vec![inputs[root].clone(); n],
         Collective::Reduce { root } => (0..n).map(|r| if r == root { reduce_all(c, &inputs) } else { initial[r].clone() }).collect(),
+        c if c.per_call() => return Err(format!("{} is not built from a shape", c.name())),
+        c => return Err(format!("{} has no reference here", c.name())),
     };
     for r in 0..n {
         if approximate(c) {
@@ -506,4 +508,55 @@ fn simulator_reports_deadlock_mismatch_and_races() {
     let mut oob = Schedule::default();
     oob.push(Action::Copy { dst: slice(Buf::Output, 0, 4), src: slice(Buf::Scratch, 0, 4) }, vec![]);
     assert!(matches!(run(vec![oob, Schedule::default()]), Err(SimError::Invalid { .. })));
+}
+
+#[test]
+fn alltoallv_sends_every_peer_one_whole_block_in_pairwise_order() {
+    // 3 ranks, rank 1: sends 2 elements (bytes here) to rank 0, 0 to rank 2, 1 to itself.
+    let send = [(0, 2), (5, 1), (2, 0)];
+    let recv = [(4, 3), (1, 1), (9, 0)];
+    let s = super::build_alltoallv(3, 1, &send, &recv);
+    let ops: Vec<Action> = s.steps.iter().map(|st| st.op.clone()).collect();
+    let sl = |buf, start, len| Slice::new(buf, start, len);
+    assert_eq!(
+        ops,
+        vec![
+            // Step 1: receive from rank 0, send to rank 2 (the empty block too).
+            Action::Recv { peer: 0, dst: sl(Buf::Output, 4, 3) },
+            Action::Send { peer: 2, src: sl(Buf::Input, 2, 0) },
+            // Step 2: receive from rank 2 (empty), send to rank 0.
+            Action::Recv { peer: 2, dst: sl(Buf::Output, 9, 0) },
+            Action::Send { peer: 0, src: sl(Buf::Input, 0, 2) },
+            Action::Copy { dst: sl(Buf::Output, 1, 1), src: sl(Buf::Input, 5, 1) },
+        ]
+    );
+    assert!(s.steps.iter().all(|st| st.deps.is_empty()) && s.scratch_bytes == 0);
+    // Alone: only the copy, and nothing at all for an empty block.
+    assert_eq!(super::build_alltoallv(1, 0, &[(0, 4)], &[(8, 4)]).steps.len(), 1);
+    assert!(super::build_alltoallv(1, 0, &[(0, 0)], &[(8, 0)]).steps.is_empty());
+}
+
+#[test]
+fn gather_and_scatter_exchange_one_message_per_rank_with_the_root() {
+    let sl = |buf, start, len| Slice::new(buf, start, len);
+    // Off the root: one message, empty or not.
+    let g = super::build_gather(3, 2, 1, (0, 0), &[]);
+    assert_eq!(g.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(), vec![Action::Send { peer: 1, src: sl(Buf::Input, 0, 0) }]);
+    let sc = super::build_scatter(3, 0, 1, &[], (4, 8));
+    assert_eq!(sc.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(), vec![Action::Recv { peer: 1, dst: sl(Buf::Output, 4, 8) }]);
+    // The root: every other rank from root + 1 on, then its own block.
+    let g = super::build_gather(3, 1, 1, (0, 4), &[(8, 0), (0, 4), (4, 4)]);
+    assert_eq!(
+        g.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(),
+        vec![
+            Action::Recv { peer: 2, dst: sl(Buf::Output, 4, 4) },
+            Action::Recv { peer: 0, dst: sl(Buf::Output, 8, 0) },
+            Action::Copy { dst: sl(Buf::Output, 0, 4), src: sl(Buf::Input, 0, 4) },
+        ]
+    );
+    let sc = super::build_scatter(2, 0, 0, &[(6, 2), (0, 6)], (0, 2));
+    assert_eq!(
+        sc.steps.iter().map(|s| s.op.clone()).collect::<Vec<_>>(),
+        vec![Action::Send { peer: 1, src: sl(Buf::Input, 0, 6) }, Action::Copy { dst: sl(Buf::Output, 0, 2), src: sl(Buf::Input, 6, 2) }]
+    );
 }

@@ -22,8 +22,8 @@ pub enum Op {
         coll: Collective,
         /// The element type.
         dtype: DType,
-        /// The element count (per rank for allgather, reduce_scatter and alltoall; of the
-        /// packed buffer for a fused group).
+        /// The element count (per rank for allgather, reduce_scatter and alltoall; what this
+        /// rank sends in all for alltoallv; of the packed buffer for a fused group).
         count: usize,
         /// The reduction, for the calls that reduce.
         reduce: Option<ReduceOp>,
@@ -137,10 +137,15 @@ impl Op {
         op
     }
 
-    /// The element type of a point-to-point call (sizes in its errors speak in it).
+    /// The element type of a point-to-point call or an alltoallv (sizes in their errors speak
+    /// in it).
     pub(crate) fn p2p_dtype(&self) -> Option<DType> {
         match self {
             Op::Send { dtype, .. } | Op::Recv { dtype, .. } | Op::SendRecv { dtype, .. } => Some(*dtype),
+            // One whole block per transfer: its length is a count the caller passed.
+            Op::Collective { coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. }, dtype, .. } => {
+                Some(*dtype)
+            }
             _ => None,
         }
     }

@@ -4,8 +4,8 @@
 //! `tests/mesh.rs`, and over verbs in `tools/softroce/verbs-suite.sh`).
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
-//! work) in `p2p.rs`, `collectives.rs`, `nonblocking.rs`, `groups.rs`, `onesided.rs` or
-//! `weights.rs`; `conformance_suite!` makes one
+//! work) in `p2p.rs`, `collectives.rs`, `alltoallv.rs`, `nonblocking.rs`, `groups.rs`,
+//! `onesided.rs` or `weights.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -22,6 +22,7 @@
 //! makes them fail instead. A transport's own tests (the shm ring's knobs, verbs without
 //! a device) sit next to its instantiation.
 
+mod alltoallv;
 mod collectives;
 mod groups;
 mod harness;
@@ -63,6 +64,13 @@ macro_rules! conformance_suite {
             collectives::forced_ll_on_split_communicators_next_to_the_world,
             collectives::forced_ll_mismatched_calls_fail_on_every_rank,
             collectives::forced_ll_is_on_in_every_thread_rank_world,
+            alltoallv::alltoallv_equals_the_reference,
+            alltoallv::alltoallv_plans_run_many_times,
+            alltoallv::alltoallv_bad_arguments_are_errors,
+            alltoallv::alltoallv_mismatched_counts_fail_on_every_rank,
+            alltoallv::gather_scatter_and_v_forms_equal_the_reference,
+            alltoallv::gather_scatter_bad_arguments_and_mismatches_are_errors,
+            alltoallv::rooted_plans_run_many_times,
             nonblocking::interleaved_nonblocking_collectives_equal_the_reference,
             nonblocking::plans_run_many_times_with_rewritten_buffers,
             nonblocking::groups_run_as_one_unit,

@@ -9,9 +9,11 @@
 pub(super) mod allgather;
 pub(super) mod allreduce;
 pub(super) mod alltoall;
+pub(super) mod alltoallv;
 pub(super) mod broadcast;
 pub(super) mod reduce;
 pub(super) mod reduce_scatter;
+pub(super) mod rooted;
 
 /// Held-back local steps of the mesh builders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
