@@ -371,11 +371,18 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// Registers a per-call collective's buffers (alltoallv, gather, scatter) in the scope
     /// and starts it.
     fn start_prepared(&self, prep: crate::prepared::Prepared, send: &'s [u8], recv: &'s mut [u8]) -> Result<Request<'s>> {
+        let part = self.prepared_part(prep, send, recv);
+        self.submit(vec![part])
+    }
+
+    /// The part of a per-call collective (alltoallv, gather, scatter), its buffers
+    /// registered in the scope.
+    fn prepared_part(&self, prep: crate::prepared::Prepared, send: &'s [u8], recv: &'s mut [u8]) -> Part {
         let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
         self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
         let output = self.regions.register(recv);
         let input = self.regions.register_ro(send);
-        self.submit(vec![self.comm.coll_part(prep, Some(input), output, scratch)])
+        self.comm.coll_part(prep, Some(input), output, scratch)
     }
 
     /// Non-blocking [`Communicator::send`]. `peer` may not be this rank itself: a send to
@@ -607,6 +614,59 @@ impl<'s> Group<'s, '_> {
     /// Adds an [`Communicator::alltoall`].
     pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
         self.add_call(self.scope.comm.alltoall_call(send, recv))
+    }
+
+    /// Adds an [`Communicator::alltoallv`] (checked at once, as there).
+    pub fn alltoallv<T: Element>(
+        &self,
+        send: &'s [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'s mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+    ) -> Result<()> {
+        let c = self.scope.comm;
+        let prep = c.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    }
+
+    /// Adds a [`Communicator::gather`].
+    pub fn gather<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
+        let prep = self.scope.comm.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    }
+
+    /// Adds a [`Communicator::scatter`].
+    pub fn scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
+        let prep = self.scope.comm.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    }
+
+    /// Adds a [`Communicator::gatherv`].
+    pub fn gatherv<T: Element>(
+        &self,
+        send: &'s [T],
+        recv: &'s mut [T],
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let prep = self.scope.comm.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    }
+
+    /// Adds a [`Communicator::scatterv`].
+    pub fn scatterv<T: Element>(
+        &self,
+        send: &'s [T],
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: &'s mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let prep = self.scope.comm.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
     }
 
     /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,

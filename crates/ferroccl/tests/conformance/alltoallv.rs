@@ -166,6 +166,19 @@ fn check_dtype<X: V>(comm: &Communicator, k: &Case, k2: &Case, seed: u64) -> Res
     if recv2 != want2 {
         return Err(format!("{}: second: got {recv2:?}, want {want2:?} ({k2:?})", ctx("scope")));
     }
+
+    // The two in one group, next to an allreduce: one job.
+    let (mut g1, mut g2) = (vec![sentinel; rl.len], vec![sentinel; rl2.len]);
+    let mut sum = [1u32; 3];
+    comm.group(|g| {
+        g.alltoallv(&send, &sl.counts, &sl.displs, &mut g1, &rl.counts, &rl.displs)?;
+        g.allreduce(&mut sum, ferroccl::ReduceOp::Sum)?;
+        g.alltoallv(&send2, &sl2.counts, &sl2.displs, &mut g2, &rl2.counts, &rl2.displs)
+    })
+    .map_err(|e| format!("{}: {e}", ctx("group")))?;
+    if g1 != want || g2 != want2 || sum != [comm.size() as u32; 3] {
+        return Err(format!("{}: got {g1:?} / {g2:?} / {sum:?}, want {want:?} / {want2:?} ({k:?}, {k2:?})", ctx("group")));
+    }
     Ok(())
 }
 
@@ -512,6 +525,25 @@ fn rooted<X: V>(comm: &Communicator, root: usize, seed: u64) -> Result<(), Strin
     }
     if s_recv[..] != all[r * c..(r + 1) * c] || sv_recv != blocking {
         return Err(format!("{}: scatter got {s_recv:?}, scatterv got {sv_recv:?} (blocking: {blocking:?})", ctx("scope")));
+    }
+
+    // The four in one group (one job): the same results.
+    let mut g_recv2 = vec![sentinel; g_recv.len()];
+    let mut s_recv2 = vec![sentinel; c];
+    let mut gv_recv2 = vec![sentinel; gv_recv.len()];
+    let mut sv_recv2 = vec![sentinel; sv_recv.len()];
+    comm.group(|g| {
+        g.gather(&g_send, &mut g_recv2, root)?;
+        g.scatter(&s_send, &mut s_recv2, root)?;
+        g.gatherv(&gv_send, &mut gv_recv2, rc, rd, root)?;
+        g.scatterv(&send, sc, sd, &mut sv_recv2, root)
+    })
+    .map_err(|e| format!("{}: {e}", ctx("group")))?;
+    if g_recv2 != g_recv || s_recv2 != s_recv || gv_recv2 != gv_recv || sv_recv2 != sv_recv {
+        return Err(format!(
+            "{}: gather {g_recv2:?} scatter {s_recv2:?} gatherv {gv_recv2:?} scatterv {sv_recv2:?} differ from the scope's",
+            ctx("group")
+        ));
     }
     Ok(())
 }
