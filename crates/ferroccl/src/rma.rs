@@ -767,48 +767,32 @@ impl RmaServer {
                             // own immediate, in order on this connection; over tcp every row
                             // in one frame (a column shard of 1,024 rows of 2 KiB was 1,024
                             // frames, each a few system calls on both sides).
-                            let mut status = None;
-                            if let (Endpoint::Tcp(t), true) = (ep, shape.rows > 1) {
-                                let w = WriteReq {
-                                    src: &e.region,
-                                    src_mr: None,
-                                    offset: target.offset as usize,
-                                    len: shape.row as usize,
-                                    dst: buf,
-                                    dst_offset: 0,
-                                    imm,
-                                };
-                                if t.post_write_rows(&w, shape.rows, shape.src_stride, shape.dst_stride, deadline).is_ok() {
-                                    continue;
+                            let row = |r: u32| WriteReq {
+                                src: &e.region,
+                                src_mr: e.mr.as_ref(),
+                                offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
+                                len: shape.row as usize,
+                                dst: buf,
+                                dst_offset: u64::from(r) * shape.dst_stride,
+                                imm: row_imm(imm, r),
+                            };
+                            let posted = match ep {
+                                Endpoint::Tcp(t) if shape.rows > 1 => {
+                                    t.post_write_rows(&row(0), shape.rows, shape.src_stride, shape.dst_stride, deadline).is_ok()
                                 }
-                                status = Some(RmaStatus::Failed);
-                            }
-                            for r in 0..shape.rows {
-                                if status.is_some() {
-                                    break;
-                                }
-                                let w = WriteReq {
-                                    src: &e.region,
-                                    src_mr: e.mr.as_ref(),
-                                    offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
-                                    len: shape.row as usize,
-                                    dst: buf,
-                                    dst_offset: u64::from(r) * shape.dst_stride,
-                                    imm: row_imm(imm, r),
-                                };
-                                match ep.post_write(&w, deadline, &pump) {
-                                    Ok(WriteTicket::Done) => {}
-                                    Ok(WriteTicket::Pending(p)) => self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p),
-                                    Err(_) => {
-                                        status = Some(RmaStatus::Failed);
-                                        break;
+                                _ => (0..shape.rows).all(|r| match ep.post_write(&row(r), deadline, &pump) {
+                                    Ok(WriteTicket::Done) => true,
+                                    Ok(WriteTicket::Pending(p)) => {
+                                        self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                                        true
                                     }
-                                }
+                                    Err(_) => false,
+                                }),
+                            };
+                            if posted {
+                                continue;
                             }
-                            match status {
-                                None => continue,
-                                Some(st) => st,
-                            }
+                            RmaStatus::Failed
                         }
                     };
                     let _ = ep.post_send(&proto::encode_reply(target.req, status), deadline, &pump);
