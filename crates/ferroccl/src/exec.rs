@@ -245,11 +245,11 @@ impl Exec {
                     Some((2 * *peer + 1, Xfer::Put(PutOp::new(*peer, world(*peer)?, *remote, *offset, h, src.range.start, *block))))
                 }
                 // Behind the puts to the same peer, so raised after they landed.
-                Action::Signal { peer, value } => {
-                    Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, value.unwrap_or(run.signal)))))
+                Action::Signal { peer, slot, value } => {
+                    Some((2 * *peer + 1, Xfer::Signal(SignalOp::raise(world(*peer)?, *slot, value.unwrap_or(run.signal)))))
                 }
-                Action::WaitSignal { peer, value } => {
-                    Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, value.unwrap_or(run.signal)))))
+                Action::WaitSignal { peer, slot, value } => {
+                    Some((2 * *peer, Xfer::Signal(SignalOp::wait(world(*peer)?, *slot, value.unwrap_or(run.signal)))))
                 }
                 local => {
                     if matches!(local, Action::Reduce { .. } | Action::ReduceMany { .. })

@@ -70,6 +70,9 @@ pub(crate) struct Fabric {
     pub(crate) job: u64,
     /// Numbers of this rank's one-sided requests (their owners' replies name them).
     next_req: std::sync::atomic::AtomicU64,
+    /// The lowest signal slot no library object of this process has claimed (slot 0 is the
+    /// public signal; see [`Fabric::claim_signal_slots`]).
+    next_signal_slot: std::sync::atomic::AtomicU32,
     health: Health,
     store: Mutex<Option<StoreClient>>,
     server: Mutex<Option<StoreServer>>,
@@ -97,6 +100,7 @@ impl Fabric {
             peer_regions: PeerRegions::default(),
             job: job_id(&token, &key_prefix),
             next_req: std::sync::atomic::AtomicU64::new(1),
+            next_signal_slot: std::sync::atomic::AtomicU32::new(1),
             health: Health::new(rank, inbox.clone(), watches),
             params,
             inbox,
@@ -203,6 +207,18 @@ impl Fabric {
     /// `n` fresh numbers for one-sided requests: the first of them.
     pub(crate) fn next_reqs(&self, n: u64) -> u64 {
         self.next_req.fetch_add(n.max(1), Ordering::Relaxed)
+    }
+
+    /// The lowest signal slot this process has not given to a library object: what this
+    /// rank proposes when the members of a communicator agree on slots (they take the
+    /// highest proposal, so the slots are free on every member).
+    pub(crate) fn free_signal_slot(&self) -> u32 {
+        self.next_signal_slot.load(Ordering::Relaxed)
+    }
+
+    /// Claims slots `first..first + n` (agreed by the members): later proposals are above.
+    pub(crate) fn claim_signal_slots(&self, first: u32, n: u32) {
+        self.next_signal_slot.fetch_max(first.saturating_add(n), Ordering::Relaxed);
     }
 
     /// A fresh immediate for a rendezvous write.

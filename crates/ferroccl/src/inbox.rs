@@ -70,8 +70,9 @@ pub(crate) struct Events {
     /// The owners' answers to this rank's one-sided requests: (owner world rank, request
     /// number) -> status.
     pub(crate) rma_replies: HashMap<(usize, u64), RmaStatus>,
-    /// The last value each peer (world rank) signalled this rank (`put_signal`, `signal`).
-    pub(crate) signals: HashMap<usize, u64>,
+    /// The last value each peer (world rank) signalled this rank on each slot
+    /// (`put_signal`, `signal`: slot 0; library objects own other slots).
+    pub(crate) signals: HashMap<(usize, u32), u64>,
     /// The owners' answers to this rank's `WINFO` requests: (owner world rank, request
     /// number) -> (status, the window's verbs memory region if it has one).
     pub(crate) win_infos: HashMap<(usize, u64), (RmaStatus, Option<proto::RegionInfo>)>,
@@ -86,8 +87,8 @@ pub(crate) enum RmaRequest {
     Get { target: RmaTarget, buf: RemoteBuf, imm: u32, shape: proto::GetShape },
     /// Land `data` in `target`'s range of the window.
     Put { target: RmaTarget, data: Vec<u8> },
-    /// Raise the requester's signal to `value`.
-    Signal { req: u64, value: u64 },
+    /// Raise the requester's signal on `slot` to `value`.
+    Signal { req: u64, slot: u32, value: u64 },
     /// Give the requester the window's verbs memory region (and make it a holder).
     Info { target: RmaTarget },
     /// The owner (the requester) drops its window (`window`, `key`): stop reading it.
@@ -370,8 +371,8 @@ impl Inbox {
                 ev.rma_requests.push_back((peer, RmaRequest::Put { target, data }));
                 self.any_rma.store(true, Ordering::Release);
             }
-            Ok(ProtoMsg::Signal { req, value }) => {
-                ev.rma_requests.push_back((peer, RmaRequest::Signal { req, value }));
+            Ok(ProtoMsg::Signal { req, slot, value }) => {
+                ev.rma_requests.push_back((peer, RmaRequest::Signal { req, slot, value }));
                 self.any_rma.store(true, Ordering::Release);
             }
             Ok(ProtoMsg::Reply { req, status }) => {

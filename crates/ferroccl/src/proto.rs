@@ -352,10 +352,12 @@ pub(crate) enum ProtoMsg {
         window: u32,
         key: u64,
     },
-    /// "Raise the signal I give you to `value`" (sent after a `PUT`'s pieces, so the owner,
-    /// serving in order, raises it once they have landed); answered with a `REPLY`.
+    /// "Raise the signal I give you on `slot` to `value`" (sent after a `PUT`'s pieces, so
+    /// the owner, serving in order, raises it once they have landed); answered with a
+    /// `REPLY`. Slot 0 is the public one; library objects (a MoE layer) own others.
     Signal {
         req: u64,
+        slot: u32,
         value: u64,
     },
 }
@@ -549,14 +551,15 @@ pub(crate) fn put_header(t: &RmaTarget) -> [u8; PUT_HEADER] {
 }
 
 /// Bytes of a `SIGNAL`.
-pub(crate) const SIGNAL_LEN: usize = EAGER_HEADER + 16;
+pub(crate) const SIGNAL_LEN: usize = EAGER_HEADER + 20;
 
 /// A `SIGNAL` (see [`ProtoMsg::Signal`]), on the stack.
-pub(crate) fn encode_signal(req: u64, value: u64) -> [u8; SIGNAL_LEN] {
+pub(crate) fn encode_signal(req: u64, slot: u32, value: u64) -> [u8; SIGNAL_LEN] {
     let mut b = [0u8; SIGNAL_LEN];
     put_head(&mut b, K_SIGNAL, &Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC });
     b[EAGER_HEADER..EAGER_HEADER + 8].copy_from_slice(&req.to_le_bytes());
-    b[EAGER_HEADER + 8..].copy_from_slice(&value.to_le_bytes());
+    b[EAGER_HEADER + 8..EAGER_HEADER + 12].copy_from_slice(&slot.to_le_bytes());
+    b[EAGER_HEADER + 12..].copy_from_slice(&value.to_le_bytes());
     b
 }
 
@@ -709,9 +712,10 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
             }
             K_SIGNAL => {
                 let req = r.u64()?;
+                let slot = r.u32()?;
                 let value = r.u64()?;
                 r.end()?;
-                Some(ProtoMsg::Signal { req, value })
+                Some(ProtoMsg::Signal { req, slot, value })
             }
             K_REPLY => {
                 let req = r.u64()?;
@@ -801,8 +805,8 @@ mod tests {
         let mut bad = encode_reply(5, RmaStatus::Done).to_vec();
         bad[EAGER_HEADER + 8] = 200;
         assert!(decode(bad).is_err());
-        match decode(encode_signal(8, u64::MAX).to_vec()).unwrap() {
-            ProtoMsg::Signal { req: 8, value: u64::MAX } => {}
+        match decode(encode_signal(8, 7, u64::MAX).to_vec()).unwrap() {
+            ProtoMsg::Signal { req: 8, slot: 7, value: u64::MAX } => {}
             m => panic!("{m:?}"),
         }
         match decode(encode_winfo(&t).to_vec()).unwrap() {

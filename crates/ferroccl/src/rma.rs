@@ -644,6 +644,8 @@ impl PutOp {
 #[derive(Debug)]
 pub(crate) struct SignalOp {
     wpeer: usize,
+    /// Which of the pair's signals (0: the public one).
+    slot: u32,
     value: u64,
     /// Raise (send and wait for the answer) or wait.
     raise: bool,
@@ -652,12 +654,12 @@ pub(crate) struct SignalOp {
 }
 
 impl SignalOp {
-    pub(crate) fn raise(wpeer: usize, value: u64) -> SignalOp {
-        SignalOp { wpeer, value, raise: true, req: 0, state: State::Start }
+    pub(crate) fn raise(wpeer: usize, slot: u32, value: u64) -> SignalOp {
+        SignalOp { wpeer, slot, value, raise: true, req: 0, state: State::Start }
     }
 
-    pub(crate) fn wait(wpeer: usize, value: u64) -> SignalOp {
-        SignalOp { wpeer, value, raise: false, req: 0, state: State::Start }
+    pub(crate) fn wait(wpeer: usize, slot: u32, value: u64) -> SignalOp {
+        SignalOp { wpeer, slot, value, raise: false, req: 0, state: State::Start }
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -672,14 +674,16 @@ impl SignalOp {
         match self.state {
             State::Start if self.raise && self.wpeer == cx.fabric.rank => {
                 let mut ev = cx.fabric.inbox.lock();
-                let s = ev.signals.entry(self.wpeer).or_insert(0);
+                let s = ev.signals.entry((self.wpeer, self.slot)).or_insert(0);
                 *s = (*s).max(self.value);
                 self.state = State::Done;
                 Ok(true)
             }
             State::Start if self.raise => {
                 self.req = cx.fabric.next_reqs(1);
-                cx.fabric.endpoint(self.wpeer)?.post_send(&proto::encode_signal(self.req, self.value), cx.deadline, &|| cx.pump())?;
+                cx.fabric
+                    .endpoint(self.wpeer)?
+                    .post_send(&proto::encode_signal(self.req, self.slot, self.value), cx.deadline, &|| cx.pump())?;
                 self.state = State::Wait;
                 Ok(true)
             }
@@ -697,7 +701,7 @@ impl SignalOp {
                             Some(r) => Err(refused(cx, self.wpeer, r)),
                         };
                     }
-                } else if ev.signals.get(&self.wpeer).is_some_and(|&v| v >= self.value) {
+                } else if ev.signals.get(&(self.wpeer, self.slot)).is_some_and(|&v| v >= self.value) {
                     self.state = State::Done;
                     return Ok(true);
                 }
@@ -843,10 +847,10 @@ impl RmaServer {
                         let _ = ep.post_send(&proto::encode_revoke(window, key, true), deadline, &pump);
                     }
                 },
-                RmaRequest::Signal { req, value } => {
+                RmaRequest::Signal { req, slot, value } => {
                     {
                         let mut ev = fabric.inbox.lock();
-                        let s = ev.signals.entry(peer).or_insert(0);
+                        let s = ev.signals.entry((peer, slot)).or_insert(0);
                         *s = (*s).max(value);
                     }
                     // A thread of this rank may be waiting for it.

@@ -126,6 +126,8 @@ pub struct TransferPlanBuilder<'w> {
     entries: Vec<Entry<'w>>,
     /// Members to signal at the end of every run.
     signals: Vec<usize>,
+    /// The signal slot of those signals (0: the public signal).
+    slot: u32,
 }
 
 impl<'w> TransferPlanBuilder<'w> {
@@ -201,6 +203,13 @@ impl<'w> TransferPlanBuilder<'w> {
     /// peer's [`Communicator::wait_signal`] then says which run's data it holds.
     pub fn signal(mut self, peer: usize) -> Self {
         self.signals.push(peer);
+        self
+    }
+
+    /// Raises the plan's signals on `slot` instead of the public signal (a library object's
+    /// own slot, see [`Communicator::agree_signal_slots`]).
+    pub(crate) fn signal_slot(mut self, slot: u32) -> Self {
+        self.slot = slot;
         self
     }
 
@@ -314,7 +323,7 @@ impl<'w> TransferPlanBuilder<'w> {
                         comm.size()
                     )));
                 }
-                steps.push(Step { op: Action::Signal { peer, value: None }, deps: vec![] });
+                steps.push(Step { op: Action::Signal { peer, slot: self.slot, value: None }, deps: vec![] });
             }
             let sched = Schedule { steps, scratch_bytes: 0 };
             let mut part = comm.p2p_part(op.clone(), CHAN_USER, sched, None, RegionHandle::owned(0));
@@ -420,7 +429,7 @@ impl OwnedPlan {
     /// member of `peers` has raised its signal at this rank to at least the run's value:
     /// [`Communicator::wait_signal`] prepared once, so that a run allocates nothing (a
     /// weight sync's waits). `op` names the waits in errors.
-    pub(crate) fn signal_waits(comm: &Communicator, peers: &[usize], op: Op) -> Result<OwnedPlan> {
+    pub(crate) fn signal_waits(comm: &Communicator, peers: &[usize], slot: u32, op: Op) -> Result<OwnedPlan> {
         if let Some(&peer) = peers.iter().find(|&&p| p >= comm.size()) {
             return Err(Error::invalid(format!(
                 "rank {}: {op}: member {peer} out of range (communicator of {} ranks)",
@@ -428,7 +437,7 @@ impl OwnedPlan {
                 comm.size()
             )));
         }
-        let steps = peers.iter().map(|&peer| Step { op: Action::WaitSignal { peer, value: None }, deps: vec![] }).collect();
+        let steps = peers.iter().map(|&peer| Step { op: Action::WaitSignal { peer, slot, value: None }, deps: vec![] }).collect();
         let sched = Schedule { steps, scratch_bytes: 0 };
         let mut part = comm.p2p_part(op.clone(), CHAN_USER, sched, None, RegionHandle::owned(0));
         part.reserve(comm.size());
@@ -498,6 +507,6 @@ impl OwnedPlan {
 impl Communicator {
     /// Starts a [`TransferPlan`]: add reads and writes, then `build`.
     pub fn transfer_plan(&self) -> TransferPlanBuilder<'_> {
-        TransferPlanBuilder { comm: self, entries: Vec::new(), signals: Vec::new() }
+        TransferPlanBuilder { comm: self, entries: Vec::new(), signals: Vec::new(), slot: 0 }
     }
 }

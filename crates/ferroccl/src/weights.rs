@@ -57,10 +57,11 @@
 //! # }
 //! ```
 //!
-//! Signals are one value per pair of ranks (a signal from one rank at another only rises),
-//! so a weight sync owns the signals between its sources and its destinations while it is
-//! in use; it starts its versions above every signal any member had seen at setup, so an
-//! earlier sync between the same ranks does not confuse it.
+//! Signals are one value per pair of ranks and slot (a signal from one rank at another only
+//! rises). A weight sync agrees on a slot of its own at setup, so neither the public
+//! signals ([`Communicator::signal`]) nor another sync (or MoE layer) between the same
+//! ranks can pass for its versions; it also starts its versions above every signal any
+//! member had seen on that slot at setup.
 
 use std::collections::BTreeSet;
 
@@ -91,6 +92,8 @@ pub struct WeightSync<'c> {
     table: RoutingTable,
     /// Added to every version on the wire: above every signal seen at setup.
     base: u64,
+    /// The sync's own signal slot (agreed at setup).
+    slot: u32,
     role: Role,
 }
 
@@ -271,9 +274,12 @@ impl Communicator {
             None => (src_ranks.iter().position(|&r| r == me), dst_ranks.iter().position(|&r| r == me)),
         };
 
+        // The sync's own signal slot: no other object's (or the public) signals between
+        // the same ranks can pass for its versions or acknowledgements.
+        let slot = self.agree_signal_slots(1)?;
         // Buffers first, so that a failure here is reported to everyone by the allgather.
         let mut mine = [0u8; SETUP_BYTES];
-        let highest = (0..size).map(|p| self.signal_value(p)).max().unwrap_or(0);
+        let highest = (0..size).map(|p| self.signal_value_on(p, slot)).max().unwrap_or(0);
         mine[1..9].copy_from_slice(&highest.to_le_bytes());
         mine[9..HANDLE_AT].copy_from_slice(&fingerprint(src, src_ranks, dst, dst_ranks).to_le_bytes());
         let mut failure = None;
@@ -332,8 +338,13 @@ impl Communicator {
             let (publish, acks) = match dests.is_empty() {
                 true => (None, None),
                 false => (
-                    Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).build()?.into_owned()),
-                    Some(OwnedPlan::signal_waits(self, &dests, Op::other("weight sync: waiting for the destinations' acknowledgements"))?),
+                    Some(dests.iter().fold(self.transfer_plan(), |b, &d| b.signal(d)).signal_slot(slot).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(
+                        self,
+                        &dests,
+                        slot,
+                        Op::other("weight sync: waiting for the destinations' acknowledgements"),
+                    )?),
                 ),
             };
             Role::Source(Box::new(Source { index: i, window, len, tensors: spans(src, i), publish, acks, published: 0, consumed: 0 }))
@@ -363,8 +374,8 @@ impl Communicator {
             let (ack, published) = match senders.is_empty() {
                 true => (None, None),
                 false => (
-                    Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).build()?.into_owned()),
-                    Some(OwnedPlan::signal_waits(self, &senders, Op::other("weight sync: waiting for the sources' next version"))?),
+                    Some(senders.iter().fold(self.transfer_plan(), |b, &s| b.signal(s)).signal_slot(slot).build()?.into_owned()),
+                    Some(OwnedPlan::signal_waits(self, &senders, slot, Op::other("weight sync: waiting for the sources' next version"))?),
                 ),
             };
             Role::Destination(Box::new(Destination {
@@ -382,7 +393,7 @@ impl Communicator {
         } else {
             Role::None
         };
-        Ok(WeightSync { comm: self, table, base, role })
+        Ok(WeightSync { comm: self, table, base, slot, role })
     }
 }
 
@@ -535,7 +546,7 @@ impl WeightSync<'_> {
     pub fn pull(&mut self, v: u64) -> Result<()> {
         let me = self.me();
         let wire = self.wire("pull", v)?;
-        let (comm, base) = (self.comm, self.base);
+        let (comm, base, slot) = (self.comm, self.base, self.slot);
         let Role::Destination(d) = &mut self.role else {
             return Err(self.not("pull", "destination"));
         };
@@ -550,7 +561,7 @@ impl WeightSync<'_> {
             w.run_with_signal(comm, base + d.version + 1)?;
         }
         for &s in &d.senders {
-            let got = comm.signal_value(s);
+            let got = comm.signal_value_on(s, slot);
             if got != wire {
                 return Err(Error::invalid(format!(
                     "rank {me}: WeightSync::pull({v}): source member {s} published version {}",

@@ -449,11 +449,17 @@ impl Communicator {
     /// [`Communicator::wait_signal`] for this rank and `value` returns only after the data
     /// is in its window. Returns when the owner has raised it.
     pub fn put_signal<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], value: u64) -> Result<()> {
+        self.put_signal_on(h, offset, src, 0, value)
+    }
+
+    /// [`Communicator::put_signal`] on signal `slot` (0: the public signal; library objects
+    /// own the others, see [`Communicator::agree_signal_slots`]).
+    pub(crate) fn put_signal_on<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], slot: u32, value: u64) -> Result<()> {
         let op = write_op::<T>(h, offset, src.len());
         let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
         let peer = plan.peer;
         let mut steps: Vec<Step> = Some(plan).filter(|p| p.len > 0).into_iter().map(rma_step(&op)).collect();
-        steps.push(Step { op: Action::Signal { peer, value: Some(value) }, deps: vec![] });
+        steps.push(Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] });
         let sched = Schedule { steps, scratch_bytes: 0 };
         with_region_ro(as_bytes(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
     }
@@ -465,9 +471,15 @@ impl Communicator {
     /// the request first, or use [`Communicator::put_signal`]). A signal only rises: raising it to a value
     /// below the current one leaves it.
     pub fn signal(&self, peer: usize, value: u64) -> Result<()> {
+        self.signal_on(peer, 0, value)
+    }
+
+    /// [`Communicator::signal`] on signal `slot`.
+    pub(crate) fn signal_on(&self, peer: usize, slot: u32, value: u64) -> Result<()> {
         let op = Op::other(format!("signal {value} to rank {peer}"));
         self.check_peer_or_self(peer, &op)?;
-        let sched = Schedule { steps: vec![Step { op: Action::Signal { peer, value: Some(value) }, deps: vec![] }], scratch_bytes: 0 };
+        let sched =
+            Schedule { steps: vec![Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] }], scratch_bytes: 0 };
         let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
         self.run_part(part)
     }
@@ -476,18 +488,45 @@ impl Communicator {
     /// (with [`Communicator::put_signal`] or [`Communicator::signal`]); returns the signal.
     /// Fails as any call at the deadline (`FERROCCL_TIMEOUT`) or when `from` dies.
     pub fn wait_signal(&self, from: usize, value: u64) -> Result<u64> {
+        self.wait_signal_on(from, 0, value)
+    }
+
+    /// [`Communicator::wait_signal`] on signal `slot`.
+    pub(crate) fn wait_signal_on(&self, from: usize, slot: u32, value: u64) -> Result<u64> {
         let op = Op::other(format!("wait for signal {value} from rank {from}"));
         let wfrom = self.check_peer_or_self(from, &op)?;
-        let sched =
-            Schedule { steps: vec![Step { op: Action::WaitSignal { peer: from, value: Some(value) }, deps: vec![] }], scratch_bytes: 0 };
+        let sched = Schedule {
+            steps: vec![Step { op: Action::WaitSignal { peer: from, slot, value: Some(value) }, deps: vec![] }],
+            scratch_bytes: 0,
+        };
         let part = self.p2p_part(op, CHAN_USER, sched, None, RegionHandle::owned(0));
         self.run_part(part)?;
-        Ok(self.fabric().inbox.lock().signals.get(&wfrom).copied().unwrap_or(0))
+        Ok(self.fabric().inbox.lock().signals.get(&(wfrom, slot)).copied().unwrap_or(0))
     }
 
     /// The signal member `peer` has raised at this rank so far (0 if none); never waits.
     pub fn signal_value(&self, peer: usize) -> u64 {
-        self.world_rank(peer).and_then(|w| self.fabric().inbox.lock().signals.get(&w).copied()).unwrap_or(0)
+        self.signal_value_on(peer, 0)
+    }
+
+    /// [`Communicator::signal_value`] on signal `slot`.
+    pub(crate) fn signal_value_on(&self, peer: usize, slot: u32) -> u64 {
+        self.world_rank(peer).and_then(|w| self.fabric().inbox.lock().signals.get(&(w, slot)).copied()).unwrap_or(0)
+    }
+
+    /// Agrees with the other members on `n` signal slots free on every member, for a
+    /// library object made collectively (a MoE layer): an allgather of each rank's lowest
+    /// free slot; the highest wins and is claimed everywhere. Signals on those slots are
+    /// the object's own: another object's (or the public) signals between the same ranks
+    /// cannot satisfy its waits. Collective: every member calls it, in the same order as
+    /// its other collectives.
+    pub(crate) fn agree_signal_slots(&self, n: u32) -> Result<u32> {
+        let mine = [self.fabric().free_signal_slot()];
+        let mut all = vec![0u32; self.size()];
+        self.allgather(&mine, &mut all)?;
+        let first = all.iter().copied().max().unwrap_or(mine[0]);
+        self.fabric().claim_signal_slots(first, n);
+        Ok(first)
     }
 
     /// Member `peer` (this rank included) as a world rank, for a one-sided call.

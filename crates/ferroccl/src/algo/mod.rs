@@ -112,13 +112,13 @@ pub(crate) enum Action {
     /// One-sided: write `src` at byte `offset` of window `remote` of communicator rank
     /// `peer`; complete when the owner says the bytes have landed.
     Put { peer: usize, remote: Remote, offset: u64, src: Slice, block: Block },
-    /// One-sided: raise this rank's signal at communicator rank `peer` to `value` (`None`:
-    /// the value the run is given), after the `Put`s to `peer` posted before it have
-    /// landed; complete when `peer` says so.
-    Signal { peer: usize, value: Option<u64> },
-    /// Wait until the signal communicator rank `peer` gave this rank is at least `value`
-    /// (`None`: the value the run is given; a wait prepared once, run many times).
-    WaitSignal { peer: usize, value: Option<u64> },
+    /// One-sided: raise this rank's signal on `slot` at communicator rank `peer` to `value`
+    /// (`None`: the value the run is given), after the `Put`s to `peer` posted before it
+    /// have landed; complete when `peer` says so. Slot 0 is the public signal.
+    Signal { peer: usize, slot: u32, value: Option<u64> },
+    /// Wait until the signal communicator rank `peer` gave this rank on `slot` is at least
+    /// `value` (`None`: the value the run is given; a wait prepared once, run many times).
+    WaitSignal { peer: usize, slot: u32, value: Option<u64> },
 }
 
 /// The shape of a one-sided step: `rows` rows of `row` bytes, `remote_stride` bytes apart

@@ -106,6 +106,7 @@ macro_rules! conformance_suite {
             weights::weight_sync_abort_during_a_pull_never_tears,
             weights::weight_sync_moves_random_layouts_exactly_up_to_four_by_four,
             weights::weight_sync_rejects_members_with_other_layouts,
+            weights::weight_sync_ignores_the_public_signals,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -117,6 +117,12 @@ fn layouts(rng: &mut Rng, m: usize, n: usize) -> (ModelLayout, ModelLayout) {
 /// One job: `m` sources, `n` destinations and `extra` bystanders, interleaved over the
 /// members by `seed`; `versions` syncs, every destination byte checked after each pull.
 fn sync_case(s: &Suite, seed: u64, m: usize, n: usize, extra: usize, versions: &[u64]) -> Result<(), String> {
+    sync_case_with(s, seed, m, n, extra, versions, false)
+}
+
+/// `noise`: before each version every member raises its public signal at every other
+/// member far above any version (the sync's own signal slot must not see it).
+fn sync_case_with(s: &Suite, seed: u64, m: usize, n: usize, extra: usize, versions: &[u64], noise: bool) -> Result<(), String> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let (src, dst) = layouts(&mut rng, m, n);
     let world = m + n + extra;
@@ -134,6 +140,11 @@ fn sync_case(s: &Suite, seed: u64, m: usize, n: usize, extra: usize, versions: &
             let fail = |e: Error| format!("rank {me} (seed {seed}, {m} -> {n}): {e}");
             let mut ws = comm.weight_sync(&src, &src_ranks, &dst, &dst_ranks).map_err(fail)?;
             for &v in versions {
+                if noise {
+                    for p in (0..world).filter(|&p| p != me) {
+                        comm.signal(p, (1 << 40) + v).map_err(fail)?;
+                    }
+                }
                 match ws.role() {
                     WeightRole::Source(i) => {
                         ws.with_buffer_mut(|b| fill(&src, i, v, b)).map_err(fail)?;
@@ -194,6 +205,14 @@ pub fn weight_sync_never_shows_a_torn_version(s: &Suite) {
     let versions: Vec<u64> = (1..=30).map(|v| v * 3).collect();
     sync_case(s, 1001, 2, 2, 0, &versions).unwrap();
     sync_case(s, 1002, 3, 1, 0, &versions[..10]).unwrap();
+}
+
+/// The public signals between the same ranks (raised far above every version before each
+/// sync) do not pass for a sync's versions or acknowledgements: a sync has its own signal
+/// slot.
+pub fn weight_sync_ignores_the_public_signals(s: &Suite) {
+    sync_case_with(s, 2001, 2, 2, 0, &[1, 2, 3], true).unwrap();
+    sync_case_with(s, 2002, 1, 3, 1, &[4, 9], true).unwrap();
 }
 
 fn expect_err<T: std::fmt::Debug>(what: &str, r: ferroccl::Result<T>, needle: &str) -> Result<(), String> {
