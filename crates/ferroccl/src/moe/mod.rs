@@ -125,11 +125,17 @@ impl MoeHandle {
 enum State {
     Idle,
     /// A dispatch was sent (sequence value `seq`, low latency) and not yet received.
-    DispatchSent { seq: u64, sent: Vec<Vec<u32>>, n: usize },
+    DispatchSent {
+        seq: u64,
+        sent: Vec<Vec<u32>>,
+        n: usize,
+    },
     /// A dispatch of step `step` was received; its combine is next.
     Dispatched,
     /// A combine was sent and not yet received.
-    CombineSent { seq: u64 },
+    CombineSent {
+        seq: u64,
+    },
     /// A step failed where the peers may not agree on where they are: unusable.
     Broken,
 }
@@ -204,9 +210,17 @@ fn invalid(me: usize, call: &str, what: impl std::fmt::Display) -> Error {
     Error::invalid(format!("rank {me}: moe {call}: {what}"))
 }
 
-/// The members whose fingerprint differs from member 0's, as a list.
-fn disagreeing(prints: &[u64]) -> Vec<usize> {
-    (0..prints.len()).filter(|&m| prints[m] != prints[0]).collect()
+/// The member holding the most common fingerprint (ties: the lowest such member), and the
+/// members whose fingerprint differs from it.
+fn disagreeing(prints: &[u64]) -> (usize, Vec<usize>) {
+    let count = |f: u64| prints.iter().filter(|&&g| g == f).count();
+    let mut reference = 0;
+    for (m, &f) in prints.iter().enumerate() {
+        if count(f) > count(prints[reference]) {
+            reference = m;
+        }
+    }
+    (reference, (0..prints.len()).filter(|&m| prints[m] != prints[reference]).collect())
 }
 
 impl Communicator {
@@ -222,18 +236,13 @@ impl Communicator {
     /// [`Error::InvalidArgument`], on every member alike after the one allgather: a shape
     /// that is wrong here (`num_experts` not a multiple of `size()`, a zero `hidden`,
     /// `top_k` or `num_experts`, `top_k > num_experts`) names the members that found it;
-    /// members that passed another `cfg`, `mode` or `T` than member 0 are named (their
-    /// fingerprints differ); a member that could not allocate its windows is named. And
+    /// members that passed another `cfg`, `mode` or `T` than most members are named (their
+    /// fingerprints differ; ties: the lowest member's is the reference); a member that could not allocate its windows is named. And
     /// as any collective.
     pub fn moe<T: MoeFloat>(&self, cfg: MoeConfig, mode: MoeMode) -> Result<Moe<'_, T>> {
         let (me, size) = (self.rank(), self.size());
-        let shape = Shape {
-            num_experts: cfg.num_experts,
-            hidden: cfg.hidden,
-            top_k: cfg.top_k,
-            max_tokens: cfg.max_tokens_per_rank,
-            ranks: size,
-        };
+        let shape =
+            Shape { num_experts: cfg.num_experts, hidden: cfg.hidden, top_k: cfg.top_k, max_tokens: cfg.max_tokens_per_rank, ranks: size };
         let mut problem = shape.problem();
         let regions = match (shape.dispatch_bytes::<T>(shape.max_tokens), shape.combine_bytes::<T>(shape.max_tokens)) {
             (Some(d), Some(c)) if d.checked_mul(size).is_some() && c.checked_mul(size).is_some() => Some((d, c)),
@@ -268,13 +277,19 @@ impl Communicator {
         let rows: Vec<&[u8]> = all.chunks(SETUP_BYTES).collect();
         let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let prints: Vec<u64> = rows.iter().map(|c| le(&c[1..9])).collect();
-        let odd = disagreeing(&prints);
+        let (reference, odd) = disagreeing(&prints);
         if !odd.is_empty() {
-            let names: Vec<String> = odd.iter().map(|m| format!("{m} ({:#018x})", prints[*m])).collect();
+            let names: Vec<String> = odd.iter().map(|m| m.to_string()).collect();
+            let values: Vec<String> = odd.iter().map(|&m| format!("{:#018x}", prints[m])).collect();
             return Err(invalid(
                 me,
                 "setup",
-                format!("members {} passed another config, mode or element type than member 0 ({:#018x})", names.join(", "), prints[0]),
+                format!(
+                    "members {} passed another config, mode or element type than member {reference} (fingerprints {}, member {reference}'s {:#018x})",
+                    names.join(", "),
+                    values.join(", "),
+                    prints[reference]
+                ),
             ));
         }
         if let Some(p) = problem {
@@ -378,7 +393,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         match self.state {
             State::Idle => {}
             State::Broken => return Err(self.misuse("dispatch", "an earlier step of this object failed; make a new one")),
-            _ => return Err(self.misuse("dispatch", "the last dispatch was not received and combined yet (dispatch and combine alternate)")),
+            _ => {
+                return Err(self.misuse("dispatch", "the last dispatch was not received and combined yet (dispatch and combine alternate)"))
+            }
         }
         self.step += 1;
         let checked = route::check_dispatch(&self.shape, tokens.len(), topk_idx, topk_weights);
@@ -481,7 +498,11 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 continue;
             }
             if h.seq != seq {
-                return Err(invalid(me, "dispatch", format!("rank {s}'s message is of step {}, not {seq} (signals used elsewhere?)", h.seq)));
+                return Err(invalid(
+                    me,
+                    "dispatch",
+                    format!("rank {s}'s message is of step {}, not {seq} (signals used elsewhere?)", h.seq),
+                ));
             }
             if h.count > shape.max_tokens {
                 return Err(invalid(me, "dispatch", format!("rank {s} sent {} rows, above max_tokens_per_rank", h.count)));
@@ -507,7 +528,13 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
 
     /// The low-latency dispatch's sending half: every destination's region gets a message
     /// (zero rows, or a bad status, included).
-    fn ll_dispatch_send(&mut self, checked: std::result::Result<usize, Bad>, tokens: &[T], topk_idx: &[u32], topk_weights: &[f32]) -> Result<()> {
+    fn ll_dispatch_send(
+        &mut self,
+        checked: std::result::Result<usize, Bad>,
+        tokens: &[T],
+        topk_idx: &[u32],
+        topk_weights: &[f32],
+    ) -> Result<()> {
         let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
         let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
         let seq = signal::next(self.comm);
@@ -591,7 +618,12 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         self.combine_send_checked(expert_out, handle, None)
     }
 
-    fn combine_send_checked<'a>(&'a mut self, expert_out: &[T], handle: &'a MoeHandle, out_len: Option<usize>) -> Result<PendingCombine<'a, 'c, T>> {
+    fn combine_send_checked<'a>(
+        &'a mut self,
+        expert_out: &[T],
+        handle: &'a MoeHandle,
+        out_len: Option<usize>,
+    ) -> Result<PendingCombine<'a, 'c, T>> {
         match self.state {
             State::Dispatched => {}
             State::Broken => return Err(self.misuse("combine", "an earlier step of this object failed; make a new one")),
@@ -749,6 +781,10 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             route::accumulate(h, &mut acc, &handle.sent[d], &rows);
         }
         if !bad.is_empty() {
+            // Throughput: every rank saw the status and fails alike, the object goes on.
+            if moe.mode == MoeMode::Throughput {
+                moe.state = State::Idle;
+            }
             return Err(invalid(me, "combine", bad.join("; ")));
         }
         moe.state = State::Idle;
