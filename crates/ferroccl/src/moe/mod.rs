@@ -401,9 +401,13 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let checked = route::check_dispatch(&self.shape, tokens.len(), topk_idx, topk_weights);
         let ready = match self.mode {
             MoeMode::Throughput => match self.throughput_dispatch(checked, tokens, topk_idx, topk_weights) {
-                Ok(d) => Some(d),
-                Err((e, usable)) => {
-                    self.state = if usable { State::Idle } else { State::Broken };
+                Ok(Ok(d)) => Some(d),
+                Ok(Err(e)) => {
+                    self.state = State::Idle;
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.state = State::Broken;
                     return Err(e);
                 }
             },
@@ -418,17 +422,16 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         Ok(PendingDispatch { moe: self, ready })
     }
 
-    /// The throughput dispatch: `Err((e, usable))`, `usable` when every member failed
-    /// alike (bad input somewhere) and the object may go on.
+    /// The throughput dispatch: `Ok(Err(e))` when every member failed alike (bad input
+    /// somewhere) and the object may go on, `Err(e)` when it may not.
     fn throughput_dispatch(
         &mut self,
         checked: std::result::Result<usize, Bad>,
         tokens: &[T],
         topk_idx: &[u32],
         topk_weights: &[f32],
-    ) -> std::result::Result<Dispatched<T>, (Error, bool)> {
+    ) -> Result<Result<Dispatched<T>>> {
         let (me, size, shape, step) = (self.me(), self.comm.size(), self.shape, self.step);
-        let fatal = |e: Error| (e, false);
         let (n, routed) = match checked {
             Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
             Err(_) => (0, None),
@@ -452,9 +455,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             }
         }
         let mut got = vec![0u64; 5 * size];
-        self.comm.alltoall(&words, &mut got).map_err(fatal)?;
+        self.comm.alltoall(&words, &mut got)?;
         if let Err(b) = checked {
-            return Err((invalid(me, "dispatch", b), true));
+            return Ok(Err(invalid(me, "dispatch", b)));
         }
         let mut bad = Vec::new();
         for s in 0..size {
@@ -466,21 +469,21 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             }
         }
         if !bad.is_empty() {
-            return Err((invalid(me, "dispatch", bad.join("; ")), true));
+            return Ok(Err(invalid(me, "dispatch", bad.join("; "))));
         }
         let recv_counts: Vec<usize> = (0..size).map(|s| got[5 * s] as usize).collect();
         let mut recv_displs = vec![0usize; size];
         let mut total = 0usize;
         for s in 0..size {
             recv_displs[s] = total;
-            total = total.checked_add(recv_counts[s]).ok_or_else(|| fatal(invalid(me, "dispatch", "received sizes overflow")))?;
+            total = total.checked_add(recv_counts[s]).ok_or_else(|| invalid(me, "dispatch", "received sizes overflow"))?;
         }
         self.recv.clear();
         self.recv.resize(total, 0);
-        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs).map_err(fatal)?;
+        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs)?;
         self.recv_at = (0..size).map(|s| (recv_displs[s], recv_counts[s])).collect();
         let sent = routed.map(|r| r.tokens).unwrap_or_default();
-        self.finish_dispatch(step, n, sent).map_err(fatal)
+        self.finish_dispatch(step, n, sent).map(Ok)
     }
 
     /// Parses the dispatch messages of every source in `recv` (`recv_at`), checks their
@@ -556,6 +559,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             }
         }
         if let Err(b) = checked {
+            // The peers' writes of this step into this rank's window land before it returns
+            // (and may drop the object): none is left in flight.
+            self.ll_drain(seq)?;
             return Err(invalid(me, "dispatch", b));
         }
         self.state = State::DispatchSent { seq, sent: routed.map(|r| r.tokens).unwrap_or_default(), n };
@@ -677,12 +683,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let sent = match self.mode {
             MoeMode::Throughput => {
                 let recv_counts: Vec<usize> = self.last_sent.iter().map(|&c| HEADER_BYTES + c * shape.row_bytes::<T>()).collect();
-                let mut recv_displs = vec![0usize; size];
-                let mut total = 0;
-                for d in 0..size {
-                    recv_displs[d] = total;
-                    total += recv_counts.get(d).copied().unwrap_or(0);
-                }
+                let recv_displs: Vec<usize> = recv_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+                let total = recv_counts.iter().sum();
                 self.recv.clear();
                 self.recv.resize(total, 0);
                 let r = self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs);
@@ -701,14 +703,27 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         }
         if let Some(b) = bad {
             // Throughput: every rank saw the status and fails alike, the object goes on.
+            // Low latency: the peers' writes of this step land before this rank returns.
             self.state = match self.mode {
                 MoeMode::Throughput => State::Idle,
-                MoeMode::LowLatency => State::Broken,
+                MoeMode::LowLatency => {
+                    self.state = State::Broken;
+                    self.ll_drain(seq)?;
+                    State::Broken
+                }
             };
             return Err(invalid(me, "combine", b));
         }
         self.state = State::CombineSent { seq };
         Ok(PendingCombine { moe: self, handle })
+    }
+
+    /// Waits for every peer's signal `seq`: its write of this step into this rank's
+    /// window has landed (a rank that failed on its own input waits so before returning,
+    /// so that no write is left in flight into windows it may drop).
+    fn ll_drain(&self, seq: u64) -> Result<()> {
+        let me = self.me();
+        (0..self.comm.size()).filter(|&s| s != me).try_for_each(|s| signal::wait(self.comm, s, seq))
     }
 
     fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {

@@ -17,7 +17,7 @@ use std::fmt;
 
 use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16, f16, Element};
 
-/// The element types MoE dispatch / combine moves: `f32`, [`bf16`], [`f16`]. Sums are
+/// The element types MoE dispatch / combine moves: `f32`, [`bf16`], [`f16`](struct@f16). Sums are
 /// accumulated in `f32` whatever the type.
 pub trait MoeFloat: Element + Copy + sealed::Sealed {
     /// The value as an `f32` (exact for all three types).
@@ -105,7 +105,7 @@ impl Shape {
         if s.hidden == 0 || s.top_k == 0 || s.num_experts == 0 {
             return Some(format!("hidden ({}), top_k ({}) and num_experts ({}) must be at least 1", s.hidden, s.top_k, s.num_experts));
         }
-        if s.num_experts % s.ranks != 0 {
+        if !s.num_experts.is_multiple_of(s.ranks) {
             return Some(format!("num_experts ({}) is not a multiple of the communicator's {} ranks", s.num_experts, s.ranks));
         }
         if s.top_k > s.num_experts {
@@ -214,7 +214,7 @@ impl fmt::Display for Bad {
 /// Checks a dispatch's arguments; returns `n`, the number of tokens.
 pub(crate) fn check_dispatch(shape: &Shape, tokens_len: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Result<usize, Bad> {
     let (h, k) = (shape.hidden, shape.top_k);
-    if tokens_len % h != 0 {
+    if !tokens_len.is_multiple_of(h) {
         return Err(Bad::TokensLen { len: tokens_len as u64, hidden: h as u64 });
     }
     let n = tokens_len / h;

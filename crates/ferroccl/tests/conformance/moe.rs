@@ -333,7 +333,7 @@ pub fn moe_bad_input_fails_on_every_rank(s: &Suite) {
                             }
                             Fault::TooManyTokens => {
                                 x = vec![1.0; 15];
-                                idx = vec![0, 1].repeat(5);
+                                idx = [0, 1].repeat(5);
                                 w = vec![1.0; 10];
                             }
                             Fault::ShortTopkIdx => idx.push(0),
