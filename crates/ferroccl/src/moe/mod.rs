@@ -23,9 +23,19 @@
 //! the reverse `alltoallv`. **LowLatency** (decode) writes into persistent windows made at
 //! construction, with `put_signal`, and needs no count round trip.
 //!
-//! ```no_run
+//! Low-latency objects share the fabric's signals (one per pair of ranks) with every other
+//! user of signals, and every rank must make the sends of all its `Moe` objects in the
+//! same order; see [`Moe::dispatch_send`] and `docs/moe.md` (limitations).
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
 //! use ferroccl::moe::{MoeConfig, MoeMode};
-//! # fn run(comm: &ferroccl::Communicator) -> ferroccl::Result<()> {
+//!
 //! let cfg = MoeConfig { num_experts: 8, hidden: 16, top_k: 2, max_tokens_per_rank: 4 };
 //! let mut moe = comm.moe::<f32>(cfg, MoeMode::LowLatency)?; // collective, once
 //! let x = vec![1.0f32; 4 * 16];
@@ -35,8 +45,8 @@
 //! let y: Vec<f32> = d.tokens.iter().map(|v| v * 2.0).collect(); // the local experts
 //! let mut out = vec![0f32; x.len()];
 //! moe.combine(&y, &d.handle, &mut out)?; // out[t] = Σ_k w_k · y_{e_k}(x_t)
-//! # Ok(())
-//! # }
+//! assert!(out.iter().all(|&v| v == 2.0));
+//! # Ok::<(), ferroccl::Error>(())
 //! ```
 
 mod route;
