@@ -48,6 +48,7 @@ pub(crate) mod health;
 pub(crate) mod inbox;
 pub(crate) mod ll;
 pub(crate) mod mesh;
+pub mod moe;
 pub mod nonblocking;
 pub(crate) mod p2p;
 pub mod params;
@@ -76,6 +77,7 @@ pub use ferroccl_kernels::half;
 /// types [`DType::F16`] and [`DType::Bf16`].
 pub use ferroccl_kernels::{bf16, f16};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};
+pub use moe::{Dispatched, Moe, MoeConfig, MoeFloat, MoeHandle, MoeMode, PendingCombine, PendingDispatch};
 pub use nonblocking::{Group, Request, Scope};
 pub use params::{FaultSite, InjectedFault, LlChoice, Params, ProtoChoice, TransportChoice};
 pub use persistent::Plan;

@@ -26,6 +26,7 @@ mod alltoallv;
 mod collectives;
 mod groups;
 mod harness;
+mod moe;
 mod nonblocking;
 mod onesided;
 mod p2p;
@@ -107,6 +108,10 @@ macro_rules! conformance_suite {
             weights::weight_sync_moves_random_layouts_exactly_up_to_four_by_four,
             weights::weight_sync_rejects_members_with_other_layouts,
             weights::weight_sync_ignores_the_public_signals,
+            moe::moe_dispatch_combine_equals_the_reference,
+            moe::moe_two_micro_batches_interleave,
+            moe::moe_bad_input_fails_on_every_rank,
+            moe::moe_bad_configs_and_misuse_are_errors,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {

@@ -1,0 +1,826 @@
+//! Mixture-of-experts dispatch and combine (DeepEP-like), over collectives or one-sided
+//! windows (issue 16; see `docs/moe.md`).
+//!
+//! Every member of a communicator makes one [`Moe`] object per layer shape, collectively
+//! ([`Communicator::moe`]). Expert `e` lives on rank `e / experts_per_rank`
+//! (`experts_per_rank = num_experts / size()`). Each step:
+//!
+//! * [`Moe::dispatch`]`(tokens, topk_idx, topk_weights)` sends every token once to each
+//!   rank that owns at least one of its `top_k` experts, and returns what this rank
+//!   received, grouped by local expert ([`Dispatched`]);
+//! * the caller runs its local experts over [`Dispatched::tokens`], row for row;
+//! * [`Moe::combine`]`(expert_out, handle, out)` gives every token, at its origin and in its
+//!   original order, `Σ_k w_k · y_{e_k}(x_t)`.
+//!
+//! Rounding: the expert rank sums `w_k · y` in `f32` over its own experts of a token in
+//! top-k order and rounds once to `T`; the origin sums the ranks' rows in `f32` in
+//! ascending rank order and rounds once to `T`. For `f32` with values whose sums are
+//! exact (integers, dyadic weights) the result is exact; for `bf16` / `f16` see
+//! `docs/moe.md` for the bound.
+//!
+//! Two modes ([`MoeMode`]): **Throughput** exchanges counts (with each rank's input
+//! status) in an `alltoall` and the packed rows and metadata in an `alltoallv`; combine is
+//! the reverse `alltoallv`. **LowLatency** (decode) writes into persistent windows made at
+//! construction, with `put_signal`, and needs no count round trip.
+//!
+//! Low-latency objects share the fabric's signals (one per pair of ranks) with every other
+//! user of signals, and every rank must make the sends of all its `Moe` objects in the
+//! same order; see [`Moe::dispatch_send`] and `docs/moe.md` (limitations).
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! use ferroccl::moe::{MoeConfig, MoeMode};
+//!
+//! let cfg = MoeConfig { num_experts: 8, hidden: 16, top_k: 2, max_tokens_per_rank: 4 };
+//! let mut moe = comm.moe::<f32>(cfg, MoeMode::LowLatency)?; // collective, once
+//! let x = vec![1.0f32; 4 * 16];
+//! let idx = [0u32, 5, 1, 2, 7, 6, 3, 4];
+//! let w = [0.5f32; 8];
+//! let d = moe.dispatch(&x, &idx, &w)?;
+//! let y: Vec<f32> = d.tokens.iter().map(|v| v * 2.0).collect(); // the local experts
+//! let mut out = vec![0f32; x.len()];
+//! moe.combine(&y, &d.handle, &mut out)?; // out[t] = Σ_k w_k · y_{e_k}(x_t)
+//! assert!(out.iter().all(|&v| v == 2.0));
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+
+mod route;
+mod signal;
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::reshard::Fingerprint;
+use crate::window::{RemoteHandle, Window};
+
+pub use route::MoeFloat;
+use route::{Bad, Grouped, Kind, Shape, HEADER_BYTES};
+
+/// A layer's MoE shape; every member passes the same one (checked at construction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MoeConfig {
+    /// Experts in all; a multiple of the communicator's size.
+    pub num_experts: usize,
+    /// Elements per token row.
+    pub hidden: usize,
+    /// Experts each token chooses (at most `num_experts`).
+    pub top_k: usize,
+    /// The most tokens any rank passes to one dispatch (sizes the low-latency buffers).
+    pub max_tokens_per_rank: usize,
+}
+
+/// How a [`Moe`] object moves its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MoeMode {
+    /// Count exchange (`alltoall`) then `alltoallv` of packed rows and metadata; combine is
+    /// the reverse `alltoallv`. Buffers grow to the largest step and are reused.
+    Throughput,
+    /// Persistent windows sized for `max_tokens_per_rank`, written with `put_signal`; no
+    /// count round trip (decode).
+    LowLatency,
+}
+
+/// What one dispatch delivered to this rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatched<T> {
+    /// Received rows (`hidden` elements each), grouped by local expert: expert 0's rows
+    /// first; within an expert's group, by source rank, then in the source's token order.
+    pub tokens: Vec<T>,
+    /// `experts_per_rank + 1` offsets in rows: local expert `i`'s rows are
+    /// `expert_offsets[i]..expert_offsets[i + 1]`.
+    pub expert_offsets: Vec<usize>,
+    /// What [`Moe::combine`] needs to send the results back.
+    pub handle: MoeHandle,
+}
+
+/// The routing of one dispatch, for its combine (only the object and step that made it
+/// accept it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeHandle {
+    object: u64,
+    step: u64,
+    /// Tokens this rank had.
+    n: usize,
+    /// Per destination rank, the tokens sent there, in sent order.
+    sent: Vec<Vec<u32>>,
+    /// Per source rank, the rows received from it.
+    counts: Vec<usize>,
+    slots: Vec<(u32, f32)>,
+    slot_at: Vec<usize>,
+    /// Rows of [`Dispatched::tokens`].
+    rows: usize,
+}
+
+impl MoeHandle {
+    /// Tokens this rank passed to the dispatch (the rows `out` of the combine has).
+    pub fn num_tokens(&self) -> usize {
+        self.n
+    }
+
+    /// Rows this rank received (the rows `expert_out` of the combine has).
+    pub fn num_rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Where an object is in its dispatch / combine cycle.
+#[derive(Debug)]
+enum State {
+    Idle,
+    /// A dispatch was sent (sequence value `seq`, low latency) and not yet received.
+    DispatchSent {
+        seq: u64,
+        sent: Vec<Vec<u32>>,
+        n: usize,
+    },
+    /// A dispatch of step `step` was received; its combine is next.
+    Dispatched,
+    /// A combine was sent and not yet received.
+    CombineSent {
+        seq: u64,
+    },
+    /// A step failed where the peers may not agree on where they are: unusable.
+    Broken,
+}
+
+/// The low-latency mode's windows and the peers' handles.
+#[derive(Debug)]
+struct Ll {
+    dispatch: Window<'static>,
+    combine: Window<'static>,
+    /// Per member: (its dispatch window, its combine window).
+    peers: Vec<(RemoteHandle, RemoteHandle)>,
+    /// Bytes of one source's region of a dispatch window, and of a combine window.
+    dregion: usize,
+    cregion: usize,
+}
+
+/// One layer's MoE dispatch / combine on a communicator; see the [module
+/// documentation](self).
+#[derive(Debug)]
+pub struct Moe<'c, T: MoeFloat> {
+    comm: &'c Communicator,
+    shape: Shape,
+    mode: MoeMode,
+    object: u64,
+    /// The object's signal slot and sequence (low latency).
+    signals: signal::Signals,
+    step: u64,
+    state: State,
+    ll: Option<Ll>,
+    /// Reused between steps: packed messages going out, and coming in.
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    /// Byte ranges of `recv` per peer.
+    recv_at: Vec<(usize, usize)>,
+    /// Rows the last dispatch received from each source, and sent to each destination.
+    last_recv: Vec<usize>,
+    last_sent: Vec<usize>,
+    _t: PhantomData<T>,
+}
+
+/// A dispatch that was sent and is not yet received; see [`Moe::dispatch_send`].
+#[must_use = "a sent dispatch must be received (`recv`) before the next call on its object"]
+#[derive(Debug)]
+pub struct PendingDispatch<'a, 'c, T: MoeFloat> {
+    moe: &'a mut Moe<'c, T>,
+    /// Throughput mode: the result, already there.
+    ready: Option<Dispatched<T>>,
+}
+
+/// A combine that was sent and is not yet received; see [`Moe::combine_send`].
+#[must_use = "a sent combine must be received (`recv`) before the next call on its object"]
+#[derive(Debug)]
+pub struct PendingCombine<'a, 'c, T: MoeFloat> {
+    moe: &'a mut Moe<'c, T>,
+    handle: &'a MoeHandle,
+}
+
+/// Numbers objects, so that a handle is only accepted by the object that made it.
+static OBJECTS: AtomicU64 = AtomicU64::new(1);
+
+/// Bytes each member contributes to the construction's allgather: a status (0 ok, 1 its
+/// own arguments rejected, 2 allocating failed), the fingerprint of its arguments, its
+/// lowest unclaimed signal slot, its dispatch and combine window handles (low latency).
+const SETUP_BYTES: usize = 1 + 8 + 8 + 2 * RemoteHandle::BYTES;
+
+fn fingerprint<T: MoeFloat>(cfg: &MoeConfig, mode: MoeMode) -> u64 {
+    let mut h = Fingerprint::new();
+    h.bytes(b"ferroccl.moe.v1").usize(cfg.num_experts).usize(cfg.hidden).usize(cfg.top_k).usize(cfg.max_tokens_per_rank);
+    h.usize(mode as usize).str(T::DTYPE.name());
+    h.finish()
+}
+
+fn invalid(me: usize, call: &str, what: impl std::fmt::Display) -> Error {
+    Error::invalid(format!("rank {me}: moe {call}: {what}"))
+}
+
+/// The member holding the most common fingerprint (ties: the lowest such member), and the
+/// members whose fingerprint differs from it.
+fn disagreeing(prints: &[u64]) -> (usize, Vec<usize>) {
+    let count = |f: u64| prints.iter().filter(|&&g| g == f).count();
+    let mut reference = 0;
+    for (m, &f) in prints.iter().enumerate() {
+        if count(f) > count(prints[reference]) {
+            reference = m;
+        }
+    }
+    (reference, (0..prints.len()).filter(|&m| prints[m] != prints[reference]).collect())
+}
+
+impl Communicator {
+    /// Makes a [`Moe`] object for one layer shape (see the [`moe`](crate::moe) module):
+    /// collective, every member calls it with the same `cfg`, `mode` and `T`. In
+    /// [`MoeMode::LowLatency`] it allocates two windows per rank (dispatch:
+    /// `size() × (56 + max_tokens_per_rank × (4 × (1 + 2 × top_k) + hidden × size_of::<T>()))`
+    /// bytes; combine: `size() × (56 + max_tokens_per_rank × hidden × size_of::<T>())`)
+    /// and exchanges their handles in its one allgather.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`], on every member alike after the one allgather: a shape
+    /// that is wrong here (`num_experts` not a multiple of `size()`, a zero `hidden`,
+    /// `top_k` or `num_experts`, `top_k > num_experts`) names the members that found it;
+    /// members that passed another `cfg`, `mode` or `T` than most members are named (their
+    /// fingerprints differ; ties: the lowest member's is the reference); a member that could not allocate its windows is named. And
+    /// as any collective.
+    pub fn moe<T: MoeFloat>(&self, cfg: MoeConfig, mode: MoeMode) -> Result<Moe<'_, T>> {
+        let (me, size) = (self.rank(), self.size());
+        let shape =
+            Shape { num_experts: cfg.num_experts, hidden: cfg.hidden, top_k: cfg.top_k, max_tokens: cfg.max_tokens_per_rank, ranks: size };
+        let mut problem = shape.problem();
+        let regions = match (shape.dispatch_bytes::<T>(shape.max_tokens), shape.combine_bytes::<T>(shape.max_tokens)) {
+            (Some(d), Some(c)) if d.checked_mul(size).is_some() && c.checked_mul(size).is_some() => Some((d, c)),
+            _ => None,
+        };
+        if problem.is_none() && regions.is_none() {
+            problem = Some(format!("buffers for {} tokens of {} elements do not fit in memory", cfg.max_tokens_per_rank, cfg.hidden));
+        }
+        let mut mine = [0u8; SETUP_BYTES];
+        mine[1..9].copy_from_slice(&fingerprint::<T>(&cfg, mode).to_le_bytes());
+        mine[9..17].copy_from_slice(&signal::Signals::proposal(self).to_le_bytes());
+        let mut windows = None;
+        let mut failure = None;
+        if let (None, MoeMode::LowLatency, Some((d, c))) = (&problem, mode, regions) {
+            match (self.alloc_window::<u8>(d * size), self.alloc_window::<u8>(c * size)) {
+                (Ok(dw), Ok(cw)) => {
+                    mine[17..17 + RemoteHandle::BYTES].copy_from_slice(&dw.handle().to_bytes());
+                    mine[17 + RemoteHandle::BYTES..].copy_from_slice(&cw.handle().to_bytes());
+                    windows = Some((dw, cw, d, c));
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    mine[0] = 2;
+                    failure = Some(e);
+                }
+            }
+        }
+        if problem.is_some() {
+            mine[0] = 1;
+        }
+        let mut all = vec![0u8; SETUP_BYTES * size];
+        self.allgather(&mine, &mut all)?;
+        let rows: Vec<&[u8]> = all.chunks(SETUP_BYTES).collect();
+        let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let prints: Vec<u64> = rows.iter().map(|c| le(&c[1..9])).collect();
+        let (reference, odd) = disagreeing(&prints);
+        if !odd.is_empty() {
+            let names: Vec<String> = odd.iter().map(|m| m.to_string()).collect();
+            let values: Vec<String> = odd.iter().map(|&m| format!("{:#018x}", prints[m])).collect();
+            return Err(invalid(
+                me,
+                "setup",
+                format!(
+                    "members {} passed another config, mode or element type than member {reference} (fingerprints {}, member {reference}'s {:#018x})",
+                    names.join(", "),
+                    values.join(", "),
+                    prints[reference]
+                ),
+            ));
+        }
+        if let Some(p) = problem {
+            return Err(invalid(me, "setup", format!("bad config: {p}")));
+        }
+        let rejected: Vec<String> = (0..size).filter(|&m| rows[m][0] == 1).map(|m| m.to_string()).collect();
+        if !rejected.is_empty() {
+            return Err(invalid(me, "setup", format!("members {} rejected the config (their errors say why)", rejected.join(", "))));
+        }
+        if let Some(e) = failure {
+            return Err(invalid(me, "setup", format!("allocating this rank's windows: {e}")));
+        }
+        if let Some(m) = (0..size).find(|&m| rows[m][0] == 2) {
+            return Err(invalid(me, "setup", format!("member {m} could not allocate its windows")));
+        }
+        let signals = signal::Signals::claim(self, rows.iter().map(|c| le(&c[9..17])).max().unwrap_or(0));
+        let ll = match windows {
+            Some((dispatch, combine, dregion, cregion)) => {
+                let mut peers = Vec::with_capacity(size);
+                for r in &rows {
+                    let d = RemoteHandle::from_bytes(&r[17..17 + RemoteHandle::BYTES])?;
+                    let c = RemoteHandle::from_bytes(&r[17 + RemoteHandle::BYTES..])?;
+                    peers.push((d, c));
+                }
+                Some(Ll { dispatch, combine, peers, dregion, cregion })
+            }
+            None => None,
+        };
+        Ok(Moe {
+            comm: self,
+            shape,
+            mode,
+            object: OBJECTS.fetch_add(1, Ordering::Relaxed),
+            signals,
+            step: 0,
+            state: State::Idle,
+            ll,
+            send: Vec::new(),
+            recv: Vec::new(),
+            recv_at: Vec::new(),
+            last_recv: vec![0; size],
+            last_sent: vec![0; size],
+            _t: PhantomData,
+        })
+    }
+}
+
+impl<'c, T: MoeFloat> Moe<'c, T> {
+    /// The mode this object was made with.
+    pub fn mode(&self) -> MoeMode {
+        self.mode
+    }
+
+    /// Experts per rank: local expert `i` of rank `r` is expert `r × experts_per_rank + i`.
+    pub fn experts_per_rank(&self) -> usize {
+        self.shape.per_rank()
+    }
+
+    /// Dispatches are counted from 1; the last one sent (0: none yet).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn me(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn misuse(&self, call: &str, what: &str) -> Error {
+        invalid(self.me(), call, what)
+    }
+
+    /// Dispatches `tokens` (`n × hidden`, row-major) to the ranks owning their experts
+    /// (`topk_idx`, `n × top_k`) with their gate weights (`topk_weights`, `n × top_k`), and
+    /// returns what this rank received: [`Moe::dispatch_send`] then
+    /// [`PendingDispatch::recv`]. Collective: every member calls it, `n` may differ (and be
+    /// 0).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] on every member, naming the rank and the problem, when a
+    /// rank's input is bad: `tokens.len()` not a multiple of `hidden`, `topk_idx` or
+    /// `topk_weights` not `n × top_k` long, `n > max_tokens_per_rank`, an expert index at
+    /// or past `num_experts`, an expert listed twice in one token's top-k, a weight that is
+    /// not finite. The rank with bad input still takes part in the exchange, marked bad, so
+    /// the others fail at once. A dispatch while the last one was not combined is a local
+    /// [`Error::InvalidArgument`] (nothing is sent). Otherwise as any collective.
+    pub fn dispatch(&mut self, tokens: &[T], topk_idx: &[u32], topk_weights: &[f32]) -> Result<Dispatched<T>> {
+        self.dispatch_send(tokens, topk_idx, topk_weights)?.recv()
+    }
+
+    /// Sends a dispatch and returns at once in [`MoeMode::LowLatency`] (the rows are in the
+    /// destinations' windows; nothing waits for a peer): receive it later with
+    /// [`PendingDispatch::recv`], e.g. after running the experts of another micro-batch's
+    /// [`Moe`] object. In [`MoeMode::Throughput`] the whole exchange runs here (two
+    /// collectives) and `recv` only hands over the result.
+    ///
+    /// Every rank must make its sends (`dispatch_send`, `combine_send`, and the blocking
+    /// forms) of all its `Moe` objects on one fabric in the same order. Errors as
+    /// [`Moe::dispatch`].
+    pub fn dispatch_send<'a>(&'a mut self, tokens: &[T], topk_idx: &[u32], topk_weights: &[f32]) -> Result<PendingDispatch<'a, 'c, T>> {
+        match self.state {
+            State::Idle => {}
+            State::Broken => return Err(self.misuse("dispatch", "an earlier step of this object failed; make a new one")),
+            _ => {
+                return Err(self.misuse("dispatch", "the last dispatch was not received and combined yet (dispatch and combine alternate)"))
+            }
+        }
+        self.step += 1;
+        let checked = route::check_dispatch(&self.shape, tokens.len(), topk_idx, topk_weights);
+        let ready = match self.mode {
+            MoeMode::Throughput => match self.throughput_dispatch(checked, tokens, topk_idx, topk_weights) {
+                Ok(Ok(d)) => Some(d),
+                Ok(Err(e)) => {
+                    self.state = State::Idle;
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.state = State::Broken;
+                    return Err(e);
+                }
+            },
+            MoeMode::LowLatency => {
+                if let Err(e) = self.ll_dispatch_send(checked, tokens, topk_idx, topk_weights) {
+                    self.state = State::Broken;
+                    return Err(e);
+                }
+                None
+            }
+        };
+        Ok(PendingDispatch { moe: self, ready })
+    }
+
+    /// The throughput dispatch: `Ok(Err(e))` when every member failed alike (bad input
+    /// somewhere) and the object may go on, `Err(e)` when it may not.
+    fn throughput_dispatch(
+        &mut self,
+        checked: std::result::Result<usize, Bad>,
+        tokens: &[T],
+        topk_idx: &[u32],
+        topk_weights: &[f32],
+    ) -> Result<Result<Dispatched<T>>> {
+        let (me, size, shape, step) = (self.me(), self.comm.size(), self.shape, self.step);
+        let (n, routed) = match checked {
+            Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
+            Err(_) => (0, None),
+        };
+        // Counts and statuses: 5 words per peer (bytes, status code, 3 details).
+        self.send.clear();
+        let mut words = vec![0u64; 5 * size];
+        let mut send_counts = vec![0usize; size];
+        let mut send_displs = vec![0usize; size];
+        for d in 0..size {
+            send_displs[d] = self.send.len();
+            match (&routed, &checked) {
+                (Some(r), _) => route::pack_dispatch(&mut self.send, step, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
+                (None, Err(b)) => route::pack_header(&mut self.send, Kind::Dispatch, step, 0, Some(b)),
+                (None, Ok(_)) => route::pack_header(&mut self.send, Kind::Dispatch, step, 0, None),
+            }
+            send_counts[d] = self.send.len() - send_displs[d];
+            words[5 * d] = send_counts[d] as u64;
+            if let Err(b) = &checked {
+                words[5 * d + 1..5 * d + 5].copy_from_slice(&b.words());
+            }
+        }
+        let mut got = vec![0u64; 5 * size];
+        self.comm.alltoall(&words, &mut got)?;
+        if let Err(b) = checked {
+            return Ok(Err(invalid(me, "dispatch", b)));
+        }
+        let mut bad = Vec::new();
+        for s in 0..size {
+            let w = [got[5 * s + 1], got[5 * s + 2], got[5 * s + 3], got[5 * s + 4]];
+            match Bad::from_words(w) {
+                Ok(None) => {}
+                Ok(Some(b)) => bad.push(format!("rank {s}'s input is bad: {b}")),
+                Err(c) => bad.push(format!("rank {s} sent unknown status {c}")),
+            }
+        }
+        if !bad.is_empty() {
+            return Ok(Err(invalid(me, "dispatch", bad.join("; "))));
+        }
+        let recv_counts: Vec<usize> = (0..size).map(|s| got[5 * s] as usize).collect();
+        let mut recv_displs = vec![0usize; size];
+        let mut total = 0usize;
+        for s in 0..size {
+            recv_displs[s] = total;
+            total = total.checked_add(recv_counts[s]).ok_or_else(|| invalid(me, "dispatch", "received sizes overflow"))?;
+        }
+        self.recv.clear();
+        self.recv.resize(total, 0);
+        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs)?;
+        self.recv_at = (0..size).map(|s| (recv_displs[s], recv_counts[s])).collect();
+        let sent = routed.map(|r| r.tokens).unwrap_or_default();
+        self.finish_dispatch(step, n, sent).map(Ok)
+    }
+
+    /// Parses the dispatch messages of every source in `recv` (`recv_at`), checks their
+    /// headers, groups the rows; the object goes to `Dispatched`.
+    fn finish_dispatch(&mut self, seq: u64, n: usize, sent: Vec<Vec<u32>>) -> Result<Dispatched<T>> {
+        let (me, shape) = (self.me(), self.shape);
+        let rb = shape.row_bytes::<T>();
+        let mut received = Vec::with_capacity(self.recv_at.len());
+        let mut bad = Vec::new();
+        for (s, &(at, len)) in self.recv_at.iter().enumerate() {
+            let msg = &self.recv[at..at + len];
+            let h = route::parse_header(msg, Kind::Dispatch).map_err(|e| invalid(me, "dispatch", format!("from rank {s}: {e}")))?;
+            if let Some(b) = h.bad {
+                bad.push(format!("rank {s}'s input is bad: {b}"));
+                continue;
+            }
+            if h.seq != seq {
+                return Err(invalid(
+                    me,
+                    "dispatch",
+                    format!("rank {s}'s message is of step {}, not {seq} (signals used elsewhere?)", h.seq),
+                ));
+            }
+            if h.count > shape.max_tokens {
+                return Err(invalid(me, "dispatch", format!("rank {s} sent {} rows, above max_tokens_per_rank", h.count)));
+            }
+            let r = route::split_dispatch(&shape, rb, h.count, &msg[HEADER_BYTES..])
+                .ok_or_else(|| invalid(me, "dispatch", format!("rank {s}'s message is shorter than its {} rows", h.count)))?;
+            received.push(r);
+        }
+        if !bad.is_empty() {
+            return Err(invalid(me, "dispatch", bad.join("; ")));
+        }
+        let g: Grouped<T> = route::group(&shape, &received).map_err(|e| invalid(me, "dispatch", e))?;
+        let rows = g.offsets.last().copied().unwrap_or(0);
+        self.last_recv.clone_from(&g.counts);
+        self.last_sent = (0..self.comm.size()).map(|d| sent.get(d).map_or(0, Vec::len)).collect();
+        self.state = State::Dispatched;
+        Ok(Dispatched {
+            tokens: g.tokens,
+            expert_offsets: g.offsets,
+            handle: MoeHandle { object: self.object, step: self.step, n, sent, counts: g.counts, slots: g.slots, slot_at: g.slot_at, rows },
+        })
+    }
+
+    /// The low-latency dispatch's sending half: every destination's region gets a message
+    /// (zero rows, or a bad status, included).
+    fn ll_dispatch_send(
+        &mut self,
+        checked: std::result::Result<usize, Bad>,
+        tokens: &[T],
+        topk_idx: &[u32],
+        topk_weights: &[f32],
+    ) -> Result<()> {
+        let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
+        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let seq = self.signals.next();
+        let (n, routed) = match checked {
+            Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
+            Err(_) => (0, None),
+        };
+        for d in 0..size {
+            self.send.clear();
+            match (&routed, &checked) {
+                (Some(r), _) => route::pack_dispatch(&mut self.send, seq, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
+                (None, Err(b)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, Some(b)),
+                (None, Ok(_)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, None),
+            }
+            let at = me * ll.dregion;
+            match d == me {
+                true => ll.dispatch.write(at, &self.send)?,
+                false => self.signals.put(self.comm, &ll.peers[d].0, at, &self.send, seq)?,
+            }
+        }
+        if let Err(b) = checked {
+            // The peers' writes of this step into this rank's window land before it returns
+            // (and may drop the object): none is left in flight.
+            self.ll_drain(seq)?;
+            return Err(invalid(me, "dispatch", b));
+        }
+        self.state = State::DispatchSent { seq, sent: routed.map(|r| r.tokens).unwrap_or_default(), n };
+        Ok(())
+    }
+
+    /// Reads the messages of every peer's region of `window` (region bytes `region`) into
+    /// `recv`, after waiting for each peer's signal `seq`.
+    fn ll_gather(&mut self, combine: bool, seq: u64, kind: Kind) -> Result<()> {
+        let (me, size) = (self.me(), self.comm.size());
+        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let (window, region) = match combine {
+            false => (&ll.dispatch, ll.dregion),
+            true => (&ll.combine, ll.cregion),
+        };
+        self.recv.clear();
+        self.recv_at.clear();
+        let mut head = [0u8; HEADER_BYTES];
+        for s in 0..size {
+            if s != me {
+                self.signals.wait(self.comm, s, seq)?;
+            }
+            window.read(s * region, &mut head)?;
+            let count = route::parse_header(&head, kind).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
+            let len = match combine {
+                false => self.shape.dispatch_bytes::<T>(count),
+                true => self.shape.combine_bytes::<T>(count),
+            };
+            let len = len.filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
+            let at = self.recv.len();
+            self.recv.resize(at + len, 0);
+            window.read(s * region, &mut self.recv[at..])?;
+            self.recv_at.push((at, len));
+        }
+        Ok(())
+    }
+
+    /// Sends the gate-weighted sums of `expert_out` (the rows of [`Dispatched::tokens`]
+    /// after the local experts, same order) back to the tokens' origins and writes each
+    /// token's `Σ_k w_k · y_{e_k}` into `out` (`n × hidden`, the dispatch's token order):
+    /// [`Moe::combine_send`] then [`PendingCombine::recv`]. Collective.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] on every member, naming the rank and the problem, when
+    /// `expert_out.len()` is not [`MoeHandle::num_rows`] × hidden, `out.len()` is not
+    /// [`MoeHandle::num_tokens`] × hidden, or `handle` is not this object's last
+    /// dispatch's. A combine without a received dispatch before it is a local
+    /// [`Error::InvalidArgument`] (nothing is sent). Otherwise as any collective.
+    pub fn combine(&mut self, expert_out: &[T], handle: &MoeHandle, out: &mut [T]) -> Result<()> {
+        self.combine_send_checked(expert_out, handle, Some(out.len()))?.recv(out)
+    }
+
+    /// Sends a combine and returns at once in [`MoeMode::LowLatency`]; receive it with
+    /// [`PendingCombine::recv`]. In [`MoeMode::Throughput`] the exchange runs here and
+    /// `recv` only sums. `out`'s length is checked by `recv`, on this rank only (the
+    /// blocking [`Moe::combine`] checks it before sending, on every rank). Errors as
+    /// [`Moe::combine`]; the send order rule of [`Moe::dispatch_send`] applies.
+    pub fn combine_send<'a>(&'a mut self, expert_out: &[T], handle: &'a MoeHandle) -> Result<PendingCombine<'a, 'c, T>> {
+        self.combine_send_checked(expert_out, handle, None)
+    }
+
+    fn combine_send_checked<'a>(
+        &'a mut self,
+        expert_out: &[T],
+        handle: &'a MoeHandle,
+        out_len: Option<usize>,
+    ) -> Result<PendingCombine<'a, 'c, T>> {
+        match self.state {
+            State::Dispatched => {}
+            State::Broken => return Err(self.misuse("combine", "an earlier step of this object failed; make a new one")),
+            _ => return Err(self.misuse("combine", "no received dispatch to combine (dispatch and combine alternate)")),
+        }
+        let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
+        let h = shape.hidden;
+        let bad = if handle.object != self.object || handle.step != self.step {
+            Some(Bad::Handle)
+        } else if expert_out.len() != handle.rows * h {
+            Some(Bad::ExpertOutLen { len: expert_out.len() as u64, want: (handle.rows * h) as u64 })
+        } else {
+            out_len.filter(|&l| l != handle.n * h).map(|l| Bad::OutLen { len: l as u64, want: (handle.n * h) as u64 })
+        };
+        // Message sizes come from this object's last dispatch, not from the handle (which
+        // may be another object's: then the peers learn of it by the status).
+        let counts = self.last_recv.clone();
+        let mut partial: Vec<T> = Vec::new();
+        if bad.is_none() {
+            route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, &mut partial);
+        }
+        let seq = match self.mode {
+            MoeMode::LowLatency => self.signals.next(),
+            MoeMode::Throughput => self.step,
+        };
+        // Pack one message per source rank: its rows' partial sums (or zeros when bad).
+        self.send.clear();
+        let mut send_counts = vec![0usize; size];
+        let mut send_displs = vec![0usize; size];
+        let mut row = 0usize;
+        let zero = vec![T::from_f32(0.0); h];
+        for s in 0..size {
+            send_displs[s] = self.send.len();
+            let c = counts.get(s).copied().unwrap_or(0);
+            match (&bad, self.mode) {
+                (Some(b), MoeMode::Throughput) => {
+                    route::pack_header(&mut self.send, Kind::Combine, seq, c, Some(b));
+                    for _ in 0..c {
+                        self.send.extend_from_slice(ferroccl_kernels::as_bytes(&zero));
+                    }
+                }
+                (Some(b), MoeMode::LowLatency) => route::pack_header(&mut self.send, Kind::Combine, seq, 0, Some(b)),
+                (None, _) => {
+                    route::pack_header(&mut self.send, Kind::Combine, seq, c, None);
+                    self.send.extend_from_slice(ferroccl_kernels::as_bytes(&partial[row * h..(row + c) * h]));
+                    row += c;
+                }
+            }
+            send_counts[s] = self.send.len() - send_displs[s];
+        }
+        let sent = match self.mode {
+            MoeMode::Throughput => {
+                let recv_counts: Vec<usize> = self.last_sent.iter().map(|&c| HEADER_BYTES + c * shape.row_bytes::<T>()).collect();
+                let recv_displs: Vec<usize> = recv_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+                let total = recv_counts.iter().sum();
+                self.recv.clear();
+                self.recv.resize(total, 0);
+                let r = self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs);
+                if let Err(e) = r {
+                    self.state = State::Broken;
+                    return Err(e);
+                }
+                self.recv_at = (0..size).map(|d| (recv_displs[d], recv_counts.get(d).copied().unwrap_or(0))).collect();
+                Ok(())
+            }
+            MoeMode::LowLatency => self.ll_combine_write(seq, &send_counts, &send_displs),
+        };
+        if let Err(e) = sent {
+            self.state = State::Broken;
+            return Err(e);
+        }
+        if let Some(b) = bad {
+            // Throughput: every rank saw the status and fails alike, the object goes on.
+            // Low latency: the peers' writes of this step land before this rank returns.
+            self.state = match self.mode {
+                MoeMode::Throughput => State::Idle,
+                MoeMode::LowLatency => {
+                    self.state = State::Broken;
+                    self.ll_drain(seq)?;
+                    State::Broken
+                }
+            };
+            return Err(invalid(me, "combine", b));
+        }
+        self.state = State::CombineSent { seq };
+        Ok(PendingCombine { moe: self, handle })
+    }
+
+    /// Waits for every peer's signal `seq`: its write of this step into this rank's
+    /// window has landed (a rank that failed on its own input waits so before returning,
+    /// so that no write is left in flight into windows it may drop).
+    fn ll_drain(&self, seq: u64) -> Result<()> {
+        let me = self.me();
+        (0..self.comm.size()).filter(|&s| s != me).try_for_each(|s| self.signals.wait(self.comm, s, seq))
+    }
+
+    fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {
+        let me = self.me();
+        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        for s in 0..counts.len() {
+            let msg = &self.send[displs[s]..displs[s] + counts[s]];
+            let at = me * ll.cregion;
+            match s == me {
+                true => ll.combine.write(at, msg)?,
+                false => self.signals.put(self.comm, &ll.peers[s].1, at, msg, seq)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
+    /// Waits for every rank's rows (low latency: each peer's signal, then its region of
+    /// this rank's window) and returns them grouped by local expert. Errors as
+    /// [`Moe::dispatch`]; after an error the object is unusable in low-latency mode.
+    pub fn recv(self) -> Result<Dispatched<T>> {
+        let moe = self.moe;
+        if let Some(d) = self.ready {
+            return Ok(d);
+        }
+        let (seq, sent, n) = match std::mem::replace(&mut moe.state, State::Broken) {
+            State::DispatchSent { seq, sent, n } => (seq, sent, n),
+            _ => return Err(Error::internal(format!("rank {}: moe dispatch: a pending dispatch in another state", moe.me()))),
+        };
+        moe.ll_gather(false, seq, Kind::Dispatch)?;
+        moe.finish_dispatch(seq, n, sent)
+    }
+}
+
+impl<T: MoeFloat> PendingCombine<'_, '_, T> {
+    /// Waits for every rank's partial sums (low latency: each peer's signal, then its
+    /// region of this rank's combine window) and writes each token's sum into `out`
+    /// (`n × hidden`, the dispatch's token order). Errors as [`Moe::combine`]; a wrong
+    /// `out` length is found here, on this rank only.
+    pub fn recv(self, out: &mut [T]) -> Result<()> {
+        let (moe, handle) = (self.moe, self.handle);
+        let me = moe.me();
+        let seq = match std::mem::replace(&mut moe.state, State::Broken) {
+            State::CombineSent { seq } => seq,
+            _ => return Err(Error::internal(format!("rank {me}: moe combine: a pending combine in another state"))),
+        };
+        if moe.mode == MoeMode::LowLatency {
+            moe.ll_gather(true, seq, Kind::Combine)?;
+        }
+        let (h, rb) = (moe.shape.hidden, moe.shape.row_bytes::<T>());
+        let mut acc = vec![0f32; handle.n * h];
+        let mut bad = Vec::new();
+        for (d, &(at, len)) in moe.recv_at.iter().enumerate() {
+            let msg = &moe.recv[at..at + len];
+            let hd = route::parse_header(msg, Kind::Combine).map_err(|e| invalid(me, "combine", format!("from rank {d}: {e}")))?;
+            if let Some(b) = hd.bad {
+                bad.push(format!("rank {d}'s input is bad: {b}"));
+                continue;
+            }
+            let want = handle.sent.get(d).map_or(0, Vec::len);
+            if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
+                return Err(invalid(
+                    me,
+                    "combine",
+                    format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
+                ));
+            }
+            let rows: Vec<T> = route::rows_from(&msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
+            route::accumulate(h, &mut acc, &handle.sent[d], &rows);
+        }
+        if !bad.is_empty() {
+            // Throughput: every rank saw the status and fails alike, the object goes on.
+            if moe.mode == MoeMode::Throughput {
+                moe.state = State::Idle;
+            }
+            return Err(invalid(me, "combine", bad.join("; ")));
+        }
+        moe.state = State::Idle;
+        if out.len() != acc.len() {
+            return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: acc.len() as u64 }));
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            *o = T::from_f32(*a);
+        }
+        Ok(())
+    }
+}

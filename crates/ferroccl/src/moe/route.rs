@@ -1,0 +1,546 @@
+//! The sans-IO half of MoE dispatch / combine: input checks, routing (which token goes to
+//! which rank, with which local experts and weights), the packed bytes one rank sends
+//! another (a header, routing metadata, rows), grouping received rows by local expert, and
+//! both sums of the combine. No communicator, no clock: every function is a function of
+//! its arguments, unit-tested below.
+//!
+//! # The packed bytes (one source rank to one destination rank, one step)
+//!
+//! A header of [`HEADER_BYTES`] (seven little-endian `u64`: magic and kind, sequence,
+//! row count, status code and three details of the status), then, for a dispatch, the
+//! metadata of each row ([`meta_words`] `u32` each: the token's index at its origin, then
+//! per top-k slot the destination's local expert or [`NO_EXPERT`] and the weight's bits),
+//! then the rows themselves (`hidden` elements each). A combine carries the header and rows
+//! only: its rows come in the order of the dispatch's rows, which both sides know.
+
+use std::fmt;
+
+use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16, f16, Element};
+
+/// The element types MoE dispatch / combine moves: `f32`, [`bf16`], [`f16`](struct@f16). Sums are
+/// accumulated in `f32` whatever the type.
+pub trait MoeFloat: Element + Copy + sealed::Sealed {
+    /// The value as an `f32` (exact for all three types).
+    fn to_f32(self) -> f32;
+    /// The `f32` rounded to this type (round to nearest, ties to even).
+    fn from_f32(x: f32) -> Self;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for super::bf16 {}
+    impl Sealed for super::f16 {}
+}
+
+impl MoeFloat for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl MoeFloat for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl MoeFloat for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// Bytes of a packed header.
+pub(crate) const HEADER_BYTES: usize = 7 * 8;
+/// The first four bytes of a header's first word.
+const MAGIC: u64 = 0x454f_4d46; // "FMOE" little endian
+/// The local-expert slot of a top-k entry whose expert lives on another rank.
+pub(crate) const NO_EXPERT: u32 = u32::MAX;
+
+/// What a packed message carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Token rows and their metadata, origin to expert rank.
+    Dispatch = 1,
+    /// Weighted partial sums, expert rank to origin.
+    Combine = 2,
+}
+
+/// `u32` words of one dispatched row's metadata: the token index, then (local expert,
+/// weight bits) per top-k slot.
+pub(crate) fn meta_words(top_k: usize) -> usize {
+    1 + 2 * top_k
+}
+
+/// A layer's shape as every rank holds it (checked equal at construction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub num_experts: usize,
+    pub hidden: usize,
+    pub top_k: usize,
+    pub max_tokens: usize,
+    /// Ranks of the communicator.
+    pub ranks: usize,
+}
+
+impl Shape {
+    /// Experts per rank (`num_experts / ranks`).
+    pub(crate) fn per_rank(&self) -> usize {
+        self.num_experts / self.ranks.max(1)
+    }
+
+    /// What is wrong with the shape on a communicator of `ranks` ranks, if anything.
+    pub(crate) fn problem(&self) -> Option<String> {
+        let s = self;
+        if s.hidden == 0 || s.top_k == 0 || s.num_experts == 0 {
+            return Some(format!("hidden ({}), top_k ({}) and num_experts ({}) must be at least 1", s.hidden, s.top_k, s.num_experts));
+        }
+        if !s.num_experts.is_multiple_of(s.ranks) {
+            return Some(format!("num_experts ({}) is not a multiple of the communicator's {} ranks", s.num_experts, s.ranks));
+        }
+        if s.top_k > s.num_experts {
+            return Some(format!("top_k ({}) is above num_experts ({})", s.top_k, s.num_experts));
+        }
+        if u32::try_from(s.max_tokens).is_err() || u32::try_from(s.num_experts).is_err() {
+            return Some(format!("max_tokens_per_rank ({}) and num_experts ({}) must be below 2^32", s.max_tokens, s.num_experts));
+        }
+        None
+    }
+
+    /// Bytes of one row of `T`.
+    pub(crate) fn row_bytes<T: Element>(&self) -> usize {
+        self.hidden * std::mem::size_of::<T>()
+    }
+
+    /// Bytes of one dispatch message holding `rows` rows of `T`.
+    pub(crate) fn dispatch_bytes<T: Element>(&self, rows: usize) -> Option<usize> {
+        let per = (meta_words(self.top_k) * 4).checked_add(self.row_bytes::<T>())?;
+        rows.checked_mul(per)?.checked_add(HEADER_BYTES)
+    }
+
+    /// Bytes of one combine message holding `rows` rows of `T`.
+    pub(crate) fn combine_bytes<T: Element>(&self, rows: usize) -> Option<usize> {
+        rows.checked_mul(self.row_bytes::<T>())?.checked_add(HEADER_BYTES)
+    }
+}
+
+/// Bad input found by the rank that was given it, carried to every other rank in the
+/// status of its packed header (so that they fail naming it, without waiting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bad {
+    /// `tokens.len()` is not a multiple of `hidden`.
+    TokensLen { len: u64, hidden: u64 },
+    /// `topk_idx` (`which` 0) or `topk_weights` (`which` 1) is not `n × top_k` long.
+    RouteLen { which: u64, len: u64, want: u64 },
+    /// More tokens than `max_tokens_per_rank`.
+    TooManyTokens { n: u64, max: u64 },
+    /// An expert index at or past `num_experts`.
+    Expert { token: u64, slot: u64, expert: u64 },
+    /// The same expert twice in one token's top-k.
+    Duplicate { token: u64, expert: u64 },
+    /// A weight that is NaN or infinite.
+    Weight { token: u64, slot: u64 },
+    /// `expert_out.len()` differs from the dispatched rows × hidden.
+    ExpertOutLen { len: u64, want: u64 },
+    /// `out.len()` differs from `n × hidden`.
+    OutLen { len: u64, want: u64 },
+    /// A handle of another dispatch (another object, or an earlier step).
+    Handle,
+}
+
+impl Bad {
+    /// (code, details); code 0 means no problem.
+    pub(crate) fn words(&self) -> [u64; 4] {
+        match *self {
+            Bad::TokensLen { len, hidden } => [1, len, hidden, 0],
+            Bad::RouteLen { which, len, want } => [2, which, len, want],
+            Bad::TooManyTokens { n, max } => [3, n, max, 0],
+            Bad::Expert { token, slot, expert } => [4, token, slot, expert],
+            Bad::Duplicate { token, expert } => [5, token, expert, 0],
+            Bad::Weight { token, slot } => [6, token, slot, 0],
+            Bad::ExpertOutLen { len, want } => [7, len, want, 0],
+            Bad::OutLen { len, want } => [8, len, want, 0],
+            Bad::Handle => [9, 0, 0, 0],
+        }
+    }
+
+    /// The status `words` carries: `Ok(None)` for none, `Err(code)` for a code unknown here.
+    pub(crate) fn from_words(w: [u64; 4]) -> Result<Option<Bad>, u64> {
+        Ok(Some(match w[0] {
+            0 => return Ok(None),
+            1 => Bad::TokensLen { len: w[1], hidden: w[2] },
+            2 => Bad::RouteLen { which: w[1], len: w[2], want: w[3] },
+            3 => Bad::TooManyTokens { n: w[1], max: w[2] },
+            4 => Bad::Expert { token: w[1], slot: w[2], expert: w[3] },
+            5 => Bad::Duplicate { token: w[1], expert: w[2] },
+            6 => Bad::Weight { token: w[1], slot: w[2] },
+            7 => Bad::ExpertOutLen { len: w[1], want: w[2] },
+            8 => Bad::OutLen { len: w[1], want: w[2] },
+            9 => Bad::Handle,
+            c => return Err(c),
+        }))
+    }
+}
+
+impl fmt::Display for Bad {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Bad::TokensLen { len, hidden } => write!(f, "tokens has {len} elements, not a multiple of hidden ({hidden})"),
+            Bad::RouteLen { which, len, want } => {
+                let name = if which == 0 { "topk_idx" } else { "topk_weights" };
+                write!(f, "{name} has {len} entries, want n x top_k = {want}")
+            }
+            Bad::TooManyTokens { n, max } => write!(f, "{n} tokens, more than max_tokens_per_rank ({max})"),
+            Bad::Expert { token, slot, expert } => write!(f, "token {token} slot {slot}: expert index {expert} out of range"),
+            Bad::Duplicate { token, expert } => write!(f, "token {token} lists expert {expert} twice in its top-k"),
+            Bad::Weight { token, slot } => write!(f, "token {token} slot {slot}: weight is not finite"),
+            Bad::ExpertOutLen { len, want } => write!(f, "expert_out has {len} elements, want dispatched rows x hidden = {want}"),
+            Bad::OutLen { len, want } => write!(f, "out has {len} elements, want n x hidden = {want}"),
+            Bad::Handle => write!(f, "the handle is not the one of this object's last dispatch"),
+        }
+    }
+}
+
+/// Checks a dispatch's arguments; returns `n`, the number of tokens.
+pub(crate) fn check_dispatch(shape: &Shape, tokens_len: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Result<usize, Bad> {
+    let (h, k) = (shape.hidden, shape.top_k);
+    if !tokens_len.is_multiple_of(h) {
+        return Err(Bad::TokensLen { len: tokens_len as u64, hidden: h as u64 });
+    }
+    let n = tokens_len / h;
+    let want = n * k;
+    if topk_idx.len() != want {
+        return Err(Bad::RouteLen { which: 0, len: topk_idx.len() as u64, want: want as u64 });
+    }
+    if topk_weights.len() != want {
+        return Err(Bad::RouteLen { which: 1, len: topk_weights.len() as u64, want: want as u64 });
+    }
+    if n > shape.max_tokens {
+        return Err(Bad::TooManyTokens { n: n as u64, max: shape.max_tokens as u64 });
+    }
+    for t in 0..n {
+        let idx = &topk_idx[t * k..(t + 1) * k];
+        for (j, &e) in idx.iter().enumerate() {
+            if e as usize >= shape.num_experts {
+                return Err(Bad::Expert { token: t as u64, slot: j as u64, expert: u64::from(e) });
+            }
+            if idx[..j].contains(&e) {
+                return Err(Bad::Duplicate { token: t as u64, expert: u64::from(e) });
+            }
+            if !topk_weights[t * k + j].is_finite() {
+                return Err(Bad::Weight { token: t as u64, slot: j as u64 });
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// Where each token goes: per destination rank, the tokens (ascending) that have at least
+/// one expert there, and each such row's metadata.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Route {
+    /// `tokens[d]`: token indices sent to rank `d`, ascending.
+    pub tokens: Vec<Vec<u32>>,
+    /// `meta[d]`: [`meta_words`] words per row of `tokens[d]`.
+    pub meta: Vec<Vec<u32>>,
+}
+
+/// Routes `n` checked tokens (see [`check_dispatch`]).
+pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Route {
+    let (k, per) = (shape.top_k, shape.per_rank());
+    let mut r = Route { tokens: vec![Vec::new(); shape.ranks], meta: vec![Vec::new(); shape.ranks] };
+    for t in 0..n {
+        let idx = &topk_idx[t * k..(t + 1) * k];
+        let w = &topk_weights[t * k..(t + 1) * k];
+        for d in 0..shape.ranks {
+            if !idx.iter().any(|&e| e as usize / per == d) {
+                continue;
+            }
+            r.tokens[d].push(t as u32);
+            let m = &mut r.meta[d];
+            m.push(t as u32);
+            for j in 0..k {
+                let e = idx[j] as usize;
+                match e / per == d {
+                    true => m.extend([(e % per) as u32, w[j].to_bits()]),
+                    false => m.extend([NO_EXPERT, 0]),
+                }
+            }
+        }
+    }
+    r
+}
+
+/// A parsed header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: u64,
+    pub seq: u64,
+    pub count: usize,
+    pub bad: Option<Bad>,
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Appends a header to `out`.
+pub(crate) fn pack_header(out: &mut Vec<u8>, kind: Kind, seq: u64, count: usize, bad: Option<&Bad>) {
+    put_u64(out, MAGIC | (kind as u64) << 32);
+    put_u64(out, seq);
+    put_u64(out, count as u64);
+    for w in bad.map_or([0; 4], Bad::words) {
+        put_u64(out, w);
+    }
+}
+
+/// Appends a dispatch message to `out`: the header, `meta`, and the rows of `tokens`
+/// (`hidden` elements each) named by `rows`.
+pub(crate) fn pack_dispatch<T: Element>(out: &mut Vec<u8>, seq: u64, hidden: usize, rows: &[u32], meta: &[u32], tokens: &[T]) {
+    pack_header(out, Kind::Dispatch, seq, rows.len(), None);
+    for &m in meta {
+        out.extend_from_slice(&m.to_le_bytes());
+    }
+    for &t in rows {
+        let t = t as usize;
+        out.extend_from_slice(as_bytes(&tokens[t * hidden..(t + 1) * hidden]));
+    }
+}
+
+/// Parses the header at the start of `bytes`; `Err` says what is wrong with it.
+pub(crate) fn parse_header(bytes: &[u8], kind: Kind) -> Result<Header, String> {
+    if bytes.len() < HEADER_BYTES {
+        return Err(format!("a message of {} bytes, shorter than a header", bytes.len()));
+    }
+    let w = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+    if w(0) & 0xffff_ffff != MAGIC || w(0) >> 32 != kind as u64 {
+        return Err(format!("a header with tag {:#x}, not a {kind:?} header", w(0)));
+    }
+    let bad = Bad::from_words([w(3), w(4), w(5), w(6)]).map_err(|c| format!("unknown status code {c}"))?;
+    let count = usize::try_from(w(2)).map_err(|_| format!("row count {} out of range", w(2)))?;
+    Ok(Header { kind: kind as u64, seq: w(1), count, bad })
+}
+
+/// Copies `count × hidden` elements of `T` out of `bytes` (exactly that long).
+pub(crate) fn rows_from<T: MoeFloat>(bytes: &[u8]) -> Vec<T> {
+    let len = bytes.len() / std::mem::size_of::<T>();
+    let mut v = vec![T::from_f32(0.0); len];
+    as_bytes_mut(&mut v).copy_from_slice(&bytes[..len * std::mem::size_of::<T>()]);
+    v
+}
+
+/// One source's dispatched rows, as received.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Received<'a> {
+    /// [`meta_words`] words per row.
+    pub meta: Vec<u32>,
+    /// The rows' bytes (`count × row_bytes`).
+    pub rows: &'a [u8],
+}
+
+/// Splits a dispatch message's body (after the header) of `count` rows.
+pub(crate) fn split_dispatch<'a>(shape: &Shape, row_bytes: usize, count: usize, body: &'a [u8]) -> Option<Received<'a>> {
+    let mw = meta_words(shape.top_k);
+    let meta_len = count.checked_mul(mw)?.checked_mul(4)?;
+    let rows_len = count.checked_mul(row_bytes)?;
+    if body.len() < meta_len.checked_add(rows_len)? {
+        return None;
+    }
+    let meta = body[..meta_len].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Some(Received { meta, rows: &body[meta_len..meta_len + rows_len] })
+}
+
+/// What a rank received in one dispatch, grouped by local expert, and what combine needs.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Grouped<T> {
+    /// Rows grouped by local expert (expert 0's first), within a group by source rank and
+    /// then by the source's order.
+    pub tokens: Vec<T>,
+    /// `per_rank + 1` row offsets into `tokens`.
+    pub offsets: Vec<usize>,
+    /// Rows received from each source rank.
+    pub counts: Vec<usize>,
+    /// Per received row (sources in order), its (row in `tokens`, weight) per local expert
+    /// it chose, in top-k order: `slots[slot_at[i]..slot_at[i + 1]]`.
+    pub slots: Vec<(u32, f32)>,
+    /// `received rows + 1` offsets into `slots`.
+    pub slot_at: Vec<usize>,
+}
+
+/// Groups the rows received from every source (in source order) by local expert; `Err`
+/// names a metadata entry that is out of range (a corrupt message).
+pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result<Grouped<T>, String> {
+    let (k, per, h) = (shape.top_k, shape.per_rank(), shape.hidden);
+    let mw = meta_words(k);
+    let mut sizes = vec![0usize; per];
+    for r in from {
+        for row in r.meta.chunks_exact(mw) {
+            for j in 0..k {
+                match row[1 + 2 * j] {
+                    NO_EXPERT => {}
+                    le if (le as usize) < per => sizes[le as usize] += 1,
+                    le => return Err(format!("local expert {le} out of range (this rank has {per})")),
+                }
+            }
+        }
+    }
+    let mut offsets = Vec::with_capacity(per + 1);
+    offsets.push(0);
+    for s in &sizes {
+        offsets.push(offsets[offsets.len() - 1] + s);
+    }
+    let total = offsets[per];
+    let mut tokens = vec![T::from_f32(0.0); total * h];
+    let mut next = offsets.clone();
+    let mut slots = Vec::new();
+    let mut slot_at = vec![0];
+    let mut counts = Vec::with_capacity(from.len());
+    let rb = shape.row_bytes::<T>();
+    for r in from {
+        counts.push(r.meta.len() / mw);
+        for (i, row) in r.meta.chunks_exact(mw).enumerate() {
+            let src = &r.rows[i * rb..(i + 1) * rb];
+            for j in 0..k {
+                let le = row[1 + 2 * j];
+                if le == NO_EXPERT {
+                    continue;
+                }
+                let at = next[le as usize];
+                next[le as usize] += 1;
+                as_bytes_mut(&mut tokens[at * h..(at + 1) * h]).copy_from_slice(src);
+                slots.push((at as u32, f32::from_bits(row[2 + 2 * j])));
+            }
+            slot_at.push(slots.len());
+        }
+    }
+    Ok(Grouped { tokens, offsets, counts, slots, slot_at })
+}
+
+/// The expert rank's half of combine: per received row (in received order), the sum in
+/// `f32` of `w · y` over its slots in top-k order, rounded once to `T`; appended to `out`.
+pub(crate) fn partial_sums<T: MoeFloat>(hidden: usize, expert_out: &[T], slots: &[(u32, f32)], slot_at: &[usize], out: &mut Vec<T>) {
+    let mut acc = vec![0f32; hidden];
+    for i in 0..slot_at.len().saturating_sub(1) {
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for &(at, w) in &slots[slot_at[i]..slot_at[i + 1]] {
+            let y = &expert_out[at as usize * hidden..(at as usize + 1) * hidden];
+            for (a, &v) in acc.iter_mut().zip(y) {
+                *a += w * v.to_f32();
+            }
+        }
+        out.extend(acc.iter().map(|&a| T::from_f32(a)));
+    }
+}
+
+/// The origin's half of combine: `acc[t] += row` for each destination's rows (call it for
+/// the destinations in ascending order), `acc` in `f32`, `n × hidden`.
+pub(crate) fn accumulate<T: MoeFloat>(hidden: usize, acc: &mut [f32], tokens: &[u32], rows: &[T]) {
+    for (j, &t) in tokens.iter().enumerate() {
+        let t = t as usize;
+        for (a, &v) in acc[t * hidden..(t + 1) * hidden].iter_mut().zip(&rows[j * hidden..(j + 1) * hidden]) {
+            *a += v.to_f32();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(ranks: usize) -> Shape {
+        Shape { num_experts: 2 * ranks, hidden: 2, top_k: 2, max_tokens: 4, ranks }
+    }
+
+    #[test]
+    fn checks_name_the_first_problem() {
+        let s = shape(2);
+        assert_eq!(check_dispatch(&s, 3, &[], &[]), Err(Bad::TokensLen { len: 3, hidden: 2 }));
+        assert_eq!(check_dispatch(&s, 2, &[0], &[1.0, 1.0]), Err(Bad::RouteLen { which: 0, len: 1, want: 2 }));
+        assert_eq!(check_dispatch(&s, 2, &[0, 1], &[1.0]), Err(Bad::RouteLen { which: 1, len: 1, want: 2 }));
+        assert_eq!(check_dispatch(&s, 10, &[0; 10], &[1.0; 10]), Err(Bad::TooManyTokens { n: 5, max: 4 }));
+        assert_eq!(check_dispatch(&s, 2, &[0, 4], &[1.0, 1.0]), Err(Bad::Expert { token: 0, slot: 1, expert: 4 }));
+        assert_eq!(check_dispatch(&s, 2, &[3, 3], &[1.0, 1.0]), Err(Bad::Duplicate { token: 0, expert: 3 }));
+        assert_eq!(check_dispatch(&s, 2, &[3, 2], &[1.0, f32::NAN]), Err(Bad::Weight { token: 0, slot: 1 }));
+        assert_eq!(check_dispatch(&s, 0, &[], &[]), Ok(0));
+        for b in [Bad::Expert { token: 1, slot: 2, expert: 3 }, Bad::Handle, Bad::OutLen { len: 1, want: 2 }] {
+            assert_eq!(Bad::from_words(b.words()), Ok(Some(b)));
+        }
+        assert_eq!(Bad::from_words([0; 4]), Ok(None));
+        assert_eq!(Bad::from_words([99, 0, 0, 0]), Err(99));
+    }
+
+    #[test]
+    fn shapes_are_checked() {
+        assert!(shape(2).problem().is_none());
+        assert!(Shape { num_experts: 3, ..shape(2) }.problem().unwrap().contains("multiple"));
+        assert!(Shape { hidden: 0, ..shape(2) }.problem().is_some());
+        assert!(Shape { top_k: 9, ..shape(2) }.problem().unwrap().contains("top_k"));
+    }
+
+    /// Routes 3 tokens over 2 ranks (experts 0, 1 on rank 0; 2, 3 on rank 1), packs, groups
+    /// on both ranks, runs the identity expert, combines, and gets back Σ w · x.
+    #[test]
+    fn round_trip_gives_the_weighted_sum() {
+        let s = shape(2);
+        let x: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let idx = [0u32, 1, 2, 0, 3, 2];
+        let w = [0.5f32, 0.25, 2.0, 1.0, 0.5, 0.5];
+        let n = check_dispatch(&s, x.len(), &idx, &w).unwrap();
+        let r = route(&s, n, &idx, &w);
+        assert_eq!(r.tokens, vec![vec![0, 1], vec![1, 2]]);
+        // Rank 0 gets tokens 0 (experts 0, 1) and 1 (expert 0); rank 1 tokens 1 (2) and 2 (3, 2).
+        let mut acc = vec![0f32; n * 2];
+        for d in 0..2 {
+            let mut bytes = Vec::new();
+            pack_dispatch(&mut bytes, 7, 2, &r.tokens[d], &r.meta[d], &x);
+            assert_eq!(bytes.len(), s.dispatch_bytes::<f32>(r.tokens[d].len()).unwrap());
+            let h = parse_header(&bytes, Kind::Dispatch).unwrap();
+            assert_eq!((h.seq, h.count, h.bad), (7, r.tokens[d].len(), None));
+            assert!(parse_header(&bytes, Kind::Combine).is_err());
+            let rec = split_dispatch(&s, 8, h.count, &bytes[HEADER_BYTES..]).unwrap();
+            let g: Grouped<f32> = group(&s, &[rec]).unwrap();
+            if d == 0 {
+                assert_eq!(g.offsets, vec![0, 2, 3]);
+                assert_eq!(g.tokens, vec![1.0, 2.0, 3.0, 4.0, 1.0, 2.0]);
+            } else {
+                // Expert 2 (local 0): token 1, token 2; expert 3: token 2.
+                assert_eq!(g.offsets, vec![0, 2, 3]);
+                assert_eq!(g.tokens, vec![3.0, 4.0, 5.0, 6.0, 5.0, 6.0]);
+            }
+            let mut partial = Vec::new();
+            partial_sums(2, &g.tokens, &g.slots, &g.slot_at, &mut partial);
+            accumulate(2, &mut acc, &r.tokens[d], &partial);
+        }
+        let want: Vec<f32> = (0..6).map(|i| x[i] * (w[i / 2 * 2] + w[i / 2 * 2 + 1])).collect();
+        assert_eq!(acc, want);
+    }
+
+    #[test]
+    fn corrupt_metadata_is_an_error_not_a_panic() {
+        let s = shape(2);
+        let rows = [0u8; 8];
+        let rec = Received { meta: vec![0, 7, 0, NO_EXPERT, 0], rows: &rows };
+        assert!(group::<f32>(&s, &[rec]).unwrap_err().contains("local expert 7"));
+        assert!(split_dispatch(&s, 8, 2, &[0u8; 10]).is_none());
+        assert!(parse_header(&[0u8; 10], Kind::Dispatch).is_err());
+    }
+
+    #[test]
+    fn half_types_round_once() {
+        let mut out: Vec<bf16> = Vec::new();
+        let y = [bf16::from_f32(1.0), bf16::from_f32(1.0 / 256.0)];
+        // 1 + 1/256 rounds to 1 in bf16 (8 bits of mantissa), once.
+        partial_sums(1, &y, &[(0, 1.0), (1, 1.0)], &[0, 2], &mut out);
+        assert_eq!(out, vec![bf16::from_f32(1.0)]);
+    }
+}
