@@ -21,8 +21,9 @@ const ABOUT_MORE: &str = "\
 Every rank has T tokens of H bf16 each; token t of rank r at step s chooses K distinct
 experts of E (expert e lives on rank e / (E / ranks)) by the routing of
 benches/peers/mpi_moe.c: x = splitmix64((r << 40) ^ (s << 20) ^ t), e0 = x % E, then
-e_j = (e_{j-1} + 1 + splitmix64(x_{j-1}) % (E - 1)) % E with x_j = splitmix64(x_{j-1}),
-skipping experts already chosen; weights 0.75 and 0.25 for K = 2 (else 1/K each). The
+then e_j = (e_{j-1} + 1 + h % (E - 1)) % E for h = splitmix64(h) starting from h = x,
+redrawn while e_j was already chosen; weights 0.75 and 0.25 for K = 2 (mpi_moe.c has
+the general rule). The
 experts are the identity, so a step is communication only: dispatch, then combine of the
 received rows as they are. Each round runs, S steps each, in the order A B C:
   (a) throughput   Moe in MoeMode::Throughput: counts by alltoall, rows by alltoallv
@@ -92,25 +93,32 @@ pub fn splitmix64(v: u64) -> u64 {
 
 /// The experts and weights of token `t` of rank `r` at step `s` (see `--help`).
 pub fn route(r: usize, s: u64, t: usize, experts: usize, top_k: usize, idx: &mut Vec<u32>, w: &mut Vec<f32>) {
-    let mut x = splitmix64(((r as u64) << 40) ^ (s << 20) ^ t as u64);
+    let x = splitmix64(((r as u64) << 40) ^ (s << 20) ^ t as u64);
     let first = idx.len();
-    let mut e = (x % experts as u64) as usize;
-    idx.push(e as u32);
+    let mut prev = (x % experts as u64) as usize;
+    idx.push(prev as u32);
+    let mut h = x;
     while idx.len() - first < top_k.min(experts) {
-        let step = if experts > 1 { splitmix64(x) % (experts as u64 - 1) } else { 0 };
-        x = splitmix64(x);
-        e = (e + 1 + step as usize) % experts;
-        if !idx[first..].contains(&(e as u32)) {
-            idx.push(e as u32);
-        }
+        // Redrawn from the same base until the expert is a new one.
+        let c = loop {
+            h = splitmix64(h);
+            let c = (prev + 1 + (h % (experts as u64 - 1)) as usize) % experts;
+            if !idx[first..].contains(&(c as u32)) {
+                break c;
+            }
+        };
+        idx.push(c as u32);
+        prev = c;
     }
     let k = idx.len() - first;
+    let mut p = 1.0f32;
     for j in 0..k {
-        w.push(match (k, j) {
-            (2, 0) => 0.75,
-            (2, _) => 0.25,
-            _ => 1.0 / k as f32,
+        w.push(match k {
+            1 => 1.0,
+            _ if j + 1 < k => 0.75 * p,
+            _ => p,
         });
+        p *= 0.25;
     }
 }
 
@@ -119,11 +127,16 @@ fn value(r: usize, t: usize, h: usize) -> bf16 {
     bf16::from_f32(((r * 131 + t * 17 + h * 7) % 251) as f32 - 125.0)
 }
 
-/// The p-th fraction (0..=1) of sorted `v`.
-fn pct(v: &[f64], p: f64) -> f64 {
+/// The `q` quantile (0..=1) of sorted `v`, interpolated linearly between the samples at
+/// `q * (len - 1)` (as benches/peers/mpi_moe.c).
+fn pct(v: &[f64], q: f64) -> f64 {
     match v.len() {
         0 => 0.0,
-        n => v[((n - 1) as f64 * p).round() as usize],
+        n => {
+            let at = (n - 1) as f64 * q;
+            let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (at - lo as f64)
+        }
     }
 }
 
