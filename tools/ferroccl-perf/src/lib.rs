@@ -56,7 +56,10 @@
 //!   `--model-bytes` in `--tensors` bf16 tensors (replicated, row- and column-sharded) from
 //!   the first `--sources` ranks to the others, against the memcpy bound and against
 //!   broadcasting every tensor from rank 0 ([`weights`]; benches/weights.sh gives issue 13's
-//!   runs).
+//!   runs);
+//! * `ferroccl-perf moe`: MoE dispatch + combine per step (`Communicator::moe`), throughput
+//!   mode vs low-latency mode vs one allreduce of the same bytes, at `--tokens` per rank
+//!   ([`moe`]; benches/moe.sh adds the MPI_Alltoallv baseline).
 //!
 //! `ferroccl-perf plot OUT.svg A.json [B.json ...]` draws results files (this tool's
 //! `--json`, or benches/peers' MPI program's) in one picture without running anything;
@@ -100,6 +103,7 @@ pub mod colls;
 pub mod data;
 pub mod idle;
 pub mod latency;
+pub mod moe;
 pub mod overlap;
 pub mod plot;
 pub mod report;
@@ -183,6 +187,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
         Some("rma") => return subcommand(args, rma::USAGE, rma::help, rma::parse, |o| o.common, rma::run),
         Some("skew") => return subcommand(args, skew::USAGE, skew::help, skew::parse, |o| o.common, skew::run),
         Some("weights") => return subcommand(args, weights::USAGE, weights::help, weights::parse, |o| o.common, weights::run),
+        Some("moe") => return subcommand(args, moe::USAGE, moe::help, moe::parse, |o| o.common, moe::run),
         _ => {}
     }
     let o = match args::parse(args) {
