@@ -205,7 +205,7 @@ fn run_steps<T: MoeFloat>(comm: &Communicator, mode: MoeMode, pattern: Pattern, 
 /// f16 within the bound, three steps per object (the persistent buffers reused).
 pub fn moe_dispatch_combine_equals_the_reference(s: &Suite) {
     let patterns = prop_oneof![Just(Pattern::Random), Just(Pattern::AllToRankZero), Just(Pattern::LocalOnly), Just(Pattern::Empty)];
-    let config = ProptestConfig { cases: s.nonblocking_cases, ..ProptestConfig::default() };
+    let config = ProptestConfig { cases: 2 * s.nonblocking_cases, ..ProptestConfig::default() };
     check_cases(config, (2usize..=4, any::<u64>(), patterns), |(n, seed, pattern)| {
         let res = run_world(
             n,
@@ -390,7 +390,8 @@ pub fn moe_bad_input_fails_on_every_rank(s: &Suite) {
 
 /// Members with another config fail on every member, which names them; a config that is
 /// wrong everywhere (experts not a multiple of the ranks) fails everywhere; calls out of
-/// order (combine first, two dispatches) are local errors that send nothing.
+/// order (combine first, two dispatches) are local errors that send nothing; a combine
+/// with another object's handle fails on every rank, naming the rank.
 pub fn moe_bad_configs_and_misuse_are_errors(s: &Suite) {
     let timeout = Duration::from_secs(10);
     let res = run_world(
@@ -437,6 +438,21 @@ pub fn moe_bad_configs_and_misuse_are_errors(s: &Suite) {
                     Err(e) if e.to_string().contains("alternate") => {}
                     other => return Err(format!("rank {me} {mode:?}: combine without dispatch: {other:?}")),
                 }
+                // Rank 1 combines with another object's handle: every rank fails naming it;
+                // the other object is unharmed.
+                let mut other = comm.moe::<f32>(cfg, mode).map_err(|e| e.to_string())?;
+                let inputs: Vec<Input> = (0..3).map(|r| input(&cfg, 3, Pattern::Random, 9, r, 0)).collect();
+                let inp = &inputs[me];
+                let d1 = moe.dispatch(&inp.x, &inp.idx, &inp.w).map_err(|e| format!("rank {me}: dispatch: {e}"))?;
+                let d2 = other.dispatch(&inp.x, &inp.idx, &inp.w).map_err(|e| format!("rank {me}: dispatch: {e}"))?;
+                let y1 = experts(&comm, &cfg, &inputs, &d1)?;
+                let mut out = vec![0f32; inp.x.len()];
+                let h = if me == 1 { &d2.handle } else { &d1.handle };
+                match moe.combine(&y1, h, &mut out) {
+                    Err(e) if e.to_string().contains("handle is not") && (me == 1 || e.to_string().contains("rank 1")) => {}
+                    other => return Err(format!("rank {me} {mode:?}: combine with a foreign handle: {other:?}")),
+                }
+                check_step(&comm, &mut other, &cfg, &inputs, d2).map_err(|e| format!("rank {me} {mode:?}: other object: {e}"))?;
             }
             comm.finalize().map_err(|e| e.to_string())
         },
