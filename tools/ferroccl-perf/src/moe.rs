@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::CommandFactory;
 use ferroccl::moe::{MoeConfig, MoeMode};
-use ferroccl::{bf16, Communicator, ReduceOp, TransportKind};
+use ferroccl::{bf16, ReduceOp, TransportKind};
 
 use crate::args::{self, ArgError};
 use crate::sub::{self, fail, Common};
