@@ -64,7 +64,8 @@ fn opts() -> Res<Opts> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
-        let num = |v: String, name: &str| v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| format!("{name} {v}: not a positive number"));
+        let num =
+            |v: String, name: &str| v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| format!("{name} {v}: not a positive number"));
         match a.as_str() {
             "--dtype" => {
                 o.bf16 = match val("--dtype")?.as_str() {

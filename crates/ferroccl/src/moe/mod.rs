@@ -178,6 +178,8 @@ pub struct Moe<'c, T: MoeFloat> {
     /// Reused between steps: packed messages going out, and coming in.
     send: Vec<u8>,
     recv: Vec<u8>,
+    /// Scratch of combine's sums in `f32` (reused).
+    acc: Vec<f32>,
     /// Byte ranges of `recv` per peer.
     recv_at: Vec<(usize, usize)>,
     /// Rows the last dispatch received from each source, and sent to each destination.
@@ -341,6 +343,7 @@ impl Communicator {
             ll,
             send: Vec::new(),
             recv: Vec::new(),
+            acc: Vec::new(),
             recv_at: Vec::new(),
             last_recv: vec![0; size],
             last_sent: vec![0; size],
@@ -659,10 +662,6 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         // Message sizes come from this object's last dispatch, not from the handle (which
         // may be another object's: then the peers learn of it by the status).
         let counts = self.last_recv.clone();
-        let mut partial: Vec<T> = Vec::new();
-        if bad.is_none() {
-            route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, &mut partial);
-        }
         let seq = match self.mode {
             MoeMode::LowLatency => self.signals.next(),
             MoeMode::Throughput => self.step,
@@ -686,7 +685,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 (Some(b), MoeMode::LowLatency) => route::pack_header(&mut self.send, Kind::Combine, seq, 0, Some(b)),
                 (None, _) => {
                     route::pack_header(&mut self.send, Kind::Combine, seq, c, None);
-                    self.send.extend_from_slice(ferroccl_kernels::as_bytes(&partial[row * h..(row + c) * h]));
+                    let rows = row..row + c;
+                    route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, rows, &mut self.acc, &mut self.send);
                     row += c;
                 }
             }
@@ -787,7 +787,9 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             moe.ll_gather(true, seq, Kind::Combine)?;
         }
         let (h, rb) = (moe.shape.hidden, moe.shape.row_bytes::<T>());
-        let mut acc = vec![0f32; handle.n * h];
+        let mut acc = std::mem::take(&mut moe.acc);
+        acc.clear();
+        acc.resize(handle.n * h, 0.0);
         let mut bad = Vec::new();
         for (d, &(at, len)) in moe.recv_at.iter().enumerate() {
             let msg = &moe.recv[at..at + len];
@@ -804,8 +806,7 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
                     format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
                 ));
             }
-            let rows: Vec<T> = route::rows_from(&msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
-            route::accumulate(h, &mut acc, &handle.sent[d], &rows);
+            route::accumulate::<T>(h, &mut acc, &handle.sent[d], &msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
         }
         if !bad.is_empty() {
             // Throughput: every rank saw the status and fails alike, the object goes on.
@@ -821,6 +822,7 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
         for (o, a) in out.iter_mut().zip(&acc) {
             *o = T::from_f32(*a);
         }
+        moe.acc = acc;
         Ok(())
     }
 }

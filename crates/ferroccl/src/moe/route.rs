@@ -15,7 +15,7 @@
 
 use std::fmt;
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, bf16, f16, Element};
+use ferroccl_kernels::{as_bytes, bf16, f16, Element};
 
 /// The element types MoE dispatch / combine moves: `f32`, [`bf16`], [`f16`](struct@f16). Sums are
 /// accumulated in `f32` whatever the type.
@@ -331,14 +331,6 @@ pub(crate) fn parse_header(bytes: &[u8], kind: Kind) -> Result<Header, String> {
     Ok(Header { kind: kind as u64, seq: w(1), count, bad })
 }
 
-/// Copies `count × hidden` elements of `T` out of `bytes` (exactly that long).
-pub(crate) fn rows_from<T: MoeFloat>(bytes: &[u8]) -> Vec<T> {
-    let len = bytes.len() / std::mem::size_of::<T>();
-    let mut v = vec![T::from_f32(0.0); len];
-    as_bytes_mut(&mut v).copy_from_slice(&bytes[..len * std::mem::size_of::<T>()]);
-    v
-}
-
 /// One source's dispatched rows, as received.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Received<'a> {
@@ -400,16 +392,17 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
         offsets.push(offsets[offsets.len() - 1] + s);
     }
     let total = offsets[per];
-    let mut tokens = vec![T::from_f32(0.0); total * h];
     let mut next = offsets.clone();
     let mut slots = Vec::new();
     let mut slot_at = vec![0];
     let mut counts = Vec::with_capacity(from.len());
     let rb = shape.row_bytes::<T>();
-    for r in from {
+    // Where each group's rows come from, in the group's order: (source, row), so that the
+    // rows are appended once each, group by group (no zero fill, no second pass).
+    let mut order = vec![(0u32, 0u32); total];
+    for (si, r) in from.iter().enumerate() {
         counts.push(r.meta.len() / mw);
         for (i, row) in r.meta.chunks_exact(mw).enumerate() {
-            let src = &r.rows[i * rb..(i + 1) * rb];
             for j in 0..k {
                 let le = row[1 + 2 * j];
                 if le == NO_EXPERT {
@@ -417,20 +410,44 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
                 }
                 let at = next[le as usize];
                 next[le as usize] += 1;
-                as_bytes_mut(&mut tokens[at * h..(at + 1) * h]).copy_from_slice(src);
+                order[at] = (si as u32, i as u32);
                 slots.push((at as u32, f32::from_bits(row[2 + 2 * j])));
             }
             slot_at.push(slots.len());
         }
     }
+    let mut tokens: Vec<T> = Vec::with_capacity(total * h);
+    for &(si, i) in &order {
+        let src = &from[si as usize].rows[i as usize * rb..(i as usize + 1) * rb];
+        extend_from_bytes(&mut tokens, src);
+    }
     Ok(Grouped { tokens, offsets, counts, slots, slot_at })
 }
 
-/// The expert rank's half of combine: per received row (in received order), the sum in
-/// `f32` of `w · y` over its slots in top-k order, rounded once to `T`; appended to `out`.
-pub(crate) fn partial_sums<T: MoeFloat>(hidden: usize, expert_out: &[T], slots: &[(u32, f32)], slot_at: &[usize], out: &mut Vec<T>) {
-    let mut acc = vec![0f32; hidden];
-    for i in 0..slot_at.len().saturating_sub(1) {
+/// Appends the elements of `T` in `bytes` (a whole number of them) to `out`: one copy,
+/// viewed in place when aligned.
+pub(crate) fn extend_from_bytes<T: MoeFloat>(out: &mut Vec<T>, bytes: &[u8]) {
+    match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(v) => out.extend_from_slice(v),
+        Err(_) => out.extend(bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned::<T>)),
+    }
+}
+
+/// The expert rank's half of combine: per received row `rows` (in received order), the
+/// sum in `f32` of `w · y` over its slots in top-k order, rounded once to `T`; appended to
+/// `out` as bytes. `acc` is scratch (`hidden` elements, reused).
+pub(crate) fn partial_sums<T: MoeFloat>(
+    hidden: usize,
+    expert_out: &[T],
+    slots: &[(u32, f32)],
+    slot_at: &[usize],
+    rows: std::ops::Range<usize>,
+    acc: &mut Vec<f32>,
+    out: &mut Vec<u8>,
+) {
+    acc.resize(hidden, 0.0);
+    let size = std::mem::size_of::<T>();
+    for i in rows {
         acc.iter_mut().for_each(|a| *a = 0.0);
         for &(at, w) in &slots[slot_at[i]..slot_at[i + 1]] {
             let y = &expert_out[at as usize * hidden..(at as usize + 1) * hidden];
@@ -438,17 +455,34 @@ pub(crate) fn partial_sums<T: MoeFloat>(hidden: usize, expert_out: &[T], slots: 
                 *a += w * v.to_f32();
             }
         }
-        out.extend(acc.iter().map(|&a| T::from_f32(a)));
+        let at = out.len();
+        out.resize(at + hidden * size, 0);
+        match bytemuck::try_cast_slice_mut::<u8, T>(&mut out[at..]) {
+            Ok(dst) => dst.iter_mut().zip(acc.iter()).for_each(|(d, &a)| *d = T::from_f32(a)),
+            Err(_) => {
+                for (d, &a) in out[at..].chunks_exact_mut(size).zip(acc.iter()) {
+                    d.copy_from_slice(bytemuck::bytes_of(&T::from_f32(a)));
+                }
+            }
+        }
     }
 }
 
-/// The origin's half of combine: `acc[t] += row` for each destination's rows (call it for
-/// the destinations in ascending order), `acc` in `f32`, `n × hidden`.
-pub(crate) fn accumulate<T: MoeFloat>(hidden: usize, acc: &mut [f32], tokens: &[u32], rows: &[T]) {
+/// The origin's half of combine: `acc[t] += row` for each destination's rows, given as
+/// the bytes of `tokens.len()` rows of `T` (call it for the destinations in ascending
+/// order), `acc` in `f32`, `n × hidden`.
+pub(crate) fn accumulate<T: MoeFloat>(hidden: usize, acc: &mut [f32], tokens: &[u32], rows: &[u8]) {
+    let rb = hidden * std::mem::size_of::<T>();
     for (j, &t) in tokens.iter().enumerate() {
         let t = t as usize;
-        for (a, &v) in acc[t * hidden..(t + 1) * hidden].iter_mut().zip(&rows[j * hidden..(j + 1) * hidden]) {
-            *a += v.to_f32();
+        let acc = &mut acc[t * hidden..(t + 1) * hidden];
+        let row = &rows[j * rb..(j + 1) * rb];
+        match bytemuck::try_cast_slice::<u8, T>(row) {
+            Ok(v) => acc.iter_mut().zip(v).for_each(|(a, &v)| *a += v.to_f32()),
+            Err(_) => acc
+                .iter_mut()
+                .zip(row.chunks_exact(std::mem::size_of::<T>()))
+                .for_each(|(a, b)| *a += bytemuck::pod_read_unaligned::<T>(b).to_f32()),
         }
     }
 }
@@ -518,8 +552,9 @@ mod tests {
                 assert_eq!(g.tokens, vec![3.0, 4.0, 5.0, 6.0, 5.0, 6.0]);
             }
             let mut partial = Vec::new();
-            partial_sums(2, &g.tokens, &g.slots, &g.slot_at, &mut partial);
-            accumulate(2, &mut acc, &r.tokens[d], &partial);
+            let rows = g.slot_at.len() - 1;
+            partial_sums(2, &g.tokens, &g.slots, &g.slot_at, 0..rows, &mut Vec::new(), &mut partial);
+            accumulate::<f32>(2, &mut acc, &r.tokens[d], &partial);
         }
         let want: Vec<f32> = (0..6).map(|i| x[i] * (w[i / 2 * 2] + w[i / 2 * 2 + 1])).collect();
         assert_eq!(acc, want);
@@ -537,10 +572,15 @@ mod tests {
 
     #[test]
     fn half_types_round_once() {
-        let mut out: Vec<bf16> = Vec::new();
+        let mut out: Vec<u8> = Vec::new();
         let y = [bf16::from_f32(1.0), bf16::from_f32(1.0 / 256.0)];
         // 1 + 1/256 rounds to 1 in bf16 (8 bits of mantissa), once.
-        partial_sums(1, &y, &[(0, 1.0), (1, 1.0)], &[0, 2], &mut out);
-        assert_eq!(out, vec![bf16::from_f32(1.0)]);
+        partial_sums(1, &y, &[(0, 1.0), (1, 1.0)], &[0, 2], 0..1, &mut Vec::new(), &mut out);
+        assert_eq!(out, bf16::from_f32(1.0).to_le_bytes());
+        // Misaligned bytes are read and written too.
+        let mut grown: Vec<bf16> = Vec::new();
+        let b = [0u8, 0x80, 0x3f, 0x00, 0x40];
+        extend_from_bytes(&mut grown, &b[1..]);
+        assert_eq!(grown, vec![bf16::from_f32(1.0), bf16::from_f32(2.0)]);
     }
 }
