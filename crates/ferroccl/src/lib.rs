@@ -52,6 +52,7 @@ pub mod nonblocking;
 pub(crate) mod p2p;
 pub mod params;
 pub mod persistent;
+pub(crate) mod pod;
 pub(crate) mod poll;
 pub(crate) mod prepared;
 pub(crate) mod proto;
