@@ -24,6 +24,11 @@
 //! # Ok::<(), ferroccl::Error>(())
 //! ```
 //!
+//! The plans of the data-movement calls (allgather, broadcast, alltoallv, gather, scatter,
+//! gatherv, scatterv) take any plain-old-data type, as the calls do (see the
+//! [crate documentation](crate#plain-old-data)); the reductions' plans take the
+//! [`Element`] types.
+//!
 //! Every rank must run its plans in the same order as its other operations on the
 //! communicator (a plan's run is an operation like any other).
 //!

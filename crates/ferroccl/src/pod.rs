@@ -43,7 +43,7 @@ impl Wire {
         let id = TypeId::of::<T>();
         Ok(match DType::ALL.into_iter().find(|&d| type_id(d) == id) {
             Some(dtype) => Wire { dtype, size, per: 1, pod: None },
-            None => Wire { dtype: DType::U8, size, per: size, pod: Some(PodType { name, size }) },
+            None => Wire { dtype: DType::U8, size, per: size, pod: Some(PodType::of(id, name, size)) },
         })
     }
 
@@ -92,9 +92,11 @@ mod tests {
         assert_eq!((w.dtype, w.per, w.pod), (DType::U8, 1, None));
         let w = Wire::of::<Pair>(0, "send").unwrap();
         assert_eq!((w.dtype, w.size, w.per, w.count(3)), (DType::U8, 8, 8, 24));
-        assert_eq!(w.pod.map(|p| p.name), Some(std::any::type_name::<Pair>()));
+        assert_eq!(w.pod.map(|p| (p.name(), p.size())), Some((std::any::type_name::<Pair>(), 8)));
         let w = Wire::of::<[f32; 2]>(0, "send").unwrap();
         assert_eq!((w.dtype, w.per), (DType::U8, 8));
+        let (a, b) = (Wire::of::<Pair>(0, "send").unwrap().pod.unwrap(), Wire::of::<Pair>(1, "recv").unwrap().pod.unwrap());
+        assert_eq!(a, b, "one PodType per type");
     }
 
     #[test]

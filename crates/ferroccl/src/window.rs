@@ -92,7 +92,7 @@ use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Engine, Part};
-use crate::error::{Error, Op, Refusal, Result};
+use crate::error::{Error, Op, PodType, Refusal, Result};
 use crate::nonblocking::{Request, Scope};
 use crate::pod::Wire;
 use crate::proto::CHAN_USER;
@@ -270,7 +270,8 @@ impl<'s> Window<'s> {
     }
 
     /// Reads `dst.len()` elements at element `offset` of the window (the owner's own view;
-    /// excludes peers' accesses to the same bytes while it copies).
+    /// excludes peers' accesses to the same bytes while it copies). `T` may be any
+    /// plain-old-data type (offsets count its elements), as in every window access.
     pub fn read<T: Pod>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
         let (start, _) = self.range::<T>("window read", offset, dst.len())?;
         self.region.read_at(start, bytemuck::cast_slice_mut(dst)).map_err(|e| Error::invalid(format!("window read: {e}")))
@@ -291,7 +292,7 @@ impl<'s> Window<'s> {
             Some((s, n)) if s.checked_add(n).is_some_and(|e| e <= self.region.len()) => Ok((s, n)),
             _ => Err(Error::invalid(format!(
                 "{count} {} at element {offset} do not fit in a window of {} bytes",
-                w.pod.map_or(w.dtype.name(), |p| p.name),
+                w.pod.map_or(w.dtype.name(), PodType::name),
                 self.region.len()
             ))),
         }
@@ -310,8 +311,8 @@ impl Drop for Window<'_> {
 }
 
 impl<'s> Scope<'s, '_> {
-    /// Registers `buf` as a read-only window until the scope ends (or the window is
-    /// dropped): ranks holding its handle may read it.
+    /// Registers `buf` (of any plain-old-data type) as a read-only window until the scope
+    /// ends (or the window is dropped): ranks holding its handle may read it.
     pub fn register<T: Pod>(&self, buf: &'s [T]) -> Result<Window<'s>> {
         let region = self.regions.register_ro(bytemuck::cast_slice(buf));
         let w = Window::new(self.comm, region, Access::ReadOnly)?;
@@ -386,10 +387,10 @@ impl Communicator {
     /// [module documentation](crate::window) for what that means for concurrent access).
     /// Where a shared segment cannot be made (`memfd_create` fails), the window is ordinary
     /// memory served by this rank, as a registered one ([`RemoteHandle::is_shared`] says
-    /// which).
+    /// which). `T` may be any plain-old-data type (a zero-sized one is refused).
     pub fn alloc_window<T: Pod>(&self, len: usize) -> Result<Window<'static>> {
         let w = self.wire::<T>("alloc_window")?;
-        let name = w.pod.map_or(w.dtype.name(), |p| p.name);
+        let name = w.pod.map_or(w.dtype.name(), PodType::name);
         let bytes = len
             .checked_mul(w.size)
             .filter(|&b| b <= isize::MAX as usize - SHARED_HEADER)
@@ -414,7 +415,8 @@ impl Communicator {
     /// [`Error::Refused`] when the owner refuses (see [`Refusal`]) or the handle is already
     /// known to be wrong here (another job's, a range outside its length): nothing was
     /// read, and the communicator stays usable. [`Error::InvalidArgument`] for an owner
-    /// that is not a member. A dead owner or a deadline fail it as any call.
+    /// that is not a member, or a zero-sized `T` (any other plain-old-data type may be
+    /// read). A dead owner or a deadline fail it as any call.
     pub fn read_into<T: Pod>(&self, h: &RemoteHandle, offset: usize, dst: &mut [T]) -> Result<()> {
         let (op, w) = rma_op::<T>(self, h, offset, dst.len(), false)?;
         let plan = self.rma_plan(w, h, offset, dst.len(), &op, false)?;

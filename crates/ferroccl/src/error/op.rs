@@ -1,7 +1,10 @@
 //! [`Op`]: the operation an error is about, as data (which call, on what, its number among
 //! the calls every member makes), rendered the same way errors always read.
 
+use std::any::TypeId;
 use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Mutex;
 
 use ferroccl_kernels::{DType, ReduceOp};
 
@@ -147,7 +150,7 @@ impl Op {
     /// become counts of `pod` elements.
     pub(crate) fn with_pod(self, pod: Option<PodType>) -> Op {
         match pod {
-            Some(p) => self.in_elements_of(p.size, None, Some(p)),
+            Some(p) => self.in_elements_of(p.size(), None, Some(p)),
             None => self,
         }
     }
@@ -251,18 +254,55 @@ impl fmt::Display for Op {
 
 /// A plain-old-data element type that is not one of the [`DType`]s (a `#[repr(C)]` struct
 /// moved by a data-movement call), as an [`Op`] names it: it crosses the wire as bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PodType {
+///
+/// A small handle (the type's number in this process), so that operations stay as small
+/// as they were; [`PodType::name`] and [`PodType::size`] describe the type.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct PodType(NonZeroU32);
+
+/// Every [`PodType`] of this process: its type, Rust name and size, at its number - 1.
+static POD_TYPES: Mutex<Vec<(TypeId, &'static str, usize)>> = Mutex::new(Vec::new());
+
+impl PodType {
+    /// The handle of the type `id` (named `name`, `size` bytes), numbered at its first use.
+    pub(crate) fn of(id: TypeId, name: &'static str, size: usize) -> PodType {
+        let mut types = POD_TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match types.iter().position(|(t, _, _)| *t == id) {
+            Some(at) => at,
+            None => {
+                types.push((id, name, size));
+                types.len() - 1
+            }
+        };
+        PodType(u32::try_from(at + 1).ok().and_then(NonZeroU32::new).unwrap_or(NonZeroU32::MAX))
+    }
+
+    fn get(self) -> (&'static str, usize) {
+        let types = POD_TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        types.get(self.0.get() as usize - 1).map_or(("?", 1), |&(_, name, size)| (name, size))
+    }
+
     /// Its Rust name (`std::any::type_name`).
-    pub name: &'static str,
+    pub fn name(self) -> &'static str {
+        self.get().0
+    }
+
     /// Its size in bytes (never 0: zero-sized types are refused).
-    pub size: usize,
+    pub fn size(self) -> usize {
+        self.get().1
+    }
+}
+
+impl fmt::Debug for PodType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PodType").field("name", &self.name()).field("size", &self.size()).finish()
+    }
 }
 
 /// The (size, name) of the elements of an operation on `dtype`, or on `pod` where it has one.
 fn elem_of(dtype: DType, pod: Option<PodType>) -> (usize, &'static str) {
     match pod {
-        Some(p) => (p.size, p.name),
+        Some(p) => (p.size(), p.name()),
         None => (dtype.size(), dtype.name()),
     }
 }
@@ -311,7 +351,10 @@ mod tests {
 
     #[test]
     fn pod_operations_name_their_type() {
-        let route = Some(PodType { name: "m::Route", size: 16 });
+        struct Route;
+        let route = Some(PodType::of(TypeId::of::<Route>(), "m::Route", 16));
+        assert_eq!(route, Some(PodType::of(TypeId::of::<Route>(), "m::Route", 16)), "one number per type");
+        assert_eq!(route.map(|p| (p.name(), p.size())), Some(("m::Route", 16)));
         let ag = Op::collective(Collective::AllGather, DType::U8, 160, ReduceOp::Sum, Algo::Ring).with_pod(route);
         assert_eq!(ag.to_string(), "allgather (10 x m::Route, ring)");
         let sr = Op::SendRecv { to: 1, from: 2, send: 32, recv: 48, dtype: DType::U8, pod: None }.with_pod(route);

@@ -154,19 +154,18 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     same(&format!("rank {r}: alltoallv {c:?}"), &got, &want)?;
 
     // gather and scatterv (random counts) at every root.
-    for root in 0..n {
+    for (root, row) in c.iter().enumerate() {
         let mut got = vec![SENTINEL; if r == root { n * len } else { 0 }];
         comm.gather(&routes(r, len, 20, seed), &mut got, root).map_err(e("gather"))?;
         if r == root {
             let want: Vec<Route> = (0..n).flat_map(|p| routes(p, len, 20, seed)).collect();
             same(&format!("rank {r}: gather at {root}"), &got, &want)?;
         }
-        let sc: Vec<usize> = (0..n).map(|q| c[root][q]).collect();
-        let all: Vec<Route> = (0..n).flat_map(|q| routes(root, c[root][q], 30 + q as u64, seed)).collect();
+        let all: Vec<Route> = row.iter().enumerate().flat_map(|(q, &k)| routes(root, k, 30 + q as u64, seed)).collect();
         let send = if r == root { all } else { Vec::new() };
-        let mut got = vec![SENTINEL; c[root][r]];
-        comm.scatterv(&send, &sc, &displs(&sc), &mut got, root).map_err(e("scatterv"))?;
-        same(&format!("rank {r}: scatterv from {root}"), &got, &routes(root, c[root][r], 30 + r as u64, seed))?;
+        let mut got = vec![SENTINEL; row[r]];
+        comm.scatterv(&send, row, &displs(row), &mut got, root).map_err(e("scatterv"))?;
+        same(&format!("rank {r}: scatterv from {root}"), &got, &routes(root, row[r], 30 + r as u64, seed))?;
     }
 
     // A group: a send to itself, the ring both ways, an alltoallv and an allgather.
