@@ -420,7 +420,7 @@ impl Communicator {
     pub fn send<T: Pod>(&self, data: &[T], peer: usize) -> Result<()> {
         let w = self.wire::<T>("send")?;
         let data: &[u8] = bytemuck::cast_slice(data);
-        let op = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.with_wire(w);
+        let op = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.check_peer(peer, &op)?;
         with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone())))
     }
@@ -430,7 +430,7 @@ impl Communicator {
     pub fn recv<T: Pod>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         let w = self.wire::<T>("recv")?;
         let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        let op = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.with_wire(w);
+        let op = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.check_peer(peer, &op)?;
         let len = buf.len();
         with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, control::recv(peer, len), None, dst.clone())))
@@ -454,7 +454,7 @@ impl Communicator {
     pub fn sendrecv<T: Pod>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
         let w = self.wire::<T>("sendrecv")?;
         let (d, b): (&[u8], &mut [u8]) = (bytemuck::cast_slice(data), bytemuck::cast_slice_mut(buf));
-        let op = Op::SendRecv { to, from, send: d.len(), recv: b.len(), dtype: DType::U8, pod: None }.with_wire(w);
+        let op = Op::SendRecv { to, from, send: d.len(), recv: b.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         match (to == self.rank, from == self.rank) {
             (true, true) if d.len() == b.len() => {
                 b.copy_from_slice(d);

@@ -408,7 +408,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     fn send_part<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<Part> {
         let w = self.comm.wire::<T>("send")?;
         let data: &[u8] = bytemuck::cast_slice(data);
-        let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.with_wire(w);
+        let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.comm.check_peer(peer, &name)?;
         let sched = crate::algo::control::send(peer, data.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register_ro(data)))
@@ -417,7 +417,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     fn recv_part<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
         let w = self.comm.wire::<T>("recv")?;
         let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.with_wire(w);
+        let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.comm.check_peer(peer, &name)?;
         let sched = crate::algo::control::recv(peer, buf.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register(buf)))
@@ -702,7 +702,7 @@ impl<'s> Group<'s, '_> {
         if peer == self.scope.comm.rank() {
             let w = self.scope.comm.wire::<T>("send")?;
             let data: &[u8] = bytemuck::cast_slice(data);
-            let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.with_wire(w);
+            let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
             return self.add_self(true, name, self.scope.regions.register_ro(data));
         }
         self.add(self.scope.send_part(data, peer))
@@ -713,7 +713,7 @@ impl<'s> Group<'s, '_> {
         if peer == self.scope.comm.rank() {
             let w = self.scope.comm.wire::<T>("recv")?;
             let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-            let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.with_wire(w);
+            let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
             return self.add_self(false, name, self.scope.regions.register(buf));
         }
         self.add(self.scope.recv_part(buf, peer))

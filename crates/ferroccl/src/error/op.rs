@@ -9,7 +9,6 @@ use std::sync::Mutex;
 use ferroccl_kernels::{DType, ReduceOp};
 
 use crate::algo::{Algo, Collective};
-use crate::pod::Wire;
 
 /// The operation an error is about, as data. `Display` gives the words errors use
 /// ("allreduce (1000 x f32, sum, ring) call #3", "send to rank 2", "finalize").
@@ -155,10 +154,11 @@ impl Op {
         }
     }
 
-    /// A data-movement operation whose counts are given in bytes, on elements of the
-    /// caller's type described by `w`: counts in its elements, named by its dtype or name.
-    pub(crate) fn with_wire(self, w: Wire) -> Op {
-        self.in_elements_of(w.size, Some(w.dtype), w.pod)
+    /// A data-movement operation whose counts are given in bytes, on elements of `size`
+    /// bytes of the caller's type: counts in its elements, named by `dtype` (the wire's,
+    /// `u8` for a [`PodType`]) and `pod`.
+    pub(crate) fn per_element(self, size: usize, dtype: DType, pod: Option<PodType>) -> Op {
+        self.in_elements_of(size, Some(dtype), pod)
     }
 
     fn in_elements_of(mut self, size: usize, to: Option<DType>, p: Option<PodType>) -> Op {
