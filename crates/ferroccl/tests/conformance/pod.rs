@@ -1,8 +1,8 @@
 //! Plain-old-data types in the data-movement calls: a 16-byte `#[repr(C)]` struct of mixed
 //! fields (routing metadata, as expert parallelism sends it) through send/recv, sendrecv,
 //! allgather (and in place, and as a plan), broadcast, alltoall, alltoallv (random counts,
-//! zeros included), gather, scatterv, a group (self send/recv included) and a window, on 2
-//! to 4 ranks and every protocol, checked value by value; a zero-sized type refused by every
+//! zeros included), gather, scatterv, a scope (gatherv, scatter, alltoall), a group (self
+//! send/recv included) and a window, on 2 to 4 ranks and every protocol, checked value by value; a zero-sized type refused by every
 //! call, leaving the communicator usable; counts that disagree between a sender and its
 //! receiver an error on both sides, naming the type, not a hang.
 
@@ -193,6 +193,34 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     same(&format!("rank {r}: group alltoallv"), &v_got, &want)?;
     let want: Vec<Route> = (0..n).flat_map(|p| routes(p, len, 60, seed)).collect();
     same(&format!("rank {r}: group allgather"), &ag_got, &want)?;
+
+    // Non-blocking, in a scope: a gatherv (rank p sends c[p][0]) and a scatter at rank 0,
+    // and an alltoall, in flight together.
+    let gv_send = routes(r, c[r][0], 90, seed);
+    let gv_counts: Vec<usize> = (0..n).map(|p| c[p][0]).collect();
+    let mut gv_got = vec![SENTINEL; if r == 0 { gv_counts.iter().sum() } else { 0 }];
+    let (gc, gd) = if r == 0 { (gv_counts.clone(), displs(&gv_counts)) } else { (Vec::new(), Vec::new()) };
+    let sc_all = routes(0, n * len, 91, seed);
+    let sc_send = if r == 0 { sc_all.clone() } else { Vec::new() };
+    let mut sc_got = vec![SENTINEL; len];
+    let a2a_send: Vec<Route> = (0..n).flat_map(|q| routes(r, len, 92 + q as u64, seed)).collect();
+    let mut a2a_got = vec![SENTINEL; n * len];
+    comm.scope(|sc| {
+        let a = sc.gatherv(&gv_send, &mut gv_got, &gc, &gd, 0)?;
+        let b = sc.scatter(&sc_send, &mut sc_got, 0)?;
+        let x = sc.alltoall(&a2a_send, &mut a2a_got)?;
+        x.wait()?;
+        b.wait()?;
+        a.wait()
+    })
+    .map_err(e("scope"))?;
+    if r == 0 {
+        let want: Vec<Route> = (0..n).flat_map(|p| routes(p, c[p][0], 90, seed)).collect();
+        same(&format!("rank {r}: scope gatherv"), &gv_got, &want)?;
+    }
+    same(&format!("rank {r}: scope scatter"), &sc_got, &sc_all[r * len..(r + 1) * len])?;
+    let want: Vec<Route> = (0..n).flat_map(|p| routes(p, len, 92 + r as u64, seed)).collect();
+    same(&format!("rank {r}: scope alltoall"), &a2a_got, &want)?;
 
     // A persistent allgather, run twice with rewritten input.
     let mut send = vec![SENTINEL; len];
