@@ -1,7 +1,9 @@
 //! Element types, reduction operations and reduction kernels of FerroCCL.
 //!
-//! Every buffer that crosses the wire is a slice of one of the [`Element`] types. The element
-//! type travels as a [`DType`] tag so that a receiver can check that both sides agree. f16 and
+//! Every buffer that FerroCCL reduces is a slice of one of the [`Element`] types (its
+//! data-movement calls also take other plain-old-data types, which cross the wire as
+//! bytes). The element type travels as a [`DType`] tag so that a receiver can check that
+//! both sides agree. f16 and
 //! bf16 are the `half` crate's types and stay 2 bytes wide on the wire and in buffers; their
 //! arithmetic widens to f32 inside a register and rounds once, to nearest-even.
 //!
@@ -171,7 +173,8 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// A type whose slices FerroCCL can send, receive and reduce.
+/// A type whose slices FerroCCL can reduce (and send and receive; its data-movement calls
+/// take any `bytemuck::Pod` type, these keep their [`DType`] on the wire).
 ///
 /// Implemented for exactly the types of [`DType`] (the trait is sealed); `bytemuck::Pod` gives
 /// the safe byte views.

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use bytemuck::Pod;
 use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
@@ -18,9 +19,10 @@ use crate::algo::select;
 use crate::algo::{self, Algo, Collective, Schedule, Shape};
 use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
-use crate::error::{Error, Op, Result};
+use crate::error::{Error, Op, PodType, Result};
 use crate::ll::{LlChannel, LlRun};
 use crate::params::LlChoice;
+use crate::pod::Wire;
 use crate::prepared::Prepared;
 use crate::proto::{self, encode_desc, CHAN_COLL};
 
@@ -34,6 +36,9 @@ pub(crate) struct Call<'a> {
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
     pub(crate) count: usize,
+    /// The caller's element type where it is not one of the dtypes (then `dtype` is `U8` and
+    /// `count` counts bytes).
+    pub(crate) pod: Option<PodType>,
     /// `None`: in place (one buffer, `output`).
     pub(crate) input: Option<&'a [u8]>,
     /// `None`: the call's output is not wanted (reduce off the root); it runs into memory of
@@ -49,11 +54,12 @@ pub(crate) struct CallSpec {
     pub(crate) dtype: DType,
     pub(crate) op: ReduceOp,
     pub(crate) count: usize,
+    pub(crate) pod: Option<PodType>,
 }
 
 impl Call<'_> {
     pub(crate) fn spec(&self) -> CallSpec {
-        CallSpec { name: self.name, coll: self.coll, dtype: self.dtype, op: self.op, count: self.count }
+        CallSpec { name: self.name, coll: self.coll, dtype: self.dtype, op: self.op, count: self.count, pod: self.pod }
     }
 
     /// Bytes of the output buffer the schedule addresses.
@@ -145,6 +151,14 @@ impl Communicator {
         Ok(prep)
     }
 
+    /// [`Communicator::prepare`] for `call`, named in errors by the caller's element type.
+    pub(crate) fn prepare_call(&self, call: CallSpec, in_place: bool) -> Result<Prepared> {
+        let CallSpec { name, coll, dtype, op, count, pod } = call;
+        let mut prep = self.prepare(name, coll, dtype, op, count, in_place)?;
+        prep.name = prep.name.with_pod(pod);
+        Ok(prep)
+    }
+
     /// The part running `prep` over registered buffers (`input: None`: in place).
     pub(crate) fn coll_part(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Part {
         let ll = prep.ll.zip(self.ll.clone()).map(|(spec, ch)| LlRun::new(ch, spec));
@@ -176,18 +190,20 @@ impl Communicator {
 
     fn collective(&self, call: Call<'_>) -> Result<()> {
         let out_len = call.output_len();
-        let Call { name, coll, dtype, op, count, input, output } = call;
+        let spec = call.spec();
+        let Call { coll, dtype, op, count, pod, input, output, .. } = call;
         // The low-latency path needs no schedule: nothing to look up.
         if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Coll(coll), dtype, op, count)) {
             let in_place = input.is_none();
             let (_, desc, id) = self.identity(coll, dtype, op, count, in_place, Algo::Ll);
+            let id = id.with_pod(pod);
             self.check_usable(&id)?;
             if let Some(numbers) = self.begin_ll(ch, &desc) {
                 let spec = LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place };
                 return self.run_ll(ch, numbers, &desc, &spec, &id, input, output);
             }
         }
-        let prep = self.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let prep = self.prepare_call(spec, input.is_none())?;
         let mut sink = Vec::new();
         let output = match output {
             Some(o) => o,
@@ -275,14 +291,15 @@ impl Communicator {
     }
 
     /// Gathers every rank's `send` into `recv` (`send.len() * size()` elements, rank r's
-    /// block at `r * send.len()`).
-    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+    /// block at `r * send.len()`). `T` may be any plain-old-data type (see the
+    /// [crate documentation](crate#plain-old-data)).
+    pub fn allgather<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.collective(self.allgather_call(send, recv)?)
     }
 
     /// Allgather in place: `buf` has `size()` equal blocks and this rank's contribution is
-    /// already in block `rank()`.
-    pub fn allgather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+    /// already in block `rank()`. `T` may be any plain-old-data type.
+    pub fn allgather_in_place<T: Pod>(&self, buf: &mut [T]) -> Result<()> {
         self.collective(self.allgather_in_place_call(buf)?)
     }
 
@@ -298,8 +315,9 @@ impl Communicator {
         self.collective(self.reduce_scatter_in_place_call(buf, op)?)
     }
 
-    /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
-    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+    /// Copies `root`'s `buf` into every rank's `buf` (all of the same length). `T` may be
+    /// any plain-old-data type.
+    pub fn broadcast<T: Pod>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.collective(self.broadcast_call(buf, root)?)
     }
 
@@ -315,8 +333,9 @@ impl Communicator {
     }
 
     /// All-to-all with equal counts: `send` and `recv` have `size()` equal blocks; block j of
-    /// `send` goes to rank j, block i of `recv` comes from rank i.
-    pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+    /// `send` goes to rank j, block i of `recv` comes from rank i. `T` may be any
+    /// plain-old-data type.
+    pub fn alltoall<T: Pod>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.collective(self.alltoall_call(send, recv)?)
     }
 
@@ -325,7 +344,8 @@ impl Communicator {
     /// `send_displs[p]` go to rank `p`, which receives them into its `recv` at
     /// `recv_displs[rank()]`; `recv_counts[p]` is what rank `p` sends this rank. Counts may
     /// be 0 and blocks need not be contiguous (gaps are left as they were); receive ranges
-    /// must not overlap. This rank's own block is copied locally.
+    /// must not overlap. This rank's own block is copied locally. `T` may be any
+    /// plain-old-data type (counts and displacements are then in elements of `T`).
     ///
     /// # Errors
     ///
@@ -356,7 +376,7 @@ impl Communicator {
     /// comm.alltoallv(&send, &send_counts, &send_displs, &mut recv, &recv_counts, &recv_displs)?;
     /// # Ok::<(), ferroccl::Error>(())
     /// ```
-    pub fn alltoallv<T: Element>(
+    pub fn alltoallv<T: Pod>(
         &self,
         send: &[T],
         send_counts: &[usize],
@@ -365,23 +385,24 @@ impl Communicator {
         recv_counts: &[usize],
         recv_displs: &[usize],
     ) -> Result<()> {
-        let prep = self.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+        let w = self.wire::<T>("alltoallv")?;
+        let prep = self.alltoallv_prepare(w, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        self.run_v(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Gathers every rank's `send` (the same length on every rank) into `root`'s `recv`
     /// (`size() * send.len()` elements, rank r's block at `r * send.len()`); off the root
     /// `recv` is ignored (it may be empty). Every rank must pass the same length (checked on
-    /// the wire, like every collective's arguments).
-    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    /// the wire, like every collective's arguments). `T` may be any plain-old-data type.
+    pub fn gather<T: Pod>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.gather_prepare(self.wire::<T>("gather")?, send.len(), recv.len(), root)?;
+        self.run_v(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// A gather's checks (lengths in elements), schedule and identity.
-    pub(crate) fn gather_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
+    pub(crate) fn gather_prepare(&self, w: Wire, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
         self.check_root("gather", root)?;
-        let (n, me, c, elem) = (self.size(), self.rank(), send_len, dtype.size());
+        let (n, me, c, elem) = (self.size(), self.rank(), send_len, w.size);
         let mut recvs = Vec::new();
         if me == root {
             let want = c.checked_mul(n).ok_or_else(|| Error::invalid("gather: size overflows"))?;
@@ -389,21 +410,21 @@ impl Communicator {
             recvs = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_gather(n, me, root, (0, c * elem), &recvs);
-        self.v_prepared(Collective::Gather { root }, dtype, c, c, sched)
+        self.v_prepared(Collective::Gather { root }, w, c, c, sched)
     }
 
     /// Scatters `root`'s `send` (`size() * recv.len()` elements): rank r receives block r
     /// in `recv` (the same length on every rank); off the root `send` is ignored (it may be
-    /// empty).
-    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    /// empty). `T` may be any plain-old-data type.
+    pub fn scatter<T: Pod>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.scatter_prepare(self.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
+        self.run_v(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// A scatter's checks (lengths in elements), schedule and identity.
-    pub(crate) fn scatter_prepare(&self, dtype: DType, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
+    pub(crate) fn scatter_prepare(&self, w: Wire, send_len: usize, recv_len: usize, root: usize) -> Result<Prepared> {
         self.check_root("scatter", root)?;
-        let (n, me, c, elem) = (self.size(), self.rank(), recv_len, dtype.size());
+        let (n, me, c, elem) = (self.size(), self.rank(), recv_len, w.size);
         let mut sends = Vec::new();
         if me == root {
             let want = c.checked_mul(n).ok_or_else(|| Error::invalid("scatter: size overflows"))?;
@@ -411,13 +432,14 @@ impl Communicator {
             sends = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_scatter(n, me, root, &sends, (0, c * elem));
-        self.v_prepared(Collective::Scatter { root }, dtype, c, c, sched)
+        self.v_prepared(Collective::Scatter { root }, w, c, c, sched)
     }
 
     /// Gather with per-rank counts (MPI's `Gatherv`): every rank sends its whole `send`;
     /// on the root, rank p's block lands in `recv` at `recv_displs[p]` and must have
     /// `recv_counts[p]` elements (counts may be 0, blocks may leave gaps, must not
-    /// overlap). Off the root `recv`, `recv_counts` and `recv_displs` are ignored.
+    /// overlap). Off the root `recv`, `recv_counts` and `recv_displs` are ignored. `T` may
+    /// be any plain-old-data type (counts and displacements in elements of `T`).
     ///
     /// # Errors
     ///
@@ -426,23 +448,17 @@ impl Communicator {
     /// count for it is an [`Error::Mismatch`] naming both, found by the root from the
     /// message (one per rank, empty ones included), fatal for the communicator and relayed
     /// to every member (a rank whose message has left learns of it at its next call).
-    pub fn gatherv<T: Element>(&self, send: &[T], recv: &mut [T], recv_counts: &[usize], recv_displs: &[usize], root: usize) -> Result<()> {
-        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    pub fn gatherv<T: Pod>(&self, send: &[T], recv: &mut [T], recv_counts: &[usize], recv_displs: &[usize], root: usize) -> Result<()> {
+        let prep = self.gatherv_prepare(self.wire::<T>("gatherv")?, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.run_v(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// A gatherv's checks (lengths, counts, displacements in elements), schedule and
     /// identity.
-    pub(crate) fn gatherv_prepare(
-        &self,
-        dtype: DType,
-        send_len: usize,
-        recv: (usize, &[usize], &[usize]),
-        root: usize,
-    ) -> Result<Prepared> {
+    pub(crate) fn gatherv_prepare(&self, w: Wire, send_len: usize, recv: (usize, &[usize], &[usize]), root: usize) -> Result<Prepared> {
         const NAME: &str = "gatherv";
         self.check_root(NAME, root)?;
-        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
+        let (n, me, elem) = (self.size(), self.rank(), w.size);
         let mut recvs = Vec::new();
         if me == root {
             recvs = self.v_blocks(NAME, elem, "recv", recv, true)?;
@@ -454,7 +470,7 @@ impl Communicator {
             }
         }
         let sched = algo::build_gather(n, me, root, (0, send_len * elem), &recvs);
-        self.v_prepared(Collective::GatherV { root }, dtype, 0, send_len, sched)
+        self.v_prepared(Collective::GatherV { root }, w, 0, send_len, sched)
     }
 
     /// Scatter with per-rank counts (MPI's `Scatterv`): on the root, `send_counts[p]`
@@ -462,30 +478,18 @@ impl Communicator {
     /// may overlap); every rank receives into its whole `recv`, whose length must equal the
     /// root's count for it. Off the root `send`, `send_counts` and `send_displs` are
     /// ignored. Errors as for [`Communicator::gatherv`] (the receiver finds a mismatch).
-    pub fn scatterv<T: Element>(
-        &self,
-        send: &[T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &mut [T],
-        root: usize,
-    ) -> Result<()> {
-        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
-        self.run_v(prep, as_bytes(send), as_bytes_mut(recv))
+    /// `T` may be any plain-old-data type (counts and displacements in elements of `T`).
+    pub fn scatterv<T: Pod>(&self, send: &[T], send_counts: &[usize], send_displs: &[usize], recv: &mut [T], root: usize) -> Result<()> {
+        let prep = self.scatterv_prepare(self.wire::<T>("scatterv")?, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.run_v(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// A scatterv's checks (lengths, counts, displacements in elements), schedule and
     /// identity.
-    pub(crate) fn scatterv_prepare(
-        &self,
-        dtype: DType,
-        send: (usize, &[usize], &[usize]),
-        recv_len: usize,
-        root: usize,
-    ) -> Result<Prepared> {
+    pub(crate) fn scatterv_prepare(&self, w: Wire, send: (usize, &[usize], &[usize]), recv_len: usize, root: usize) -> Result<Prepared> {
         const NAME: &str = "scatterv";
         self.check_root(NAME, root)?;
-        let (n, me, elem) = (self.size(), self.rank(), dtype.size());
+        let (n, me, elem) = (self.size(), self.rank(), w.size);
         let mut sends = Vec::new();
         if me == root {
             sends = self.v_blocks(NAME, elem, "send", send, false)?;
@@ -497,7 +501,7 @@ impl Communicator {
             }
         }
         let sched = algo::build_scatter(n, me, root, &sends, (0, recv_len * elem));
-        self.v_prepared(Collective::ScatterV { root }, dtype, 0, recv_len, sched)
+        self.v_prepared(Collective::ScatterV { root }, w, 0, recv_len, sched)
     }
 
     /// The (byte offset, byte length) of every block of a buffer of `len` elements given by
@@ -549,11 +553,12 @@ impl Communicator {
     }
 
     /// A per-call schedule's identity: its descriptor (with `desc_count`, the same on every
-    /// rank) and its name in errors (with `count`, this rank's).
-    fn v_prepared(&self, coll: Collective, dtype: DType, desc_count: usize, count: usize, sched: Schedule) -> Result<Prepared> {
-        let algo = Algo::Mesh;
-        let (_, desc, _) = self.identity(coll, dtype, ReduceOp::Sum, desc_count, false, algo);
-        let name = Op::collective(coll, dtype, count, ReduceOp::Sum, algo);
+    /// rank) and its name in errors (with `count`, this rank's), counts in elements of the
+    /// caller's type.
+    fn v_prepared(&self, coll: Collective, w: Wire, desc_count: usize, count: usize, sched: Schedule) -> Result<Prepared> {
+        let (algo, dtype) = (Algo::Mesh, w.dtype);
+        let (_, desc, _) = self.identity(coll, dtype, ReduceOp::Sum, w.count(desc_count), false, algo);
+        let name = Op::collective(coll, dtype, w.count(count), ReduceOp::Sum, algo).with_pod(w.pod);
         self.check_usable(&name)?;
         Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op: ReduceOp::Sum, ll: None })
     }
@@ -571,14 +576,14 @@ impl Communicator {
     /// Errors here leave the communicator usable.
     pub(crate) fn alltoallv_prepare(
         &self,
-        dtype: DType,
+        w: Wire,
         send: (usize, &[usize], &[usize]),
         recv: (usize, &[usize], &[usize]),
     ) -> Result<Prepared> {
         const NAME: &str = "alltoallv";
         let (n, me) = (self.size(), self.rank());
         let bad = |what: String| Error::invalid(format!("rank {me}: {NAME}: {what}"));
-        let elem = dtype.size();
+        let elem = w.size;
         let sends = self.v_blocks(NAME, elem, "send", send, false)?;
         let recvs = self.v_blocks(NAME, elem, "recv", recv, true)?;
         if sends[me].1 != recvs[me].1 {
@@ -591,7 +596,7 @@ impl Communicator {
         let total = send.1.iter().fold(0usize, |a, &c| a.saturating_add(c));
         // The descriptor compared on the wire leaves the counts out (they are per rank);
         // errors name this rank's total sent.
-        self.v_prepared(Collective::AllToAllV, dtype, 0, total, algo::build_alltoallv(n, me, &sends, &recvs))
+        self.v_prepared(Collective::AllToAllV, w, 0, total, algo::build_alltoallv(n, me, &sends, &recvs))
     }
 
     // The argument checks and call descriptions, shared by the blocking calls, the
@@ -599,7 +604,16 @@ impl Communicator {
 
     pub(crate) fn allreduce_call<'a, T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Call<'a> {
         let count = buf.len();
-        Call { name: "allreduce", coll: Collective::AllReduce, dtype: T::DTYPE, op, count, input: None, output: Some(as_bytes_mut(buf)) }
+        Call {
+            name: "allreduce",
+            coll: Collective::AllReduce,
+            dtype: T::DTYPE,
+            op,
+            count,
+            pod: None,
+            input: None,
+            output: Some(as_bytes_mut(buf)),
+        }
     }
 
     pub(crate) fn allreduce_into_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T], op: ReduceOp) -> Result<Call<'a>> {
@@ -610,35 +624,45 @@ impl Communicator {
             dtype: T::DTYPE,
             op,
             count: send.len(),
+            pod: None,
             input: Some(as_bytes(send)),
             output: Some(as_bytes_mut(recv)),
         })
     }
 
-    pub(crate) fn allgather_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
+    /// How `T` crosses the wire in call `name` (a zero-sized `T` is refused).
+    pub(crate) fn wire<T: Pod>(&self, name: &str) -> Result<Wire> {
+        Wire::of::<T>(self.rank(), name)
+    }
+
+    pub(crate) fn allgather_call<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
+        let w = self.wire::<T>("allgather")?;
         let want = send.len().checked_mul(self.size()).ok_or_else(|| Error::invalid("allgather: size overflows"))?;
         self.check_len("allgather", "recv", recv.len(), want)?;
         Ok(Call {
             name: "allgather",
             coll: Collective::AllGather,
-            dtype: T::DTYPE,
+            dtype: w.dtype,
             op: ReduceOp::Sum,
-            count: send.len(),
-            input: Some(as_bytes(send)),
-            output: Some(as_bytes_mut(recv)),
+            count: w.count(send.len()),
+            pod: w.pod,
+            input: Some(bytemuck::cast_slice(send)),
+            output: Some(bytemuck::cast_slice_mut(recv)),
         })
     }
 
-    pub(crate) fn allgather_in_place_call<'a, T: Element>(&self, buf: &'a mut [T]) -> Result<Call<'a>> {
+    pub(crate) fn allgather_in_place_call<'a, T: Pod>(&self, buf: &'a mut [T]) -> Result<Call<'a>> {
+        let w = self.wire::<T>("allgather")?;
         let count = self.blocks("allgather", buf.len())?;
         Ok(Call {
             name: "allgather",
             coll: Collective::AllGather,
-            dtype: T::DTYPE,
+            dtype: w.dtype,
             op: ReduceOp::Sum,
-            count,
+            count: w.count(count),
+            pod: w.pod,
             input: None,
-            output: Some(as_bytes_mut(buf)),
+            output: Some(bytemuck::cast_slice_mut(buf)),
         })
     }
 
@@ -651,6 +675,7 @@ impl Communicator {
             dtype: T::DTYPE,
             op,
             count: recv.len(),
+            pod: None,
             input: Some(as_bytes(send)),
             output: Some(as_bytes_mut(recv)),
         })
@@ -664,22 +689,24 @@ impl Communicator {
             dtype: T::DTYPE,
             op,
             count,
+            pod: None,
             input: None,
             output: Some(as_bytes_mut(buf)),
         })
     }
 
-    pub(crate) fn broadcast_call<'a, T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<Call<'a>> {
+    pub(crate) fn broadcast_call<'a, T: Pod>(&self, buf: &'a mut [T], root: usize) -> Result<Call<'a>> {
+        let w = self.wire::<T>("broadcast")?;
         self.check_root("broadcast", root)?;
-        let count = buf.len();
         Ok(Call {
             name: "broadcast",
             coll: Collective::Broadcast { root },
-            dtype: T::DTYPE,
+            dtype: w.dtype,
             op: ReduceOp::Sum,
-            count,
+            count: w.count(buf.len()),
+            pod: w.pod,
             input: None,
-            output: Some(as_bytes_mut(buf)),
+            output: Some(bytemuck::cast_slice_mut(buf)),
         })
     }
 
@@ -694,6 +721,7 @@ impl Communicator {
             dtype: T::DTYPE,
             op,
             count: send.len(),
+            pod: None,
             input: Some(as_bytes(send)),
             // Off the root the output is never written; the schedule still addresses one
             // of the right size, which the call allocates.
@@ -710,22 +738,25 @@ impl Communicator {
             dtype: T::DTYPE,
             op,
             count,
+            pod: None,
             input: None,
             output: Some(as_bytes_mut(buf)),
         })
     }
 
-    pub(crate) fn alltoall_call<'a, T: Element>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
+    pub(crate) fn alltoall_call<'a, T: Pod>(&self, send: &'a [T], recv: &'a mut [T]) -> Result<Call<'a>> {
+        let w = self.wire::<T>("alltoall")?;
         self.check_len("alltoall", "recv", recv.len(), send.len())?;
         let count = self.blocks("alltoall", send.len())?;
         Ok(Call {
             name: "alltoall",
             coll: Collective::AllToAll,
-            dtype: T::DTYPE,
+            dtype: w.dtype,
             op: ReduceOp::Sum,
-            count,
-            input: Some(as_bytes(send)),
-            output: Some(as_bytes_mut(recv)),
+            count: w.count(count),
+            pod: w.pod,
+            input: Some(bytemuck::cast_slice(send)),
+            output: Some(bytemuck::cast_slice_mut(recv)),
         })
     }
 }

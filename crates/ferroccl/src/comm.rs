@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use bytemuck::Pod;
+use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::ll::{LlKind, LlSpec};
@@ -415,18 +416,22 @@ impl Communicator {
     /// the same length. Returns once `data` may be reused. `peer` may not be this rank
     /// itself (it would wait for its own receive): a send to itself goes in a
     /// [`Group`](crate::Group) with the matching receive, or use [`Communicator::sendrecv`].
-    pub fn send<T: Element>(&self, data: &[T], peer: usize) -> Result<()> {
-        let op = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
+    /// `T` may be any plain-old-data type (see the [crate documentation](crate#plain-old-data)).
+    pub fn send<T: Pod>(&self, data: &[T], peer: usize) -> Result<()> {
+        let w = self.wire::<T>("send")?;
+        let data: &[u8] = bytemuck::cast_slice(data);
+        let op = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.check_peer(peer, &op)?;
-        let data = as_bytes(data);
         with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone())))
     }
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
-    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let op = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
+    /// `T` may be any plain-old-data type.
+    pub fn recv<T: Pod>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        let w = self.wire::<T>("recv")?;
+        let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let op = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.check_peer(peer, &op)?;
-        let buf = as_bytes_mut(buf);
         let len = buf.len();
         with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, control::recv(peer, len), None, dst.clone())))
     }
@@ -444,10 +449,12 @@ impl Communicator {
 
     /// Sends `data` to member `to` and receives `buf` from member `from` in one call, which
     /// cannot deadlock whatever pattern the members form (rings, pairs, shifts). `to` and
-    /// `from` may both be this rank itself (then `data` is copied into `buf`).
-    pub fn sendrecv<T: Element>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
-        let op = Op::SendRecv { to, from, send: data.len(), recv: buf.len(), dtype: T::DTYPE };
-        let (d, b) = (as_bytes(data), as_bytes_mut(buf));
+    /// `from` may both be this rank itself (then `data` is copied into `buf`). `T` may be any
+    /// plain-old-data type.
+    pub fn sendrecv<T: Pod>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
+        let w = self.wire::<T>("sendrecv")?;
+        let (d, b): (&[u8], &mut [u8]) = (bytemuck::cast_slice(data), bytemuck::cast_slice_mut(buf));
+        let op = Op::SendRecv { to, from, send: d.len(), recv: b.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         match (to == self.rank, from == self.rank) {
             (true, true) if d.len() == b.len() => {
                 b.copy_from_slice(d);

@@ -22,6 +22,41 @@
 //! # Ok::<(), ferroccl::Error>(())
 //! ```
 //!
+//! # Plain-old-data
+//!
+//! The reductions (allreduce, reduce_scatter, reduce, their in-place forms and plans) take
+//! the [`Element`] types, whose arithmetic they know. The data-movement calls (send, recv,
+//! sendrecv, allgather, broadcast, alltoall, alltoallv, gather, scatter, gatherv, scatterv,
+//! their [`Scope`], [`Group`] and [`Plan`] forms, and the one-sided [`Window`] accesses)
+//! take any plain-old-data type (`T: bytemuck::Pod`), such as a `#[repr(C)]` struct of
+//! routing metadata. An [`Element`] type is described on the wire as always (its
+//! [`DType`] and count, compared between ranks); any other type crosses as bytes, and
+//! errors name it by its Rust name. A zero-sized type is refused
+//! ([`Error::InvalidArgument`]).
+//!
+//! ```
+//! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
+//! # use ferroccl::{Communicator, InitConfig, Params};
+//! # let token = new_token();
+//! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
+//! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
+//! # let comm = Communicator::init_with(cfg, Params::default())?;
+//! #[repr(C)]
+//! #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+//! struct Route {
+//!     token: u32,
+//!     expert: u16,
+//!     slot: u16,
+//!     gate: f32,
+//! }
+//!
+//! let mine = [Route { token: 7, expert: 3, slot: 0, gate: 0.5 }];
+//! let mut all = vec![Route { token: 0, expert: 0, slot: 0, gate: 0.0 }; comm.size()];
+//! comm.allgather(&mine, &mut all)?;
+//! assert_eq!(all[comm.rank()], mine[0]);
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
+//!
 //! # Threading
 //!
 //! A [`Communicator`] is `Send + Sync`; calls on one communicator are serialised. The
@@ -53,6 +88,7 @@ pub mod nonblocking;
 pub(crate) mod p2p;
 pub mod params;
 pub mod persistent;
+pub(crate) mod pod;
 pub(crate) mod poll;
 pub(crate) mod prepared;
 pub(crate) mod proto;

@@ -47,7 +47,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use bytemuck::Pod;
+use ferroccl_kernels::{as_bytes_mut, DType, Element, ReduceOp};
 use ferroccl_mem::region::{region_scope_with, RegionHandle, RegionScope};
 
 use crate::algo::Collective;
@@ -234,8 +235,9 @@ impl<'s, 'env> Scope<'s, 'env> {
     /// Registers a call's buffers in the scope and makes its part.
     fn call_part(&self, call: Call<'s>) -> Result<Part> {
         let out_len = call.output_len();
-        let Call { name, coll, dtype, op, count, input, output } = call;
-        let prep = self.comm.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let spec = call.spec();
+        let Call { input, output, .. } = call;
+        let prep = self.comm.prepare_call(spec, input.is_none())?;
         let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
         self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
         let output = match output {
@@ -260,7 +262,7 @@ impl<'s, 'env> Scope<'s, 'env> {
 
     /// Starts one run of a persistent [`Plan`](crate::Plan) (non-blocking
     /// [`Plan::run`](crate::Plan::run)); the plan stays borrowed until the scope ends.
-    pub fn start<T: Element>(&self, plan: &'s mut crate::persistent::Plan<'_, T>) -> Result<Request<'s>> {
+    pub fn start<T: Pod>(&self, plan: &'s mut crate::persistent::Plan<'_, T>) -> Result<Request<'s>> {
         let job = plan.start_in(self.regions)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
         Ok(Request { job, engine: self.comm.engine().clone(), _scope: PhantomData })
@@ -277,12 +279,12 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     /// Non-blocking [`Communicator::allgather`].
-    pub fn allgather<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
+    pub fn allgather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
         self.start_call(self.comm.allgather_call(send, recv))
     }
 
     /// Non-blocking [`Communicator::allgather_in_place`].
-    pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<Request<'s>> {
+    pub fn allgather_in_place<T: Pod>(&self, buf: &'s mut [T]) -> Result<Request<'s>> {
         self.start_call(self.comm.allgather_in_place_call(buf))
     }
 
@@ -297,7 +299,7 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     /// Non-blocking [`Communicator::broadcast`].
-    pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<Request<'s>> {
+    pub fn broadcast<T: Pod>(&self, buf: &'s mut [T], root: usize) -> Result<Request<'s>> {
         self.start_call(self.comm.broadcast_call(buf, root))
     }
 
@@ -312,12 +314,12 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     /// Non-blocking [`Communicator::alltoall`].
-    pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
+    pub fn alltoall<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
         self.start_call(self.comm.alltoall_call(send, recv))
     }
 
     /// Non-blocking [`Communicator::alltoallv`] (the same checks, before anything starts).
-    pub fn alltoallv<T: Element>(
+    pub fn alltoallv<T: Pod>(
         &self,
         send: &'s [T],
         send_counts: &[usize],
@@ -326,24 +328,28 @@ impl<'s, 'env> Scope<'s, 'env> {
         recv_counts: &[usize],
         recv_displs: &[usize],
     ) -> Result<Request<'s>> {
-        let prep = self.comm.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
-        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+        let prep = self.comm.alltoallv_prepare(
+            self.comm.wire::<T>("alltoallv")?,
+            (send.len(), send_counts, send_displs),
+            (recv.len(), recv_counts, recv_displs),
+        )?;
+        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Non-blocking [`Communicator::gather`].
-    pub fn gather<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        let prep = self.comm.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    pub fn gather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
+        let prep = self.comm.gather_prepare(self.comm.wire::<T>("gather")?, send.len(), recv.len(), root)?;
+        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Non-blocking [`Communicator::scatter`].
-    pub fn scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        let prep = self.comm.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+    pub fn scatter<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
+        let prep = self.comm.scatter_prepare(self.comm.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
+        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Non-blocking [`Communicator::gatherv`].
-    pub fn gatherv<T: Element>(
+    pub fn gatherv<T: Pod>(
         &self,
         send: &'s [T],
         recv: &'s mut [T],
@@ -351,12 +357,12 @@ impl<'s, 'env> Scope<'s, 'env> {
         recv_displs: &[usize],
         root: usize,
     ) -> Result<Request<'s>> {
-        let prep = self.comm.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
-        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+        let prep = self.comm.gatherv_prepare(self.comm.wire::<T>("gatherv")?, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Non-blocking [`Communicator::scatterv`].
-    pub fn scatterv<T: Element>(
+    pub fn scatterv<T: Pod>(
         &self,
         send: &'s [T],
         send_counts: &[usize],
@@ -364,8 +370,9 @@ impl<'s, 'env> Scope<'s, 'env> {
         recv: &'s mut [T],
         root: usize,
     ) -> Result<Request<'s>> {
-        let prep = self.comm.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
-        self.start_prepared(prep, as_bytes(send), as_bytes_mut(recv))
+        let prep =
+            self.comm.scatterv_prepare(self.comm.wire::<T>("scatterv")?, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Registers a per-call collective's buffers (alltoallv, gather, scatter) in the scope
@@ -387,29 +394,31 @@ impl<'s, 'env> Scope<'s, 'env> {
 
     /// Non-blocking [`Communicator::send`]. `peer` may not be this rank itself: a send to
     /// itself goes in a group with its receive (see [`Group::send`]).
-    pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
+    pub fn send<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
         let part = self.send_part(data, peer)?;
         self.submit(vec![part])
     }
 
     /// Non-blocking [`Communicator::recv`].
-    pub fn recv<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<Request<'s>> {
+    pub fn recv<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<Request<'s>> {
         let part = self.recv_part(buf, peer)?;
         self.submit(vec![part])
     }
 
-    fn send_part<T: Element>(&self, data: &'s [T], peer: usize) -> Result<Part> {
-        let name = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
+    fn send_part<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<Part> {
+        let w = self.comm.wire::<T>("send")?;
+        let data: &[u8] = bytemuck::cast_slice(data);
+        let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.comm.check_peer(peer, &name)?;
-        let data = as_bytes(data);
         let sched = crate::algo::control::send(peer, data.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register_ro(data)))
     }
 
-    fn recv_part<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
-        let name = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
+    fn recv_part<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
+        let w = self.comm.wire::<T>("recv")?;
+        let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
         self.comm.check_peer(peer, &name)?;
-        let buf = as_bytes_mut(buf);
         let sched = crate::algo::control::recv(peer, buf.len());
         Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register(buf)))
     }
@@ -489,7 +498,8 @@ impl<'s, 'env> Scope<'s, 'env> {
             let count = total / dtype.size();
             if bufs.len() == 1 {
                 let buf = bufs.into_iter().next().unwrap_or_default();
-                let call = Call { name: "allreduce", coll: Collective::AllReduce, dtype, op, count, input: None, output: Some(buf) };
+                let call =
+                    Call { name: "allreduce", coll: Collective::AllReduce, dtype, op, count, pod: None, input: None, output: Some(buf) };
                 parts.push(self.call_part(call)?);
                 continue;
             }
@@ -577,12 +587,12 @@ impl<'s> Group<'s, '_> {
     }
 
     /// Adds an [`Communicator::allgather`].
-    pub fn allgather<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
+    pub fn allgather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
         self.add_call(self.scope.comm.allgather_call(send, recv))
     }
 
     /// Adds an [`Communicator::allgather_in_place`].
-    pub fn allgather_in_place<T: Element>(&self, buf: &'s mut [T]) -> Result<()> {
+    pub fn allgather_in_place<T: Pod>(&self, buf: &'s mut [T]) -> Result<()> {
         self.add_call(self.scope.comm.allgather_in_place_call(buf))
     }
 
@@ -597,7 +607,7 @@ impl<'s> Group<'s, '_> {
     }
 
     /// Adds a [`Communicator::broadcast`].
-    pub fn broadcast<T: Element>(&self, buf: &'s mut [T], root: usize) -> Result<()> {
+    pub fn broadcast<T: Pod>(&self, buf: &'s mut [T], root: usize) -> Result<()> {
         self.add_call(self.scope.comm.broadcast_call(buf, root))
     }
 
@@ -612,12 +622,12 @@ impl<'s> Group<'s, '_> {
     }
 
     /// Adds an [`Communicator::alltoall`].
-    pub fn alltoall<T: Element>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
+    pub fn alltoall<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
         self.add_call(self.scope.comm.alltoall_call(send, recv))
     }
 
     /// Adds an [`Communicator::alltoallv`] (checked at once, as there).
-    pub fn alltoallv<T: Element>(
+    pub fn alltoallv<T: Pod>(
         &self,
         send: &'s [T],
         send_counts: &[usize],
@@ -627,24 +637,25 @@ impl<'s> Group<'s, '_> {
         recv_displs: &[usize],
     ) -> Result<()> {
         let c = self.scope.comm;
-        let prep = c.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
-        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+        let prep =
+            c.alltoallv_prepare(c.wire::<T>("alltoallv")?, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
     }
 
     /// Adds a [`Communicator::gather`].
-    pub fn gather<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
-        let prep = self.scope.comm.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    pub fn gather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
+        let prep = self.scope.comm.gather_prepare(self.scope.comm.wire::<T>("gather")?, send.len(), recv.len(), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
     }
 
     /// Adds a [`Communicator::scatter`].
-    pub fn scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
-        let prep = self.scope.comm.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+    pub fn scatter<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
+        let prep = self.scope.comm.scatter_prepare(self.scope.comm.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
+        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
     }
 
     /// Adds a [`Communicator::gatherv`].
-    pub fn gatherv<T: Element>(
+    pub fn gatherv<T: Pod>(
         &self,
         send: &'s [T],
         recv: &'s mut [T],
@@ -652,12 +663,17 @@ impl<'s> Group<'s, '_> {
         recv_displs: &[usize],
         root: usize,
     ) -> Result<()> {
-        let prep = self.scope.comm.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+        let prep = self.scope.comm.gatherv_prepare(
+            self.scope.comm.wire::<T>("gatherv")?,
+            send.len(),
+            (recv.len(), recv_counts, recv_displs),
+            root,
+        )?;
+        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
     }
 
     /// Adds a [`Communicator::scatterv`].
-    pub fn scatterv<T: Element>(
+    pub fn scatterv<T: Pod>(
         &self,
         send: &'s [T],
         send_counts: &[usize],
@@ -665,8 +681,13 @@ impl<'s> Group<'s, '_> {
         recv: &'s mut [T],
         root: usize,
     ) -> Result<()> {
-        let prep = self.scope.comm.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, as_bytes(send), as_bytes_mut(recv))))
+        let prep = self.scope.comm.scatterv_prepare(
+            self.scope.comm.wire::<T>("scatterv")?,
+            (send.len(), send_counts, send_displs),
+            recv.len(),
+            root,
+        )?;
+        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
     }
 
     /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,
@@ -677,19 +698,23 @@ impl<'s> Group<'s, '_> {
     /// (the k-th send to itself into the k-th receive from itself). A send to itself left
     /// without its receive, or of another length, fails the group when it ends, before
     /// anything starts.
-    pub fn send<T: Element>(&self, data: &'s [T], peer: usize) -> Result<()> {
+    pub fn send<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<()> {
         if peer == self.scope.comm.rank() {
-            let name = Op::Send { peer, count: data.len(), dtype: T::DTYPE };
-            return self.add_self(true, name, self.scope.regions.register_ro(as_bytes(data)));
+            let w = self.scope.comm.wire::<T>("send")?;
+            let data: &[u8] = bytemuck::cast_slice(data);
+            let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
+            return self.add_self(true, name, self.scope.regions.register_ro(data));
         }
         self.add(self.scope.send_part(data, peer))
     }
 
     /// Adds a [`Communicator::recv`]. `peer` may be this rank itself: see [`Group::send`].
-    pub fn recv<T: Element>(&self, buf: &'s mut [T], peer: usize) -> Result<()> {
+    pub fn recv<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<()> {
         if peer == self.scope.comm.rank() {
-            let name = Op::Recv { peer, count: buf.len(), dtype: T::DTYPE };
-            return self.add_self(false, name, self.scope.regions.register(as_bytes_mut(buf)));
+            let w = self.scope.comm.wire::<T>("recv")?;
+            let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
+            let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
+            return self.add_self(false, name, self.scope.regions.register(buf));
         }
         self.add(self.scope.recv_part(buf, peer))
     }

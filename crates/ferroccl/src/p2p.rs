@@ -64,7 +64,7 @@ impl XferCtx<'_> {
 
     /// `n` bytes as the caller's elements ("250 f32") where the call has an element type.
     fn size(&self, n: u64) -> String {
-        in_elements(n, self.op.p2p_dtype())
+        in_elements(n, self.op.p2p_elem())
     }
 
     fn head(&self, seq: u32) -> Head {

@@ -24,6 +24,11 @@
 //! # Ok::<(), ferroccl::Error>(())
 //! ```
 //!
+//! The plans of the data-movement calls (allgather, broadcast, alltoallv, gather, scatter,
+//! gatherv, scatterv) take any plain-old-data type, as the calls do (see the
+//! [crate documentation](crate#plain-old-data)); the reductions' plans take the
+//! [`Element`] types.
+//!
 //! Every rank must run its plans in the same order as its other operations on the
 //! communicator (a plan's run is an operation like any other).
 //!
@@ -34,7 +39,8 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use ferroccl_kernels::{as_bytes_mut, Element, ReduceOp};
+use bytemuck::Pod;
+use ferroccl_kernels::{Element, ReduceOp};
 use ferroccl_mem::region::{RegionHandle, RegionScope, Registration};
 
 use crate::algo::ll::LlSpec;
@@ -46,7 +52,7 @@ use crate::prepared::Prepared;
 use crate::proto::Desc;
 
 /// A collective built once, run many times; see the [module documentation](self).
-pub struct Plan<'a, T: Element> {
+pub struct Plan<'a, T: Pod> {
     comm: &'a Communicator,
     job: Arc<Job>,
     output: Registration<'a>,
@@ -58,29 +64,28 @@ pub struct Plan<'a, T: Element> {
     _t: PhantomData<T>,
 }
 
-impl<T: Element> std::fmt::Debug for Plan<'_, T> {
+impl<T: Pod> std::fmt::Debug for Plan<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = self.job.body().parts.first().map(|p| p.name.to_string()).unwrap_or_default();
         f.debug_struct("Plan").field("op", &name).field("runs", &self.runs).finish()
     }
 }
 
-impl<'a, T: Element> Plan<'a, T> {
+impl<'a, T: Pod> Plan<'a, T> {
     /// `call` was checked on temporary borrows of `input` / `output`, which the plan then
     /// holds for its life.
     fn build(comm: &'a Communicator, call: CallSpec, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
-        let CallSpec { name, coll, dtype, op, count } = call;
-        let prep = comm.prepare(name, coll, dtype, op, count, input.is_none())?;
+        let prep = comm.prepare_call(call, input.is_none())?;
         Self::build_prepared(comm, prep, input, output)
     }
 
     /// A plan of the prepared call `prep` (checked against `input` / `output`).
     fn build_prepared(comm: &'a Communicator, prep: Prepared, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
         let scratch = RegionHandle::owned(prep.sched.scratch_bytes);
-        let out = Registration::new(as_bytes_mut(output));
+        let out = Registration::new(bytemuck::cast_slice_mut(output));
         // Writable, so that the owner can refill it between runs; the schedules never
         // write into an input.
-        let inp = input.map(|i| Registration::new(as_bytes_mut(i)));
+        let inp = input.map(|i| Registration::new(bytemuck::cast_slice_mut(i)));
         let fabric = comm.fabric();
         fabric.register_cached(out.handle());
         fabric.register_cached(&scratch);
@@ -154,7 +159,7 @@ impl<'a, T: Element> Plan<'a, T> {
     }
 }
 
-impl<T: Element> Drop for Plan<'_, T> {
+impl<T: Pod> Drop for Plan<'_, T> {
     fn drop(&mut self) {
         let fabric = self.comm.fabric();
         fabric.deregister(self.output.handle());
@@ -177,7 +182,7 @@ impl Communicator {
     }
 
     /// A persistent allgather of `send` into `recv` (see [`Communicator::allgather`]).
-    pub fn allgather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T]) -> Result<Plan<'a, T>> {
+    pub fn allgather_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T]) -> Result<Plan<'a, T>> {
         let call = self.allgather_call(&*send, &mut *recv)?.spec();
         Plan::build(self, call, Some(send), recv)
     }
@@ -192,7 +197,7 @@ impl Communicator {
     /// A persistent alltoallv (see [`Communicator::alltoallv`]): the counts and
     /// displacements are checked and the schedule is built once, for every run; refill
     /// `send` through [`Plan::input_mut`].
-    pub fn alltoallv_plan<'a, T: Element>(
+    pub fn alltoallv_plan<'a, T: Pod>(
         &'a self,
         send: &'a mut [T],
         send_counts: &[usize],
@@ -201,26 +206,30 @@ impl Communicator {
         recv_counts: &[usize],
         recv_displs: &[usize],
     ) -> Result<Plan<'a, T>> {
-        let prep = self.alltoallv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
+        let prep = self.alltoallv_prepare(
+            self.wire::<T>("alltoallv")?,
+            (send.len(), send_counts, send_displs),
+            (recv.len(), recv_counts, recv_displs),
+        )?;
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent gather (see [`Communicator::gather`]); refill `send` through
     /// [`Plan::input_mut`].
-    pub fn gather_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
-        let prep = self.gather_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+    pub fn gather_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.gather_prepare(self.wire::<T>("gather")?, send.len(), recv.len(), root)?;
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent scatter (see [`Communicator::scatter`]); refill `send` (on the root)
     /// through [`Plan::input_mut`].
-    pub fn scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
-        let prep = self.scatter_prepare(T::DTYPE, send.len(), recv.len(), root)?;
+    pub fn scatter_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+        let prep = self.scatter_prepare(self.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent gatherv (see [`Communicator::gatherv`]), checked and built once.
-    pub fn gatherv_plan<'a, T: Element>(
+    pub fn gatherv_plan<'a, T: Pod>(
         &'a self,
         send: &'a mut [T],
         recv: &'a mut [T],
@@ -228,12 +237,12 @@ impl Communicator {
         recv_displs: &[usize],
         root: usize,
     ) -> Result<Plan<'a, T>> {
-        let prep = self.gatherv_prepare(T::DTYPE, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
+        let prep = self.gatherv_prepare(self.wire::<T>("gatherv")?, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent scatterv (see [`Communicator::scatterv`]), checked and built once.
-    pub fn scatterv_plan<'a, T: Element>(
+    pub fn scatterv_plan<'a, T: Pod>(
         &'a self,
         send: &'a mut [T],
         send_counts: &[usize],
@@ -241,12 +250,12 @@ impl Communicator {
         recv: &'a mut [T],
         root: usize,
     ) -> Result<Plan<'a, T>> {
-        let prep = self.scatterv_prepare(T::DTYPE, (send.len(), send_counts, send_displs), recv.len(), root)?;
+        let prep = self.scatterv_prepare(self.wire::<T>("scatterv")?, (send.len(), send_counts, send_displs), recv.len(), root)?;
         Plan::build_prepared(self, prep, Some(send), recv)
     }
 
     /// A persistent broadcast of `root`'s `buf` (see [`Communicator::broadcast`]).
-    pub fn broadcast_plan<'a, T: Element>(&'a self, buf: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
+    pub fn broadcast_plan<'a, T: Pod>(&'a self, buf: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
         let call = self.broadcast_call(&mut *buf, root)?.spec();
         Plan::build(self, call, None, buf)
     }

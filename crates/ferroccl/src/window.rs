@@ -86,14 +86,15 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use ferroccl_kernels::{as_bytes, as_bytes_mut, Element};
+use bytemuck::Pod;
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::{Action, Block, Buf, Remote, Schedule, Slice, Step};
 use crate::comm::Communicator;
 use crate::engine::{Engine, Part};
-use crate::error::{Error, Op, Refusal, Result};
+use crate::error::{Error, Op, PodType, Refusal, Result};
 use crate::nonblocking::{Request, Scope};
+use crate::pod::Wire;
 use crate::proto::CHAN_USER;
 use crate::registry::{SharedWindow, SHARED_HEADER};
 
@@ -269,27 +270,29 @@ impl<'s> Window<'s> {
     }
 
     /// Reads `dst.len()` elements at element `offset` of the window (the owner's own view;
-    /// excludes peers' accesses to the same bytes while it copies).
-    pub fn read<T: Element>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
-        let (start, _) = self.range::<T>(offset, dst.len())?;
-        self.region.read_at(start, as_bytes_mut(dst)).map_err(|e| Error::invalid(format!("window read: {e}")))
+    /// excludes peers' accesses to the same bytes while it copies). `T` may be any
+    /// plain-old-data type (offsets count its elements), as in every window access.
+    pub fn read<T: Pod>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        let (start, _) = self.range::<T>("window read", offset, dst.len())?;
+        self.region.read_at(start, bytemuck::cast_slice_mut(dst)).map_err(|e| Error::invalid(format!("window read: {e}")))
     }
 
     /// Writes `src` at element `offset` of the window (a trainer updating its weights in
     /// place); fails on a read-only window.
-    pub fn write<T: Element>(&self, offset: usize, src: &[T]) -> Result<()> {
-        let (start, _) = self.range::<T>(offset, src.len())?;
-        self.region.write_at(start, as_bytes(src)).map_err(|e| Error::invalid(format!("window write: {e}")))
+    pub fn write<T: Pod>(&self, offset: usize, src: &[T]) -> Result<()> {
+        let (start, _) = self.range::<T>("window write", offset, src.len())?;
+        self.region.write_at(start, bytemuck::cast_slice(src)).map_err(|e| Error::invalid(format!("window write: {e}")))
     }
 
-    fn range<T: Element>(&self, offset: usize, count: usize) -> Result<(usize, usize)> {
-        let size = std::mem::size_of::<T>();
+    fn range<T: Pod>(&self, what: &str, offset: usize, count: usize) -> Result<(usize, usize)> {
+        let w = Wire::of::<T>(self.engine.fabric().rank, what)?;
+        let size = w.size;
         let r = offset.checked_mul(size).and_then(|s| Some((s, count.checked_mul(size)?)));
         match r {
             Some((s, n)) if s.checked_add(n).is_some_and(|e| e <= self.region.len()) => Ok((s, n)),
             _ => Err(Error::invalid(format!(
                 "{count} {} at element {offset} do not fit in a window of {} bytes",
-                T::DTYPE,
+                w.pod.map_or(w.dtype.name(), PodType::name),
                 self.region.len()
             ))),
         }
@@ -308,10 +311,10 @@ impl Drop for Window<'_> {
 }
 
 impl<'s> Scope<'s, '_> {
-    /// Registers `buf` as a read-only window until the scope ends (or the window is
-    /// dropped): ranks holding its handle may read it.
-    pub fn register<T: Element>(&self, buf: &'s [T]) -> Result<Window<'s>> {
-        let region = self.regions.register_ro(as_bytes(buf));
+    /// Registers `buf` (of any plain-old-data type) as a read-only window until the scope
+    /// ends (or the window is dropped): ranks holding its handle may read it.
+    pub fn register<T: Pod>(&self, buf: &'s [T]) -> Result<Window<'s>> {
+        let region = self.regions.register_ro(bytemuck::cast_slice(buf));
         let w = Window::new(self.comm, region, Access::ReadOnly)?;
         self.made_window(w.handle.window);
         Ok(w)
@@ -320,8 +323,8 @@ impl<'s> Scope<'s, '_> {
     /// Registers `buf` as a readable and writable window until the scope ends (or the
     /// window is dropped). The owner reaches the memory through the window
     /// ([`Window::read`], [`Window::write`]) meanwhile.
-    pub fn register_mut<T: Element>(&self, buf: &'s mut [T]) -> Result<Window<'s>> {
-        let region = self.regions.register(as_bytes_mut(buf));
+    pub fn register_mut<T: Pod>(&self, buf: &'s mut [T]) -> Result<Window<'s>> {
+        let region = self.regions.register(bytemuck::cast_slice_mut(buf));
         let w = Window::new(self.comm, region, Access::ReadWrite)?;
         self.made_window(w.handle.window);
         Ok(w)
@@ -329,37 +332,41 @@ impl<'s> Scope<'s, '_> {
 
     /// [`Communicator::read_into`], in the background: `dst` stays borrowed until the scope
     /// ends.
-    pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &'s mut [T]) -> Result<Request<'s>> {
-        let op = read_op::<T>(h, offset, dst.len());
-        let plan = self.comm.rma_plan::<T>(h, offset, dst.len(), &op, false)?;
+    pub fn read_into<T: Pod>(&self, h: &RemoteHandle, offset: usize, dst: &'s mut [T]) -> Result<Request<'s>> {
+        let (op, w) = rma_op::<T>(self.comm, h, offset, dst.len(), false)?;
+        let plan = self.comm.rma_plan(w, h, offset, dst.len(), &op, false)?;
         if plan.len == 0 {
             return self.submit(Vec::new());
         }
-        let region = self.regions.register(as_bytes_mut(dst));
+        let region = self.regions.register(bytemuck::cast_slice_mut(dst));
         let part = self.comm.rma_part(op, plan, region);
         self.submit(vec![part])
     }
 
     /// [`Communicator::write_from`], in the background: `src` stays borrowed until the scope
     /// ends.
-    pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &'s [T]) -> Result<Request<'s>> {
-        let op = write_op::<T>(h, offset, src.len());
-        let plan = self.comm.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+    pub fn write_from<T: Pod>(&self, h: &RemoteHandle, offset: usize, src: &'s [T]) -> Result<Request<'s>> {
+        let (op, w) = rma_op::<T>(self.comm, h, offset, src.len(), true)?;
+        let plan = self.comm.rma_plan(w, h, offset, src.len(), &op, true)?;
         if plan.len == 0 {
             return self.submit(Vec::new());
         }
-        let region = self.regions.register_ro(as_bytes(src));
+        let region = self.regions.register_ro(bytemuck::cast_slice(src));
         let part = self.comm.rma_part(op, plan, region);
         self.submit(vec![part])
     }
 }
 
-fn read_op<T: Element>(h: &RemoteHandle, offset: usize, count: usize) -> Op {
-    Op::Read { owner: h.owner(), offset: offset as u64, count, dtype: T::DTYPE }
-}
-
-fn write_op<T: Element>(h: &RemoteHandle, offset: usize, count: usize) -> Op {
-    Op::Write { owner: h.owner(), offset: offset as u64, count, dtype: T::DTYPE }
+/// A one-sided read (or, with `write`, write) of `count` elements of `T`, as errors name
+/// it, and how `T` crosses the wire (a zero-sized `T` is refused).
+fn rma_op<T: Pod>(comm: &Communicator, h: &RemoteHandle, offset: usize, count: usize, write: bool) -> Result<(Op, Wire)> {
+    let w = comm.wire::<T>(if write { "write" } else { "read" })?;
+    let (owner, offset, dtype, pod) = (h.owner(), offset as u64, w.dtype, w.pod);
+    let op = match write {
+        true => Op::Write { owner, offset, count, dtype, pod },
+        false => Op::Read { owner, offset, count, dtype, pod },
+    };
+    Ok((op, w))
 }
 
 /// One access, checked: the owner as a member of the communicator, and the byte range.
@@ -380,12 +387,14 @@ impl Communicator {
     /// [module documentation](crate::window) for what that means for concurrent access).
     /// Where a shared segment cannot be made (`memfd_create` fails), the window is ordinary
     /// memory served by this rank, as a registered one ([`RemoteHandle::is_shared`] says
-    /// which).
-    pub fn alloc_window<T: Element>(&self, len: usize) -> Result<Window<'static>> {
+    /// which). `T` may be any plain-old-data type (a zero-sized one is refused).
+    pub fn alloc_window<T: Pod>(&self, len: usize) -> Result<Window<'static>> {
+        let w = self.wire::<T>("alloc_window")?;
+        let name = w.pod.map_or(w.dtype.name(), PodType::name);
         let bytes = len
-            .checked_mul(std::mem::size_of::<T>())
+            .checked_mul(w.size)
             .filter(|&b| b <= isize::MAX as usize - SHARED_HEADER)
-            .ok_or_else(|| Error::invalid(format!("alloc_window: {len} {} do not fit in memory", T::DTYPE)))?;
+            .ok_or_else(|| Error::invalid(format!("alloc_window: {len} {name} do not fit in memory")))?;
         self.check_usable(&Op::other("alloc_window"))?;
         let (job, rank) = (self.fabric().job, self.fabric().rank);
         Window::make(self, Access::ReadWrite, |id, key| {
@@ -406,14 +415,15 @@ impl Communicator {
     /// [`Error::Refused`] when the owner refuses (see [`Refusal`]) or the handle is already
     /// known to be wrong here (another job's, a range outside its length): nothing was
     /// read, and the communicator stays usable. [`Error::InvalidArgument`] for an owner
-    /// that is not a member. A dead owner or a deadline fail it as any call.
-    pub fn read_into<T: Element>(&self, h: &RemoteHandle, offset: usize, dst: &mut [T]) -> Result<()> {
-        let op = read_op::<T>(h, offset, dst.len());
-        let plan = self.rma_plan::<T>(h, offset, dst.len(), &op, false)?;
+    /// that is not a member, or a zero-sized `T` (any other plain-old-data type may be
+    /// read). A dead owner or a deadline fail it as any call.
+    pub fn read_into<T: Pod>(&self, h: &RemoteHandle, offset: usize, dst: &mut [T]) -> Result<()> {
+        let (op, w) = rma_op::<T>(self, h, offset, dst.len(), false)?;
+        let plan = self.rma_plan(w, h, offset, dst.len(), &op, false)?;
         if plan.len == 0 {
             return Ok(());
         }
-        let bytes = as_bytes_mut(dst);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
         let copied = self.direct_rma(h, &plan, &op, false, |w| match w.read(plan.offset, bytes) {
             true => Ok(()),
             false => Err(Error::internal(format!("{op}: a checked range did not fit the shared window"))),
@@ -427,13 +437,13 @@ impl Communicator {
     /// Writes `src` at element `offset` of the window `h` names; returns when the owner has
     /// landed every byte. Errors as [`Communicator::read_into`], and [`Refusal::ReadOnly`]
     /// for a read-only window.
-    pub fn write_from<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T]) -> Result<()> {
-        let op = write_op::<T>(h, offset, src.len());
-        let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+    pub fn write_from<T: Pod>(&self, h: &RemoteHandle, offset: usize, src: &[T]) -> Result<()> {
+        let (op, w) = rma_op::<T>(self, h, offset, src.len(), true)?;
+        let plan = self.rma_plan(w, h, offset, src.len(), &op, true)?;
         if plan.len == 0 {
             return Ok(());
         }
-        let bytes = as_bytes(src);
+        let bytes: &[u8] = bytemuck::cast_slice(src);
         let copied = self.direct_rma(h, &plan, &op, true, |w| match w.write(plan.offset, bytes) {
             true => Ok(()),
             false => Err(Error::internal(format!("{op}: a checked range did not fit the shared window"))),
@@ -448,20 +458,49 @@ impl Communicator {
     /// `value` once every byte has landed (NCCL's `ncclPutSignal`): the owner's
     /// [`Communicator::wait_signal`] for this rank and `value` returns only after the data
     /// is in its window. Returns when the owner has raised it.
-    pub fn put_signal<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], value: u64) -> Result<()> {
+    pub fn put_signal<T: Pod>(&self, h: &RemoteHandle, offset: usize, src: &[T], value: u64) -> Result<()> {
         self.put_signal_on(h, offset, src, 0, value)
     }
 
     /// [`Communicator::put_signal`] on signal `slot` (0: the public signal; library objects
     /// own the others, see [`Communicator::agree_signal_slots`]).
-    pub(crate) fn put_signal_on<T: Element>(&self, h: &RemoteHandle, offset: usize, src: &[T], slot: u32, value: u64) -> Result<()> {
-        let op = write_op::<T>(h, offset, src.len());
-        let plan = self.rma_plan::<T>(h, offset, src.len(), &op, true)?;
+    pub(crate) fn put_signal_on<T: Pod>(&self, h: &RemoteHandle, offset: usize, src: &[T], slot: u32, value: u64) -> Result<()> {
+        let (op, w) = rma_op::<T>(self, h, offset, src.len(), true)?;
+        let plan = self.rma_plan(w, h, offset, src.len(), &op, true)?;
         let peer = plan.peer;
         let mut steps: Vec<Step> = Some(plan).filter(|p| p.len > 0).into_iter().map(rma_step(&op)).collect();
         steps.push(Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] });
         let sched = Schedule { steps, scratch_bytes: 0 };
-        with_region_ro(as_bytes(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
+        with_region_ro(bytemuck::cast_slice(src), |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
+    }
+
+    /// Several [`Communicator::put_signal_on`]s in one job: for each `(h, offset, range)`,
+    /// `src[range]` is written at byte `offset` of the window `h` names, then this rank's
+    /// signal on `slot` at its owner is raised to `value`. The writes and signals to
+    /// different owners are in flight together (one round trip in all, not one per
+    /// owner); returns when every owner has raised its signal. An access that is refused
+    /// fails the whole call before anything moves.
+    pub(crate) fn put_signal_many_on(&self, items: &[(RemoteHandle, usize, std::ops::Range<usize>)], src: &[u8], slot: u32, value: u64) -> Result<()> {
+        let mut steps = Vec::with_capacity(2 * items.len());
+        let mut first_op = None;
+        for (h, offset, range) in items {
+            if range.end > src.len() || range.start > range.end {
+                return Err(Error::internal(format!("put_signal_many: range {range:?} outside a source of {} bytes", src.len())));
+            }
+            let (op, w) = rma_op::<u8>(self, h, *offset, range.len(), true)?;
+            let plan = self.rma_plan(w, h, *offset, range.len(), &op, true)?;
+            let peer = plan.peer;
+            if plan.len > 0 {
+                let src = Slice::new(Buf::Output, range.start, plan.len);
+                let block = Block::contiguous(plan.len as u64);
+                steps.push(Step { op: Action::Put { peer, remote: plan.remote, offset: plan.offset, src, block }, deps: vec![] });
+            }
+            steps.push(Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] });
+            first_op.get_or_insert(op);
+        }
+        let Some(op) = first_op else { return Ok(()) };
+        let sched = Schedule { steps, scratch_bytes: 0 };
+        with_region_ro(src, |region| self.run_part(self.p2p_part(op, CHAN_USER, sched, None, region.clone())))
     }
 
     /// Raises this rank's signal at member `peer` to `value` (no data): `peer`'s
@@ -537,7 +576,7 @@ impl Communicator {
     }
 
     /// Checks an access before anything goes on the wire (one of length 0 moves nothing).
-    fn rma_plan<T: Element>(&self, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<RmaPlan> {
+    fn rma_plan(&self, w: Wire, h: &RemoteHandle, offset: usize, count: usize, op: &Op, write: bool) -> Result<RmaPlan> {
         let refuse = |reason| Error::Refused { rank: self.rank(), owner: h.owner(), op: op.clone(), reason };
         if h.job != self.fabric().job {
             return Err(refuse(Refusal::OtherJob));
@@ -545,7 +584,7 @@ impl Communicator {
         if write && h.access != Access::ReadWrite {
             return Err(refuse(Refusal::ReadOnly));
         }
-        let size = std::mem::size_of::<T>() as u64;
+        let size = w.size as u64;
         let range = (offset as u64).checked_mul(size).and_then(|s| Some((s, (count as u64).checked_mul(size)?)));
         let Some((start, len)) = range.filter(|&(s, n)| s.checked_add(n).is_some_and(|e| e <= h.len)) else {
             return Err(refuse(Refusal::OutOfRange));

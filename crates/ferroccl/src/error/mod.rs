@@ -12,7 +12,7 @@ use std::time::Duration;
 pub(crate) use fault::Fault;
 pub use fault::{FaultKind, RootCause};
 pub(crate) use op::in_elements;
-pub use op::Op;
+pub use op::{Op, PodType};
 
 /// Result alias used throughout FerroCCL.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,7 +1,10 @@
 //! [`Op`]: the operation an error is about, as data (which call, on what, its number among
 //! the calls every member makes), rendered the same way errors always read.
 
+use std::any::TypeId;
 use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Mutex;
 
 use ferroccl_kernels::{DType, ReduceOp};
 
@@ -20,8 +23,12 @@ pub enum Op {
     Collective {
         /// Which collective (with its root, for broadcast and reduce).
         coll: Collective,
-        /// The element type.
+        /// The element type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
         /// The element count (per rank for allgather, reduce_scatter and alltoall; what this
         /// rank sends in all for alltoallv; of the packed buffer for a fused group).
         count: usize,
@@ -50,8 +57,12 @@ pub enum Op {
         peer: usize,
         /// Elements sent.
         count: usize,
-        /// Their type.
+        /// Their type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
     },
     /// [`crate::Communicator::recv`] of `count` elements of `dtype` from `peer`.
     Recv {
@@ -59,8 +70,12 @@ pub enum Op {
         peer: usize,
         /// Elements expected.
         count: usize,
-        /// Their type.
+        /// Their type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
     },
     /// [`crate::Communicator::sendrecv`].
     SendRecv {
@@ -72,8 +87,12 @@ pub enum Op {
         send: usize,
         /// Elements expected.
         recv: usize,
-        /// Their type.
+        /// Their type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
     },
     /// A one-sided read of `count` elements of `dtype` from rank `owner`'s window, at
     /// element `offset` ([`crate::Communicator::read_into`]).
@@ -84,8 +103,12 @@ pub enum Op {
         offset: u64,
         /// Elements read.
         count: usize,
-        /// Their type.
+        /// Their type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
     },
     /// A one-sided write of `count` elements of `dtype` into rank `owner`'s window, at
     /// element `offset` ([`crate::Communicator::write_from`]).
@@ -96,8 +119,12 @@ pub enum Op {
         offset: u64,
         /// Elements written.
         count: usize,
-        /// Their type.
+        /// Their type (`u8` for a [`PodType`]).
         dtype: DType,
+        /// The element type when it is a plain-old-data type that is not one of the
+        /// [`DType`]s (then `dtype` is `u8`, what the wire carries, and the counts count
+        /// elements of this type); `None` for the [`DType`] types.
+        pod: Option<PodType>,
     },
     /// [`crate::Communicator::finalize`].
     Finalize,
@@ -114,7 +141,46 @@ impl Op {
 
     /// The collective calls' identity, before it has a call number.
     pub(crate) fn collective(coll: Collective, dtype: DType, count: usize, op: ReduceOp, algo: Algo) -> Op {
-        Op::Collective { coll, dtype, count, reduce: coll.reduces().then_some(op), algo, fused: 1, call: None }
+        Op::Collective { coll, dtype, count, reduce: coll.reduces().then_some(op), algo, fused: 1, call: None, pod: None }
+    }
+
+    /// This operation on elements of the plain-old-data type `pod` (`None`: a [`DType`]
+    /// type, the operation is left as it is): its counts, given in bytes (the wire's `u8`),
+    /// become counts of `pod` elements.
+    pub(crate) fn with_pod(self, pod: Option<PodType>) -> Op {
+        match pod {
+            Some(p) => self.in_elements_of(p.size(), None, Some(p)),
+            None => self,
+        }
+    }
+
+    /// A data-movement operation whose counts are given in bytes, on elements of `size`
+    /// bytes of the caller's type: counts in its elements, named by `dtype` (the wire's,
+    /// `u8` for a [`PodType`]) and `pod`.
+    pub(crate) fn per_element(self, size: usize, dtype: DType, pod: Option<PodType>) -> Op {
+        self.in_elements_of(size, Some(dtype), pod)
+    }
+
+    fn in_elements_of(mut self, size: usize, to: Option<DType>, p: Option<PodType>) -> Op {
+        let per = size.max(1);
+        let (count, other, dtype, pod) = match &mut self {
+            Op::Collective { count, dtype, pod, .. }
+            | Op::Send { count, dtype, pod, .. }
+            | Op::Recv { count, dtype, pod, .. }
+            | Op::Read { count, dtype, pod, .. }
+            | Op::Write { count, dtype, pod, .. } => (count, None, dtype, pod),
+            Op::SendRecv { send, recv, dtype, pod, .. } => (send, Some(recv), dtype, pod),
+            _ => return self,
+        };
+        *count /= per;
+        if let Some(c) = other {
+            *c /= per;
+        }
+        if let Some(d) = to {
+            *dtype = d;
+        }
+        *pod = p;
+        self
     }
 
     /// The call's number among the calls every member makes, if it has one.
@@ -137,25 +203,26 @@ impl Op {
         op
     }
 
-    /// The element type of a point-to-point call or an alltoallv (sizes in their errors speak
-    /// in it).
-    pub(crate) fn p2p_dtype(&self) -> Option<DType> {
-        match self {
-            Op::Send { dtype, .. } | Op::Recv { dtype, .. } | Op::SendRecv { dtype, .. } => Some(*dtype),
+    /// The element type of a point-to-point call or an alltoallv, as (size in bytes, name)
+    /// (sizes in their errors speak in it).
+    pub(crate) fn p2p_elem(&self) -> Option<(usize, &'static str)> {
+        let (dtype, pod) = match self {
+            Op::Send { dtype, pod, .. } | Op::Recv { dtype, pod, .. } | Op::SendRecv { dtype, pod, .. } => (dtype, pod),
             // One whole block per transfer: its length is a count the caller passed.
-            Op::Collective { coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. }, dtype, .. } => {
-                Some(*dtype)
-            }
-            _ => None,
-        }
+            Op::Collective {
+                coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. }, dtype, pod, ..
+            } => (dtype, pod),
+            _ => return None,
+        };
+        Some(elem_of(*dtype, *pod))
     }
 }
 
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Op::Collective { coll, dtype, count, reduce, algo, fused, .. } => {
-                write!(f, "{} ({count} x {dtype}", coll.name())?;
+            Op::Collective { coll, dtype, count, reduce, algo, fused, pod, .. } => {
+                write!(f, "{} ({count} x {}", coll.name(), elem_of(*dtype, *pod).1)?;
                 if let Some(r) = reduce {
                     write!(f, ", {r}")?;
                 }
@@ -169,9 +236,11 @@ impl fmt::Display for Op {
             Op::Send { peer, .. } => write!(f, "send to rank {peer}")?,
             Op::Recv { peer, .. } => write!(f, "recv from rank {peer}")?,
             Op::SendRecv { to, from, .. } => write!(f, "sendrecv (to rank {to}, from rank {from})")?,
-            Op::Read { owner, offset, count, dtype } => write!(f, "read of {count} {dtype} at element {offset} of rank {owner}'s window")?,
-            Op::Write { owner, offset, count, dtype } => {
-                write!(f, "write of {count} {dtype} at element {offset} of rank {owner}'s window")?
+            Op::Read { owner, offset, count, dtype, pod } => {
+                write!(f, "read of {count} {} at element {offset} of rank {owner}'s window", elem_of(*dtype, *pod).1)?
+            }
+            Op::Write { owner, offset, count, dtype, pod } => {
+                write!(f, "write of {count} {} at element {offset} of rank {owner}'s window", elem_of(*dtype, *pod).1)?
             }
             Op::Finalize => f.write_str("finalize")?,
             Op::Other(s) => f.write_str(s)?,
@@ -183,12 +252,67 @@ impl fmt::Display for Op {
     }
 }
 
-/// `n` bytes said in elements of `dtype` ("250 f32"), or in bytes where they do not make
-/// whole elements.
-pub(crate) fn in_elements(n: u64, dtype: Option<DType>) -> String {
-    match dtype {
-        Some(d) if d.size() > 1 && n.is_multiple_of(d.size() as u64) => format!("{} {d}", n / d.size() as u64),
-        Some(d) if d.size() == 1 => format!("{n} {d}"),
+/// A plain-old-data element type that is not one of the [`DType`]s (a `#[repr(C)]` struct
+/// moved by a data-movement call), as an [`Op`] names it: it crosses the wire as bytes.
+///
+/// A small handle (the type's number in this process), so that operations stay as small
+/// as they were; [`PodType::name`] and [`PodType::size`] describe the type.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct PodType(NonZeroU32);
+
+/// Every [`PodType`] of this process: its type, Rust name and size, at its number - 1.
+static POD_TYPES: Mutex<Vec<(TypeId, &'static str, usize)>> = Mutex::new(Vec::new());
+
+impl PodType {
+    /// The handle of the type `id` (named `name`, `size` bytes), numbered at its first use.
+    pub(crate) fn of(id: TypeId, name: &'static str, size: usize) -> PodType {
+        let mut types = POD_TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match types.iter().position(|(t, _, _)| *t == id) {
+            Some(at) => at,
+            None => {
+                types.push((id, name, size));
+                types.len() - 1
+            }
+        };
+        PodType(u32::try_from(at + 1).ok().and_then(NonZeroU32::new).unwrap_or(NonZeroU32::MAX))
+    }
+
+    fn get(self) -> (&'static str, usize) {
+        let types = POD_TYPES.lock().unwrap_or_else(|e| e.into_inner());
+        types.get(self.0.get() as usize - 1).map_or(("?", 1), |&(_, name, size)| (name, size))
+    }
+
+    /// Its Rust name (`std::any::type_name`).
+    pub fn name(self) -> &'static str {
+        self.get().0
+    }
+
+    /// Its size in bytes (never 0: zero-sized types are refused).
+    pub fn size(self) -> usize {
+        self.get().1
+    }
+}
+
+impl fmt::Debug for PodType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PodType").field("name", &self.name()).field("size", &self.size()).finish()
+    }
+}
+
+/// The (size, name) of the elements of an operation on `dtype`, or on `pod` where it has one.
+fn elem_of(dtype: DType, pod: Option<PodType>) -> (usize, &'static str) {
+    match pod {
+        Some(p) => (p.size(), p.name()),
+        None => (dtype.size(), dtype.name()),
+    }
+}
+
+/// `n` bytes said in elements of `elem` (size, name: "250 f32"), or in bytes where they do
+/// not make whole elements.
+pub(crate) fn in_elements(n: u64, elem: Option<(usize, &str)>) -> String {
+    match elem {
+        Some((size, name)) if size > 1 && n.is_multiple_of(size as u64) => format!("{} {name}", n / size as u64),
+        Some((1, name)) => format!("{n} {name}"),
         _ => format!("{n} bytes"),
     }
 }
@@ -207,16 +331,34 @@ mod tests {
         let bc = Op::collective(Collective::Broadcast { root: 1 }, DType::U8, 7, ReduceOp::Sum, Algo::Chain);
         assert_eq!(bc.to_string(), "broadcast (7 x u8, chain)");
         assert_eq!(Op::Barrier { call: Some(2) }.to_string(), "barrier call #2");
-        assert_eq!(Op::Send { peer: 2, count: 4, dtype: DType::F32 }.numbered(9).to_string(), "send to rank 2");
-        assert_eq!(Op::SendRecv { to: 1, from: 2, send: 1, recv: 1, dtype: DType::I32 }.to_string(), "sendrecv (to rank 1, from rank 2)");
+        assert_eq!(Op::Send { peer: 2, count: 4, dtype: DType::F32, pod: None }.numbered(9).to_string(), "send to rank 2");
+        assert_eq!(
+            Op::SendRecv { to: 1, from: 2, send: 1, recv: 1, dtype: DType::I32, pod: None }.to_string(),
+            "sendrecv (to rank 1, from rank 2)"
+        );
         assert_eq!(Op::other("store wait").to_string(), "store wait");
     }
 
     #[test]
     fn sizes_speak_in_elements_where_they_can() {
-        assert_eq!(in_elements(4000, Some(DType::F32)), "1000 f32");
-        assert_eq!(in_elements(4002, Some(DType::F32)), "4002 bytes");
-        assert_eq!(in_elements(5, Some(DType::U8)), "5 u8");
+        let f32s = Some((4, "f32"));
+        assert_eq!(in_elements(4000, f32s), "1000 f32");
+        assert_eq!(in_elements(4002, f32s), "4002 bytes");
+        assert_eq!(in_elements(5, Some((1, "u8"))), "5 u8");
         assert_eq!(in_elements(8, None), "8 bytes");
+        assert_eq!(in_elements(48, Some((16, "m::Route"))), "3 m::Route");
+    }
+
+    #[test]
+    fn pod_operations_name_their_type() {
+        struct Route;
+        let route = Some(PodType::of(TypeId::of::<Route>(), "m::Route", 16));
+        assert_eq!(route, Some(PodType::of(TypeId::of::<Route>(), "m::Route", 16)), "one number per type");
+        assert_eq!(route.map(|p| (p.name(), p.size())), Some(("m::Route", 16)));
+        let ag = Op::collective(Collective::AllGather, DType::U8, 160, ReduceOp::Sum, Algo::Ring).with_pod(route);
+        assert_eq!(ag.to_string(), "allgather (10 x m::Route, ring)");
+        let sr = Op::SendRecv { to: 1, from: 2, send: 32, recv: 48, dtype: DType::U8, pod: None }.with_pod(route);
+        assert_eq!(sr.p2p_elem(), Some((16, "m::Route")));
+        assert!(matches!(sr, Op::SendRecv { send: 2, recv: 3, .. }));
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
 //! work) in `p2p.rs`, `collectives.rs`, `alltoallv.rs`, `nonblocking.rs`, `groups.rs`,
-//! `onesided.rs` or `weights.rs`; `conformance_suite!` makes one
+//! `onesided.rs`, `pod.rs` or `weights.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -30,6 +30,7 @@ mod moe;
 mod nonblocking;
 mod onesided;
 mod p2p;
+mod pod;
 mod weights;
 
 use harness::{Suite, Wire};
@@ -112,6 +113,9 @@ macro_rules! conformance_suite {
             moe::moe_two_micro_batches_interleave,
             moe::moe_bad_input_fails_on_every_rank,
             moe::moe_bad_configs_and_misuse_are_errors,
+            pod::pod_structs_move_exactly,
+            pod::pod_zero_sized_types_are_refused,
+            pod::pod_count_mismatch_fails_on_both_sides,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
