@@ -480,7 +480,13 @@ impl Communicator {
     /// different owners are in flight together (one round trip in all, not one per
     /// owner); returns when every owner has raised its signal. An access that is refused
     /// fails the whole call before anything moves.
-    pub(crate) fn put_signal_many_on(&self, items: &[(RemoteHandle, usize, std::ops::Range<usize>)], src: &[u8], slot: u32, value: u64) -> Result<()> {
+    pub(crate) fn put_signal_many_on(
+        &self,
+        items: &[(RemoteHandle, usize, std::ops::Range<usize>)],
+        src: &[u8],
+        slot: u32,
+        value: u64,
+    ) -> Result<()> {
         let mut steps = Vec::with_capacity(2 * items.len());
         let mut first_op = None;
         for (h, offset, range) in items {

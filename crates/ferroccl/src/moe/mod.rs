@@ -560,19 +560,26 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
             Err(_) => (0, None),
         };
+        // Every destination's message packed in one buffer, then this rank's own copied in
+        // and the others written with their signals in one job.
+        self.send.clear();
+        let mut items = Vec::with_capacity(size);
+        let mut own = 0..0;
+        let at = me * ll.dregion;
         for d in 0..size {
-            self.send.clear();
+            let start = self.send.len();
             match (&routed, &checked) {
                 (Some(r), _) => route::pack_dispatch(&mut self.send, seq, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
                 (None, Err(b)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, Some(b)),
                 (None, Ok(_)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, None),
             }
-            let at = me * ll.dregion;
             match d == me {
-                true => ll.dispatch.write(at, &self.send)?,
-                false => self.signals.put(self.comm, &ll.peers[d].0, at, &self.send, seq)?,
+                true => own = start..self.send.len(),
+                false => items.push((ll.peers[d].0, at, start..self.send.len())),
             }
         }
+        ll.dispatch.write(at, &self.send[own])?;
+        self.signals.put_many(self.comm, &items, &self.send, seq)?;
         if let Err(b) = checked {
             // The peers' writes of this step into this rank's window land before it returns
             // (and may drop the object): none is left in flight.
@@ -741,15 +748,16 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {
         let me = self.me();
         let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let at = me * ll.cregion;
+        let mut items = Vec::with_capacity(counts.len());
         for s in 0..counts.len() {
-            let msg = &self.send[displs[s]..displs[s] + counts[s]];
-            let at = me * ll.cregion;
+            let range = displs[s]..displs[s] + counts[s];
             match s == me {
-                true => ll.combine.write(at, msg)?,
-                false => self.signals.put(self.comm, &ll.peers[s].1, at, msg, seq)?,
+                true => ll.combine.write(at, &self.send[range])?,
+                false => items.push((ll.peers[s].1, at, range)),
             }
         }
-        Ok(())
+        self.signals.put_many(self.comm, &items, &self.send, seq)
     }
 }
 

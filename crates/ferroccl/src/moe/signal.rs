@@ -39,10 +39,17 @@ impl Signals {
         self.seq
     }
 
-    /// Writes `bytes` at byte `offset` of the window `h` names, then raises this object's
-    /// signal at its owner to `value`.
-    pub(crate) fn put(&self, comm: &Communicator, h: &RemoteHandle, offset: usize, bytes: &[u8], value: u64) -> Result<()> {
-        comm.put_signal_on(h, offset, bytes, self.slot, value)
+    /// Writes to different owners in one job (one round trip in all): `src[range]` at
+    /// byte `offset` of each window `h`, then this object's signal at each owner, raised
+    /// to `value`.
+    pub(crate) fn put_many(
+        &self,
+        comm: &Communicator,
+        items: &[(RemoteHandle, usize, std::ops::Range<usize>)],
+        src: &[u8],
+        value: u64,
+    ) -> Result<()> {
+        comm.put_signal_many_on(items, src, self.slot, value)
     }
 
     /// Waits until `from` has raised this object's signal here to `value` or above.
