@@ -5,7 +5,7 @@
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
 //! work) in `p2p.rs`, `collectives.rs`, `alltoallv.rs`, `nonblocking.rs`, `groups.rs`,
-//! `onesided.rs` or `weights.rs`; `conformance_suite!` makes one
+//! `onesided.rs`, `weights.rs` or `tp.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -29,6 +29,7 @@ mod harness;
 mod nonblocking;
 mod onesided;
 mod p2p;
+mod tp;
 mod weights;
 
 use harness::{Suite, Wire};
@@ -106,6 +107,9 @@ macro_rules! conformance_suite {
             weights::weight_sync_abort_during_a_pull_never_tears,
             weights::weight_sync_moves_random_layouts_exactly_up_to_four_by_four,
             weights::weight_sync_rejects_members_with_other_layouts,
+            tp::tp_helpers_equal_the_reference,
+            tp::tp_bad_shapes_are_errors,
+            tp::tp_shapes_that_differ_across_ranks_fail_on_every_rank,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
