@@ -803,7 +803,7 @@ fn calls_after_the_world_finalized_fail_every_time() {
 #[test]
 fn examples_run_and_check_themselves() {
     let dir = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples");
-    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights", "weight_sync"] {
+    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights", "weight_sync", "tp_mlp"] {
         let exe = dir.join(name);
         if !exe.exists() {
             eprintln!("skipping example {name}: {} is not built (cargo test --workspace builds it)", exe.display());
@@ -822,6 +822,43 @@ fn examples_run_and_check_themselves() {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
+        }
+    }
+}
+
+/// The tensor-parallel MLP example (`tp_mlp`) at TP = 2 and 4, f32 and bf16, one and
+/// several tokens, with and without `--fused`, small sizes: each run checks its output
+/// against the single-rank reference and exits 1 on a mismatch. Skipped, saying so, where
+/// the examples are not built (as above).
+#[test]
+fn tp_mlp_example_checks_itself() {
+    let exe = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples").join("tp_mlp");
+    if !exe.exists() {
+        eprintln!("skipping example tp_mlp: {} is not built (cargo test --workspace builds it)", exe.display());
+        return;
+    }
+    for (n, transport) in [(2, "shm"), (4, "shm"), (2, "tcp"), (4, "tcp")] {
+        for dtype in ["f32", "bf16"] {
+            for (tokens, fused) in [("1", false), ("3", true), ("3", false)] {
+                let mut args =
+                    vec!["--dtype", dtype, "--hidden", "64", "--tokens", tokens, "--layers", "3", "--steps", "2", "--warmup", "1"];
+                if fused {
+                    args.push("--fused");
+                }
+                let out = Command::new(RUN)
+                    .args(["-n", &n.to_string(), "--transport", transport, "--timeout", "120", "--"])
+                    .arg(&exe)
+                    .args(&args)
+                    .output()
+                    .expect("run ferroccl-run");
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    out.status.success() && stdout.contains("check ok") && stdout.contains("comm share"),
+                    "tp_mlp {args:?} on {n} ranks over {transport}: {:?}\n{stdout}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
         }
     }
 }
