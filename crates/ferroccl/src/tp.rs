@@ -148,7 +148,7 @@ impl<'c> TensorParallel<'c> {
     /// caller builds (next to other calls of the layer).
     pub fn add_row_parallel_reduces<'s, T: Element>(&self, g: &Group<'s, '_>, outs: &'s mut [&mut [T]]) -> Result<()> {
         for out in outs.iter_mut() {
-            g.allreduce(&mut **out, ReduceOp::Sum)?;
+            g.allreduce(out, ReduceOp::Sum)?;
         }
         Ok(())
     }
