@@ -803,7 +803,7 @@ fn calls_after_the_world_finalized_fail_every_time() {
 #[test]
 fn examples_run_and_check_themselves() {
     let dir = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples");
-    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights", "weight_sync"] {
+    for name in ["allreduce", "broadcast", "sendrecv", "nonblocking", "weights", "weight_sync", "tp_mlp", "moe"] {
         let exe = dir.join(name);
         if !exe.exists() {
             eprintln!("skipping example {name}: {} is not built (cargo test --workspace builds it)", exe.display());
@@ -820,6 +820,77 @@ fn examples_run_and_check_themselves() {
                 "example {name} on {n} ranks over {transport}: {:?}\n{}{}",
                 out.status,
                 String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
+/// The tensor-parallel MLP example (`tp_mlp`) at TP = 2 and 4, f32 and bf16, one and
+/// several tokens, with and without `--fused`, small sizes: each run checks its output
+/// against the single-rank reference and exits 1 on a mismatch. Skipped, saying so, where
+/// the examples are not built (as above).
+#[test]
+fn tp_mlp_example_checks_itself() {
+    let exe = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples").join("tp_mlp");
+    if !exe.exists() {
+        eprintln!("skipping example tp_mlp: {} is not built (cargo test --workspace builds it)", exe.display());
+        return;
+    }
+    for (n, transport) in [(2, "shm"), (4, "shm"), (2, "tcp"), (4, "tcp")] {
+        for dtype in ["f32", "bf16"] {
+            for (tokens, fused) in [("1", false), ("3", true), ("3", false)] {
+                let mut args =
+                    vec!["--dtype", dtype, "--hidden", "64", "--tokens", tokens, "--layers", "3", "--steps", "2", "--warmup", "1"];
+                if fused {
+                    args.push("--fused");
+                }
+                let out = Command::new(RUN)
+                    .args(["-n", &n.to_string(), "--transport", transport, "--timeout", "120", "--"])
+                    .arg(&exe)
+                    .args(&args)
+                    .output()
+                    .expect("run ferroccl-run");
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    out.status.success() && stdout.contains("check ok") && stdout.contains("comm share"),
+                    "tp_mlp {args:?} on {n} ranks over {transport}: {:?}\n{stdout}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+    }
+}
+
+/// The MoE example (`examples/moe.rs`: gate, top-2, two MLP experts per rank) over real
+/// processes: 2 and 4 ranks over shm, 4 over tcp, f32 and bf16, both modes, with and
+/// without two interleaved micro-batches (the non-blocking forms); each run checks every
+/// token against a reference that runs every expert locally and exits 1 on a mismatch.
+#[test]
+fn moe_example_checks_itself() {
+    let exe = std::path::Path::new(RUN).parent().expect("ferroccl-run's directory").join("examples").join("moe");
+    if !exe.exists() {
+        eprintln!("skipping example moe: {} is not built (cargo test --workspace builds it)", exe.display());
+        return;
+    }
+    for (n, transport) in [(2, "shm"), (4, "shm"), (4, "tcp")] {
+        for (dtype, overlap) in [("f32", false), ("bf16", true)] {
+            let mut args = vec!["--dtype", dtype, "--tokens", "9", "--steps", "2"];
+            if overlap {
+                args.push("--overlap");
+            }
+            let out = Command::new(RUN)
+                .args(["-n", &n.to_string(), "--transport", transport, "--timeout", "120", "--"])
+                .arg(&exe)
+                .args(&args)
+                .output()
+                .expect("run ferroccl-run");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.matches("match the local reference").count() == 2,
+                "moe {args:?} on {n} ranks over {transport}: {:?}\n{stdout}{}",
+                out.status,
                 String::from_utf8_lossy(&out.stderr)
             );
         }

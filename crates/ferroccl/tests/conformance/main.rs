@@ -5,7 +5,7 @@
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
 //! work) in `p2p.rs`, `collectives.rs`, `alltoallv.rs`, `nonblocking.rs`, `groups.rs`,
-//! `onesided.rs`, `pod.rs` or `weights.rs`; `conformance_suite!` makes one
+//! `onesided.rs`, `pod.rs`, `weights.rs` or `tp.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -31,6 +31,7 @@ mod nonblocking;
 mod onesided;
 mod p2p;
 mod pod;
+mod tp;
 mod weights;
 
 use harness::{Suite, Wire};
@@ -116,6 +117,9 @@ macro_rules! conformance_suite {
             pod::pod_structs_move_exactly,
             pod::pod_zero_sized_types_are_refused,
             pod::pod_count_mismatch_fails_on_both_sides,
+            tp::tp_helpers_equal_the_reference,
+            tp::tp_bad_shapes_are_errors,
+            tp::tp_shapes_that_differ_across_ranks_fail_on_every_rank,
         );
     };
     (@tests $($module:ident :: $name:ident),* $(,)?) => {
