@@ -493,9 +493,10 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             recv_displs[s] = total;
             total = total.checked_add(recv_counts[s]).ok_or_else(|| invalid(me, "dispatch", "received sizes overflow"))?;
         }
-        self.recv.clear();
-        self.recv.resize(total, 0);
-        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs)?;
+        if self.recv.len() < total {
+            self.recv.resize(total, 0);
+        }
+        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs)?;
         self.recv_at = (0..size).map(|s| (recv_displs[s], recv_counts[s])).collect();
         let sent = routed.map(|r| r.tokens).unwrap_or_default();
         self.finish_dispatch(step, n, sent).map(Ok)
@@ -599,8 +600,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             false => (&ll.dispatch, ll.dregion),
             true => (&ll.combine, ll.cregion),
         };
-        self.recv.clear();
+        // `recv` only grows (no zero fill per step); `recv_at` says what this step read.
         self.recv_at.clear();
+        let mut at = 0;
         let mut head = [0u8; HEADER_BYTES];
         for s in 0..size {
             if s != me {
@@ -613,10 +615,12 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 true => self.shape.combine_bytes::<T>(count),
             };
             let len = len.filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
-            let at = self.recv.len();
-            self.recv.resize(at + len, 0);
-            window.read(s * region, &mut self.recv[at..])?;
+            if self.recv.len() < at + len {
+                self.recv.resize(at + len, 0);
+            }
+            window.read(s * region, &mut self.recv[at..at + len])?;
             self.recv_at.push((at, len));
+            at += len;
         }
         Ok(())
     }
@@ -704,9 +708,10 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 let recv_counts: Vec<usize> = self.last_sent.iter().map(|&c| HEADER_BYTES + c * shape.row_bytes::<T>()).collect();
                 let recv_displs: Vec<usize> = recv_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
                 let total = recv_counts.iter().sum();
-                self.recv.clear();
-                self.recv.resize(total, 0);
-                let r = self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv, &recv_counts, &recv_displs);
+                if self.recv.len() < total {
+                    self.recv.resize(total, 0);
+                }
+                let r = self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs);
                 if let Err(e) = r {
                     self.state = State::Broken;
                     return Err(e);
@@ -827,9 +832,7 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
         if out.len() != acc.len() {
             return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: acc.len() as u64 }));
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            *o = T::from_f32(*a);
-        }
+        T::narrow_row(&acc, out);
         moe.acc = acc;
         Ok(())
     }

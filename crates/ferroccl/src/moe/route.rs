@@ -24,6 +24,15 @@ pub trait MoeFloat: Element + Copy + sealed::Sealed {
     fn to_f32(self) -> f32;
     /// The `f32` rounded to this type (round to nearest, ties to even).
     fn from_f32(x: f32) -> Self;
+    /// `dst[i] = src[i].to_f32()` for a whole slice (as the library converts rows: with
+    /// SIMD where the type and machine allow). The slices have the same length.
+    fn widen_row(src: &[Self], dst: &mut [f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = s.to_f32());
+    }
+    /// `dst[i] = Self::from_f32(src[i])` for a whole slice (same rounding as `from_f32`).
+    fn narrow_row(src: &[f32], dst: &mut [Self]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = Self::from_f32(s));
+    }
 }
 
 mod sealed {
@@ -49,6 +58,22 @@ impl MoeFloat for bf16 {
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
+    // Branch-free on the bits, so that the compiler vectorises the loops (`half`'s
+    // per-element conversions do not): the same values as `to_f32` / `from_f32`
+    // (round to nearest even; a NaN stays a quiet NaN).
+    fn widen_row(src: &[Self], dst: &mut [f32]) {
+        let bits: &[u16] = bytemuck::cast_slice(src);
+        dst.iter_mut().zip(bits).for_each(|(d, &b)| *d = f32::from_bits(u32::from(b) << 16));
+    }
+    fn narrow_row(src: &[f32], dst: &mut [Self]) {
+        let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
+        for (d, &x) in bits.iter_mut().zip(src) {
+            let b = x.to_bits();
+            let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+            let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+            *d = if nan { ((b >> 16) | 0x40) as u16 } else { rounded as u16 };
+        }
+    }
 }
 
 impl MoeFloat for f16 {
@@ -57,6 +82,15 @@ impl MoeFloat for f16 {
     }
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
+    }
+    // `half`'s slice conversions use F16C when the machine has it.
+    fn widen_row(src: &[Self], dst: &mut [f32]) {
+        use ferroccl_kernels::half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow_row(src: &[f32], dst: &mut [Self]) {
+        use ferroccl_kernels::half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }
 
@@ -445,24 +479,25 @@ pub(crate) fn partial_sums<T: MoeFloat>(
     acc: &mut Vec<f32>,
     out: &mut Vec<u8>,
 ) {
-    acc.resize(hidden, 0.0);
+    // acc[..hidden]: the sum; acc[hidden..]: one expert output row widened to f32.
+    acc.resize(2 * hidden, 0.0);
+    let (sum, y32) = acc.split_at_mut(hidden);
     let size = std::mem::size_of::<T>();
+    let mut row: Vec<T> = Vec::new();
     for i in rows {
-        acc.iter_mut().for_each(|a| *a = 0.0);
+        sum.iter_mut().for_each(|a| *a = 0.0);
         for &(at, w) in &slots[slot_at[i]..slot_at[i + 1]] {
-            let y = &expert_out[at as usize * hidden..(at as usize + 1) * hidden];
-            for (a, &v) in acc.iter_mut().zip(y) {
-                *a += w * v.to_f32();
-            }
+            T::widen_row(&expert_out[at as usize * hidden..(at as usize + 1) * hidden], y32);
+            sum.iter_mut().zip(y32.iter()).for_each(|(a, &v)| *a += w * v);
         }
         let at = out.len();
         out.resize(at + hidden * size, 0);
         match bytemuck::try_cast_slice_mut::<u8, T>(&mut out[at..]) {
-            Ok(dst) => dst.iter_mut().zip(acc.iter()).for_each(|(d, &a)| *d = T::from_f32(a)),
+            Ok(dst) => T::narrow_row(sum, dst),
             Err(_) => {
-                for (d, &a) in out[at..].chunks_exact_mut(size).zip(acc.iter()) {
-                    d.copy_from_slice(bytemuck::bytes_of(&T::from_f32(a)));
-                }
+                row.resize(hidden, T::from_f32(0.0));
+                T::narrow_row(sum, &mut row);
+                out[at..].copy_from_slice(as_bytes(&row));
             }
         }
     }
@@ -473,17 +508,21 @@ pub(crate) fn partial_sums<T: MoeFloat>(
 /// order), `acc` in `f32`, `n × hidden`.
 pub(crate) fn accumulate<T: MoeFloat>(hidden: usize, acc: &mut [f32], tokens: &[u32], rows: &[u8]) {
     let rb = hidden * std::mem::size_of::<T>();
+    let mut y32 = vec![0f32; hidden];
+    let mut copy: Vec<T> = Vec::new();
     for (j, &t) in tokens.iter().enumerate() {
         let t = t as usize;
         let acc = &mut acc[t * hidden..(t + 1) * hidden];
         let row = &rows[j * rb..(j + 1) * rb];
         match bytemuck::try_cast_slice::<u8, T>(row) {
-            Ok(v) => acc.iter_mut().zip(v).for_each(|(a, &v)| *a += v.to_f32()),
-            Err(_) => acc
-                .iter_mut()
-                .zip(row.chunks_exact(std::mem::size_of::<T>()))
-                .for_each(|(a, b)| *a += bytemuck::pod_read_unaligned::<T>(b).to_f32()),
+            Ok(v) => T::widen_row(v, &mut y32),
+            Err(_) => {
+                copy.clear();
+                extend_from_bytes(&mut copy, row);
+                T::widen_row(&copy, &mut y32);
+            }
         }
+        acc.iter_mut().zip(&y32).for_each(|(a, &v)| *a += v);
     }
 }
 
@@ -568,6 +607,34 @@ mod tests {
         assert!(group::<f32>(&s, &[rec]).unwrap_err().contains("local expert 7"));
         assert!(split_dispatch(&s, 8, 2, &[0u8; 10]).is_none());
         assert!(parse_header(&[0u8; 10], Kind::Dispatch).is_err());
+    }
+
+    #[test]
+    fn slice_conversions_equal_the_scalar_ones() {
+        let mut xs: Vec<f32> =
+            vec![0.0, -0.0, 1.0, 1.0 + 1.0 / 256.0, 1.0 + 3.0 / 512.0, 65504.0, 1e30, -1e-30, f32::INFINITY, f32::MAX, f32::MIN_POSITIVE];
+        let mut z = 12345u32;
+        for _ in 0..2000 {
+            z = z.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            xs.push(f32::from_bits(z));
+        }
+        xs.retain(|x| !x.is_nan());
+        let mut b = vec![bf16::ZERO; xs.len()];
+        bf16::narrow_row(&xs, &mut b);
+        let mut h = vec![f16::ZERO; xs.len()];
+        f16::narrow_row(&xs, &mut h);
+        for (i, &x) in xs.iter().enumerate() {
+            assert_eq!(b[i].to_bits(), bf16::from_f32(x).to_bits(), "bf16 of {x:e}");
+            assert_eq!(h[i].to_bits(), f16::from_f32(x).to_bits(), "f16 of {x:e}");
+        }
+        let mut w = vec![0f32; xs.len()];
+        bf16::widen_row(&b, &mut w);
+        assert!(w.iter().zip(&b).all(|(w, b)| w.to_bits() == b.to_f32().to_bits()));
+        f16::widen_row(&h, &mut w);
+        assert!(w.iter().zip(&h).all(|(w, h)| w.to_bits() == h.to_f32().to_bits()));
+        let mut nan = [bf16::ZERO];
+        bf16::narrow_row(&[f32::NAN], &mut nan);
+        assert!(nan[0].is_nan());
     }
 
     #[test]
