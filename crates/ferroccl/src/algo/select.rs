@@ -47,6 +47,8 @@ pub(crate) const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
 const MSG_OVERHEAD: f64 = 0.25;
 /// Bandwidth lost per extra simultaneous peer of the mesh algorithms.
 const MESH_CONTENTION: f64 = 0.05;
+/// Steps of the pairwise alltoallv in flight.
+const PAIRWISE_WINDOW: usize = super::pairwise::alltoallv::WINDOW;
 /// Reduction throughput (GB/s of input read) of one core.
 const REDUCE_GBPS: f64 = 20.0;
 /// Pipeline chunk assumed for the chain's fill time (bytes).
@@ -82,6 +84,11 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         (Algo::Mesh, Collective::AllGather | Collective::AllToAll) => (1.0, nf - 2.0, frac * total, contention, 0.0),
         // `bytes`: this rank's whole send buffer (its counts are its own).
         (Algo::Mesh, Collective::AllToAllV) => (1.0, nf - 2.0, frac * total, contention, 0.0),
+        // One round per window of steps, the same bytes, one peer sending to each rank.
+        (Algo::Pairwise, Collective::AllToAllV) => {
+            let rounds = ((nf - 1.0) / PAIRWISE_WINDOW as f64).ceil();
+            (rounds, nf - 1.0 - rounds, frac * total, 1.0, 0.0)
+        }
         // The root receives (sends) n - 1 blocks of this rank's count.
         (Algo::Mesh, Collective::Gather { .. } | Collective::Scatter { .. } | Collective::GatherV { .. } | Collective::ScatterV { .. }) => {
             (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0)
