@@ -9,7 +9,8 @@
 //!
 //! Deadlock-free under rendezvous: in step `s`, rank `r`'s send is matched by rank
 //! `r + s`'s receive of the same step, and its receive by rank `r - s`'s send; a step waits
-//! only on earlier steps. The local block is copied first, overlapping the transfers.
+//! only on earlier steps. The local block is copied once the first window's transfers are
+//! posted (before any step that waits), overlapping them.
 //!
 //! The two schedules send the same messages per pair in the same order (one), so ranks may
 //! run different ones in the same call (each picks from its own counts).
@@ -26,12 +27,16 @@ pub(in crate::algo) fn build(n: usize, rank: usize, send: &[(usize, usize)], rec
     let window = window.max(1);
     let mut s = Schedule::default();
     let ((src, len), (dst, _)) = (send[rank], recv[rank]);
-    if len > 0 {
-        s.push(Action::Copy { dst: Slice::new(Buf::Output, dst, len), src: Slice::new(Buf::Input, src, len) }, vec![]);
-    }
+    let copy = Action::Copy { dst: Slice::new(Buf::Output, dst, len), src: Slice::new(Buf::Input, src, len) };
+    let mut copy = (len > 0).then_some(copy);
     // The (recv, send) step indices of each pairwise step.
     let mut steps: Vec<(usize, usize)> = Vec::with_capacity(n.saturating_sub(1));
     for k in 1..n {
+        if k == window + 1 {
+            if let Some(c) = copy.take() {
+                s.push(c, vec![]);
+            }
+        }
         let to = (rank + k) % n;
         let from = (rank + n - k) % n;
         let deps = match k.checked_sub(window + 1) {
@@ -43,6 +48,9 @@ pub(in crate::algo) fn build(n: usize, rank: usize, send: &[(usize, usize)], rec
         let (off, len) = send[to];
         let t = s.push(Action::Send { peer: to, src: Slice::new(Buf::Input, off, len) }, deps);
         steps.push((r, t));
+    }
+    if let Some(c) = copy {
+        s.push(c, vec![]);
     }
     s
 }
