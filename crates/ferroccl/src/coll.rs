@@ -242,8 +242,11 @@ impl Communicator {
 
     /// The algorithm this communicator uses for a call of `collective` with `dtype`, `op` and
     /// `count` (what `count` means for that call: per rank for allgather, reduce_scatter and
-    /// alltoall): [`Params::algo`](crate::Params::algo) where it implements the call, else the
-    /// cost model's choice. Every rank answers the same for the same arguments.
+    /// alltoall; for alltoallv, this rank's total of elements sent):
+    /// [`Params::algo`](crate::Params::algo) where it implements the call, else the cost
+    /// model's choice. Every rank answers the same for the same arguments (alltoallv's ranks
+    /// pass different totals, and may run different algorithms: mesh and pairwise
+    /// interoperate).
     ///
     /// ```no_run
     /// # let comm = ferroccl::Communicator::init()?;

@@ -536,10 +536,13 @@ fn alltoallv_sends_every_peer_one_whole_block_in_pairwise_order() {
     assert!(super::build_alltoallv(Algo::Mesh, 1, 0, &[(0, 0)], &[(8, 0)]).steps.is_empty());
 }
 
+/// One rank's (byte offset, byte length) per peer.
+type Blocks = Vec<(usize, usize)>;
+
 /// Every rank's (send, recv) blocks of an alltoallv among `n` ranks whose counts (bytes,
 /// at least 1: the simulator refuses empty transfers) come from `seed`; blocks packed in
 /// rank order, the receive side in reverse order so that displacements are not trivial.
-fn alltoallv_blocks(n: usize, seed: u64) -> Vec<(Vec<(usize, usize)>, Vec<(usize, usize)>)> {
+fn alltoallv_blocks(n: usize, seed: u64) -> Vec<(Blocks, Blocks)> {
     let mut rng = Rng(seed);
     // counts[a][b]: bytes rank a sends rank b.
     let counts: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|_| 1 + (rng.next() % 9) as usize).collect()).collect();
