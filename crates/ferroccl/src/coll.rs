@@ -258,8 +258,11 @@ impl Communicator {
 
     /// The algorithm this communicator uses for a call of `collective` with `dtype`, `op` and
     /// `count` (what `count` means for that call: per rank for allgather, reduce_scatter and
-    /// alltoall): [`Params::algo`](crate::Params::algo) where it implements the call, else the
-    /// cost model's choice. Every rank answers the same for the same arguments.
+    /// alltoall; for alltoallv, this rank's total of elements sent):
+    /// [`Params::algo`](crate::Params::algo) where it implements the call, else the cost
+    /// model's choice. Every rank answers the same for the same arguments (alltoallv's ranks
+    /// pass different totals, and may run different algorithms: mesh and pairwise
+    /// interoperate).
     ///
     /// ```no_run
     /// # let comm = ferroccl::Communicator::init()?;
@@ -410,7 +413,7 @@ impl Communicator {
             recvs = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_gather(n, me, root, (0, c * elem), &recvs);
-        self.v_prepared(Collective::Gather { root }, w, c, c, sched)
+        self.v_prepared(Collective::Gather { root }, w, c, c, Algo::Mesh, sched)
     }
 
     /// Scatters `root`'s `send` (`size() * recv.len()` elements): rank r receives block r
@@ -432,7 +435,7 @@ impl Communicator {
             sends = (0..n).map(|p| (p * c * elem, c * elem)).collect();
         }
         let sched = algo::build_scatter(n, me, root, &sends, (0, c * elem));
-        self.v_prepared(Collective::Scatter { root }, w, c, c, sched)
+        self.v_prepared(Collective::Scatter { root }, w, c, c, Algo::Mesh, sched)
     }
 
     /// Gather with per-rank counts (MPI's `Gatherv`): every rank sends its whole `send`;
@@ -470,7 +473,7 @@ impl Communicator {
             }
         }
         let sched = algo::build_gather(n, me, root, (0, send_len * elem), &recvs);
-        self.v_prepared(Collective::GatherV { root }, w, 0, send_len, sched)
+        self.v_prepared(Collective::GatherV { root }, w, 0, send_len, Algo::Mesh, sched)
     }
 
     /// Scatter with per-rank counts (MPI's `Scatterv`): on the root, `send_counts[p]`
@@ -501,7 +504,7 @@ impl Communicator {
             }
         }
         let sched = algo::build_scatter(n, me, root, &sends, (0, recv_len * elem));
-        self.v_prepared(Collective::ScatterV { root }, w, 0, recv_len, sched)
+        self.v_prepared(Collective::ScatterV { root }, w, 0, recv_len, Algo::Mesh, sched)
     }
 
     /// The (byte offset, byte length) of every block of a buffer of `len` elements given by
@@ -553,11 +556,12 @@ impl Communicator {
     }
 
     /// A per-call schedule's identity: its descriptor (with `desc_count`, the same on every
-    /// rank) and its name in errors (with `count`, this rank's), counts in elements of the
-    /// caller's type.
-    fn v_prepared(&self, coll: Collective, w: Wire, desc_count: usize, count: usize, sched: Schedule) -> Result<Prepared> {
-        let (algo, dtype) = (Algo::Mesh, w.dtype);
-        let (_, desc, _) = self.identity(coll, dtype, ReduceOp::Sum, w.count(desc_count), false, algo);
+    /// rank, and the mesh for the algorithm: alltoallv's ranks pick theirs from their own
+    /// counts, and its two schedules interoperate) and its name in errors (with `count`,
+    /// this rank's, in elements of the caller's type, and `algo`, the schedule's).
+    fn v_prepared(&self, coll: Collective, w: Wire, desc_count: usize, count: usize, algo: Algo, sched: Schedule) -> Result<Prepared> {
+        let dtype = w.dtype;
+        let (_, desc, _) = self.identity(coll, dtype, ReduceOp::Sum, w.count(desc_count), false, Algo::Mesh);
         let name = Op::collective(coll, dtype, w.count(count), ReduceOp::Sum, algo).with_pod(w.pod);
         self.check_usable(&name)?;
         Ok(Prepared { name, desc, sched: Arc::new(sched), dtype, op: ReduceOp::Sum, ll: None })
@@ -595,8 +599,11 @@ impl Communicator {
         }
         let total = send.1.iter().fold(0usize, |a, &c| a.saturating_add(c));
         // The descriptor compared on the wire leaves the counts out (they are per rank);
-        // errors name this rank's total sent.
-        self.v_prepared(Collective::AllToAllV, w, 0, total, algo::build_alltoallv(n, me, &sends, &recvs))
+        // errors name this rank's total sent. The algorithm: the forced one, else the cost
+        // model's for this rank's total (`algorithm_for`), so ranks may differ (mesh and
+        // pairwise send the same messages, see `algo::build_alltoallv`).
+        let algo = self.pick_algo(Collective::AllToAllV, w.dtype, ReduceOp::Sum, w.count(total));
+        self.v_prepared(Collective::AllToAllV, w, 0, total, algo, algo::build_alltoallv(algo, n, me, &sends, &recvs))
     }
 
     // The argument checks and call descriptions, shared by the blocking calls, the

@@ -15,7 +15,7 @@ use ferroccl_run::cli::{self, Problem};
 use crate::colls::Coll;
 
 /// The one-line usage printed with every command-line error.
-pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|sendrecv|all> \
+pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|alltoallv|sendrecv|all> \
 [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-d DTYPE] [-o OP] [-c 0|1] [--inplace|--no-inplace] \
 [--plan] [--algo A] [--transport T] [--ranks N] [--root R] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]
        ferroccl-perf <latency|idle|overlap|rma|skew|weights|plot> ... (see ferroccl-perf --help)";
@@ -35,8 +35,8 @@ ferroccl-perf COLLECTIVE [OPTIONS]
 /// The end of `--help`, after the options.
 const AFTER_HELP: &str = "\
 size: bytes of the larger per-rank buffer (allgather: the gathered output; reduce_scatter:
-the input; alltoall: the send buffer). algbw = size / time; busbw = algbw * factor, with
-nccl-tests' factors: allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall (n-1)/n;
+the input; alltoall, alltoallv (uniform counts): the send buffer). algbw = size / time; busbw = algbw * factor, with
+nccl-tests' factors: allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall(v) (n-1)/n;
 broadcast, reduce, sendrecv 1. time: mean of ITERS calls after WARMUP, the slowest rank's.
 
 exit status: 0 success; 1 a collective failed or #wrong > 0; 2 bad arguments.";
@@ -57,7 +57,7 @@ pub(crate) const HELP_TEMPLATE: &str = "{about}\n\nusage: {usage}\n\n{before-hel
     max_term_width = 100
 )]
 struct Cli {
-    /// allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv or all
+    /// allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, alltoallv, sendrecv or all
     // Several are taken (and each checked, in order) so that an unknown name is reported
     // before a second one; [`parse`] refuses the second.
     #[arg(value_name = "COLLECTIVE", value_parser = collectives)]
@@ -97,7 +97,7 @@ struct Cli {
     /// Run the out-of-place variant only (default: both)
     #[arg(long, overrides_with = "inplace")]
     no_inplace: bool,
-    /// auto, ring, mesh, oneshot, chain (FERROCCL_ALGO for this run)
+    /// auto, ring, mesh, oneshot, chain, pairwise (FERROCCL_ALGO for this run)
     #[arg(long, value_name = "A", allow_hyphen_values = true, value_parser = algo)]
     algo: Option<String>,
     /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
@@ -120,7 +120,7 @@ struct Cli {
     /// plan.run(); -c 1 refills the inputs through plan.input_mut()/output_mut() and checks
     /// plan.output(). Plans exist for allreduce and broadcast in place, allgather and
     /// reduce_scatter out of place: the other variant's cells are N/A; `all` runs those
-    /// four; reduce, alltoall, sendrecv, and a variant no plan has (--no-inplace
+    /// four; reduce, alltoall(v), sendrecv, and a variant no plan has (--no-inplace
     /// allreduce), are errors
     #[arg(long)]
     plan: bool,
@@ -233,10 +233,10 @@ pub enum Cmd {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ArgError {
     /// No collective was named.
-    #[error("missing the collective (allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv or all)")]
+    #[error("missing the collective (allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, alltoallv, sendrecv or all)")]
     MissingCollective,
     /// The collective is not known.
-    #[error("unknown collective {0:?} (allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, sendrecv or all)")]
+    #[error("unknown collective {0:?} (allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, alltoallv, sendrecv or all)")]
     UnknownCollective(String),
     /// Two collectives were named.
     #[error("a second collective {0:?} (name one, or all)")]

@@ -41,6 +41,13 @@ fn call_oop<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, 
         Coll::ReduceScatter => comm.reduce_scatter(send, recv, op),
         Coll::Reduce => comm.reduce(send, recv, op, root),
         Coll::AllToAll => comm.alltoall(send, recv),
+        Coll::AllToAllV => {
+            // Uniform counts: one block to and from every rank, in rank order.
+            let block = send.len() / n.max(1);
+            let counts = vec![block; n];
+            let displs: Vec<usize> = (0..n).map(|p| p * block).collect();
+            comm.alltoallv(send, &counts, &displs, recv, &counts, &displs)
+        }
         Coll::SendRecv => comm.sendrecv(send, (r + 1) % n, recv, (r + n - 1) % n),
         // No out-of-place form; never called (see Coll::has_out_of_place).
         Coll::Broadcast => comm.broadcast(recv, root),
@@ -56,7 +63,7 @@ fn call_ip<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, b
         Coll::Broadcast => comm.broadcast(buf, root),
         Coll::Reduce => comm.reduce_in_place(buf, op, root),
         // No in-place form; never called (see Coll::has_in_place).
-        Coll::AllToAll | Coll::SendRecv => Ok(()),
+        Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv => Ok(()),
     }
 }
 
@@ -100,7 +107,9 @@ impl<T: Val> Ctx<'_, T> {
             Coll::AllReduce | Coll::Reduce => count_wrong(&p.reduced, checked, 0),
             Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
             Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
-            Coll::AllToAll => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], r * l.block)).sum(),
+            Coll::AllToAll | Coll::AllToAllV => {
+                (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], r * l.block)).sum()
+            }
             Coll::SendRecv => count_wrong(&p.inputs[(r + n - 1) % n], checked, 0),
             Coll::Broadcast => count_wrong(&p.inputs[root], checked, 0),
         };
@@ -124,7 +133,7 @@ impl<T: Val> Ctx<'_, T> {
             Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
             Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
             Coll::Broadcast => count_wrong(&p.inputs[root], checked, 0),
-            Coll::AllToAll | Coll::SendRecv => 0,
+            Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv => 0,
         };
         wrong as u64
     }
@@ -276,7 +285,8 @@ impl<T: Val> Ctx<'_, T> {
             algo: match coll.collective(self.o.root) {
                 None => "p2p".to_string(),
                 Some(c) if self.algo == "auto" => {
-                    let per_rank = if coll.blocked() { l.count / self.comm.size().max(1) } else { l.count };
+                    // alltoallv's count: the rank's total sent (the whole send buffer).
+                    let per_rank = if coll.blocked() && coll != Coll::AllToAllV { l.count / self.comm.size().max(1) } else { l.count };
                     self.comm.algorithm_for(c, self.o.dtype, self.o.op, per_rank).to_string()
                 }
                 Some(_) => self.algo.to_string(),

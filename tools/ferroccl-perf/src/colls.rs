@@ -13,6 +13,7 @@
 //! | broadcast | `count * t` | one buffer: `count` | `1` |
 //! | reduce | `count * t` | send and recv (root): `count` | `1` |
 //! | alltoall | `n * block * t` (send buffer) | send and recv: `n * block` | `(n - 1) / n` |
+//! | alltoallv | as alltoall (uniform counts: `block` to and from every rank) | as alltoall | `(n - 1) / n` |
 //! | sendrecv | `count * t` | send and recv: `count` | `1` |
 //!
 //! `t` is the element size. A requested size is rounded down to whole elements (and, for the
@@ -39,14 +40,25 @@ pub enum Coll {
     Reduce,
     /// `alltoall` (out of place only).
     AllToAll,
+    /// `alltoallv` with uniform counts (`block` elements to and from every rank, blocks in
+    /// rank order; out of place only).
+    AllToAllV,
     /// `sendrecv` in a ring: send to rank + 1, receive from rank - 1 (out of place only).
     SendRecv,
 }
 
 impl Coll {
     /// Every collective, in the order `all` runs them.
-    pub const ALL: [Coll; 7] =
-        [Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter, Coll::Broadcast, Coll::Reduce, Coll::AllToAll, Coll::SendRecv];
+    pub const ALL: [Coll; 8] = [
+        Coll::AllReduce,
+        Coll::AllGather,
+        Coll::ReduceScatter,
+        Coll::Broadcast,
+        Coll::Reduce,
+        Coll::AllToAll,
+        Coll::AllToAllV,
+        Coll::SendRecv,
+    ];
 
     /// The name on the command line and in the output.
     pub const fn name(self) -> &'static str {
@@ -57,6 +69,7 @@ impl Coll {
             Coll::Broadcast => "broadcast",
             Coll::Reduce => "reduce",
             Coll::AllToAll => "alltoall",
+            Coll::AllToAllV => "alltoallv",
             Coll::SendRecv => "sendrecv",
         }
     }
@@ -79,6 +92,7 @@ impl Coll {
             Coll::Broadcast => C::Broadcast { root },
             Coll::Reduce => C::Reduce { root },
             Coll::AllToAll => C::AllToAll,
+            Coll::AllToAllV => C::AllToAllV,
             Coll::SendRecv => return None,
         })
     }
@@ -100,7 +114,7 @@ impl Coll {
 
     /// Whether FerroCCL has an in-place form (alltoall and sendrecv are out of place only).
     pub const fn has_in_place(self) -> bool {
-        !matches!(self, Coll::AllToAll | Coll::SendRecv)
+        !matches!(self, Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv)
     }
 
     /// Whether FerroCCL has an in-place persistent plan (`allreduce_plan`, `broadcast_plan`).
@@ -116,7 +130,7 @@ impl Coll {
 
     /// Whether the buffers are `n` equal blocks (the per-rank count is `size / n`).
     pub const fn blocked(self) -> bool {
-        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
+        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV)
     }
 
     /// nccl-tests' bus-bandwidth factor for `n` ranks: `busbw = algbw * factor`.
@@ -124,7 +138,7 @@ impl Coll {
         let n = n.max(1) as f64;
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV => (n - 1.0) / n,
             Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
@@ -213,7 +227,7 @@ mod tests {
         let n = n as f64;
         match name {
             "allreduce" => 2.0 * (n - 1.0) / n,
-            "allgather" | "reduce_scatter" | "alltoall" => (n - 1.0) / n,
+            "allgather" | "reduce_scatter" | "alltoall" | "alltoallv" => (n - 1.0) / n,
             "broadcast" | "reduce" | "sendrecv" => 1.0,
             _ => panic!("unknown {name}"),
         }

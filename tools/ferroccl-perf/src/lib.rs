@@ -5,7 +5,7 @@
 //! so that numbers read the same as NCCL's.
 //!
 //! ```text
-//! ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|sendrecv|all>
+//! ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|alltoallv|sendrecv|all>
 //!               [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-d DTYPE] [-o OP]
 //!               [-c 0|1] [-r|--root R] [--inplace | --no-inplace] [--algo A] [--transport T]
 //!               [--ranks N] [--json FILE] [--plot FILE.svg] [--baseline FILE.json]
@@ -26,7 +26,7 @@
 //! | `-c 0\|1` | check one more call per size against the reference; count wrong elements | 1 |
 //! | `-r`, `--root` | root of broadcast and reduce | 0 |
 //! | `--inplace` / `--no-inplace` | run only the in-place / only the out-of-place variant | both |
-//! | `--algo` | auto, ring, mesh, oneshot, chain: `FERROCCL_ALGO` for this run | environment |
+//! | `--algo` | auto, ring, mesh, oneshot, chain, pairwise: `FERROCCL_ALGO` for this run | environment |
 //! | `--transport` | auto, shm, tcp, verbs: `FERROCCL_TRANSPORT` for this run | environment |
 //! | `--ranks N` | start N local ranks (the store, token and environment of `ferroccl-run`, from its library) | under a launcher |
 //! | `--json FILE` | every row, plus the run's metadata (ranks, transports, dtype, op, machine) | |
@@ -72,12 +72,12 @@
 //! ## The columns
 //!
 //! * **size**: bytes of the larger per-rank buffer, as nccl-tests defines it (allgather: the
-//!   gathered output; reduce_scatter: the input; alltoall: the send buffer; the others: the
+//!   gathered output; reduce_scatter: the input; alltoall, alltoallv (uniform counts): the send buffer; the others: the
 //!   buffer); **count**: the same in elements. See [`colls`] for the table.
 //! * **time**: mean microseconds per call over `-n` calls after `-w` warm-up calls, timed on
 //!   every rank between barriers; the slowest rank's time is reported.
 //! * **algbw** = size / time, in GB/s (1e9 bytes per second); **busbw** = algbw times
-//!   nccl-tests' factor: allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall (n-1)/n;
+//!   nccl-tests' factor: allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall(v) (n-1)/n;
 //!   broadcast, reduce, sendrecv 1.
 //! * **#wrong**: with `-c 1`, after the timed calls the buffers are filled again and one
 //!   more call is checked element by element, bit for bit, against the reference computed
@@ -86,7 +86,7 @@
 //! * **algo**: the algorithm setting (`--algo` / `FERROCCL_ALGO`, else the algorithm the
 //!   library's cost model chose for that size, from `Communicator::algorithm_for`).
 //! * `N/A` cells: the variant was not run, or FerroCCL has no such form (broadcast is in
-//!   place only; alltoall and sendrecv out of place only).
+//!   place only; alltoall(v) and sendrecv out of place only).
 //!
 //! The footer gives nccl-tests' "Avg bus bandwidth" (mean busbw over every cell) and the
 //! total of wrong elements. Which size is running is printed on stderr.

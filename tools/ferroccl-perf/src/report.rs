@@ -98,7 +98,7 @@ fn columns(f: [&str; 14]) -> String {
 fn factor_text(coll: Coll) -> &'static str {
     match coll {
         Coll::AllReduce => "2(n-1)/n",
-        Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => "(n-1)/n",
+        Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV => "(n-1)/n",
         Coll::Broadcast | Coll::Reduce | Coll::SendRecv => "1",
     }
 }

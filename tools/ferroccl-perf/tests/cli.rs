@@ -80,8 +80,8 @@ fn a_clean_run_shows_no_wrong_elements() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
     let rows = rows(&out);
-    // 7 collectives x sizes 8, 64, 512, 4096.
-    assert_eq!(rows.len(), 7 * 4, "{out}");
+    // 8 collectives x sizes 8, 64, 512, 4096.
+    assert_eq!(rows.len(), 8 * 4, "{out}");
     for r in &rows {
         assert_eq!(r.len(), 14, "{r:?}");
         for w in [&r[8], &r[12]] {
@@ -89,7 +89,7 @@ fn a_clean_run_shows_no_wrong_elements() {
         }
         assert!(r[8] == "0" || r[12] == "0", "every row checks at least one variant: {r:?}");
     }
-    assert_eq!(out.matches("wrong elements: 0 OK").count(), 7, "{out}");
+    assert_eq!(out.matches("wrong elements: 0 OK").count(), 8, "{out}");
     assert!(out.contains("Avg bus bandwidth"), "{out}");
     assert!(out.contains("ranks 3") && out.contains("transport:") && out.contains("init:"), "{out}");
     assert!(err.contains("(4/4)"), "progress on stderr: {err}");
@@ -98,7 +98,7 @@ fn a_clean_run_shows_no_wrong_elements() {
     assert_eq!(v["ranks"], 3);
     assert_eq!(v["dtype"], "bf16");
     assert!(v["machine"]["nproc"].as_u64().unwrap() >= 1);
-    assert_eq!(v["runs"].as_array().unwrap().len(), 7);
+    assert_eq!(v["runs"].as_array().unwrap().len(), 8);
     assert_eq!(v["runs"][3]["collective"], "broadcast");
     assert!(v["runs"][3]["rows"][0]["out_of_place"].is_null());
     assert_eq!(v["runs"][3]["rows"][0]["root"], 2);
@@ -135,9 +135,10 @@ fn a_clean_run_shows_no_wrong_elements() {
     let o = perf(&["plot", svg3.to_str().unwrap(), json.to_str().unwrap()]);
     assert!(o.status.success(), "{:?}", text(&o));
     let drawn = std::fs::read_to_string(&svg3).unwrap();
-    // 7 collectives: 5 with both variants, alltoall and sendrecv out of place only, broadcast
-    // in place only: 2 + 2 + 2 + 1 + 2 + 1 + 1 = 11 series, each a line in both panels.
-    assert_eq!(drawn.matches("<polyline").count(), 22, "{drawn}");
+    // 8 collectives: 4 with both variants, alltoall, alltoallv and sendrecv out of place
+    // only, broadcast in place only: 2 + 2 + 2 + 1 + 2 + 1 + 1 + 1 = 12 series, each a line
+    // in both panels.
+    assert_eq!(drawn.matches("<polyline").count(), 24, "{drawn}");
     let o = perf(&["plot", svg3.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
 }

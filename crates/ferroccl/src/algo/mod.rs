@@ -48,6 +48,7 @@ pub(crate) mod control;
 pub(crate) mod ll;
 mod mesh;
 mod oneshot;
+mod pairwise;
 mod plan;
 mod ring;
 pub(crate) mod select;
@@ -254,6 +255,10 @@ pub enum Algo {
     /// others poll, flag and data in one cache line, and every rank reduces all of them in
     /// rank order. Not a schedule: see the `ll` module.
     Ll,
+    /// Pairwise exchange (alltoallv): `n - 1` steps, in step `s` rank `r` sends to `r + s`
+    /// and receives from `r - s` (mod n), a small window of steps in flight: one peer
+    /// sending to each rank at a time (no incast), bounded buffering.
+    Pairwise,
 }
 
 /// Everything a builder needs.
@@ -357,12 +362,13 @@ impl std::fmt::Display for Collective {
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 5] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Ll];
+    pub const ALL: [Algo; 6] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Ll, Algo::Pairwise];
 
     /// The algorithms [`build`] makes schedules of (all but [`Algo::Ll`]).
-    pub(crate) const SCHEDULED: [Algo; 4] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain];
+    pub(crate) const SCHEDULED: [Algo; 5] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Pairwise];
 
-    /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`, `ll`.
+    /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`, `ll`,
+    /// `pairwise`.
     pub const fn name(self) -> &'static str {
         match self {
             Algo::Ring => "ring",
@@ -370,6 +376,7 @@ impl Algo {
             Algo::OneShot => "oneshot",
             Algo::Chain => "chain",
             Algo::Ll => "ll",
+            Algo::Pairwise => "pairwise",
         }
     }
 
@@ -388,6 +395,7 @@ impl Algo {
             Algo::Chain => matches!(coll, Collective::Broadcast { .. }),
             // Per-peer counts do not fit the slots' layout.
             Algo::Ll => !coll.per_call(),
+            Algo::Pairwise => matches!(coll, Collective::AllToAllV),
         }
     }
 
@@ -422,14 +430,18 @@ pub(crate) const fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::Bf16)
 }
 
-/// Builds rank `rank`'s schedule of an alltoallv among `n` ranks (always [`Algo::Mesh`]):
-/// `send[p]` / `recv[p]` are the (byte offset, byte length) of the block of `Input` for rank
-/// `p` / of `Output` from rank `p`, already checked against the buffers, with
-/// `send[rank].1 == recv[rank].1`. One transfer per ordered pair of ranks, zero-length ones
-/// included (see `mesh/alltoallv.rs`).
-pub(crate) fn build_alltoallv(n: usize, rank: usize, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Schedule {
+/// Builds rank `rank`'s schedule of an alltoallv among `n` ranks with `algo` ([`Algo::Mesh`]
+/// or [`Algo::Pairwise`]; any other is taken as mesh): `send[p]` / `recv[p]` are the (byte
+/// offset, byte length) of the block of `Input` for rank `p` / of `Output` from rank `p`,
+/// already checked against the buffers, with `send[rank].1 == recv[rank].1`. One transfer
+/// per ordered pair of ranks, zero-length ones included (see `mesh/alltoallv.rs`), in the
+/// same order with either algorithm, so that ranks of one call may run different ones.
+pub(crate) fn build_alltoallv(algo: Algo, n: usize, rank: usize, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Schedule {
     debug_assert!(send.len() == n && recv.len() == n && rank < n && send[rank].1 == recv[rank].1);
-    mesh::alltoallv::build(n, rank, send, recv)
+    match algo {
+        Algo::Pairwise => pairwise::alltoallv::build(n, rank, send, recv, pairwise::alltoallv::WINDOW),
+        _ => mesh::alltoallv::build(n, rank, send, recv),
+    }
 }
 
 /// Builds rank `rank`'s schedule of a gather (or gatherv) to `root` among `n` ranks (always

@@ -47,6 +47,14 @@ pub(crate) const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
 const MSG_OVERHEAD: f64 = 0.25;
 /// Bandwidth lost per extra simultaneous peer of the mesh algorithms.
 const MESH_CONTENTION: f64 = 0.05;
+/// Ranks up to which the mesh alltoallv pays no contention against the pairwise one:
+/// measured on 2 and 4 ranks (2 CPUs, shm and TCP, 1 KiB to 64 MiB per rank, alternating),
+/// neither was consistently faster (docs/algorithms.md, "alltoallv: mesh or pairwise"), so
+/// up to 4 ranks the mesh's single round wins; beyond, the mesh's usual contention
+/// (`MESH_CONTENTION` per extra peer) is assumed, not measured.
+const ALLTOALLV_FREE_RANKS: f64 = 4.0;
+/// Steps of the pairwise alltoallv in flight.
+const PAIRWISE_WINDOW: usize = super::pairwise::alltoallv::WINDOW;
 /// Reduction throughput (GB/s of input read) of one core.
 const REDUCE_GBPS: f64 = 20.0;
 /// Pipeline chunk assumed for the chain's fill time (bytes).
@@ -81,7 +89,16 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         (Algo::Mesh, Collective::AllReduce) => (2.0, 2.0 * (nf - 2.0), 2.0 * frac * total, contention, total),
         (Algo::Mesh, Collective::AllGather | Collective::AllToAll) => (1.0, nf - 2.0, frac * total, contention, 0.0),
         // `bytes`: this rank's whole send buffer (its counts are its own).
-        (Algo::Mesh, Collective::AllToAllV) => (1.0, nf - 2.0, frac * total, contention, 0.0),
+        // Measured: no contention up to ALLTOALLV_FREE_RANKS ranks (see the constant).
+        (Algo::Mesh, Collective::AllToAllV) => {
+            let contention = 1.0 + MESH_CONTENTION * (nf - ALLTOALLV_FREE_RANKS).max(0.0);
+            (1.0, nf - 2.0, frac * total, contention, 0.0)
+        }
+        // One round per window of steps, the same bytes, one peer sending to each rank.
+        (Algo::Pairwise, Collective::AllToAllV) => {
+            let rounds = ((nf - 1.0) / PAIRWISE_WINDOW as f64).ceil();
+            (rounds, nf - 1.0 - rounds, frac * total, 1.0, 0.0)
+        }
         // The root receives (sends) n - 1 blocks of this rank's count.
         (Algo::Mesh, Collective::Gather { .. } | Collective::Scatter { .. } | Collective::GatherV { .. } | Collective::ScatterV { .. }) => {
             (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0)
@@ -320,6 +337,33 @@ mod tests {
             assert_eq!(choose(Collective::AllReduce, 2, bytes, DType::F32, ReduceOp::Sum, SHM), Algo::Ring, "{bytes}");
         }
         assert_eq!(choose(Collective::AllReduce, 2, 4 << 10, DType::F32, ReduceOp::Sum, SHM), Algo::OneShot);
+    }
+
+    #[test]
+    fn alltoallv_takes_pairwise_only_for_many_ranks_and_large_blocks() {
+        let a2av = |n, bytes, link| choose(Collective::AllToAllV, n, bytes, DType::F32, ReduceOp::Sum, link);
+        // Measured on 2 and 4 ranks: no gain from pairwise, 1 KiB to 64 MiB.
+        for link in [SHM, TCP] {
+            for n in [2, 3, 4] {
+                for shift in [0, 10, 16, 20, 26, 30] {
+                    assert_eq!(a2av(n, 1 << shift, link), Algo::Mesh, "n {n} 2^{shift}");
+                }
+            }
+            // Beyond: small calls stay on the mesh (fewer rounds), large ones take pairwise.
+            for n in [8, 16, 64] {
+                assert_eq!(a2av(n, 1 << 10, link), Algo::Mesh, "n {n}");
+                assert_eq!(a2av(n, 64 << 20, link), Algo::Pairwise, "n {n}");
+            }
+        }
+        // 8 ranks: the crossover near 150 KiB over shm, 1.1 MiB over TCP.
+        assert_eq!(a2av(8, 128 << 10, SHM), Algo::Mesh);
+        assert_eq!(a2av(8, 192 << 10, SHM), Algo::Pairwise);
+        assert_eq!(a2av(8, 1 << 20, TCP), Algo::Mesh);
+        assert_eq!(a2av(8, 3 << 19, TCP), Algo::Pairwise);
+        // Pairwise implements nothing else.
+        for coll in colls(8) {
+            assert!(estimate(Algo::Pairwise, coll, 8, 1 << 20, SHM).is_none(), "{coll}");
+        }
     }
 
     #[test]

@@ -515,7 +515,7 @@ fn alltoallv_sends_every_peer_one_whole_block_in_pairwise_order() {
     // 3 ranks, rank 1: sends 2 elements (bytes here) to rank 0, 0 to rank 2, 1 to itself.
     let send = [(0, 2), (5, 1), (2, 0)];
     let recv = [(4, 3), (1, 1), (9, 0)];
-    let s = super::build_alltoallv(3, 1, &send, &recv);
+    let s = super::build_alltoallv(Algo::Mesh, 3, 1, &send, &recv);
     let ops: Vec<Action> = s.steps.iter().map(|st| st.op.clone()).collect();
     let sl = |buf, start, len| Slice::new(buf, start, len);
     assert_eq!(
@@ -532,8 +532,141 @@ fn alltoallv_sends_every_peer_one_whole_block_in_pairwise_order() {
     );
     assert!(s.steps.iter().all(|st| st.deps.is_empty()) && s.scratch_bytes == 0);
     // Alone: only the copy, and nothing at all for an empty block.
-    assert_eq!(super::build_alltoallv(1, 0, &[(0, 4)], &[(8, 4)]).steps.len(), 1);
-    assert!(super::build_alltoallv(1, 0, &[(0, 0)], &[(8, 0)]).steps.is_empty());
+    assert_eq!(super::build_alltoallv(Algo::Mesh, 1, 0, &[(0, 4)], &[(8, 4)]).steps.len(), 1);
+    assert!(super::build_alltoallv(Algo::Mesh, 1, 0, &[(0, 0)], &[(8, 0)]).steps.is_empty());
+}
+
+/// One rank's (byte offset, byte length) per peer.
+type Blocks = Vec<(usize, usize)>;
+
+/// Every rank's (send, recv) blocks of an alltoallv among `n` ranks whose counts (bytes,
+/// at least 1: the simulator refuses empty transfers) come from `seed`; blocks packed in
+/// rank order, the receive side in reverse order so that displacements are not trivial.
+fn alltoallv_blocks(n: usize, seed: u64) -> Vec<(Blocks, Blocks)> {
+    let mut rng = Rng(seed);
+    // counts[a][b]: bytes rank a sends rank b.
+    let counts: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|_| 1 + (rng.next() % 9) as usize).collect()).collect();
+    (0..n)
+        .map(|r| {
+            let mut off = 0;
+            let send = (0..n)
+                .map(|p| {
+                    let b = (off, counts[r][p]);
+                    off += counts[r][p];
+                    b
+                })
+                .collect();
+            let mut off = 0;
+            let mut recv = vec![(0, 0); n];
+            for p in (0..n).rev() {
+                recv[p] = (off, counts[p][r]);
+                off += counts[p][r];
+            }
+            (send, recv)
+        })
+        .collect()
+}
+
+/// Runs an alltoallv in the simulator with `algos[r]` on rank `r` and checks every block.
+fn check_alltoallv(n: usize, seed: u64, algos: &[Algo], window: Option<usize>) {
+    let blocks = alltoallv_blocks(n, seed);
+    let scheds: Vec<Schedule> = (0..n)
+        .map(|r| {
+            let (send, recv) = &blocks[r];
+            match (algos[r], window) {
+                (Algo::Pairwise, Some(w)) => super::pairwise::alltoallv::build(n, r, send, recv, w),
+                (a, _) => super::build_alltoallv(a, n, r, send, recv),
+            }
+        })
+        .collect();
+    for (r, s) in scheds.iter().enumerate() {
+        sim::check_deps(r, s, false).unwrap();
+    }
+    // Byte i of rank r's block for p: r, p, i mixed.
+    let val = |r: usize, p: usize, i: usize| (r * 31 + p * 7 + i * 3 + 1) as u8;
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| {
+            let mut v = vec![0u8; blocks[r].0.iter().map(|b| b.1).sum()];
+            for (p, &(off, len)) in blocks[r].0.iter().enumerate() {
+                for i in 0..len {
+                    v[off + i] = val(r, p, i);
+                }
+            }
+            v
+        })
+        .collect();
+    let outputs: Vec<Vec<u8>> = (0..n).map(|r| vec![0xEE; blocks[r].1.iter().map(|b| b.1).sum()]).collect();
+    let got = sim::run(&scheds, DType::U8, ReduceOp::Sum, false, inputs, outputs).unwrap_or_else(|e| panic!("n {n} {algos:?}: {e}"));
+    for r in 0..n {
+        for (p, &(off, len)) in blocks[r].1.iter().enumerate() {
+            let want: Vec<u8> = (0..len).map(|i| val(p, r, i)).collect();
+            assert_eq!(&got[r][off..off + len], &want[..], "n {n} rank {r} block from {p} {algos:?}");
+        }
+    }
+}
+
+#[test]
+fn pairwise_alltoallv_delivers_every_block() {
+    for n in 1..=9 {
+        for seed in 0..4 {
+            check_alltoallv(n, seed, &vec![Algo::Pairwise; n], None);
+            check_alltoallv(n, seed, &vec![Algo::Mesh; n], None);
+            for w in [1, 2, 3, 16] {
+                check_alltoallv(n, seed, &vec![Algo::Pairwise; n], Some(w));
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_may_mix_mesh_and_pairwise_in_one_alltoallv() {
+    // Each rank picks from its own counts, so one call may run both schedules.
+    for n in 2..=7 {
+        for mask in 0..(1u32 << n) {
+            let algos: Vec<Algo> = (0..n).map(|r| if mask >> r & 1 == 1 { Algo::Pairwise } else { Algo::Mesh }).collect();
+            check_alltoallv(n, u64::from(mask), &algos, Some(1));
+        }
+    }
+}
+
+#[test]
+fn pairwise_alltoallv_keeps_a_window_of_steps_in_flight() {
+    // 5 ranks, rank 1, window 2: (recv from r - s, send to r + s) for s = 1..4, step s
+    // waiting for step s - 2's two transfers; the copy before the first step that waits.
+    let send = [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)];
+    let recv = [(4, 1), (3, 1), (2, 1), (1, 1), (0, 1)];
+    let s = super::pairwise::alltoallv::build(5, 1, &send, &recv, 2);
+    let peers: Vec<(String, usize, Vec<usize>)> = s
+        .steps
+        .iter()
+        .map(|st| match &st.op {
+            Action::Recv { peer, .. } => ("recv".into(), *peer, st.deps.clone()),
+            Action::Send { peer, .. } => ("send".into(), *peer, st.deps.clone()),
+            Action::Copy { .. } => ("copy".into(), 1, st.deps.clone()),
+            op => panic!("{op:?}"),
+        })
+        .collect();
+    let e = |k: &str, p: usize, d: Vec<usize>| (k.to_string(), p, d);
+    assert_eq!(
+        peers,
+        vec![
+            e("recv", 0, vec![]),
+            e("send", 2, vec![]),
+            e("recv", 4, vec![]),
+            e("send", 3, vec![]),
+            e("copy", 1, vec![]),
+            e("recv", 3, vec![0, 1]),
+            e("send", 4, vec![0, 1]),
+            e("recv", 2, vec![2, 3]),
+            e("send", 0, vec![2, 3]),
+        ]
+    );
+    // Same messages as the mesh, zero-length ones included; with fewer steps than the
+    // window, the copy last (as the mesh's).
+    let z = super::build_alltoallv(Algo::Pairwise, 3, 0, &[(0, 0), (0, 0), (0, 0)], &[(0, 0), (0, 0), (0, 0)]);
+    assert_eq!(z.steps.len(), 4);
+    let two = super::build_alltoallv(Algo::Pairwise, 2, 0, &[(0, 1), (1, 1)], &[(0, 1), (1, 1)]);
+    assert!(matches!(two.steps[2].op, Action::Copy { .. }) && two.steps.len() == 3);
 }
 
 #[test]

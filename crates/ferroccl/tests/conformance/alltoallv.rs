@@ -8,7 +8,7 @@
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
-use ferroccl::{Communicator, Element, Params, ProtoChoice};
+use ferroccl::{Algo, Collective, Communicator, DType, Element, Params, ProtoChoice, ReduceOp};
 use ferroccl_kernels::{bf16, f16};
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
@@ -187,17 +187,60 @@ fn params(s: &Suite, proto: ProtoChoice, timeout: Duration, rank: usize) -> Para
     Params { timeout, proto, eager_max: 256, shm_ring_bytes: 1 << 16, ..s.params(rank) }
 }
 
+/// Which algorithm each rank of a test forces (`FERROCCL_ALGO`).
+#[derive(Clone, Copy, Debug)]
+enum Forced {
+    /// The cost model's choice.
+    Auto,
+    /// This one on every rank.
+    All(Algo),
+    /// Pairwise on odd ranks, the cost model on even ones, which picks the mesh for these
+    /// small counts (what the cost model may do when the ranks' totals differ: the two
+    /// schedules interoperate). Not mesh forced: the other collectives in the test must
+    /// pick alike on every rank.
+    Mixed,
+}
+
+impl Forced {
+    fn algo(self, rank: usize) -> Option<Algo> {
+        match self {
+            Forced::Auto => None,
+            Forced::All(a) => Some(a),
+            Forced::Mixed => (rank % 2 == 1).then_some(Algo::Pairwise),
+        }
+    }
+}
+
 /// Random counts (zeros included) and layouts (gaps, blocks in any order) on 2 to 4 ranks,
 /// six dtypes, blocking and non-blocking, against the reference.
 pub fn alltoallv_equals_the_reference(s: &Suite) {
+    alltoallv_cases(s, Just(Forced::Auto));
+}
+
+/// The same with the pairwise schedule forced on every rank, or on every other rank next to
+/// the mesh.
+pub fn alltoallv_pairwise_equals_the_reference(s: &Suite) {
+    alltoallv_cases(s, prop_oneof![3 => Just(Forced::All(Algo::Pairwise)), 1 => Just(Forced::Mixed)]);
+}
+
+fn alltoallv_cases(s: &Suite, forced: impl Strategy<Value = Forced>) {
     let protos = prop_oneof![Just(ProtoChoice::Auto), Just(ProtoChoice::Eager), Just(ProtoChoice::Rendezvous)];
     let config = ProptestConfig { cases: s.nonblocking_cases, ..ProptestConfig::default() };
-    check_cases(config, (2usize..=4, any::<u64>(), protos), |(n, seed, proto)| {
+    check_cases(config, (2usize..=4, any::<u64>(), protos, forced), |(n, seed, proto, forced)| {
         let res = run_world(
             n,
-            |r| params(s, proto, Duration::from_secs(60), r),
+            |r| Params { algo: forced.algo(r), ..params(s, proto, Duration::from_secs(60), r) },
             |comm| {
                 let (k, k2) = (case(n, seed, 100), case(n, seed ^ 1, 7));
+                // The choice the call makes is the one `algorithm_for` reports.
+                let said = comm.algorithm_for(Collective::AllToAllV, DType::F32, ReduceOp::Sum, 1 << 20);
+                if forced.algo(comm.rank()).is_some_and(|a| a != said) {
+                    return Err(format!("rank {}: algorithm_for says {said}, forced {forced:?}", comm.rank()));
+                }
+                let small = comm.algorithm_for(Collective::AllToAllV, DType::F32, ReduceOp::Sum, 100);
+                if matches!(forced, Forced::Mixed) && comm.rank() % 2 == 0 && small != Algo::Mesh {
+                    return Err(format!("rank {}: the cost model picks {small} for small alltoallv's, not mesh", comm.rank()));
+                }
                 check_dtype::<f32>(&comm, &k, &k2, seed)?;
                 check_dtype::<bf16>(&comm, &k2, &k, seed ^ 2)?;
                 check_dtype::<f16>(&comm, &k, &k2, seed ^ 3)?;
@@ -207,17 +250,24 @@ pub fn alltoallv_equals_the_reference(s: &Suite) {
                 comm.finalize().map_err(|e| e.to_string())
             },
         );
-        all_ok(res).map(|_| ()).map_err(|e| format!("{:?} {n} ranks {proto:?}: {e}", s.wire))
+        all_ok(res).map(|_| ()).map_err(|e| format!("{:?} {n} ranks {proto:?} {forced:?}: {e}", s.wire))
     });
 }
 
 /// A persistent alltoallv runs many times (and started in a scope) with rewritten send
 /// buffers, each run against the reference.
 pub fn alltoallv_plans_run_many_times(s: &Suite) {
-    for (n, seed) in [(2usize, 11u64), (3, 12), (4, 13)] {
+    for (n, seed, forced) in [
+        (2usize, 11u64, Forced::Auto),
+        (3, 12, Forced::Auto),
+        (4, 13, Forced::Auto),
+        (3, 14, Forced::All(Algo::Pairwise)),
+        (4, 15, Forced::All(Algo::Pairwise)),
+        (4, 16, Forced::Mixed),
+    ] {
         let res = run_world(
             n,
-            |r| params(s, ProtoChoice::Auto, Duration::from_secs(60), r),
+            |r| Params { algo: forced.algo(r), ..params(s, ProtoChoice::Auto, Duration::from_secs(60), r) },
             |comm| {
                 let r = comm.rank();
                 let k = case(n, seed, 100);
@@ -355,10 +405,10 @@ pub fn alltoallv_bad_arguments_are_errors(s: &Suite) {
 /// Rank 1 expects `expect` elements from rank 0, which sends it `sends`; everything else
 /// agrees (rank 2 takes part). Every rank fails (the receiver in the call, the others in
 /// the call or at their next one), promptly, and ranks 0 and 1 name both counts.
-fn mismatch_case(s: &Suite, sends: usize, expect: usize) {
+fn mismatch_case(s: &Suite, sends: usize, expect: usize, forced: Forced) {
     let res = run_world(
         3,
-        |r| params(s, ProtoChoice::Auto, Duration::from_secs(5), r),
+        |r| Params { algo: forced.algo(r), ..params(s, ProtoChoice::Auto, Duration::from_secs(5), r) },
         |comm| {
             let me = comm.rank();
             comm.barrier().map_err(|e| format!("rank {me}: barrier before: {e}"))?;
@@ -386,7 +436,7 @@ fn mismatch_case(s: &Suite, sends: usize, expect: usize) {
         },
     );
     let sides = all_ok(res).unwrap();
-    let ctx = format!("{:?}, rank 0 sends {sends}, rank 1 expects {expect}: {sides:#?}", s.wire);
+    let ctx = format!("{:?} {forced:?}, rank 0 sends {sends}, rank 1 expects {expect}: {sides:#?}", s.wire);
     assert!(sides[1].0, "the receiver's call succeeded: {ctx}");
     for (r, (_, err, after)) in sides.iter().enumerate() {
         assert!(!err.contains("timed out"), "rank {r} waited for the deadline: {ctx}");
@@ -403,11 +453,13 @@ fn mismatch_case(s: &Suite, sends: usize, expect: usize) {
 /// A receiver's count that differs from what its sender sends: eager, rendezvous and
 /// mixed, and a count of 0 on either side.
 pub fn alltoallv_mismatched_counts_fail_on_every_rank(s: &Suite) {
-    mismatch_case(s, 5, 4);
-    mismatch_case(s, 0, 2);
-    mismatch_case(s, 3, 0);
-    mismatch_case(s, 300, 200);
-    mismatch_case(s, 2, 300);
+    for forced in [Forced::Auto, Forced::All(Algo::Pairwise), Forced::Mixed] {
+        mismatch_case(s, 5, 4, forced);
+        mismatch_case(s, 0, 2, forced);
+        mismatch_case(s, 3, 0, forced);
+        mismatch_case(s, 300, 200, forced);
+        mismatch_case(s, 2, 300, forced);
+    }
 }
 
 /// gather, scatter (equal counts) and gatherv, scatterv (random counts with zeros, gapped

@@ -68,6 +68,7 @@ macro_rules! conformance_suite {
             collectives::forced_ll_mismatched_calls_fail_on_every_rank,
             collectives::forced_ll_is_on_in_every_thread_rank_world,
             alltoallv::alltoallv_equals_the_reference,
+            alltoallv::alltoallv_pairwise_equals_the_reference,
             alltoallv::alltoallv_plans_run_many_times,
             alltoallv::alltoallv_bad_arguments_are_errors,
             alltoallv::alltoallv_mismatched_counts_fail_on_every_rank,
