@@ -63,20 +63,22 @@ mpi_run() { # N ARGS...
     mpirun --allow-run-as-root --oversubscribe --bind-to "$bind" ${MPI_ARGS:-} -np "$n" "$mpi" "$@"
 }
 
-# ---- FerroCCL's side (for the lead): `ferroccl-perf moe` is to print the same line format
-# ---- (with "ferroccl_moe" as the first word). Set FERROCCL_MOE=1 once it exists; until
-# ---- then only MPI runs.
+# FerroCCL's side: `ferroccl-perf moe` (ranks pinned with ferroccl-run --bind, shm) runs
+# both modes and one allreduce of the same bytes (T x H bf16), alternated step block by
+# step block in one process; round 1 of its 2 rounds is the warm-up, the lines are round
+# 2's. Three lines: ferroccl_moe mode=throughput, ferroccl_moe mode=lowlatency,
+# ferroccl_allreduce. FERROCCL_MOE=0 runs MPI only.
+cargo build --release -q -p ferroccl-perf -p ferroccl-run >&2
 ferroccl_run() { # N T
     local n=$1 t=$2
-    cargo build --release -q -p ferroccl-perf -p ferroccl-run >&2
-    # TODO(lead): the command below is a placeholder for the subcommand that does not exist yet.
     target/release/ferroccl-run -n "$n" --bind --transport shm -- \
         target/release/ferroccl-perf moe --tokens "$t" --hidden "$hidden" --experts "$experts" \
-        --topk "$topk" --steps "$steps" --warmup "$warmup" | sed -n 's/^\[0\] //p' | grep '^ferroccl_moe '
+        --top-k "$topk" --steps "$steps" --rounds 2 | sed -n 's/^\[0\] //p' | grep '^ferroccl_'
 }
 sides="mpi"
-[ "${FERROCCL_MOE:-0}" = 1 ] && sides="mpi ferroccl"
-# ---- end of FerroCCL's side
+[ "${FERROCCL_MOE:-1}" = 1 ] && sides="mpi ferroccl"
+columns="$sides"
+[ "${FERROCCL_MOE:-1}" = 1 ] && columns="mpi throughput lowlatency allreduce"
 
 for n in $ranks_list; do
     mpi_run "$n" --check 8 "$hidden" "$experts" "$topk" 3 1 >"$out/check.$n.log" 2>&1 \
@@ -92,12 +94,15 @@ for r in $(seq 1 "$rounds"); do
         for t in $tokens_list; do
             for side in $order; do
                 case "$side" in
-                    mpi) line=$(mpi_run "$n" "$t" "$hidden" "$experts" "$topk" "$steps" "$warmup" | grep '^mpi_moe ') ;;
-                    ferroccl) line=$(ferroccl_run "$n" "$t") ;;
+                    mpi) lines=$(mpi_run "$n" "$t" "$hidden" "$experts" "$topk" "$steps" "$warmup" | grep '^mpi_moe ') ;;
+                    ferroccl) lines=$(ferroccl_run "$n" "$t") ;;
                 esac
-                echo "$line" | tee -a "$out/lines.txt" >&2
-                med=$(echo "$line" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p')
-                echo "$side $n $t $med" >>"$rows"
+                while read -r line; do
+                    echo "$line" | tee -a "$out/lines.txt" >&2
+                    med=$(echo "$line" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p')
+                    col=$(echo "$line" | sed -n 's/.*mode=\([a-z]*\).*/\1/p')
+                    echo "${col:-mpi} $n $t $med" >>"$rows"
+                done <<<"$lines"
             done
         done
     done
@@ -107,12 +112,12 @@ done
 echo "# MoE dispatch + combine, hidden $hidden, experts $experts, top-$topk, bf16, $steps steps (+$warmup warm-up), $rounds rounds"
 echo "# us per step: median over the rounds of each run's median (slowest rank); $(mpirun --version 2>/dev/null | head -1)"
 printf "%-6s %-7s" ranks tokens
-for side in $sides; do printf " %12s" "$side"; done
+for side in $columns; do printf " %12s" "$side"; done
 echo
 for n in $ranks_list; do
     for t in $tokens_list; do
         printf "%-6s %-7s" "$n" "$t"
-        for side in $sides; do
+        for side in $columns; do
             m=$(awk -v s="$side" -v n="$n" -v t="$t" '$1==s && $2==n && $3==t {print $4}' "$rows" | sort -g |
                 awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}')
             printf " %12s" "$m"

@@ -549,6 +549,18 @@ impl Communicator {
         Ok(self.fabric().inbox.lock().signals.get(&(wfrom, slot)).copied().unwrap_or(0))
     }
 
+    /// Waits until every member of `from` has raised its signal on `slot` at this rank to
+    /// at least `value`: the waits of [`Communicator::wait_signal_on`] in one job.
+    pub(crate) fn wait_signals_on(&self, from: &[usize], slot: u32, value: u64) -> Result<()> {
+        let op = Op::other(format!("wait for signal {value} from ranks {from:?}"));
+        for &f in from {
+            self.check_peer_or_self(f, &op)?;
+        }
+        let steps = from.iter().map(|&peer| Step { op: Action::WaitSignal { peer, slot, value: Some(value) }, deps: vec![] }).collect();
+        let part = self.p2p_part(op, CHAN_USER, Schedule { steps, scratch_bytes: 0 }, None, RegionHandle::owned(0));
+        self.run_part(part)
+    }
+
     /// The signal member `peer` has raised at this rank so far (0 if none); never waits.
     pub fn signal_value(&self, peer: usize) -> u64 {
         self.signal_value_on(peer, 0)

@@ -604,10 +604,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         self.recv_at.clear();
         let mut at = 0;
         let mut head = [0u8; HEADER_BYTES];
+        let peers: Vec<usize> = (0..size).filter(|&s| s != me).collect();
+        self.signals.wait_all(self.comm, &peers, seq)?;
         for s in 0..size {
-            if s != me {
-                self.signals.wait(self.comm, s, seq)?;
-            }
             window.read(s * region, &mut head)?;
             let count = route::parse_header(&head, kind).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
             let len = match combine {
@@ -747,7 +746,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// so that no write is left in flight into windows it may drop).
     fn ll_drain(&self, seq: u64) -> Result<()> {
         let me = self.me();
-        (0..self.comm.size()).filter(|&s| s != me).try_for_each(|s| self.signals.wait(self.comm, s, seq))
+        let peers: Vec<usize> = (0..self.comm.size()).filter(|&s| s != me).collect();
+        self.signals.wait_all(self.comm, &peers, seq)
     }
 
     fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {

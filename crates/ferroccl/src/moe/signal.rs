@@ -52,8 +52,9 @@ impl Signals {
         comm.put_signal_many_on(items, src, self.slot, value)
     }
 
-    /// Waits until `from` has raised this object's signal here to `value` or above.
-    pub(crate) fn wait(&self, comm: &Communicator, from: usize, value: u64) -> Result<()> {
-        comm.wait_signal_on(from, self.slot, value).map(|_| ())
+    /// Waits until every rank of `from` has raised this object's signal here to `value`
+    /// or above (one job for all).
+    pub(crate) fn wait_all(&self, comm: &Communicator, from: &[usize], value: u64) -> Result<()> {
+        comm.wait_signals_on(from, self.slot, value)
     }
 }
