@@ -171,10 +171,14 @@ fn gelu(v: f32) -> f32 {
     0.5 * v * (1.0 + (0.797_884_6 * (v + 0.044_715 * v * v * v)).tanh())
 }
 
-/// One layer's weights on this rank: W1's column block and W2's row block (f32).
+/// One layer's weights on this rank, stored transposed so that a token's products are
+/// matrix-vector products over contiguous rows (as CPU decode does: a general matrix
+/// product with one row would repack the whole weight matrix every call): `w1t` is W1's
+/// column block transposed (`ffn/tp x hidden`), `w2t` W2's row block transposed
+/// (`hidden x ffn/tp`); f32.
 struct Layer {
-    w1: Array2<f32>,
-    w2: Array2<f32>,
+    w1t: Array2<f32>,
+    w2t: Array2<f32>,
 }
 
 fn forward<A: Act>(comm: &Communicator, a: &Args) -> Res<()> {
@@ -203,8 +207,8 @@ fn forward<A: Act>(comm: &Communicator, a: &Args) -> Res<()> {
 
     let layers: Vec<Layer> = (0..a.layers)
         .map(|l| Layer {
-            w1: Array2::from_shape_fn((h, cols.len()), |(i, j)| weight::<A>(a.seed, l, 0, h, i, cols.start + j)),
-            w2: Array2::from_shape_fn((cols.len(), h), |(i, j)| weight::<A>(a.seed, l, 1, f, cols.start + i, j)),
+            w1t: Array2::from_shape_fn((cols.len(), h), |(j, i)| weight::<A>(a.seed, l, 0, h, i, cols.start + j)),
+            w2t: Array2::from_shape_fn((h, cols.len()), |(j, i)| weight::<A>(a.seed, l, 1, f, cols.start + i, j)),
         })
         .collect();
 
@@ -217,11 +221,14 @@ fn forward<A: Act>(comm: &Communicator, a: &Args) -> Res<()> {
         let mut in_comm = Duration::ZERO;
         let mut x = input.clone();
         for layer in &layers {
-            let mut hid = x.dot(&layer.w1);
-            hid.mapv_inplace(|v| A::round(gelu(v)));
-            let y = hid.dot(&layer.w2); // this rank's partial output [t, h]
-            for (d, v) in buf.iter_mut().zip(y.iter()) {
-                *d = A::from_f32(*v);
+            // Token by token: hid = W1ᵀ x, then this rank's partial output W2ᵀ hid.
+            for (row, out_row) in x.rows().into_iter().zip(buf.chunks_mut(h)) {
+                let mut hid = layer.w1t.dot(&row);
+                hid.mapv_inplace(|v| A::round(gelu(v)));
+                let y = layer.w2t.dot(&hid);
+                for (d, v) in out_row.iter_mut().zip(y.iter()) {
+                    *d = A::from_f32(*v);
+                }
             }
             let c = Instant::now();
             if a.fused {
