@@ -171,9 +171,10 @@ fn gelu(v: f32) -> f32 {
     0.5 * v * (1.0 + (0.797_884_6 * (v + 0.044_715 * v * v * v)).tanh())
 }
 
-/// One layer's weights on this rank, stored transposed so that a token's products are
+/// One layer's weights on this rank, stored transposed so that one token's products are
 /// matrix-vector products over contiguous rows (as CPU decode does: a general matrix
-/// product with one row would repack the whole weight matrix every call): `w1t` is W1's
+/// product with one row repacks the whole weight matrix every call); several tokens use the
+/// general product over the transposed view. `w1t` is W1's
 /// column block transposed (`ffn/tp x hidden`), `w2t` W2's row block transposed
 /// (`hidden x ffn/tp`); f32.
 struct Layer {
@@ -221,12 +222,20 @@ fn forward<A: Act>(comm: &Communicator, a: &Args) -> Res<()> {
         let mut in_comm = Duration::ZERO;
         let mut x = input.clone();
         for layer in &layers {
-            // Token by token: hid = W1ᵀ x, then this rank's partial output W2ᵀ hid.
-            for (row, out_row) in x.rows().into_iter().zip(buf.chunks_mut(h)) {
-                let mut hid = layer.w1t.dot(&row);
+            if t == 1 {
+                // One token: matrix-vector products over the transposed weights' rows.
+                let mut hid = layer.w1t.dot(&x.row(0));
                 hid.mapv_inplace(|v| A::round(gelu(v)));
                 let y = layer.w2t.dot(&hid);
-                for (d, v) in out_row.iter_mut().zip(y.iter()) {
+                for (d, v) in buf.iter_mut().zip(y.iter()) {
+                    *d = A::from_f32(*v);
+                }
+            } else {
+                // Several: general products (each weight matrix packed once per product).
+                let mut hid = x.dot(&layer.w1t.t());
+                hid.mapv_inplace(|v| A::round(gelu(v)));
+                let y = hid.dot(&layer.w2t.t()); // this rank's partial output [t, h]
+                for (d, v) in buf.iter_mut().zip(y.iter()) {
                     *d = A::from_f32(*v);
                 }
             }
