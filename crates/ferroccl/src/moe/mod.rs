@@ -458,11 +458,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let mut send_displs = vec![0usize; size];
         for d in 0..size {
             send_displs[d] = self.send.len();
-            match (&routed, &checked) {
-                (Some(r), _) => route::pack_dispatch(&mut self.send, step, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
-                (None, Err(b)) => route::pack_header(&mut self.send, Kind::Dispatch, step, 0, Some(b)),
-                (None, Ok(_)) => route::pack_header(&mut self.send, Kind::Dispatch, step, 0, None),
-            }
+            pack_dispatch_to(&mut self.send, step, &shape, d, routed.as_ref(), &checked, tokens);
             send_counts[d] = self.send.len() - send_displs[d];
             words[5 * d] = send_counts[d] as u64;
             if let Err(b) = &checked {
@@ -555,7 +551,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         topk_weights: &[f32],
     ) -> Result<()> {
         let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
-        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let ll = windows(&self.ll, me)?;
         let seq = self.signals.next();
         let (n, routed) = match checked {
             Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
@@ -569,11 +565,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let at = me * ll.dregion;
         for d in 0..size {
             let start = self.send.len();
-            match (&routed, &checked) {
-                (Some(r), _) => route::pack_dispatch(&mut self.send, seq, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
-                (None, Err(b)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, Some(b)),
-                (None, Ok(_)) => route::pack_header(&mut self.send, Kind::Dispatch, seq, 0, None),
-            }
+            pack_dispatch_to(&mut self.send, seq, &shape, d, routed.as_ref(), &checked, tokens);
             match d == me {
                 true => own = start..self.send.len(),
                 false => items.push((ll.peers[d].0, at, start..self.send.len())),
@@ -595,7 +587,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// `recv`, after waiting for each peer's signal `seq`.
     fn ll_gather(&mut self, combine: bool, seq: u64, kind: Kind) -> Result<()> {
         let (me, size) = (self.me(), self.comm.size());
-        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let ll = windows(&self.ll, me)?;
         let (window, region) = match combine {
             false => (&ll.dispatch, ll.dregion),
             true => (&ll.combine, ll.cregion),
@@ -752,7 +744,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
 
     fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {
         let me = self.me();
-        let ll = self.ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+        let ll = windows(&self.ll, me)?;
         let at = me * ll.cregion;
         let mut items = Vec::with_capacity(counts.len());
         for s in 0..counts.len() {
@@ -836,4 +828,28 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
         moe.acc = acc;
         Ok(())
     }
+}
+
+/// Appends the dispatch message for destination `d`: its rows and metadata, or a header
+/// alone (with this rank's bad-input status, if any) when nothing was routed.
+fn pack_dispatch_to<T: MoeFloat>(
+    out: &mut Vec<u8>,
+    seq: u64,
+    shape: &Shape,
+    d: usize,
+    routed: Option<&route::Route>,
+    checked: &std::result::Result<usize, Bad>,
+    tokens: &[T],
+) {
+    match (routed, checked) {
+        (Some(r), _) => route::pack_dispatch(out, seq, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
+        (None, Err(b)) => route::pack_header(out, Kind::Dispatch, seq, 0, Some(b)),
+        (None, Ok(_)) => route::pack_header(out, Kind::Dispatch, seq, 0, None),
+    }
+}
+
+/// A low-latency object's windows (an internal error for a throughput object); a free
+/// function over the field, so that the other fields stay borrowable.
+fn windows(ll: &Option<Ll>, me: usize) -> Result<&Ll> {
+    ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))
 }
