@@ -50,8 +50,11 @@ impl Health {
         if !self.watches.iter().any(|(_, w)| w.has_exited()) {
             return;
         }
-        // Anything the peer sent before exiting (its goodbye included) counts first.
+        // Anything the peer sent before exiting (its goodbye included) counts first, and
+        // so do the last words of a peer whose `ERR` a full ring lost: a rank that gave up
+        // because a third one died, and exited, is not the one to blame.
         let _ = mesh.progress(&self.inbox);
+        self.hear_last_words(mesh);
         let mut ev = self.inbox.lock();
         for (p, w) in self.watches.iter().filter(|(_, w)| w.has_exited()) {
             match p {
@@ -64,6 +67,20 @@ impl Health {
                 }
                 Some(_) => {}
             }
+        }
+    }
+
+    /// Takes the last words (see `transport::shm::LAST_LEN_OFF`) of the first exited shm
+    /// peer that left any as the `ERR` they are, while nothing is fatal here yet. Only
+    /// exited peers: a live one's `ERR` comes through its ring, and a timeout of its own
+    /// stays this rank's own finding.
+    fn hear_last_words(&self, mesh: &Mesh) {
+        if self.inbox.has_fatal() {
+            return;
+        }
+        let exited = |p: usize| self.watches.iter().any(|(q, w)| *q == Some(p) && w.has_exited());
+        if let Some((peer, words)) = mesh.last_words(exited) {
+            self.inbox.deliver_last_words(peer, words);
         }
     }
 

@@ -102,6 +102,19 @@ const MAX_PROBES: usize = 256;
 pub(crate) const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 
 impl Events {
+    /// `peer` (world rank) told this rank (`me`) why it gives up (an `ERR`).
+    fn peer_gave_up(&mut self, me: usize, peer: usize, mut f: Fault) {
+        // A report carries the rank that found the fault; a peer that relays one keeps
+        // it. Never trust a report to speak for this rank.
+        if f.reporter.is_none_or(|r| r == me) {
+            f.reporter = Some(peer);
+        }
+        if f.kind == FaultKind::Aborted {
+            self.aborted.get_or_insert(f.reporter);
+        }
+        self.set_fault(f);
+    }
+
     /// Makes world rank `peer` the cause of a fatal failure found by this rank, unless
     /// something is fatal already.
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
@@ -318,6 +331,15 @@ impl Inbox {
         }
     }
 
+    /// `peer`'s last words (an shm peer's `ERR`, read from its segment): taken as that
+    /// `ERR`; anything else there is ignored. Returns whether they were an `ERR`.
+    pub(crate) fn deliver_last_words(&self, peer: usize, bytes: Vec<u8>) -> bool {
+        let Ok((ProtoMsg::Err(f), _)) = proto::decode_keep(bytes) else { return false };
+        self.lock().peer_gave_up(self.rank, peer, f);
+        self.notify();
+        true
+    }
+
     /// A two-sided message arrived from `peer`.
     pub(crate) fn deliver_msg(&self, peer: usize, bytes: Vec<u8>) {
         let decoded = match proto::decode_keep(bytes) {
@@ -338,17 +360,7 @@ impl Inbox {
             Ok(ProtoMsg::Rts { comm, chan, seq, call, desc, len }) => {
                 ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data: Vec::new(), rts: Some(len) })
             }
-            Ok(ProtoMsg::Err(mut f)) => {
-                // A report carries the rank that found the fault; a peer that relays one
-                // keeps it. Never trust a report to speak for this rank.
-                if f.reporter.is_none_or(|r| r == self.rank) {
-                    f.reporter = Some(peer);
-                }
-                if f.kind == FaultKind::Aborted {
-                    ev.aborted.get_or_insert(f.reporter);
-                }
-                ev.set_fault(f);
-            }
+            Ok(ProtoMsg::Err(f)) => ev.peer_gave_up(self.rank, peer, f),
             Ok(ProtoMsg::Leave { comm, leave }) => {
                 ev.left.insert((comm, peer), leave);
                 self.any_left.store(true, Ordering::Release);

@@ -315,6 +315,12 @@ impl Mesh {
         Ok(())
     }
 
+    /// The first shm peer that `which` picks (by world rank) and that left last words
+    /// (the `ERR` it gave up with), and the words.
+    pub(crate) fn last_words(&self, which: impl Fn(usize) -> bool) -> Option<(usize, Vec<u8>)> {
+        self.shm.as_ref()?.last_words(which)
+    }
+
     /// Whether records wait in our shm rings (looked at before sleeping on the doorbell).
     pub(crate) fn has_pending(&self) -> bool {
         self.shm.as_ref().is_some_and(ShmNet::has_pending)
@@ -323,6 +329,11 @@ impl Mesh {
     /// Sends `msg` to every peer without waiting (a full ring or a busy socket is skipped),
     /// then breaks every connection off: how a rank that gives up tells its peers why.
     pub(crate) fn tell_all_and_cut(&self, msg: &[u8]) {
+        // First where no full ring can lose them: shm peers read them before they blame
+        // this rank for going silent or away.
+        if let Some(shm) = &self.shm {
+            shm.leave_last_words(msg);
+        }
         let deadline = Instant::now() + Duration::from_millis(200);
         for e in self.endpoints.iter().flatten() {
             let _ = e.try_post_send_now(msg, deadline);

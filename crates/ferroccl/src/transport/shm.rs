@@ -64,7 +64,17 @@ const F_CAN_PULL: u32 = 2;
 /// A pull slot's `done` word: the generation on success, with this bit on failure.
 const DONE_FAILED: u64 = 1 << 63;
 
-const _: () = assert!(SLOTS_OFF + PULL_SLOTS * SLOT_BYTES <= HEADER_BYTES);
+/// The owner's last words: why it gave up, as the `ERR` it sends its peers, written once
+/// into its own segment's header (length word, then the bytes). A message in a ring can be
+/// lost when the ring is full as the rank gives up (it cannot wait then), and a peer that
+/// then sees the process gone would blame it, not the rank it blamed; the header always
+/// has room, and a peer reads it before it blames an exited (or silent) rank.
+const LAST_LEN_OFF: usize = SLOTS_OFF + PULL_SLOTS * SLOT_BYTES;
+const LAST_OFF: usize = LAST_LEN_OFF + 64;
+/// The longest last words (a longer `ERR` is not left: the ring message is all there is).
+pub(crate) const LAST_MAX: usize = HEADER_BYTES - LAST_OFF;
+
+const _: () = assert!(LAST_OFF < HEADER_BYTES && LAST_MAX >= 1024);
 
 /// Total size of a rank's inbox segment.
 pub(crate) fn segment_len(world: usize, ring_bytes: usize) -> usize {
@@ -300,6 +310,19 @@ impl ShmNet {
     pub(crate) fn has_pending(&self) -> bool {
         self.local.has_pending()
     }
+
+    /// Leaves `msg` (an `ERR`) as this rank's last words, where every shm peer can read
+    /// them even if this process is gone; the first words stay (a rank gives up once).
+    /// Returns whether they were left (not when too long, or already left).
+    pub(crate) fn leave_last_words(&self, msg: &[u8]) -> bool {
+        self.local.leave_last_words(msg)
+    }
+
+    /// The first shm peer that `which` picks (by world rank) and that left last words,
+    /// with the words. Allocates nothing unless some peer left words.
+    pub(crate) fn last_words(&self, which: impl Fn(usize) -> bool) -> Option<(usize, Vec<u8>)> {
+        self.peers.iter().filter(|p| which(p.peer)).find_map(|p| p.ep.last_words().map(|w| (p.peer, w)))
+    }
 }
 
 /// This rank's own segment and what goes with it, shared by all shm endpoints.
@@ -363,6 +386,22 @@ impl LocalShm {
 
     fn slot_done(&self, slot: usize) -> &AtomicU64 {
         self.seg.atomic_u64(SLOTS_OFF + slot * SLOT_BYTES + 8)
+    }
+
+    /// See [`ShmNet::leave_last_words`]: the bytes, then their length published with
+    /// Release (a reader that sees the length sees the bytes).
+    fn leave_last_words(&self, msg: &[u8]) -> bool {
+        if msg.is_empty() || msg.len() > LAST_MAX {
+            return false;
+        }
+        let len = self.seg.atomic_u32(LAST_LEN_OFF);
+        // Only this process writes its own last words; a second fault keeps the first.
+        if len.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        self.seg.write(LAST_OFF, msg);
+        len.store(msg.len() as u32, Ordering::Release);
+        true
     }
 
     fn alloc_slot(&self) -> Option<(usize, u64)> {
@@ -661,6 +700,18 @@ impl ShmEndpoint {
         self.ring_bytes / 2 - REC
     }
 
+    /// The peer's last words (see [`LAST_LEN_OFF`]), once it left them. One load while
+    /// it has not: cheap enough to look every health beat.
+    fn last_words(&self) -> Option<Vec<u8>> {
+        let len = self.peer_seg.atomic_u32(LAST_LEN_OFF).load(Ordering::Acquire) as usize;
+        if len == 0 || len > LAST_MAX {
+            return None;
+        }
+        let mut msg = vec![0u8; len];
+        self.peer_seg.read(LAST_OFF, &mut msg);
+        Some(msg)
+    }
+
     fn err(&self, what: impl Into<String>) -> Error {
         Error::Transport { rank: self.rank, peer: Some(self.peer), transport: TransportKind::Shm, what: what.into() }
     }
@@ -837,5 +888,52 @@ impl ShmEndpoint {
     pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
         let h = Header { kind: K_BYE, ..Header::default() };
         let _ = self.produce(&h, 0, |_, _| Ok(()), deadline, poll);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{Fault, FaultKind};
+    use crate::inbox::{Bell, Inbox};
+    use crate::proto;
+
+    /// Rank 1's endpoint to rank 0, both segments in this process.
+    fn pair() -> (Arc<LocalShm>, ShmEndpoint) {
+        let ring = 1 << 16;
+        let owner = Arc::new(LocalShm::create("ferroccl-test-last-words-0", 0, 2, ring).unwrap());
+        let me = Arc::new(LocalShm::create("ferroccl-test-last-words-1", 1, 2, ring).unwrap());
+        let pid = std::process::id() as i32;
+        let ep = ShmEndpoint::connect(1, 0, pid, owner.fd().unwrap(), owner.name(), 2, ring, 4096, false, me).unwrap();
+        (owner, ep)
+    }
+
+    #[test]
+    fn last_words_are_read_by_a_peer_and_the_first_stay() {
+        let (owner, ep) = pair();
+        assert_eq!(ep.last_words(), None, "nothing left yet");
+        assert!(!owner.leave_last_words(&vec![7u8; LAST_MAX + 1]), "too long: not left");
+        assert!(!owner.leave_last_words(&[]), "empty: not left");
+        assert_eq!(ep.last_words(), None);
+        assert!(owner.leave_last_words(b"first"));
+        assert!(!owner.leave_last_words(b"second"), "a rank gives up once");
+        assert_eq!(ep.last_words().as_deref(), Some(&b"first"[..]));
+    }
+
+    /// Last words are an `ERR`: a peer takes them as one (culprit and reporter kept), and
+    /// ignores anything else there.
+    #[test]
+    fn last_words_name_the_rank_that_was_blamed() {
+        let (owner, ep) = pair();
+        let fault =
+            Fault { kind: FaultKind::Failed, culprit: Some(3), reporter: None, op: "weight sync".into(), what: "was killed".into() };
+        assert!(owner.leave_last_words(&proto::encode_err(&fault, 0)));
+        let inbox = Inbox::new(1, Bell::heap());
+        assert!(inbox.deliver_last_words(0, ep.last_words().unwrap()));
+        let got = inbox.lock().fatal.clone().unwrap();
+        assert_eq!((got.culprit, got.reporter, got.what.as_str()), (Some(3), Some(0), "was killed"));
+        let other = Inbox::new(1, Bell::heap());
+        assert!(!other.deliver_last_words(0, b"not a message".to_vec()));
+        assert!(other.lock().fatal.is_none());
     }
 }
