@@ -457,11 +457,17 @@ impl PutOp {
     /// the owner is reached over verbs and gave its window's region (asking for it first,
     /// once per window, as a read does), refused here when that region is read-only (the
     /// owner registered it without `REMOTE_WRITE`), otherwise (or once the owner revoked
-    /// the region) by `PUT`s.
+    /// the region) by `PUT`s. A write of at most `FERROCCL_EAGER_MAX` bytes goes by `PUT`s
+    /// too: registering its source for the RDMA WRITEs (a system call that pins the pages,
+    /// and another to let go) costs more than copying it through messages, and a stream
+    /// of small writes was dominated by it (thousands of one-byte writes took minutes
+    /// under soft-RoCE).
     fn start_remote(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         let ep = cx.fabric.endpoint(self.wpeer)?;
         let mut held = None;
-        if let (Endpoint::Verbs(v), true) = (ep, self.block.row > 0 && self.block.rows > 0) {
+        let local_span = self.block.span(self.block.local_stride).unwrap_or(u64::MAX);
+        let rdma = self.block.row > 0 && self.block.rows > 0 && local_span > cx.fabric.params.eager_max as u64;
+        if let (Endpoint::Verbs(v), true) = (ep, rdma) {
             match cx.fabric.peer_regions.get(self.wpeer, self.remote.window, self.remote.key) {
                 RegionLookup::Unknown => {
                     self.req = cx.fabric.next_reqs(1);

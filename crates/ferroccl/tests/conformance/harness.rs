@@ -197,14 +197,25 @@ pub fn all_ok<R>(results: Vec<RankResult<R>>) -> std::result::Result<Vec<R>, Str
 /// loaded 2-core machine, short enough that a hang fails the test in reasonable time.
 pub const PROP_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The longest a failing property may shrink before its case is reported.
+pub const SHRINK_TIME: Duration = Duration::from_secs(90);
+
 /// Runs `test` on the cases `config` asks for, drawn from `strategy`; panics with the
 /// (shrunk) failing case and its error. Nothing is persisted: a failure worth keeping
 /// becomes a test of its own.
+///
+/// Shrinking is bounded ([`SHRINK_TIME`]): a failing case here is often a call that ran
+/// into its deadline, so every shrink step can cost a whole timeout, and unbounded
+/// shrinking turned one failure into a suite that ran past the soft-RoCE VM's limit
+/// without printing it.
 pub fn check_cases<S: Strategy>(config: ProptestConfig, strategy: S, test: impl Fn(S::Value) -> Result<(), String>)
 where
     S::Value: Debug,
 {
-    let config = ProptestConfig { failure_persistence: None, ..config };
+    // 0 is proptest's "no limit".
+    let bound = SHRINK_TIME.as_millis() as u32;
+    let max_shrink_time = if config.max_shrink_time == 0 { bound } else { config.max_shrink_time.min(bound) };
+    let config = ProptestConfig { failure_persistence: None, max_shrink_time, ..config };
     let mut runner = TestRunner::new(config);
     if let Err(e) = runner.run(&strategy, |case| test(case).map_err(TestCaseError::fail)) {
         panic!("{e}\n{runner}");

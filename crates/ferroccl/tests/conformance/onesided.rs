@@ -33,6 +33,9 @@ fn byte(owner: usize, r: usize, i: usize, round: u64) -> u8 {
     (owner as u64 * 131 + r as u64 * 31 + i as u64 * 7 + round * 13) as u8
 }
 
+/// The most stripes a window is cut into per round.
+const MAX_STRIPES: usize = 512;
+
 /// A case: ranks, window bytes per rank, rounds of (writes, then reads) and a seed that
 /// cuts each owner's window into stripes written by different ranks.
 #[derive(Debug, Clone)]
@@ -48,9 +51,12 @@ fn case(max_ranks: usize) -> impl Strategy<Value = Case> {
         .prop_map(|(n, len, rounds, seed)| Case { n, len, rounds, seed })
 }
 
-/// Which rank writes byte `i` of `owner`'s window in `round` (stripes of a seeded width).
+/// Which rank writes byte `i` of `owner`'s window in `round` (stripes of a seeded width,
+/// at most [`MAX_STRIPES`] of them: a 300,000-byte window cut into one-byte stripes was
+/// 300,000 blocking writes, minutes under soft-RoCE, and its ranks timed out in the
+/// barrier waiting for each other).
 fn writer(c: &Case, owner: usize, i: usize, round: u64) -> usize {
-    let width = 1 + (c.seed as usize % 97) * (1 + owner) * (1 + round as usize);
+    let width = (1 + (c.seed as usize % 97) * (1 + owner) * (1 + round as usize)).max(c.len.div_ceil(MAX_STRIPES));
     (i / width + owner + round as usize) % c.n
 }
 
@@ -847,12 +853,14 @@ pub fn reads_of_windows_are_zero_copy_over_verbs(s: &Suite) {
     all_ok(res).unwrap();
 }
 
-/// Writes of registered read-write windows are RDMA WRITEs by the writer over verbs: the
-/// owner serves no `PUT` (`puts_served` stays 0 while every byte arrives, including with
-/// `put_signal`, whose signal the owner sees only after the data), the writer counts the
-/// bytes in `verbs_window_write_bytes`; over shm and tcp the owner serves them. A write
-/// through a forged read-write handle of a read-only window is refused (`ReadOnly`) before
-/// anything reaches the NIC, and the window is untouched.
+/// Writes of registered read-write windows larger than `FERROCCL_EAGER_MAX` are RDMA
+/// WRITEs by the writer over verbs: the owner serves no `PUT` for them (every byte arrives,
+/// including with `put_signal`, whose signal the owner sees only after the data), the
+/// writer counts their bytes in `verbs_window_write_bytes`; the one small write is a
+/// single `PUT` the owner serves; over shm and tcp the owner serves them all. A write
+/// through a forged read-write handle of a read-only window is refused (`ReadOnly`): a
+/// large one before anything reaches the NIC, a small one by the owner; the window is
+/// untouched.
 pub fn writes_of_windows_are_zero_copy_over_verbs(s: &Suite) {
     let res = run_world(
         2,
@@ -868,9 +876,14 @@ pub fn writes_of_windows_are_zero_copy_over_verbs(s: &Suite) {
                 let src: Vec<u8> = (0..ZC_LEN).map(|i| (i * 5 + 3) as u8).collect();
                 let ro_mem = vec![9u8; 4096];
                 let mut dst = vec![0u8; ZC_LEN];
-                // (offset, length) of each write rank 1 makes into rank 0's window.
+                // (offset, length) of each write rank 1 makes into rank 0's window: two
+                // above the eager limit (RDMA WRITEs over verbs), one byte (a `PUT`).
                 let writes = [(0usize, ZC_LEN / 2), (ZC_LEN / 2 + 13, 100_003), (ZC_LEN - 1, 1)];
-                let written: usize = writes.iter().map(|w| w.1).sum();
+                let eager = Params::default().eager_max;
+                let (small, big): (Vec<&(usize, usize)>, Vec<_>) = writes.iter().partition(|w| w.1 <= eager);
+                let written: usize = big.iter().map(|w| w.1).sum();
+                // `put_signal` of more than the eager limit: RDMA WRITE, then the signal.
+                let signalled = 4096..4096 + eager + 4096;
                 comm.scope(|sc| {
                     let w = sc.register_mut(&mut dst)?;
                     let ro = sc.register(&ro_mem)?;
@@ -882,13 +895,19 @@ pub fn writes_of_windows_are_zero_copy_over_verbs(s: &Suite) {
                         for &(off, len) in &writes {
                             comm.write_from(&hs[0], off, &src[off..off + len])?;
                         }
-                        comm.put_signal(&hs[0], 4096, &src[4096..8192], 1)?;
+                        comm.put_signal(&hs[0], signalled.start, &src[signalled.clone()], 1)?;
+                        // Forged read-write (and, for the large write, longer than the
+                        // window): a small write is refused by the owner (a `PUT` it
+                        // serves), a large one here, before anything reaches the NIC.
                         let mut claims = ros[0].to_bytes();
                         claims[12] = 2;
+                        claims[32..40].copy_from_slice(&(ZC_LEN as u64).to_le_bytes());
                         let claims = RemoteHandle::from_bytes(&claims)?;
-                        match comm.write_from(&claims, 0, &src[..8]) {
-                            Err(Error::Refused { reason: Refusal::ReadOnly, .. }) => {}
-                            other => return Err(fail(format!("write through a forged read-write handle: {other:?}"))),
+                        for len in [8, eager + 1] {
+                            match comm.write_from(&claims, 0, &src[..len]) {
+                                Err(Error::Refused { reason: Refusal::ReadOnly, .. }) => {}
+                                other => return Err(fail(format!("write of {len} bytes through a forged read-write handle: {other:?}"))),
+                            }
                         }
                     } else {
                         comm.wait_signal(1, 1)?;
@@ -897,12 +916,16 @@ pub fn writes_of_windows_are_zero_copy_over_verbs(s: &Suite) {
                     let after = comm.registration_stats();
                     let served = after.puts_served - before.puts_served;
                     let moved = after.verbs_window_write_bytes - before.verbs_window_write_bytes;
-                    let want_moved = if verbs && me == 1 { (written + 4096) as u64 } else { 0 };
-                    if (verbs && served != 0) || (!verbs && me == 0 && served == 0) || moved != want_moved {
+                    let want_moved = if verbs && me == 1 { (written + signalled.len()) as u64 } else { 0 };
+                    // The small writes and the small forged one.
+                    let want_served = if verbs && me == 0 { small.len() as u64 + 1 } else { 0 };
+                    if (verbs && served != want_served) || (!verbs && me == 0 && served == 0) || moved != want_moved {
                         return Err(fail(format!(
-                            "while rank 1 wrote {written} + 4096 bytes: the owner served {served} PUTs (expected {}); {moved} bytes \
-                             written with RDMA WRITE (expected {want_moved}); statistics {after:?}",
-                            if verbs { "none" } else { "some" }
+                            "while rank 1 wrote {written} + {} bytes (and {} small writes): the owner served {served} PUTs \
+                             (expected {}); {moved} bytes written with RDMA WRITE (expected {want_moved}); statistics {after:?}",
+                            signalled.len(),
+                            small.len(),
+                            if verbs { want_served.to_string() } else { "some".into() }
                         )));
                     }
                     drop(w);
