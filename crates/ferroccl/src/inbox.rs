@@ -541,3 +541,24 @@ impl Inbox {
 pub(crate) fn row_imm(imm: u32, r: u32) -> u32 {
     imm.wrapping_add(r) & 0x7fff_ffff
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Last words (an shm peer's `ERR`, read from its segment) are taken as that `ERR`:
+    /// the culprit it names stays the culprit and the peer is the reporter; anything else
+    /// there is ignored.
+    #[test]
+    fn last_words_name_the_rank_that_was_blamed() {
+        let fault =
+            Fault { kind: FaultKind::Failed, culprit: Some(3), reporter: None, op: "weight sync".into(), what: "was killed".into() };
+        let inbox = Inbox::new(1, Bell::heap());
+        assert!(inbox.deliver_last_words(0, proto::encode_err(&fault, 0)));
+        let got = inbox.lock().fatal.clone().unwrap();
+        assert_eq!((got.culprit, got.reporter, got.what.as_str()), (Some(3), Some(0), "was killed"));
+        let other = Inbox::new(1, Bell::heap());
+        assert!(!other.deliver_last_words(0, b"not a message".to_vec()));
+        assert!(other.lock().fatal.is_none());
+    }
+}

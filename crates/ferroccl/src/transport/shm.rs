@@ -894,9 +894,6 @@ impl ShmEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::{Fault, FaultKind};
-    use crate::inbox::{Bell, Inbox};
-    use crate::proto;
 
     /// Rank 1's endpoint to rank 0, both segments in this process.
     fn pair() -> (Arc<LocalShm>, ShmEndpoint) {
@@ -918,22 +915,5 @@ mod tests {
         assert!(owner.leave_last_words(b"first"));
         assert!(!owner.leave_last_words(b"second"), "a rank gives up once");
         assert_eq!(ep.last_words().as_deref(), Some(&b"first"[..]));
-    }
-
-    /// Last words are an `ERR`: a peer takes them as one (culprit and reporter kept), and
-    /// ignores anything else there.
-    #[test]
-    fn last_words_name_the_rank_that_was_blamed() {
-        let (owner, ep) = pair();
-        let fault =
-            Fault { kind: FaultKind::Failed, culprit: Some(3), reporter: None, op: "weight sync".into(), what: "was killed".into() };
-        assert!(owner.leave_last_words(&proto::encode_err(&fault, 0)));
-        let inbox = Inbox::new(1, Bell::heap());
-        assert!(inbox.deliver_last_words(0, ep.last_words().unwrap()));
-        let got = inbox.lock().fatal.clone().unwrap();
-        assert_eq!((got.culprit, got.reporter, got.what.as_str()), (Some(3), Some(0), "was killed"));
-        let other = Inbox::new(1, Bell::heap());
-        assert!(!other.deliver_last_words(0, b"not a message".to_vec()));
-        assert!(other.lock().fatal.is_none());
     }
 }
