@@ -192,6 +192,7 @@ impl Fabric {
             verbs_zero_copy_bytes,
             gets_served: w.gets_served,
             puts_served: w.puts_served,
+            signals_served: w.signals_served,
             verbs_window_write_bytes: self.mesh.verbs_net().map_or(0, |v| v.window_write_bytes()),
             verbs_read_bytes: self.mesh.verbs_net().map_or(0, |v| v.read_bytes()),
             peer_regions_held: self.peer_regions.held(),

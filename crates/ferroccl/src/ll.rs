@@ -131,6 +131,76 @@ impl WaitPolicy {
     }
 }
 
+impl WaitPolicy {
+    /// The policy for a rank of this fabric outside a low-latency channel: CPUs count as
+    /// shared when the ranks of this host outnumber the machine's.
+    pub(crate) fn for_fabric(fabric: &Fabric) -> WaitPolicy {
+        let online = std::thread::available_parallelism().map_or(1, usize::from);
+        WaitPolicy::new(fabric.local_ranks() > online, fabric.params.spin_us)
+    }
+}
+
+/// Waits, as a low-latency call does (spin for `policy.spin`, yield for
+/// `policy.yield_for`, then sleep on the doorbell in naps), until `done()` holds; the
+/// fabric's fatal state, the peers' health and the deadline (`FERROCCL_TIMEOUT`) end it,
+/// a timeout naming the world ranks `waiting()` gives. For flags that peers raise in shared
+/// memory and that ring this rank's doorbell when it sleeps (the low-latency MoE's signal
+/// words); `op` names the wait in an error, and is only made then.
+pub(crate) fn wait_until(
+    fabric: &Fabric,
+    policy: WaitPolicy,
+    done: &dyn Fn() -> bool,
+    waiting: &dyn Fn() -> Vec<usize>,
+    op: &dyn Fn() -> Op,
+) -> Result<()> {
+    let mut spins = 0u32;
+    let mut start = None::<Instant>;
+    let mut slow = false;
+    let limit = fabric.params.timeout;
+    loop {
+        let seen = if slow { fabric.inbox.bell_seen() } else { 0 };
+        if done() {
+            return Ok(());
+        }
+        if fabric.inbox.has_fatal() {
+            if let Some(e) = fabric.fatal_error(&op()) {
+                return Err(e);
+            }
+        }
+        spins = spins.wrapping_add(1);
+        if !policy.spin.is_zero() && !spins.is_multiple_of(64) {
+            std::hint::spin_loop();
+            continue;
+        }
+        let now = Instant::now();
+        let t0 = *start.get_or_insert(now);
+        let waited = now - t0;
+        if waited < policy.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        if !slow {
+            // Look once more with the doorbell read first, before anything may sleep.
+            slow = true;
+            continue;
+        }
+        // Messages (a peer's `ERR`) and the peers' processes, as every wait looks at them.
+        if let Err(e) = fabric.progress() {
+            return Err(fabric.poison(fabric.fatal_error(&op()).unwrap_or(e)));
+        }
+        fabric.check_health(now);
+        if waited >= limit {
+            let e = Error::Timeout { rank: Some(fabric.rank), op: op(), after: waited, waiting_for: waiting().iter().map(|w| format!("rank {w}")).collect() };
+            return Err(fabric.poison(e));
+        }
+        if waited < policy.spin + policy.yield_for {
+            std::thread::yield_now();
+        } else {
+            fabric.sleep_on_bell_or(seen, (now + PARK_NAP).min(t0 + limit), done);
+        }
+    }
+}
+
 /// A communicator's low-latency channel: every member's segment, mapped.
 #[derive(Debug)]
 pub(crate) struct LlChannel {

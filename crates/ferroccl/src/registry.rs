@@ -7,7 +7,7 @@
 //! peer, each window's memory region: registered once, with the window).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -62,6 +62,10 @@ pub struct RegStats {
     /// since `init`, whatever the transport. Verbs peers that write a read-write window
     /// with RDMA WRITE add nothing here.
     pub puts_served: u64,
+    /// Signals (`put_signal`, `signal`, and library objects' `SIGNAL`s) raised here that
+    /// this rank served as their target since `init`. The low-latency MoE path between
+    /// ranks of one host raises words in shared windows instead, and adds nothing here.
+    pub signals_served: u64,
     /// Bytes this rank wrote into verbs peers' read-write windows with RDMA WRITE since
     /// `init`, without their owners' CPUs.
     pub verbs_window_write_bytes: u64,
@@ -114,6 +118,8 @@ pub(crate) struct Windows {
     gets_served: std::sync::atomic::AtomicU64,
     /// `PUT`s served (see [`RegStats::puts_served`]).
     puts_served: std::sync::atomic::AtomicU64,
+    /// `SIGNAL`s served (see [`RegStats::signals_served`]).
+    signals_served: std::sync::atomic::AtomicU64,
 }
 
 impl Windows {
@@ -180,6 +186,11 @@ impl Windows {
         self.puts_served.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a `SIGNAL` served by this rank as its target.
+    pub(crate) fn count_signal_served(&self) {
+        self.signals_served.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Window `id`, if it is live and `key` is its key.
     pub(crate) fn get(&self, id: u32, key: u64) -> Option<WindowEntry> {
         self.table.lock().unwrap_or_else(|e| e.into_inner()).get(&id).filter(|e| e.key == key).cloned()
@@ -196,6 +207,7 @@ impl Windows {
             window_bytes_verbs: t.values().filter(|e| e.mr.is_some()).map(|e| e.region.len() as u64).sum(),
             gets_served: self.gets_served.load(Ordering::Relaxed),
             puts_served: self.puts_served.load(Ordering::Relaxed),
+            signals_served: self.signals_served.load(Ordering::Relaxed),
             ..RegStats::default()
         }
     }
@@ -328,6 +340,11 @@ pub(crate) const SHARED_HEADER: usize = 4096;
 const SHARED_LIVE: usize = 0;
 /// Header word: 1 when peers may write the window.
 const SHARED_WRITABLE: usize = 8;
+/// Header bytes before the signal words (see [`SharedWindow::word`]).
+const SHARED_WORDS: usize = 64;
+/// Sources a shared window's header has a signal word for: one cache line each, so that
+/// writers raising theirs never touch a line another writer raises.
+pub(crate) const SHARED_WORD_SOURCES: usize = (SHARED_HEADER - SHARED_WORDS) / 64;
 
 /// A window whose memory is a shared segment ([`crate::Communicator::alloc_window`]): its
 /// owner made it, and peers on the same host map it and copy straight in and out, with no
@@ -398,6 +415,14 @@ impl SharedWindow {
             return Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("shared window {name} was dropped")));
         }
         Ok(w)
+    }
+
+    /// Signal word of `source` (a member rank of the communicator that uses them) in the
+    /// header: a peer that writes the window directly raises it with Release after its
+    /// data, and the owner that reads it with Acquire sees the data (the low-latency MoE
+    /// path: no message, no work by either engine). `None` past [`SHARED_WORD_SOURCES`].
+    pub(crate) fn word(&self, source: usize) -> Option<&AtomicU64> {
+        (source < SHARED_WORD_SOURCES).then(|| self.seg.atomic_u64(SHARED_WORDS + source * 64))
     }
 
     /// Whether the owner still has the window.

@@ -854,6 +854,7 @@ impl RmaServer {
                     }
                 },
                 RmaRequest::Signal { req, slot, value } => {
+                    fabric.windows.count_signal_served();
                     {
                         let mut ev = fabric.inbox.lock();
                         let s = ev.signals.entry((peer, slot)).or_insert(0);

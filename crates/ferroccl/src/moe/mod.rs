@@ -59,6 +59,7 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::reshard::Fingerprint;
 use crate::window::{RemoteHandle, Window};
+use signal::Which;
 
 pub use route::MoeFloat;
 use route::{Bad, Grouped, Kind, Shape, HEADER_BYTES};
@@ -319,7 +320,7 @@ impl Communicator {
         if let Some(m) = (0..size).find(|&m| rows[m][0] == 2) {
             return Err(invalid(me, "setup", format!("member {m} could not allocate its windows")));
         }
-        let signals = signal::Signals::claim(self, rows.iter().map(|c| le(&c[9..17])).max().unwrap_or(0));
+        let mut signals = signal::Signals::claim(self, rows.iter().map(|c| le(&c[9..17])).max().unwrap_or(0));
         let ll = match windows {
             Some((dispatch, combine, dregion, cregion)) => {
                 let mut peers = Vec::with_capacity(size);
@@ -328,6 +329,7 @@ impl Communicator {
                     let c = RemoteHandle::from_bytes(&r[17 + RemoteHandle::BYTES..])?;
                     peers.push((d, c));
                 }
+                signals.connect(self, &peers)?;
                 Some(Ll { dispatch, combine, peers, dregion, cregion })
             }
             None => None,
@@ -568,15 +570,15 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             pack_dispatch_to(&mut self.send, seq, &shape, d, routed.as_ref(), &checked, tokens);
             match d == me {
                 true => own = start..self.send.len(),
-                false => items.push((ll.peers[d].0, at, start..self.send.len())),
+                false => items.push((d, ll.peers[d].0, at, start..self.send.len())),
             }
         }
         ll.dispatch.write(at, &self.send[own])?;
-        self.signals.put_many(self.comm, &items, &self.send, seq)?;
+        self.signals.put_many(self.comm, Which::Dispatch, &items, &self.send, seq)?;
         if let Err(b) = checked {
             // The peers' writes of this step into this rank's window land before it returns
             // (and may drop the object): none is left in flight.
-            self.ll_drain(seq)?;
+            self.ll_drain(Which::Dispatch, seq)?;
             return Err(invalid(me, "dispatch", b));
         }
         self.state = State::DispatchSent { seq, sent: routed.map(|r| r.tokens).unwrap_or_default(), n };
@@ -596,8 +598,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         self.recv_at.clear();
         let mut at = 0;
         let mut head = [0u8; HEADER_BYTES];
-        let peers: Vec<usize> = (0..size).filter(|&s| s != me).collect();
-        self.signals.wait_all(self.comm, &peers, seq)?;
+        let which = if combine { Which::Combine } else { Which::Dispatch };
+        self.signals.wait_all(self.comm, window, which, seq)?;
         for s in 0..size {
             window.read(s * region, &mut head)?;
             let count = route::parse_header(&head, kind).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
@@ -723,7 +725,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 MoeMode::Throughput => State::Idle,
                 MoeMode::LowLatency => {
                     self.state = State::Broken;
-                    self.ll_drain(seq)?;
+                    self.ll_drain(Which::Combine, seq)?;
                     State::Broken
                 }
             };
@@ -736,10 +738,13 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// Waits for every peer's signal `seq`: its write of this step into this rank's
     /// window has landed (a rank that failed on its own input waits so before returning,
     /// so that no write is left in flight into windows it may drop).
-    fn ll_drain(&self, seq: u64) -> Result<()> {
-        let me = self.me();
-        let peers: Vec<usize> = (0..self.comm.size()).filter(|&s| s != me).collect();
-        self.signals.wait_all(self.comm, &peers, seq)
+    fn ll_drain(&self, which: Which, seq: u64) -> Result<()> {
+        let ll = windows(&self.ll, self.me())?;
+        let w = match which {
+            Which::Dispatch => &ll.dispatch,
+            Which::Combine => &ll.combine,
+        };
+        self.signals.wait_all(self.comm, w, which, seq)
     }
 
     fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {
@@ -751,10 +756,10 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             let range = displs[s]..displs[s] + counts[s];
             match s == me {
                 true => ll.combine.write(at, &self.send[range])?,
-                false => items.push((ll.peers[s].1, at, range)),
+                false => items.push((s, ll.peers[s].1, at, range)),
             }
         }
-        self.signals.put_many(self.comm, &items, &self.send, seq)
+        self.signals.put_many(self.comm, Which::Combine, &items, &self.send, seq)
     }
 }
 

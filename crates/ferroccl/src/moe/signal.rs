@@ -8,16 +8,41 @@
 //! every rank makes an object's sends in the same order, so every rank gives an operation
 //! the same value, and a receiver that sees a peer's signal at `v` or above knows that the
 //! peer's operation `v` (and every earlier one) has landed.
+//!
+//! Between two ranks of one host whose windows are shared segments the same values travel
+//! without a message: the writer maps the destination's window once (at construction),
+//! copies its rows in and raises its own signal word in the window's header (Release); the
+//! destination polls the words of such sources (Acquire), and neither engine takes part
+//! (a `SIGNAL` message is served by the owner's engine and answered, a round trip per
+//! destination that made a decode step cost tens of microseconds). Which pairs go that way
+//! is agreed at construction (each member says whose windows it mapped), so a destination
+//! knows which sources raise a word and which send a `SIGNAL`.
+
+use std::ops::Range;
 
 use crate::comm::Communicator;
 use crate::error::Result;
-use crate::window::RemoteHandle;
+use crate::window::{MappedWindow, RemoteHandle, Window};
 
-/// An object's signal slot and the value of its last send.
+/// Which of an object's two windows a send writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Which {
+    Dispatch,
+    Combine,
+}
+
+/// An object's signal slot, the value of its last send, and the direct pairs.
 #[derive(Debug)]
 pub(crate) struct Signals {
     slot: u32,
     seq: u64,
+    /// Per member: its (dispatch, combine) windows, mapped here, when this rank writes
+    /// them directly.
+    to: Vec<Option<(MappedWindow, MappedWindow)>>,
+    /// The members that write this rank's windows directly (raise words here), and the
+    /// others (send `SIGNAL`s); this rank in neither.
+    direct: Vec<usize>,
+    slow: Vec<usize>,
 }
 
 impl Signals {
@@ -26,11 +51,38 @@ impl Signals {
         u64::from(comm.fabric().free_signal_slot())
     }
 
-    /// The object's signals on `slot` (the highest proposal of the members), claimed here.
+    /// The object's signals on `slot` (the highest proposal of the members), claimed here;
+    /// every pair goes by messages until [`Signals::connect`].
     pub(crate) fn claim(comm: &Communicator, slot: u64) -> Signals {
         let slot = u32::try_from(slot).unwrap_or(u32::MAX);
         comm.fabric().claim_signal_slots(slot, 1);
-        Signals { slot, seq: 0 }
+        let (me, n) = (comm.rank(), comm.size());
+        Signals { slot, seq: 0, to: vec![None; n], direct: Vec::new(), slow: (0..n).filter(|&s| s != me).collect() }
+    }
+
+    /// Maps every member's (dispatch, combine) windows that this rank can write directly
+    /// (`windows`, by member) and agrees with the members which pairs do (an allgather of
+    /// one word per member: whose windows it mapped). Collective.
+    pub(crate) fn connect(&mut self, comm: &Communicator, windows: &[(RemoteHandle, RemoteHandle)]) -> Result<()> {
+        let (me, n) = (comm.rank(), comm.size());
+        let mut mask = 0u64;
+        for (d, (dh, ch)) in windows.iter().enumerate().take(64) {
+            if d == me {
+                continue;
+            }
+            if let (Some(dw), Some(cw)) = (comm.map_window(dh), comm.map_window(ch)) {
+                self.to[d] = Some((dw, cw));
+                mask |= 1 << d;
+            }
+        }
+        let mut all = vec![0u8; 8 * n];
+        comm.allgather(&mask.to_le_bytes(), &mut all)?;
+        let writes_me = |s: usize| {
+            let m = u64::from_le_bytes(all[8 * s..8 * s + 8].try_into().unwrap_or([0; 8]));
+            me < 64 && m & (1 << me) != 0
+        };
+        (self.direct, self.slow) = (0..n).filter(|&s| s != me).partition(|&s| writes_me(s));
+        Ok(())
     }
 
     /// The value of this object's next send.
@@ -39,22 +91,44 @@ impl Signals {
         self.seq
     }
 
-    /// Writes to different owners in one job (one round trip in all): `src[range]` at
-    /// byte `offset` of each window `h`, then this object's signal at each owner, raised
-    /// to `value`.
+    /// Writes `src[range]` at byte `offset` of member `d`'s `which` window (`h`, its
+    /// handle) for each item, each then signalled at `value`: directly where this rank
+    /// maps the window, the others in one job (one round trip in all).
     pub(crate) fn put_many(
         &self,
         comm: &Communicator,
-        items: &[(RemoteHandle, usize, std::ops::Range<usize>)],
+        which: Which,
+        items: &[(usize, RemoteHandle, usize, Range<usize>)],
         src: &[u8],
         value: u64,
     ) -> Result<()> {
-        comm.put_signal_many_on(items, src, self.slot, value)
+        let mut slow = Vec::new();
+        for (d, h, offset, range) in items {
+            match (&self.to[*d], which) {
+                (Some((w, _)), Which::Dispatch) | (Some((_, w)), Which::Combine) => comm.put_raise(w, *offset, &src[range.clone()], value)?,
+                (None, _) => slow.push((*h, *offset, range.clone())),
+            }
+        }
+        if slow.is_empty() {
+            return Ok(());
+        }
+        comm.put_signal_many_on(&slow, src, self.slot, value)
     }
 
-    /// Waits until every rank of `from` has raised this object's signal here to `value`
-    /// or above (one job for all).
-    pub(crate) fn wait_all(&self, comm: &Communicator, from: &[usize], value: u64) -> Result<()> {
-        comm.wait_signals_on(from, self.slot, value)
+    /// Waits until every other member has signalled this rank's window `w` (the object's
+    /// `which` window) at `value` or above: the direct ones' words, then the others'
+    /// `SIGNAL`s (one job for all).
+    pub(crate) fn wait_all(&self, comm: &Communicator, w: &Window<'_>, which: Which, value: u64) -> Result<()> {
+        if !self.direct.is_empty() {
+            let what = match which {
+                Which::Dispatch => "moe dispatch",
+                Which::Combine => "moe combine",
+            };
+            comm.wait_words(w, &self.direct, value, what)?;
+        }
+        if self.slow.is_empty() {
+            return Ok(());
+        }
+        comm.wait_signals_on(&self.slow, self.slot, value)
     }
 }

@@ -115,6 +115,7 @@ macro_rules! conformance_suite {
             moe::moe_two_micro_batches_interleave,
             moe::moe_bad_input_fails_on_every_rank,
             moe::moe_bad_configs_and_misuse_are_errors,
+            moe::moe_low_latency_signals_go_by_words_on_one_host,
             pod::pod_structs_move_exactly,
             pod::pod_zero_sized_types_are_refused,
             pod::pod_count_mismatch_fails_on_both_sides,

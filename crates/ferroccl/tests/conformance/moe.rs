@@ -223,6 +223,34 @@ pub fn moe_dispatch_combine_equals_the_reference(s: &Suite) {
     });
 }
 
+/// The low-latency mode's signals: between ranks of one host (shared windows over shm)
+/// they are words raised in the destination's window, so no rank serves a `SIGNAL`;
+/// between hosts (tcp, verbs) each dispatch and each combine is one `SIGNAL` from every
+/// other rank. Counted by `signals_served` around three checked steps; 2 to 4 ranks.
+pub fn moe_low_latency_signals_go_by_words_on_one_host(s: &Suite) {
+    use ferroccl::TransportKind;
+    for n in [2usize, 3, 4] {
+        let res = run_world(
+            n,
+            |r| params(s, Duration::from_secs(30), r),
+            |comm| {
+                let me = comm.rank();
+                let before = comm.registration_stats().signals_served;
+                run_steps::<f32>(&comm, MoeMode::LowLatency, Pattern::Random, 31 + n as u64, 3)?;
+                let served = comm.registration_stats().signals_served - before;
+                // Each step: a dispatch and a combine from every other rank, one `SIGNAL`
+                // each unless the pair shares a host (shm).
+                let remote = (0..n).filter(|&p| p != me && comm.transport_to(p) != Some(TransportKind::Shm)).count() as u64;
+                if served != 2 * 3 * remote {
+                    return Err(format!("rank {me}: served {served} SIGNALs in 3 steps, want {} ({remote} peers off this host)", 6 * remote));
+                }
+                comm.finalize().map_err(|e| e.to_string())
+            },
+        );
+        all_ok(res).unwrap_or_else(|e| panic!("{:?} {n} ranks: {e}", s.wire));
+    }
+}
+
 /// Two objects (two micro-batches) on one communicator: send B's dispatch, run A's experts,
 /// send and receive A's combine, receive B's dispatch, combine B; and with A's combine
 /// received after B's dispatch. Several steps, both modes.
