@@ -190,7 +190,12 @@ pub(crate) fn wait_until(
         }
         fabric.check_health(now);
         if waited >= limit {
-            let e = Error::Timeout { rank: Some(fabric.rank), op: op(), after: waited, waiting_for: waiting().iter().map(|w| format!("rank {w}")).collect() };
+            let e = Error::Timeout {
+                rank: Some(fabric.rank),
+                op: op(),
+                after: waited,
+                waiting_for: waiting().iter().map(|w| format!("rank {w}")).collect(),
+            };
             return Err(fabric.poison(e));
         }
         if waited < policy.spin + policy.yield_for {

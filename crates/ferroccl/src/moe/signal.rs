@@ -105,7 +105,9 @@ impl Signals {
         let mut slow = Vec::new();
         for (d, h, offset, range) in items {
             match (&self.to[*d], which) {
-                (Some((w, _)), Which::Dispatch) | (Some((_, w)), Which::Combine) => comm.put_raise(w, *offset, &src[range.clone()], value)?,
+                (Some((w, _)), Which::Dispatch) | (Some((_, w)), Which::Combine) => {
+                    comm.put_raise(w, *offset, &src[range.clone()], value)?
+                }
                 (None, _) => slow.push((*h, *offset, range.clone())),
             }
         }

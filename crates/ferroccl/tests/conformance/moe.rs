@@ -242,7 +242,10 @@ pub fn moe_low_latency_signals_go_by_words_on_one_host(s: &Suite) {
                 // each unless the pair shares a host (shm).
                 let remote = (0..n).filter(|&p| p != me && comm.transport_to(p) != Some(TransportKind::Shm)).count() as u64;
                 if served != 2 * 3 * remote {
-                    return Err(format!("rank {me}: served {served} SIGNALs in 3 steps, want {} ({remote} peers off this host)", 6 * remote));
+                    return Err(format!(
+                        "rank {me}: served {served} SIGNALs in 3 steps, want {} ({remote} peers off this host)",
+                        6 * remote
+                    ));
                 }
                 comm.finalize().map_err(|e| e.to_string())
             },
