@@ -199,6 +199,38 @@ impl Kernels {
         }
     }
 
+    /// `dst[i] = src[i]` widened to f32 (exact).
+    ///
+    /// # Panics
+    ///
+    /// If the lengths differ.
+    pub fn widen_bf16(self, src: &[bf16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "widen_bf16: lengths differ");
+        level_dispatch!(self, portable::widen_bf16(src, dst), l => x86::widen_bf16(l, src, dst))
+    }
+
+    /// `dst[i] = src[i]` rounded to bf16 exactly as `bf16::from_f32` (and the reference)
+    /// rounds: to nearest, ties to even, subnormals kept, NaNs quiet.
+    ///
+    /// # Panics
+    ///
+    /// If the lengths differ.
+    pub fn narrow_bf16(self, src: &[f32], dst: &mut [bf16]) {
+        assert_eq!(src.len(), dst.len(), "narrow_bf16: lengths differ");
+        level_dispatch!(self, portable::narrow_bf16(src, dst), l => x86::narrow_bf16(l, src, dst))
+    }
+
+    /// `acc[i] += w * x[i]`, the product and the sum each rounded to f32 (never fused), so
+    /// every level gives the same bits.
+    ///
+    /// # Panics
+    ///
+    /// If the lengths differ.
+    pub fn scale_add(self, w: f32, x: &[f32], acc: &mut [f32]) {
+        assert_eq!(x.len(), acc.len(), "scale_add: lengths differ");
+        level_dispatch!(self, portable::scale_add(w, x, acc), l => x86::scale_add(l, w, x, acc))
+    }
+
     fn into_f32(self, op: ReduceOp, acc: &mut [f32], src: &[f32]) {
         level_dispatch!(self, portable::reduce_into(op, acc, src), l => x86::reduce_into_f32(l, op, acc, src))
     }

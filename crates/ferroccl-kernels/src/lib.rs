@@ -254,9 +254,94 @@ pub fn finish_avg_bytes(dtype: DType, acc: &mut [u8], n: usize) -> Result<(), Ke
     Kernels::detected().finish_avg_bytes(dtype, acc, n)
 }
 
+/// [`Kernels::widen_bf16`] with the [detected](Kernels::detected) kernels.
+///
+/// # Panics
+///
+/// If the lengths differ.
+pub fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    Kernels::detected().widen_bf16(src, dst)
+}
+
+/// [`Kernels::narrow_bf16`] with the [detected](Kernels::detected) kernels.
+///
+/// # Panics
+///
+/// If the lengths differ.
+pub fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    Kernels::detected().narrow_bf16(src, dst)
+}
+
+/// [`Kernels::scale_add`] with the [detected](Kernels::detected) kernels: `acc[i] += w * x[i]`.
+///
+/// # Panics
+///
+/// If the lengths differ.
+pub fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {
+    Kernels::detected().scale_add(w, x, acc)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every level's conversions and `scale_add` give exactly the reference's bits (half's
+    /// `bf16::from_f32` / `to_f32`, a product and a sum), on every length up to 100 (the
+    /// vector tails) and on values that take every rounding path: NaNs of any payload,
+    /// infinities, subnormals, ties.
+    #[test]
+    fn conversions_and_scale_add_match_the_reference_on_every_level() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 32) as u32
+        };
+        let special = [
+            0u32,
+            0x8000_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0001,
+            0xffa0_1234,
+            0x0000_8000,
+            0x0001_8000,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x0000_0001,
+            0x007f_ffff,
+            0x7f7f_ffff,
+        ];
+        for k in SimdLevel::available().into_iter().filter_map(Kernels::for_level) {
+            for len in 0..100usize {
+                let bits: Vec<u32> = (0..len).map(|i| if i % 3 == 0 { special[i / 3 % special.len()] } else { next() }).collect();
+                let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+                let mut got = vec![bf16::ZERO; len];
+                k.narrow_bf16(&x, &mut got);
+                for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        bf16::from_f32(v).to_bits(),
+                        "{:?} narrow {:#010x} (index {i} of {len})",
+                        k.level(),
+                        v.to_bits()
+                    );
+                }
+                let mut wide = vec![0f32; len];
+                k.widen_bf16(&got, &mut wide);
+                for (&w, &g) in wide.iter().zip(&got) {
+                    assert_eq!(w.to_bits(), g.to_f32().to_bits(), "{:?} widen {:#06x}", k.level(), g.to_bits());
+                }
+                let y: Vec<f32> = (0..len).map(|_| f32::from_bits(next() & 0xbfff_ffff)).collect();
+                let w = f32::from_bits(0x3f00_0000 | (next() & 0x007f_ffff));
+                let mut acc = y.clone();
+                k.scale_add(w, &x, &mut acc);
+                for i in 0..len {
+                    let want = y[i] + w * x[i];
+                    assert!(acc[i].to_bits() == want.to_bits() || (acc[i].is_nan() && want.is_nan()), "{:?} scale_add at {i}", k.level());
+                }
+            }
+        }
+    }
 
     #[test]
     fn tags_round_trip() {

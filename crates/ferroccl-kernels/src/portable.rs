@@ -6,7 +6,7 @@
 //! AVX-512 kernels of the types without hand-written intrinsics (f64 and the integers).
 
 use crate::arith::Arith;
-use crate::ReduceOp;
+use crate::{bf16, ReduceOp};
 
 /// Elements per block of `reduce_many`.
 const BLOCK: usize = 256;
@@ -94,4 +94,34 @@ pub(crate) fn reduce_many_at<T: Arith>(op: ReduceOp, srcs: &[&[T]], i: usize) ->
         acc = T::acc_div(acc, srcs.len());
     }
     T::narrow(acc)
+}
+
+/// `dst[i] = src[i]` as f32 (exact: bf16 is the top half of an f32).
+pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_bf16: lengths differ");
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+    }
+}
+
+/// `dst[i] = src[i]` rounded to bf16 as `bf16::from_f32` rounds (to nearest, ties to even;
+/// subnormals kept; a NaN keeps its top half with the quiet bit set), branch-free so that
+/// it vectorizes.
+pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len(), "narrow_bf16: lengths differ");
+    for (d, &x) in dst.iter_mut().zip(src) {
+        let b = x.to_bits();
+        let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+        let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+        *d = bf16::from_bits(if nan { ((b >> 16) | 0x40) as u16 } else { rounded as u16 });
+    }
+}
+
+/// `acc[i] += w * x[i]`: a product, then a sum, each rounded (no fused multiply-add, so
+/// every level gives the same bits).
+pub(crate) fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {
+    assert_eq!(x.len(), acc.len(), "scale_add: lengths differ");
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * v;
+    }
 }

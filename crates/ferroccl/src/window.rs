@@ -286,6 +286,14 @@ impl<'s> Window<'s> {
         self.region.write_at(start, bytemuck::cast_slice(src)).map_err(|e| Error::invalid(format!("window write: {e}")))
     }
 
+    /// Runs `f` on a view of the whole window (crate-internal: the low-latency MoE parses
+    /// its peers' messages in place). The window's range lock is held while `f` runs: an
+    /// owner-served write into it (a `PUT`) waits until `f` returns; peers that write a
+    /// shared window directly do not, so `f` must only read what a signal already covers.
+    pub(crate) fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.region.with_slice(0, self.region.len(), f).map_err(|e| Error::invalid(format!("window read: {e}")))
+    }
+
     /// The value of member `source`'s signal word in this window's header (an allocated,
     /// shared window; see [`MappedWindow`]); `None` for a registered window or a source
     /// past the header's words.

@@ -162,3 +162,27 @@ pub(crate) fn finish_avg_generic<T: Arith>(level: Level, acc: &mut [T], n: usize
         unsafe { avx512::finish_avg_generic(acc, n) }
     }
 }
+
+/// A portable kernel compiled for `level` (AVX2, or AVX-512 for both AVX-512 levels).
+macro_rules! compiled_for {
+    ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* )) => {
+        $(#[$doc])*
+        pub(crate) fn $name(level: Level, $($arg: $ty),*) {
+            if level.0 == Inner::Avx2 {
+                // SAFETY: `Level(Avx2)` exists only after AVX2 and F16C were detected.
+                unsafe { avx2::$name($($arg),*) }
+            } else {
+                // SAFETY: the other levels exist only after AVX-512 F/BW/VL/DQ, AVX2 and F16C
+                // were detected.
+                unsafe { avx512::$name($($arg),*) }
+            }
+        }
+    };
+}
+
+compiled_for!(/// bf16 -> f32 widening.
+    widen_bf16(src: &[bf16], dst: &mut [f32]));
+compiled_for!(/// f32 -> bf16 narrowing.
+    narrow_bf16(src: &[f32], dst: &mut [bf16]));
+compiled_for!(/// `acc[i] += w * x[i]`.
+    scale_add(w: f32, x: &[f32], acc: &mut [f32]));

@@ -500,15 +500,22 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         self.finish_dispatch(step, n, sent).map(Ok)
     }
 
-    /// Parses the dispatch messages of every source in `recv` (`recv_at`), checks their
-    /// headers, groups the rows; the object goes to `Dispatched`.
+    /// Parses the dispatch messages of every source (`recv_at`, see
+    /// [`Moe::with_received`]), checks their headers, groups the rows; the object goes to
+    /// `Dispatched`.
     fn finish_dispatch(&mut self, seq: u64, n: usize, sent: Vec<Vec<u32>>) -> Result<Dispatched<T>> {
+        self.with_received(Which::Dispatch, |moe, bytes| moe.finish_dispatch_in(bytes, seq, n, sent))
+    }
+
+    fn finish_dispatch_in(&mut self, recv: &[u8], seq: u64, n: usize, sent: Vec<Vec<u32>>) -> Result<Dispatched<T>> {
         let (me, shape) = (self.me(), self.shape);
         let rb = shape.row_bytes::<T>();
         let mut received = Vec::with_capacity(self.recv_at.len());
         let mut bad = Vec::new();
         for (s, &(at, len)) in self.recv_at.iter().enumerate() {
-            let msg = &self.recv[at..at + len];
+            let msg = recv
+                .get(at..at + len)
+                .ok_or_else(|| Error::internal(format!("rank {me}: moe dispatch: message {s} past the received bytes")))?;
             let h = route::parse_header(msg, Kind::Dispatch).map_err(|e| invalid(me, "dispatch", format!("from rank {s}: {e}")))?;
             if let Some(b) = h.bad {
                 bad.push(format!("rank {s}'s input is bad: {b}"));
@@ -585,8 +592,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         Ok(())
     }
 
-    /// Reads the messages of every peer's region of `window` (region bytes `region`) into
-    /// `recv`, after waiting for each peer's signal `seq`.
+    /// Waits for every peer's signal `seq` on this rank's dispatch (or combine) window, then
+    /// points `recv_at` at each source's message there: read in place (see
+    /// [`Moe::with_received`]), not copied out.
     fn ll_gather(&mut self, combine: bool, seq: u64, kind: Kind) -> Result<()> {
         let (me, size) = (self.me(), self.comm.size());
         let ll = windows(&self.ll, me)?;
@@ -594,9 +602,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             false => (&ll.dispatch, ll.dregion),
             true => (&ll.combine, ll.cregion),
         };
-        // `recv` only grows (no zero fill per step); `recv_at` says what this step read.
         self.recv_at.clear();
-        let mut at = 0;
         let mut head = [0u8; HEADER_BYTES];
         let which = if combine { Which::Combine } else { Which::Dispatch };
         self.signals.wait_all(self.comm, window, which, seq)?;
@@ -608,14 +614,36 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 true => self.shape.combine_bytes::<T>(count),
             };
             let len = len.filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
-            if self.recv.len() < at + len {
-                self.recv.resize(at + len, 0);
-            }
-            window.read(s * region, &mut self.recv[at..at + len])?;
-            self.recv_at.push((at, len));
-            at += len;
+            self.recv_at.push((s * region, len));
         }
         Ok(())
+    }
+
+    /// Runs `f` on the bytes this step's `recv_at` points into: `recv` (throughput mode),
+    /// or this rank's `which` window itself (low latency: its messages are parsed where
+    /// the peers wrote them, a copy of every received row saved; the window's range lock
+    /// is held while `f` runs, and no peer writes the window again before this rank's
+    /// next send).
+    fn with_received<R>(&mut self, which: Which, f: impl FnOnce(&mut Self, &[u8]) -> Result<R>) -> Result<R> {
+        match self.mode {
+            MoeMode::Throughput => {
+                let recv = std::mem::take(&mut self.recv);
+                let r = f(self, &recv);
+                self.recv = recv;
+                r
+            }
+            MoeMode::LowLatency => {
+                let me = self.me();
+                let ll = self.ll.take().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
+                let window = match which {
+                    Which::Dispatch => &ll.dispatch,
+                    Which::Combine => &ll.combine,
+                };
+                let r = window.with_bytes(|bytes| f(self, bytes));
+                self.ll = Some(ll);
+                r?
+            }
+        }
     }
 
     /// Sends the gate-weighted sums of `expert_out` (the rows of [`Dispatched::tokens`]
@@ -800,24 +828,29 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
         let mut acc = std::mem::take(&mut moe.acc);
         acc.clear();
         acc.resize(handle.n * h, 0.0);
-        let mut bad = Vec::new();
-        for (d, &(at, len)) in moe.recv_at.iter().enumerate() {
-            let msg = &moe.recv[at..at + len];
-            let hd = route::parse_header(msg, Kind::Combine).map_err(|e| invalid(me, "combine", format!("from rank {d}: {e}")))?;
-            if let Some(b) = hd.bad {
-                bad.push(format!("rank {d}'s input is bad: {b}"));
-                continue;
+        let bad = moe.with_received(Which::Combine, |moe, recv| {
+            let mut bad = Vec::new();
+            for (d, &(at, len)) in moe.recv_at.iter().enumerate() {
+                let msg = recv
+                    .get(at..at + len)
+                    .ok_or_else(|| Error::internal(format!("rank {me}: moe combine: message {d} past the received bytes")))?;
+                let hd = route::parse_header(msg, Kind::Combine).map_err(|e| invalid(me, "combine", format!("from rank {d}: {e}")))?;
+                if let Some(b) = hd.bad {
+                    bad.push(format!("rank {d}'s input is bad: {b}"));
+                    continue;
+                }
+                let want = handle.sent.get(d).map_or(0, Vec::len);
+                if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
+                    return Err(invalid(
+                        me,
+                        "combine",
+                        format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
+                    ));
+                }
+                route::accumulate::<T>(h, &mut acc, &handle.sent[d], &msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
             }
-            let want = handle.sent.get(d).map_or(0, Vec::len);
-            if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
-                return Err(invalid(
-                    me,
-                    "combine",
-                    format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
-                ));
-            }
-            route::accumulate::<T>(h, &mut acc, &handle.sent[d], &msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
-        }
+            Ok(bad)
+        })?;
         if !bad.is_empty() {
             // Throughput: every rank saw the status and fails alike, the object goes on.
             if moe.mode == MoeMode::Throughput {
