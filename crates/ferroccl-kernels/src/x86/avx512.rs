@@ -337,20 +337,4 @@ pub(crate) fn finish_avg_generic<T: Arith>(acc: &mut [T], n: usize) {
     portable::finish_avg(acc, n)
 }
 
-/// The portable bf16 widening compiled for AVX-512.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
-pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    portable::widen_bf16(src, dst)
-}
-
-/// The portable bf16 narrowing compiled for AVX-512.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
-pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
-    portable::narrow_bf16(src, dst)
-}
-
-/// The portable `scale_add` compiled for AVX-512.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
-pub(crate) fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {
-    portable::scale_add(w, x, acc)
-}
+super::portable_rows!("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c", "AVX-512");

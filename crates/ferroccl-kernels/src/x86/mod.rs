@@ -163,6 +163,31 @@ pub(crate) fn finish_avg_generic<T: Arith>(level: Level, acc: &mut [T], n: usize
     }
 }
 
+/// Stamps out, in a level's module, the portable row kernels (bf16 widening and narrowing,
+/// `scale_add`) compiled with that level's features.
+macro_rules! portable_rows {
+    ($feat:literal, $lvl:literal) => {
+        #[doc = concat!("The portable bf16 widening compiled for ", $lvl, ".")]
+        #[target_feature(enable = $feat)]
+        pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+            portable::widen_bf16(src, dst)
+        }
+
+        #[doc = concat!("The portable bf16 narrowing compiled for ", $lvl, ".")]
+        #[target_feature(enable = $feat)]
+        pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+            portable::narrow_bf16(src, dst)
+        }
+
+        #[doc = concat!("The portable `scale_add` compiled for ", $lvl, ".")]
+        #[target_feature(enable = $feat)]
+        pub(crate) fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {
+            portable::scale_add(w, x, acc)
+        }
+    };
+}
+pub(crate) use portable_rows;
+
 /// A portable kernel compiled for `level` (AVX2, or AVX-512 for both AVX-512 levels).
 macro_rules! compiled_for {
     ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* )) => {

@@ -163,6 +163,16 @@ struct Ll {
     cregion: usize,
 }
 
+impl Ll {
+    /// This rank's `which` window and the bytes of one source's region of it.
+    fn window(&self, which: Which) -> (&Window<'static>, usize) {
+        match which {
+            Which::Dispatch => (&self.dispatch, self.dregion),
+            Which::Combine => (&self.combine, self.cregion),
+        }
+    }
+}
+
 /// One layer's MoE dispatch / combine on a communicator; see the [module
 /// documentation](self).
 #[derive(Debug)]
@@ -512,15 +522,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let rb = shape.row_bytes::<T>();
         let mut received = Vec::with_capacity(self.recv_at.len());
         let mut bad = Vec::new();
-        for (s, &(at, len)) in self.recv_at.iter().enumerate() {
-            let msg = recv
-                .get(at..at + len)
-                .ok_or_else(|| Error::internal(format!("rank {me}: moe dispatch: message {s} past the received bytes")))?;
-            let h = route::parse_header(msg, Kind::Dispatch).map_err(|e| invalid(me, "dispatch", format!("from rank {s}: {e}")))?;
-            if let Some(b) = h.bad {
-                bad.push(format!("rank {s}'s input is bad: {b}"));
-                continue;
-            }
+        for (s, &at) in self.recv_at.iter().enumerate() {
+            let Some((msg, h)) = message(recv, at, s, me, Kind::Dispatch, &mut bad)? else { continue };
             if h.seq != seq {
                 return Err(invalid(
                     me,
@@ -595,23 +598,18 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// Waits for every peer's signal `seq` on this rank's dispatch (or combine) window, then
     /// points `recv_at` at each source's message there: read in place (see
     /// [`Moe::with_received`]), not copied out.
-    fn ll_gather(&mut self, combine: bool, seq: u64, kind: Kind) -> Result<()> {
+    fn ll_gather(&mut self, which: Which, seq: u64) -> Result<()> {
         let (me, size) = (self.me(), self.comm.size());
-        let ll = windows(&self.ll, me)?;
-        let (window, region) = match combine {
-            false => (&ll.dispatch, ll.dregion),
-            true => (&ll.combine, ll.cregion),
-        };
+        let (window, region) = windows(&self.ll, me)?.window(which);
         self.recv_at.clear();
         let mut head = [0u8; HEADER_BYTES];
-        let which = if combine { Which::Combine } else { Which::Dispatch };
         self.signals.wait_all(self.comm, window, which, seq)?;
         for s in 0..size {
             window.read(s * region, &mut head)?;
-            let count = route::parse_header(&head, kind).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
-            let len = match combine {
-                false => self.shape.dispatch_bytes::<T>(count),
-                true => self.shape.combine_bytes::<T>(count),
+            let count = route::parse_header(&head, which.kind()).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
+            let len = match which {
+                Which::Dispatch => self.shape.dispatch_bytes::<T>(count),
+                Which::Combine => self.shape.combine_bytes::<T>(count),
             };
             let len = len.filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
             self.recv_at.push((s * region, len));
@@ -633,13 +631,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 r
             }
             MoeMode::LowLatency => {
-                let me = self.me();
-                let ll = self.ll.take().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))?;
-                let window = match which {
-                    Which::Dispatch => &ll.dispatch,
-                    Which::Combine => &ll.combine,
-                };
-                let r = window.with_bytes(|bytes| f(self, bytes));
+                let ll = self.ll.take().ok_or_else(|| no_windows(self.me()))?;
+                let r = ll.window(which).0.with_bytes(|bytes| f(self, bytes));
                 self.ll = Some(ll);
                 r?
             }
@@ -767,11 +760,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// window has landed (a rank that failed on its own input waits so before returning,
     /// so that no write is left in flight into windows it may drop).
     fn ll_drain(&self, which: Which, seq: u64) -> Result<()> {
-        let ll = windows(&self.ll, self.me())?;
-        let w = match which {
-            Which::Dispatch => &ll.dispatch,
-            Which::Combine => &ll.combine,
-        };
+        let (w, _) = windows(&self.ll, self.me())?.window(which);
         self.signals.wait_all(self.comm, w, which, seq)
     }
 
@@ -804,7 +793,7 @@ impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
             State::DispatchSent { seq, sent, n } => (seq, sent, n),
             _ => return Err(Error::internal(format!("rank {}: moe dispatch: a pending dispatch in another state", moe.me()))),
         };
-        moe.ll_gather(false, seq, Kind::Dispatch)?;
+        moe.ll_gather(Which::Dispatch, seq)?;
         moe.finish_dispatch(seq, n, sent)
     }
 }
@@ -822,7 +811,7 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             _ => return Err(Error::internal(format!("rank {me}: moe combine: a pending combine in another state"))),
         };
         if moe.mode == MoeMode::LowLatency {
-            moe.ll_gather(true, seq, Kind::Combine)?;
+            moe.ll_gather(Which::Combine, seq)?;
         }
         let (h, rb) = (moe.shape.hidden, moe.shape.row_bytes::<T>());
         let mut acc = std::mem::take(&mut moe.acc);
@@ -830,15 +819,8 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
         acc.resize(handle.n * h, 0.0);
         let bad = moe.with_received(Which::Combine, |moe, recv| {
             let mut bad = Vec::new();
-            for (d, &(at, len)) in moe.recv_at.iter().enumerate() {
-                let msg = recv
-                    .get(at..at + len)
-                    .ok_or_else(|| Error::internal(format!("rank {me}: moe combine: message {d} past the received bytes")))?;
-                let hd = route::parse_header(msg, Kind::Combine).map_err(|e| invalid(me, "combine", format!("from rank {d}: {e}")))?;
-                if let Some(b) = hd.bad {
-                    bad.push(format!("rank {d}'s input is bad: {b}"));
-                    continue;
-                }
+            for (d, &at) in moe.recv_at.iter().enumerate() {
+                let Some((msg, hd)) = message(recv, at, d, me, Kind::Combine, &mut bad)? else { continue };
                 let want = handle.sent.get(d).map_or(0, Vec::len);
                 if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
                     return Err(invalid(
@@ -889,5 +871,33 @@ fn pack_dispatch_to<T: MoeFloat>(
 /// A low-latency object's windows (an internal error for a throughput object); a free
 /// function over the field, so that the other fields stay borrowable.
 fn windows(ll: &Option<Ll>, me: usize) -> Result<&Ll> {
-    ll.as_ref().ok_or_else(|| Error::internal(format!("rank {me}: moe: a low-latency object without windows")))
+    ll.as_ref().ok_or_else(|| no_windows(me))
+}
+
+fn no_windows(me: usize) -> Error {
+    Error::internal(format!("rank {me}: moe: a low-latency object without windows"))
+}
+
+/// Source `s`'s message at `(at, len)` of `recv` and its header; a source whose input was
+/// bad is added to `bad` and gives `None`.
+fn message<'b>(
+    recv: &'b [u8],
+    (at, len): (usize, usize),
+    s: usize,
+    me: usize,
+    kind: Kind,
+    bad: &mut Vec<String>,
+) -> Result<Option<(&'b [u8], route::Header)>> {
+    let call = match kind {
+        Kind::Dispatch => "dispatch",
+        Kind::Combine => "combine",
+    };
+    let msg =
+        recv.get(at..at + len).ok_or_else(|| Error::internal(format!("rank {me}: moe {call}: message {s} past the received bytes")))?;
+    let h = route::parse_header(msg, kind).map_err(|e| invalid(me, call, format!("from rank {s}: {e}")))?;
+    if let Some(b) = h.bad {
+        bad.push(format!("rank {s}'s input is bad: {b}"));
+        return Ok(None);
+    }
+    Ok(Some((msg, h)))
 }

@@ -20,6 +20,7 @@
 
 use std::ops::Range;
 
+use super::route::Kind;
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::window::{MappedWindow, RemoteHandle, Window};
@@ -29,6 +30,16 @@ use crate::window::{MappedWindow, RemoteHandle, Window};
 pub(crate) enum Which {
     Dispatch,
     Combine,
+}
+
+impl Which {
+    /// The kind of the messages the window holds.
+    pub(crate) fn kind(self) -> Kind {
+        match self {
+            Which::Dispatch => Kind::Dispatch,
+            Which::Combine => Kind::Combine,
+        }
+    }
 }
 
 /// An object's signal slot, the value of its last send, and the direct pairs.
