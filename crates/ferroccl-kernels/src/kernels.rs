@@ -101,6 +101,20 @@ fn same_mut<T: Element, U: Element>(s: &mut [T]) -> &mut [U] {
     bytemuck::cast_slice_mut(s)
 }
 
+fn same_weighted<'a, T: Element, U: Element>(srcs: &[(&'a [T], f32)], f: impl FnOnce(&[(&'a [U], f32)])) {
+    const STACK: usize = 16;
+    if srcs.len() <= STACK {
+        let mut arr: [(&[U], f32); STACK] = [(&[], 0.0); STACK];
+        for (a, &(s, w)) in arr.iter_mut().zip(srcs) {
+            *a = (bytemuck::cast_slice(s), w);
+        }
+        f(&arr[..srcs.len()])
+    } else {
+        let v: Vec<(&[U], f32)> = srcs.iter().map(|&(s, w)| (bytemuck::cast_slice(s), w)).collect();
+        f(&v)
+    }
+}
+
 fn same_srcs<'a, T: Element, U: Element>(srcs: &[&'a [T]], f: impl FnOnce(&[&'a [U]])) {
     const STACK: usize = 16;
     if srcs.len() <= STACK {
@@ -229,6 +243,37 @@ impl Kernels {
     pub fn scale_add(self, w: f32, x: &[f32], acc: &mut [f32]) {
         assert_eq!(x.len(), acc.len(), "scale_add: lengths differ");
         level_dispatch!(self, portable::scale_add(w, x, acc), l => x86::scale_add(l, w, x, acc))
+    }
+
+    /// `out[i] = round_T(0 + w_0 · x_0[i] + w_1 · x_1[i] + ...)` for the `(x_k, w_k)` of
+    /// `srcs` in order, in f32: each product and each sum rounded to f32 (never fused), so
+    /// every level gives the bits of the per-element loop; the one rounding to `T` at the
+    /// end as [`Kernels::narrow_bf16`] (bf16) or the reference (f16) rounds. With no source,
+    /// zeros. For `f32`, `f16` and `bf16`.
+    ///
+    /// # Panics
+    ///
+    /// If a source's length differs from `out.len()`, or `T` is not a float of 32 bits or
+    /// fewer.
+    pub fn weighted_sum<T: Element>(self, srcs: &[(&[T], f32)], out: &mut [T]) {
+        for (s, _) in srcs {
+            assert_eq!(s.len(), out.len(), "weighted_sum: a source's length differs from out's");
+        }
+        match T::DTYPE {
+            DType::F32 => same_weighted(
+                srcs,
+                |s| level_dispatch!(self, portable::weighted_sum(s, same_mut(out)), l => x86::weighted_sum_f32(l, s, same_mut(out))),
+            ),
+            DType::F16 => same_weighted(
+                srcs,
+                |s| level_dispatch!(self, portable::weighted_sum(s, same_mut(out)), l => x86::weighted_sum_f16(l, s, same_mut(out))),
+            ),
+            DType::Bf16 => same_weighted(
+                srcs,
+                |s| level_dispatch!(self, portable::weighted_sum(s, same_mut(out)), l => x86::weighted_sum_bf16(l, s, same_mut(out))),
+            ),
+            d => panic!("weighted_sum: {} is not f32, f16 or bf16", d.name()),
+        }
     }
 
     fn into_f32(self, op: ReduceOp, acc: &mut [f32], src: &[f32]) {

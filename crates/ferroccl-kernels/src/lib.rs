@@ -281,6 +281,16 @@ pub fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {
     Kernels::detected().scale_add(w, x, acc)
 }
 
+/// [`Kernels::weighted_sum`] with the [detected](Kernels::detected) kernels:
+/// `out[i] = round_T(Σ_k w_k · x_k[i])` in f32, in order.
+///
+/// # Panics
+///
+/// If a source's length differs from `out.len()`, or `T` is not `f32`, `f16` or `bf16`.
+pub fn weighted_sum<T: Element>(srcs: &[(&[T], f32)], out: &mut [T]) {
+    Kernels::detected().weighted_sum(srcs, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,6 +350,52 @@ mod tests {
                     assert!(acc[i].to_bits() == want.to_bits() || (acc[i].is_nan() && want.is_nan()), "{:?} scale_add at {i}", k.level());
                 }
             }
+        }
+    }
+
+    /// `weighted_sum` on every level gives the per-element loop's bits (a NaN result: a
+    /// NaN) for f32, f16 and bf16, 0 to 4 sources, every length up to 100, special values
+    /// (NaN, infinities, subnormals, ties) among random ones.
+    #[test]
+    fn weighted_sums_match_the_per_element_loop_on_every_level() {
+        fn check<T: Element + crate::arith::Arith<Acc = f32>>(k: Kernels, from: impl Fn(u32) -> T, next: &mut impl FnMut() -> u32) {
+            let special = [0u32, 0x8000_0000, 0x7f80_0000, 0xff80_0000, 0x7fc0_0001, 0x0000_8000, 0x3f80_8000, 0x0000_0001, 0x7f7f_ffff];
+            for sources in 0..5usize {
+                for len in 0..100usize {
+                    let rows: Vec<Vec<T>> = (0..sources)
+                        .map(|s| {
+                            (0..len).map(|i| from(if (i + s) % 7 == 0 { special[(i / 7 + s) % special.len()] } else { next() })).collect()
+                        })
+                        .collect();
+                    let weights: Vec<f32> = (0..sources).map(|_| f32::from_bits(0x3e00_0000 | (next() & 0x01ff_ffff))).collect();
+                    let srcs: Vec<(&[T], f32)> = rows.iter().zip(&weights).map(|(r, &w)| (&r[..], w)).collect();
+                    let mut got: Vec<T> = vec![from(0x3f80_0000); len];
+                    k.weighted_sum(&srcs, &mut got);
+                    for i in 0..len {
+                        let mut acc = 0.0f32;
+                        for &(r, w) in &srcs {
+                            acc += w * r[i].widen();
+                        }
+                        let (g, want) = (got[i].widen(), T::narrow(acc).widen());
+                        assert!(
+                            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                            "{:?} {} weighted_sum of {sources} at {i} of {len}: {g} want {want}",
+                            k.level(),
+                            T::DTYPE.name()
+                        );
+                    }
+                }
+            }
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 32) as u32
+        };
+        for k in SimdLevel::available().into_iter().filter_map(Kernels::for_level) {
+            check::<f32>(k, f32::from_bits, &mut next);
+            check::<bf16>(k, |b| bf16::from_f32(f32::from_bits(b)), &mut next);
+            check::<f16>(k, |b| f16::from_f32(f32::from_bits(b)), &mut next);
         }
     }
 

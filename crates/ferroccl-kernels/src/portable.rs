@@ -117,6 +117,24 @@ pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
     }
 }
 
+/// `out[i] = round(0 + w_0 · x_0[i] + w_1 · x_1[i] + ...)` in f32, each product and sum
+/// rounded, in the order of `srcs`.
+pub(crate) fn weighted_sum<T: Arith<Acc = f32>>(srcs: &[(&[T], f32)], out: &mut [T]) {
+    assert!(srcs.iter().all(|(s, _)| s.len() == out.len()), "weighted_sum: a source's length differs from out's");
+    weighted_sum_from(srcs, out, 0)
+}
+
+/// [`weighted_sum`] of the elements from `start` on (the SIMD kernels' tails).
+pub(crate) fn weighted_sum_from<T: Arith<Acc = f32>>(srcs: &[(&[T], f32)], out: &mut [T], start: usize) {
+    for (j, o) in out.iter_mut().enumerate().skip(start) {
+        let mut acc = 0.0f32;
+        for &(s, w) in srcs {
+            acc += w * s[j].widen();
+        }
+        *o = T::narrow(acc);
+    }
+}
+
 /// `acc[i] += w * x[i]`: a product, then a sum, each rounded (no fused multiply-add, so
 /// every level gives the same bits).
 pub(crate) fn scale_add(w: f32, x: &[f32], acc: &mut [f32]) {

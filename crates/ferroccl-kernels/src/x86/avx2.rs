@@ -270,6 +270,47 @@ macro_rules! kernels {
             }
         }
 
+        /// `out[i] = round(0 + w_0 · x_0[i] + w_1 · x_1[i] + ...)` for `(x_k, w_k)` in
+        /// `srcs`, in f32, each product and sum rounded (never fused), in order.
+        #[target_feature(enable = $feat)]
+        pub(crate) fn weighted_sum(srcs: &[(&[$T], f32)], out: &mut [$T]) {
+            let n = out.len();
+            assert!(srcs.iter().all(|(s, _)| s.len() == n));
+            let o = out.as_mut_ptr();
+            let z = _mm256_setzero_ps();
+            let step = |a: Block, w: __m256, x: Block| {
+                (_mm256_add_ps(a.0, _mm256_mul_ps(w, x.0)), _mm256_add_ps(a.1, _mm256_mul_ps(w, x.1)))
+            };
+            let mut i = 0;
+            while i + 2 * LANES <= n {
+                // SAFETY: i + 32 <= n and every source and `out` hold n elements; `out` is
+                // exclusively borrowed, so it overlaps no source.
+                unsafe {
+                    let (mut a0, mut a1) = ((z, z), (z, z));
+                    for &(s, w) in srcs {
+                        let (p, w) = (s.as_ptr(), _mm256_set1_ps(w));
+                        a0 = step(a0, w, $ld(p.add(i)));
+                        a1 = step(a1, w, $ld(p.add(i + LANES)));
+                    }
+                    $st(o.add(i), a0);
+                    $st(o.add(i + LANES), a1);
+                }
+                i += 2 * LANES;
+            }
+            while i + LANES <= n {
+                // SAFETY: i + 16 <= n: all 16 elements are in bounds of every source and of `out`.
+                unsafe {
+                    let mut a = (z, z);
+                    for &(s, w) in srcs {
+                        a = step(a, _mm256_set1_ps(w), $ld(s.as_ptr().add(i)));
+                    }
+                    $st(o.add(i), a);
+                }
+                i += LANES;
+            }
+            portable::weighted_sum_from(srcs, out, i);
+        }
+
         /// `acc[i] = acc[i] / n` in f32, rounded once.
         #[target_feature(enable = $feat)]
         pub(crate) fn finish_avg(acc: &mut [$T], n: usize) {

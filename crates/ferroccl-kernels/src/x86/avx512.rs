@@ -282,6 +282,45 @@ macro_rules! kernels {
             }
         }
 
+        /// `out[i] = round(0 + w_0 · x_0[i] + w_1 · x_1[i] + ...)` for `(x_k, w_k)` in
+        /// `srcs`, in f32, each product and sum rounded (never fused), in order.
+        #[target_feature(enable = $feat)]
+        pub(crate) fn weighted_sum(srcs: &[(&[$T], f32)], out: &mut [$T]) {
+            let n = out.len();
+            assert!(srcs.iter().all(|(s, _)| s.len() == n));
+            let o = out.as_mut_ptr();
+            let z = _mm512_setzero_ps();
+            let mut i = 0;
+            while i + 2 * LANES <= n {
+                // SAFETY: i + 32 <= n and every source and `out` hold n elements; `out` is
+                // exclusively borrowed, so it overlaps no source.
+                unsafe {
+                    let (mut a0, mut a1) = (z, z);
+                    for &(s, w) in srcs {
+                        let (p, w) = (s.as_ptr(), _mm512_set1_ps(w));
+                        a0 = _mm512_add_ps(a0, _mm512_mul_ps(w, $ld(p.add(i), FULL)));
+                        a1 = _mm512_add_ps(a1, _mm512_mul_ps(w, $ld(p.add(i + LANES), FULL)));
+                    }
+                    $st(o.add(i), FULL, a0);
+                    $st(o.add(i + LANES), FULL, a1);
+                }
+                i += 2 * LANES;
+            }
+            while i < n {
+                let k = tail_mask(n - i);
+                // SAFETY: i < n, and k enables only the lanes i..min(i + 16, n), in bounds of
+                // every source and of `out`.
+                unsafe {
+                    let mut a = z;
+                    for &(s, w) in srcs {
+                        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(w), $ld(s.as_ptr().add(i), k)));
+                    }
+                    $st(o.add(i), k, a);
+                }
+                i += LANES;
+            }
+        }
+
         /// `acc[i] = acc[i] / n` in f32, rounded once.
         #[target_feature(enable = $feat)]
         pub(crate) fn finish_avg(acc: &mut [$T], n: usize) {

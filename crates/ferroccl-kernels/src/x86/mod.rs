@@ -130,6 +130,13 @@ entry!(/// f16 `finish_avg`.
 entry!(/// bf16 `finish_avg`.
     finish_avg_bf16 => bf16k / bf16k_native :: finish_avg(acc: &mut [bf16], n: usize));
 
+entry!(/// f32 `weighted_sum`.
+    weighted_sum_f32 => f32k / f32k :: weighted_sum(srcs: &[(&[f32], f32)], out: &mut [f32]));
+entry!(/// f16 `weighted_sum`.
+    weighted_sum_f16 => f16k / f16k :: weighted_sum(srcs: &[(&[f16], f32)], out: &mut [f16]));
+entry!(/// bf16 `weighted_sum`.
+    weighted_sum_bf16 => bf16k / bf16k_native :: weighted_sum(srcs: &[(&[bf16], f32)], out: &mut [bf16]));
+
 /// The portable `reduce_into` compiled for `level`.
 pub(crate) fn reduce_into_generic<T: Arith>(level: Level, op: ReduceOp, acc: &mut [T], src: &[T]) {
     if level.0 == Inner::Avx2 {

@@ -189,8 +189,8 @@ pub struct Moe<'c, T: MoeFloat> {
     /// Reused between steps: packed messages going out, and coming in.
     send: Vec<u8>,
     recv: Vec<u8>,
-    /// Scratch of combine's sums in `f32` (reused).
-    acc: Vec<f32>,
+    /// Scratch of combine's sums: (token, destination, row) (reused).
+    order: Vec<(u32, u32, u32)>,
     /// Byte ranges of `recv` per peer.
     recv_at: Vec<(usize, usize)>,
     /// Rows the last dispatch received from each source, and sent to each destination.
@@ -355,7 +355,7 @@ impl Communicator {
             ll,
             send: Vec::new(),
             recv: Vec::new(),
-            acc: Vec::new(),
+            order: Vec::new(),
             recv_at: Vec::new(),
             last_recv: vec![0; size],
             last_sent: vec![0; size],
@@ -711,7 +711,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 (None, _) => {
                     route::pack_header(&mut self.send, Kind::Combine, seq, c, None);
                     let rows = row..row + c;
-                    route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, rows, &mut self.acc, &mut self.send);
+                    route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, rows, &mut self.send);
                     row += c;
                 }
             }
@@ -814,13 +814,15 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             moe.ll_gather(Which::Combine, seq)?;
         }
         let (h, rb) = (moe.shape.hidden, moe.shape.row_bytes::<T>());
-        let mut acc = std::mem::take(&mut moe.acc);
-        acc.clear();
-        acc.resize(handle.n * h, 0.0);
+        let want_len = handle.n * h;
         let bad = moe.with_received(Which::Combine, |moe, recv| {
             let mut bad = Vec::new();
+            let mut rows: Vec<&[u8]> = Vec::with_capacity(moe.recv_at.len());
             for (d, &at) in moe.recv_at.iter().enumerate() {
-                let Some((msg, hd)) = message(recv, at, d, me, Kind::Combine, &mut bad)? else { continue };
+                let Some((msg, hd)) = message(recv, at, d, me, Kind::Combine, &mut bad)? else {
+                    rows.push(&[]);
+                    continue;
+                };
                 let want = handle.sent.get(d).map_or(0, Vec::len);
                 if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
                     return Err(invalid(
@@ -829,7 +831,10 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
                         format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
                     ));
                 }
-                route::accumulate::<T>(h, &mut acc, &handle.sent[d], &msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
+                rows.push(&msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
+            }
+            if bad.is_empty() && out.len() == want_len {
+                route::sum_rows::<T>(h, &handle.sent, &rows, &mut moe.order, out);
             }
             Ok(bad)
         })?;
@@ -841,11 +846,9 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             return Err(invalid(me, "combine", bad.join("; ")));
         }
         moe.state = State::Idle;
-        if out.len() != acc.len() {
-            return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: acc.len() as u64 }));
+        if out.len() != want_len {
+            return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: want_len as u64 }));
         }
-        T::narrow_row(&acc, out);
-        moe.acc = acc;
         Ok(())
     }
 }

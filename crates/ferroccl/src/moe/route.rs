@@ -463,61 +463,81 @@ pub(crate) fn extend_from_bytes<T: MoeFloat>(out: &mut Vec<T>, bytes: &[u8]) {
 
 /// The expert rank's half of combine: per received row `rows` (in received order), the
 /// sum in `f32` of `w · y` over its slots in top-k order, rounded once to `T`; appended to
-/// `out` as bytes. `acc` is scratch (`hidden` elements, reused).
+/// `out` as bytes. One pass per row (`ferroccl_kernels::weighted_sum`: the products and
+/// sums of a few elements at a time stay in registers).
 pub(crate) fn partial_sums<T: MoeFloat>(
     hidden: usize,
     expert_out: &[T],
     slots: &[(u32, f32)],
     slot_at: &[usize],
     rows: std::ops::Range<usize>,
-    acc: &mut Vec<f32>,
     out: &mut Vec<u8>,
 ) {
-    // acc[..hidden]: the sum; acc[hidden..]: one expert output row widened to f32.
-    acc.resize(2 * hidden, 0.0);
-    let (sum, y32) = acc.split_at_mut(hidden);
     let size = std::mem::size_of::<T>();
+    let mut srcs: Vec<(&[T], f32)> = Vec::new();
     let mut row: Vec<T> = Vec::new();
     for i in rows {
-        sum.iter_mut().for_each(|a| *a = 0.0);
-        for &(at, w) in &slots[slot_at[i]..slot_at[i + 1]] {
-            T::widen_row(&expert_out[at as usize * hidden..(at as usize + 1) * hidden], y32);
-            ferroccl_kernels::scale_add(w, y32, sum);
-        }
+        srcs.clear();
+        srcs.extend(
+            slots[slot_at[i]..slot_at[i + 1]].iter().map(|&(at, w)| (&expert_out[at as usize * hidden..(at as usize + 1) * hidden], w)),
+        );
         let at = out.len();
         out.resize(at + hidden * size, 0);
         match bytemuck::try_cast_slice_mut::<u8, T>(&mut out[at..]) {
-            Ok(dst) => T::narrow_row(sum, dst),
+            Ok(dst) => ferroccl_kernels::weighted_sum(&srcs, dst),
             Err(_) => {
                 row.resize(hidden, T::from_f32(0.0));
-                T::narrow_row(sum, &mut row);
+                ferroccl_kernels::weighted_sum(&srcs, &mut row);
                 out[at..].copy_from_slice(as_bytes(&row));
             }
         }
     }
 }
 
-/// The origin's half of combine: `acc[t] += row` for each destination's rows, given as
-/// the bytes of `tokens.len()` rows of `T` (call it for the destinations in ascending
-/// order), `acc` in `f32`, `n × hidden`.
-pub(crate) fn accumulate<T: MoeFloat>(hidden: usize, acc: &mut [f32], tokens: &[u32], rows: &[u8]) {
+/// The origin's half of combine: `out[t]` (`hidden` elements per token, `n` tokens) is
+/// the sum in `f32`, rounded once to `T`, of token `t`'s rows from the destinations in
+/// ascending order; destination `d` sent back the rows of `tokens[d]` (its dispatch's
+/// token list, in order) as the bytes `rows[d]`. A token no destination had is zeros.
+/// `order` is scratch (reused).
+pub(crate) fn sum_rows<T: MoeFloat>(hidden: usize, tokens: &[Vec<u32>], rows: &[&[u8]], order: &mut Vec<(u32, u32, u32)>, out: &mut [T]) {
     let rb = hidden * std::mem::size_of::<T>();
-    let mut y32 = vec![0f32; hidden];
-    let mut copy: Vec<T> = Vec::new();
-    for (j, &t) in tokens.iter().enumerate() {
-        let t = t as usize;
-        let acc = &mut acc[t * hidden..(t + 1) * hidden];
-        let row = &rows[j * rb..(j + 1) * rb];
-        match bytemuck::try_cast_slice::<u8, T>(row) {
-            Ok(v) => T::widen_row(v, &mut y32),
+    // Rows viewed as `T` in place (copied where the bytes are not aligned for `T`).
+    let copies: Vec<Vec<T>> = rows
+        .iter()
+        .map(|r| match bytemuck::try_cast_slice::<u8, T>(r) {
+            Ok(_) => Vec::new(),
             Err(_) => {
-                copy.clear();
-                extend_from_bytes(&mut copy, row);
-                T::widen_row(&copy, &mut y32);
+                let mut v = Vec::new();
+                extend_from_bytes(&mut v, r);
+                v
             }
+        })
+        .collect();
+    let views: Vec<&[T]> = rows.iter().zip(&copies).map(|(r, c)| bytemuck::try_cast_slice::<u8, T>(r).unwrap_or(c.as_slice())).collect();
+    // (token, destination, row): a stable sort by token keeps the destinations ascending.
+    order.clear();
+    for (d, ts) in tokens.iter().enumerate() {
+        order.extend(
+            ts.iter()
+                .enumerate()
+                .filter(|(j, _)| (j + 1) * rb <= rows.get(d).map_or(0, |r| r.len()))
+                .map(|(j, &t)| (t, d as u32, j as u32)),
+        );
+    }
+    order.sort_by_key(|&(t, _, _)| t);
+    let mut srcs: Vec<(&[T], f32)> = Vec::new();
+    let mut next = order.iter().peekable();
+    for (t, dst) in out.chunks_exact_mut(hidden).enumerate() {
+        srcs.clear();
+        while let Some(&&(u, d, j)) = next.peek() {
+            if u as usize != t {
+                break;
+            }
+            let (d, j) = (d as usize, j as usize);
+            srcs.push((&views[d][j * hidden..(j + 1) * hidden], 1.0));
+            next.next();
         }
-        // `1 · v` is `v`: the plain sum.
-        ferroccl_kernels::scale_add(1.0, &y32, acc);
+        ferroccl_kernels::weighted_sum(&srcs, dst);
     }
 }
 
@@ -567,7 +587,7 @@ mod tests {
         let r = route(&s, n, &idx, &w);
         assert_eq!(r.tokens, vec![vec![0, 1], vec![1, 2]]);
         // Rank 0 gets tokens 0 (experts 0, 1) and 1 (expert 0); rank 1 tokens 1 (2) and 2 (3, 2).
-        let mut acc = vec![0f32; n * 2];
+        let mut partials: Vec<Vec<u8>> = Vec::new();
         for d in 0..2 {
             let mut bytes = Vec::new();
             pack_dispatch(&mut bytes, 7, 2, &r.tokens[d], &r.meta[d], &x);
@@ -587,11 +607,22 @@ mod tests {
             }
             let mut partial = Vec::new();
             let rows = g.slot_at.len() - 1;
-            partial_sums(2, &g.tokens, &g.slots, &g.slot_at, 0..rows, &mut Vec::new(), &mut partial);
-            accumulate::<f32>(2, &mut acc, &r.tokens[d], &partial);
+            partial_sums(2, &g.tokens, &g.slots, &g.slot_at, 0..rows, &mut partial);
+            partials.push(partial);
         }
+        let mut out = vec![f32::NAN; n * 2];
+        let rows: Vec<&[u8]> = partials.iter().map(|p| &p[..]).collect();
+        sum_rows::<f32>(2, &r.tokens, &rows, &mut Vec::new(), &mut out);
         let want: Vec<f32> = (0..6).map(|i| x[i] * (w[i / 2 * 2] + w[i / 2 * 2 + 1])).collect();
-        assert_eq!(acc, want);
+        assert_eq!(out, want);
+        // A token that went nowhere is zeros; misaligned rows are read too.
+        let mut out = vec![f32::NAN; 4 * 2];
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&partials[1]);
+        let rows: Vec<&[u8]> = vec![&partials[0][..], &shifted[1..]];
+        sum_rows::<f32>(2, &r.tokens, &rows, &mut Vec::new(), &mut out);
+        assert_eq!(&out[..6], &want[..]);
+        assert_eq!(&out[6..], &[0.0, 0.0]);
     }
 
     #[test]
@@ -637,7 +668,7 @@ mod tests {
         let mut out: Vec<u8> = Vec::new();
         let y = [bf16::from_f32(1.0), bf16::from_f32(1.0 / 256.0)];
         // 1 + 1/256 rounds to 1 in bf16 (8 bits of mantissa), once.
-        partial_sums(1, &y, &[(0, 1.0), (1, 1.0)], &[0, 2], 0..1, &mut Vec::new(), &mut out);
+        partial_sums(1, &y, &[(0, 1.0), (1, 1.0)], &[0, 2], 0..1, &mut out);
         assert_eq!(out, bf16::from_f32(1.0).to_le_bytes());
         // Misaligned bytes are read and written too.
         let mut grown: Vec<bf16> = Vec::new();
