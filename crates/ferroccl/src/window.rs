@@ -421,23 +421,32 @@ impl Communicator {
         (w.live() && w.writable()).then_some(MappedWindow { owner: h.owner(), w })
     }
 
-    /// Copies `src` to byte `offset` of the mapped window `m`, then raises this rank's
-    /// signal word there to `value` (Release: the owner that reads the word at `value` or
-    /// above sees the bytes), and wakes the owner if it sleeps.
+    /// Copies each `(offset, bytes)` piece into the mapped window `m`, then raises this
+    /// rank's signal word there to `value`, once, after the last piece (Release: the owner
+    /// that reads the word at `value` or above sees the bytes), and wakes the owner if it
+    /// sleeps.
     ///
     /// # Errors
     ///
     /// [`Error::Refused`] when the owner dropped the window (before or while this copied),
-    /// or the range is not inside it.
-    pub(crate) fn put_raise(&self, m: &MappedWindow, offset: usize, src: &[u8], value: u64) -> Result<()> {
+    /// or a piece is not inside it (the pieces before it are written, the word is not
+    /// raised).
+    pub(crate) fn put_parts_raise<'b>(
+        &self,
+        m: &MappedWindow,
+        parts: impl IntoIterator<Item = (usize, &'b [u8])>,
+        value: u64,
+    ) -> Result<()> {
         let me = self.rank();
         let refuse = |reason| Error::Refused { rank: me, owner: m.owner, op: Op::other("a write to a mapped window"), reason };
         if !m.w.live() {
             return Err(refuse(Refusal::NoWindow));
         }
         let word = m.w.word(me).ok_or_else(|| refuse(Refusal::OutOfRange))?;
-        if !m.w.write(offset as u64, src) {
-            return Err(refuse(Refusal::OutOfRange));
+        for (offset, src) in parts {
+            if !m.w.write(offset as u64, src) {
+                return Err(refuse(Refusal::OutOfRange));
+            }
         }
         word.fetch_max(value, Ordering::Release);
         if !m.w.live() {
@@ -452,7 +461,7 @@ impl Communicator {
     }
 
     /// Waits until the signal word of every member in `from` in this rank's own window `w`
-    /// (see [`Communicator::put_raise`]) is `value` or above; `what` names the wait in a
+    /// (see [`Communicator::put_parts_raise`]) is `value` or above; `what` names the wait in a
     /// timeout. Peers' deaths and the deadline end it as any wait.
     pub(crate) fn wait_words(&self, w: &Window<'_>, from: &[usize], value: u64, what: &str) -> Result<()> {
         let arrived = |s: usize| w.word_value(s).is_some_and(|v| v >= value);
@@ -568,7 +577,8 @@ impl Communicator {
 
     /// Several [`Communicator::put_signal_on`]s in one job: for each `(h, offset, range)`,
     /// `src[range]` is written at byte `offset` of the window `h` names, then this rank's
-    /// signal on `slot` at its owner is raised to `value`. The writes and signals to
+    /// signal on `slot` at its owner is raised to `value` (once for consecutive items to
+    /// one owner, after the last of them). The writes and signals to
     /// different owners are in flight together (one round trip in all, not one per
     /// owner); returns when every owner has raised its signal. An access that is refused
     /// fails the whole call before anything moves.
@@ -581,7 +591,7 @@ impl Communicator {
     ) -> Result<()> {
         let mut steps = Vec::with_capacity(2 * items.len());
         let mut first_op = None;
-        for (h, offset, range) in items {
+        for (i, (h, offset, range)) in items.iter().enumerate() {
             if range.end > src.len() || range.start > range.end {
                 return Err(Error::internal(format!("put_signal_many: range {range:?} outside a source of {} bytes", src.len())));
             }
@@ -593,7 +603,11 @@ impl Communicator {
                 let block = Block::contiguous(plan.len as u64);
                 steps.push(Step { op: Action::Put { peer, remote: plan.remote, offset: plan.offset, src, block }, deps: vec![] });
             }
-            steps.push(Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] });
+            // Consecutive items to one owner: one signal, after the last (a signal covers
+            // the writes to its owner before it).
+            if items.get(i + 1).is_none_or(|next| next.0.owner() != h.owner()) {
+                steps.push(Step { op: Action::Signal { peer, slot, value: Some(value) }, deps: vec![] });
+            }
             first_op.get_or_insert(op);
         }
         let Some(op) = first_op else { return Ok(()) };

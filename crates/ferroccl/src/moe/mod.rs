@@ -115,8 +115,15 @@ pub struct MoeHandle {
     counts: Vec<usize>,
     slots: Vec<(u32, f32)>,
     slot_at: Vec<usize>,
+    /// Per slot, its row in the origin's low-latency combine window (see
+    /// `Shape::ll_combine_layout`).
+    places: Vec<u32>,
     /// Rows of [`Dispatched::tokens`].
     rows: usize,
+    /// This rank's routing: its top-k weights (`n × top_k`) and, per destination, how many
+    /// of its (token, slot) pairs live there (the low-latency combine's rows from it).
+    weights: Vec<f32>,
+    slots_to: Vec<usize>,
 }
 
 impl MoeHandle {
@@ -131,6 +138,26 @@ impl MoeHandle {
     }
 }
 
+/// What a dispatch's origin keeps for its combine.
+#[derive(Debug, Default)]
+struct Origin {
+    /// Per destination, the tokens sent there, in sent order.
+    sent: Vec<Vec<u32>>,
+    /// Per destination, the (token, top-k slot) pairs whose expert lives there.
+    slots_to: Vec<usize>,
+    /// The top-k weights, `n × top_k`.
+    weights: Vec<f32>,
+}
+
+impl Origin {
+    fn of(r: Option<route::Route>, topk_weights: &[f32], n: usize, k: usize) -> Origin {
+        match r {
+            Some(r) => Origin { sent: r.tokens, slots_to: r.slots, weights: topk_weights[..n * k].to_vec() },
+            None => Origin::default(),
+        }
+    }
+}
+
 /// Where an object is in its dispatch / combine cycle.
 #[derive(Debug)]
 enum State {
@@ -138,7 +165,7 @@ enum State {
     /// A dispatch was sent (sequence value `seq`, low latency) and not yet received.
     DispatchSent {
         seq: u64,
-        sent: Vec<Vec<u32>>,
+        origin: Origin,
         n: usize,
     },
     /// A dispatch of step `step` was received; its combine is next.
@@ -154,21 +181,23 @@ enum State {
 /// The low-latency mode's windows and the peers' handles.
 #[derive(Debug)]
 struct Ll {
+    /// Per source a region of `dregion` bytes for its dispatch message.
     dispatch: Window<'static>,
+    /// Per source a header, then from `crows` one row per (token, top-k slot) of this
+    /// rank's (see `Shape::ll_combine_layout`).
     combine: Window<'static>,
     /// Per member: (its dispatch window, its combine window).
     peers: Vec<(RemoteHandle, RemoteHandle)>,
-    /// Bytes of one source's region of a dispatch window, and of a combine window.
     dregion: usize,
-    cregion: usize,
+    crows: usize,
 }
 
 impl Ll {
-    /// This rank's `which` window and the bytes of one source's region of it.
-    fn window(&self, which: Which) -> (&Window<'static>, usize) {
+    /// This rank's `which` window.
+    fn window(&self, which: Which) -> &Window<'static> {
         match which {
-            Which::Dispatch => (&self.dispatch, self.dregion),
-            Which::Combine => (&self.combine, self.cregion),
+            Which::Dispatch => &self.dispatch,
+            Which::Combine => &self.combine,
         }
     }
 }
@@ -269,8 +298,8 @@ impl Communicator {
         let shape =
             Shape { num_experts: cfg.num_experts, hidden: cfg.hidden, top_k: cfg.top_k, max_tokens: cfg.max_tokens_per_rank, ranks: size };
         let mut problem = shape.problem();
-        let regions = match (shape.dispatch_bytes::<T>(shape.max_tokens), shape.combine_bytes::<T>(shape.max_tokens)) {
-            (Some(d), Some(c)) if d.checked_mul(size).is_some() && c.checked_mul(size).is_some() => Some((d, c)),
+        let regions = match (shape.dispatch_bytes::<T>(shape.max_tokens), shape.ll_combine_layout::<T>()) {
+            (Some(d), Some(c)) if d.checked_mul(size).is_some() => Some((d, c)),
             _ => None,
         };
         if problem.is_none() && regions.is_none() {
@@ -281,12 +310,12 @@ impl Communicator {
         mine[9..17].copy_from_slice(&signal::Signals::proposal(self).to_le_bytes());
         let mut windows = None;
         let mut failure = None;
-        if let (None, MoeMode::LowLatency, Some((d, c))) = (&problem, mode, regions) {
-            match (self.alloc_window::<u8>(d * size), self.alloc_window::<u8>(c * size)) {
+        if let (None, MoeMode::LowLatency, Some((d, (crows, c)))) = (&problem, mode, regions) {
+            match (self.alloc_window::<u8>(d * size), self.alloc_window::<u8>(c)) {
                 (Ok(dw), Ok(cw)) => {
                     mine[17..17 + RemoteHandle::BYTES].copy_from_slice(&dw.handle().to_bytes());
                     mine[17 + RemoteHandle::BYTES..].copy_from_slice(&cw.handle().to_bytes());
-                    windows = Some((dw, cw, d, c));
+                    windows = Some((dw, cw, d, crows));
                 }
                 (Err(e), _) | (_, Err(e)) => {
                     mine[0] = 2;
@@ -332,7 +361,7 @@ impl Communicator {
         }
         let mut signals = signal::Signals::claim(self, rows.iter().map(|c| le(&c[9..17])).max().unwrap_or(0));
         let ll = match windows {
-            Some((dispatch, combine, dregion, cregion)) => {
+            Some((dispatch, combine, dregion, crows)) => {
                 let mut peers = Vec::with_capacity(size);
                 for r in &rows {
                     let d = RemoteHandle::from_bytes(&r[17..17 + RemoteHandle::BYTES])?;
@@ -340,7 +369,7 @@ impl Communicator {
                     peers.push((d, c));
                 }
                 signals.connect(self, &peers)?;
-                Some(Ll { dispatch, combine, peers, dregion, cregion })
+                Some(Ll { dispatch, combine, peers, dregion, crows })
             }
             None => None,
         };
@@ -506,18 +535,18 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         }
         self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs)?;
         self.recv_at = (0..size).map(|s| (recv_displs[s], recv_counts[s])).collect();
-        let sent = routed.map(|r| r.tokens).unwrap_or_default();
-        self.finish_dispatch(step, n, sent).map(Ok)
+        let origin = Origin::of(routed, topk_weights, n, shape.top_k);
+        self.finish_dispatch(step, n, origin).map(Ok)
     }
 
     /// Parses the dispatch messages of every source (`recv_at`, see
     /// [`Moe::with_received`]), checks their headers, groups the rows; the object goes to
     /// `Dispatched`.
-    fn finish_dispatch(&mut self, seq: u64, n: usize, sent: Vec<Vec<u32>>) -> Result<Dispatched<T>> {
-        self.with_received(Which::Dispatch, |moe, bytes| moe.finish_dispatch_in(bytes, seq, n, sent))
+    fn finish_dispatch(&mut self, seq: u64, n: usize, origin: Origin) -> Result<Dispatched<T>> {
+        self.with_received(Which::Dispatch, |moe, bytes| moe.finish_dispatch_in(bytes, seq, n, origin))
     }
 
-    fn finish_dispatch_in(&mut self, recv: &[u8], seq: u64, n: usize, sent: Vec<Vec<u32>>) -> Result<Dispatched<T>> {
+    fn finish_dispatch_in(&mut self, recv: &[u8], seq: u64, n: usize, origin: Origin) -> Result<Dispatched<T>> {
         let (me, shape) = (self.me(), self.shape);
         let rb = shape.row_bytes::<T>();
         let mut received = Vec::with_capacity(self.recv_at.len());
@@ -544,17 +573,32 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let g: Grouped<T> = route::group(&shape, &received).map_err(|e| invalid(me, "dispatch", e))?;
         let rows = g.offsets.last().copied().unwrap_or(0);
         self.last_recv.clone_from(&g.counts);
-        self.last_sent = (0..self.comm.size()).map(|d| sent.get(d).map_or(0, Vec::len)).collect();
+        self.last_sent = (0..self.comm.size()).map(|d| origin.sent.get(d).map_or(0, Vec::len)).collect();
         self.state = State::Dispatched;
         Ok(Dispatched {
             tokens: g.tokens,
             expert_offsets: g.offsets,
-            handle: MoeHandle { object: self.object, step: self.step, n, sent, counts: g.counts, slots: g.slots, slot_at: g.slot_at, rows },
+            handle: MoeHandle {
+                object: self.object,
+                step: self.step,
+                n,
+                sent: origin.sent,
+                counts: g.counts,
+                slots: g.slots,
+                slot_at: g.slot_at,
+                places: g.places,
+                rows,
+                weights: origin.weights,
+                slots_to: origin.slots_to,
+            },
         })
     }
 
     /// The low-latency dispatch's sending half: every destination's region gets a message
-    /// (zero rows, or a bad status, included).
+    /// (zero rows, or a bad status, included). Where this rank maps the destination's
+    /// window (and for its own), the header and metadata are packed here and the rows copied
+    /// from `tokens` straight into the window; the others get the whole message packed
+    /// here and written in one job.
     fn ll_dispatch_send(
         &mut self,
         checked: std::result::Result<usize, Bad>,
@@ -569,21 +613,33 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
             Err(_) => (0, None),
         };
-        // Every destination's message packed in one buffer, then this rank's own copied in
-        // and the others written with their signals in one job.
-        self.send.clear();
-        let mut items = Vec::with_capacity(size);
-        let mut own = 0..0;
+        let h = shape.hidden;
         let at = me * ll.dregion;
-        for d in 0..size {
-            let start = self.send.len();
-            pack_dispatch_to(&mut self.send, seq, &shape, d, routed.as_ref(), &checked, tokens);
-            match d == me {
-                true => own = start..self.send.len(),
-                false => items.push((d, ll.peers[d].0, at, start..self.send.len())),
+        let mut head = Vec::new();
+        self.send.clear();
+        let mut items = Vec::new();
+        for d in (0..size).filter(|&d| d != me).chain([me]) {
+            head.clear();
+            match (&routed, &checked) {
+                (Some(r), _) => route::pack_dispatch_head(&mut head, seq, r.tokens[d].len(), &r.meta[d]),
+                (None, Err(b)) => route::pack_header(&mut head, Kind::Dispatch, seq, 0, Some(b)),
+                (None, Ok(_)) => route::pack_header(&mut head, Kind::Dispatch, seq, 0, None),
+            }
+            let list: &[u32] = routed.as_ref().map_or(&[], |r| &r.tokens[d]);
+            let parts = std::iter::once((at, &head[..])).chain(row_parts(list, tokens, h, at + head.len()));
+            if d == me {
+                for (off, bytes) in parts {
+                    ll.dispatch.write(off, bytes)?;
+                }
+            } else if !self.signals.put_parts(self.comm, Which::Dispatch, d, parts, seq)? {
+                let start = self.send.len();
+                self.send.extend_from_slice(&head);
+                for (_, bytes) in row_parts(list, tokens, h, 0) {
+                    self.send.extend_from_slice(bytes);
+                }
+                items.push((d, ll.peers[d].0, at, start..self.send.len()));
             }
         }
-        ll.dispatch.write(at, &self.send[own])?;
         self.signals.put_many(self.comm, Which::Dispatch, &items, &self.send, seq)?;
         if let Err(b) = checked {
             // The peers' writes of this step into this rank's window land before it returns
@@ -591,27 +647,24 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             self.ll_drain(Which::Dispatch, seq)?;
             return Err(invalid(me, "dispatch", b));
         }
-        self.state = State::DispatchSent { seq, sent: routed.map(|r| r.tokens).unwrap_or_default(), n };
+        self.state = State::DispatchSent { seq, origin: Origin::of(routed, topk_weights, n, shape.top_k), n };
         Ok(())
     }
 
-    /// Waits for every peer's signal `seq` on this rank's dispatch (or combine) window, then
-    /// points `recv_at` at each source's message there: read in place (see
+    /// Waits for every peer's signal `seq` on this rank's dispatch window, then points
+    /// `recv_at` at each source's message there: read in place (see
     /// [`Moe::with_received`]), not copied out.
-    fn ll_gather(&mut self, which: Which, seq: u64) -> Result<()> {
+    fn ll_gather(&mut self, seq: u64) -> Result<()> {
         let (me, size) = (self.me(), self.comm.size());
-        let (window, region) = windows(&self.ll, me)?.window(which);
+        let ll = windows(&self.ll, me)?;
+        let (window, region) = (&ll.dispatch, ll.dregion);
         self.recv_at.clear();
         let mut head = [0u8; HEADER_BYTES];
-        self.signals.wait_all(self.comm, window, which, seq)?;
+        self.signals.wait_all(self.comm, window, Which::Dispatch, seq)?;
         for s in 0..size {
             window.read(s * region, &mut head)?;
-            let count = route::parse_header(&head, which.kind()).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
-            let len = match which {
-                Which::Dispatch => self.shape.dispatch_bytes::<T>(count),
-                Which::Combine => self.shape.combine_bytes::<T>(count),
-            };
-            let len = len.filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
+            let count = route::parse_header(&head, Kind::Dispatch).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
+            let len = self.shape.dispatch_bytes::<T>(count).filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
             self.recv_at.push((s * region, len));
         }
         Ok(())
@@ -632,7 +685,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             }
             MoeMode::LowLatency => {
                 let ll = self.ll.take().ok_or_else(|| no_windows(self.me()))?;
-                let r = ll.window(which).0.with_bytes(|bytes| f(self, bytes));
+                let r = ll.window(which).with_bytes(|bytes| f(self, bytes));
                 self.ll = Some(ll);
                 r?
             }
@@ -675,8 +728,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             State::Broken => return Err(self.misuse("combine", "an earlier step of this object failed; make a new one")),
             _ => return Err(self.misuse("combine", "no received dispatch to combine (dispatch and combine alternate)")),
         }
-        let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
-        let h = shape.hidden;
+        let (me, h) = (self.me(), self.shape.hidden);
         let bad = if handle.object != self.object || handle.step != self.step {
             Some(Bad::Handle)
         } else if expert_out.len() != handle.rows * h {
@@ -684,61 +736,20 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         } else {
             out_len.filter(|&l| l != handle.n * h).map(|l| Bad::OutLen { len: l as u64, want: (handle.n * h) as u64 })
         };
-        // Message sizes come from this object's last dispatch, not from the handle (which
-        // may be another object's: then the peers learn of it by the status).
-        let counts = self.last_recv.clone();
-        let seq = match self.mode {
-            MoeMode::LowLatency => self.signals.next(),
-            MoeMode::Throughput => self.step,
-        };
-        // Pack one message per source rank: its rows' partial sums (or zeros when bad).
-        self.send.clear();
-        let mut send_counts = vec![0usize; size];
-        let mut send_displs = vec![0usize; size];
-        let mut row = 0usize;
-        let zero = vec![T::from_f32(0.0); h];
-        for s in 0..size {
-            send_displs[s] = self.send.len();
-            let c = counts.get(s).copied().unwrap_or(0);
-            match (&bad, self.mode) {
-                (Some(b), MoeMode::Throughput) => {
-                    route::pack_header(&mut self.send, Kind::Combine, seq, c, Some(b));
-                    for _ in 0..c {
-                        self.send.extend_from_slice(ferroccl_kernels::as_bytes(&zero));
-                    }
-                }
-                (Some(b), MoeMode::LowLatency) => route::pack_header(&mut self.send, Kind::Combine, seq, 0, Some(b)),
-                (None, _) => {
-                    route::pack_header(&mut self.send, Kind::Combine, seq, c, None);
-                    let rows = row..row + c;
-                    route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, rows, &mut self.send);
-                    row += c;
-                }
-            }
-            send_counts[s] = self.send.len() - send_displs[s];
-        }
         let sent = match self.mode {
-            MoeMode::Throughput => {
-                let recv_counts: Vec<usize> = self.last_sent.iter().map(|&c| HEADER_BYTES + c * shape.row_bytes::<T>()).collect();
-                let recv_displs: Vec<usize> = recv_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
-                let total = recv_counts.iter().sum();
-                if self.recv.len() < total {
-                    self.recv.resize(total, 0);
-                }
-                let r = self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs);
-                if let Err(e) = r {
-                    self.state = State::Broken;
-                    return Err(e);
-                }
-                self.recv_at = (0..size).map(|d| (recv_displs[d], recv_counts.get(d).copied().unwrap_or(0))).collect();
-                Ok(())
+            MoeMode::Throughput => self.throughput_combine(bad.as_ref(), expert_out, handle),
+            MoeMode::LowLatency => {
+                let seq = self.signals.next();
+                self.ll_combine_send(seq, bad.as_ref(), expert_out, handle).map(|()| seq)
             }
-            MoeMode::LowLatency => self.ll_combine_write(seq, &send_counts, &send_displs),
         };
-        if let Err(e) = sent {
-            self.state = State::Broken;
-            return Err(e);
-        }
+        let seq = match sent {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.state = State::Broken;
+                return Err(e);
+            }
+        };
         if let Some(b) = bad {
             // Throughput: every rank saw the status and fails alike, the object goes on.
             // Low latency: the peers' writes of this step land before this rank returns.
@@ -760,24 +771,136 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// window has landed (a rank that failed on its own input waits so before returning,
     /// so that no write is left in flight into windows it may drop).
     fn ll_drain(&self, which: Which, seq: u64) -> Result<()> {
-        let (w, _) = windows(&self.ll, self.me())?.window(which);
+        let w = windows(&self.ll, self.me())?.window(which);
         self.signals.wait_all(self.comm, w, which, seq)
     }
 
-    fn ll_combine_write(&self, seq: u64, counts: &[usize], displs: &[usize]) -> Result<()> {
-        let me = self.me();
+    /// The throughput combine's exchange: one message per source rank, its rows' partial
+    /// sums (zeros, with the status, when `bad`), by `alltoallv`; `recv_at` then points at
+    /// each destination's message in `recv`. Returns the step (the messages' sequence).
+    fn throughput_combine(&mut self, bad: Option<&Bad>, expert_out: &[T], handle: &MoeHandle) -> Result<u64> {
+        let (size, shape, seq) = (self.comm.size(), self.shape, self.step);
+        let h = shape.hidden;
+        // Message sizes come from this object's last dispatch, not from the handle (which
+        // may be another object's: then the peers learn of it by the status).
+        self.send.clear();
+        let mut send_counts = vec![0usize; size];
+        let mut send_displs = vec![0usize; size];
+        let mut row = 0usize;
+        let zero = vec![T::from_f32(0.0); h];
+        for s in 0..size {
+            send_displs[s] = self.send.len();
+            let c = self.last_recv.get(s).copied().unwrap_or(0);
+            route::pack_header(&mut self.send, Kind::Combine, seq, c, bad);
+            match bad {
+                Some(_) => (0..c).for_each(|_| self.send.extend_from_slice(ferroccl_kernels::as_bytes(&zero))),
+                None => route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, row..row + c, &mut self.send),
+            }
+            row += c;
+            send_counts[s] = self.send.len() - send_displs[s];
+        }
+        let recv_counts: Vec<usize> = self.last_sent.iter().map(|&c| HEADER_BYTES + c * shape.row_bytes::<T>()).collect();
+        let recv_displs: Vec<usize> = recv_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let total = recv_counts.iter().sum();
+        if self.recv.len() < total {
+            self.recv.resize(total, 0);
+        }
+        self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs)?;
+        self.recv_at = (0..size).map(|d| (recv_displs[d], recv_counts.get(d).copied().unwrap_or(0))).collect();
+        Ok(seq)
+    }
+
+    /// The low-latency combine's sending half: to each source rank, a header (at this
+    /// rank's place in the header area of its combine window: the number of rows, or a
+    /// bad status) and, unless `bad`, each of its tokens' expert outputs computed here,
+    /// unweighted, copied from `expert_out` into the row of its (token, top-k slot) there:
+    /// the origin weights and sums them. Mapped windows get the pieces directly; the
+    /// others get them staged here and written in one job (one signal per rank, after its
+    /// last piece).
+    fn ll_combine_send(&mut self, seq: u64, bad: Option<&Bad>, expert_out: &[T], handle: &MoeHandle) -> Result<()> {
+        let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
         let ll = windows(&self.ll, me)?;
-        let at = me * ll.cregion;
-        let mut items = Vec::with_capacity(counts.len());
-        for s in 0..counts.len() {
-            let range = displs[s]..displs[s] + counts[s];
-            match s == me {
-                true => ll.combine.write(at, &self.send[range])?,
-                false => items.push((s, ll.peers[s].1, at, range)),
+        let (h, at) = (shape.hidden, me * HEADER_BYTES);
+        let broken = || Error::internal(format!("rank {me}: moe combine: a handle without the slots of its rows"));
+        let mut head = Vec::new();
+        self.send.clear();
+        let mut items = Vec::new();
+        let mut row = 0usize;
+        for s in 0..size {
+            let c = self.last_recv.get(s).copied().unwrap_or(0);
+            let slots = match bad {
+                Some(_) => 0..0,
+                None => *handle.slot_at.get(row).ok_or_else(broken)?..*handle.slot_at.get(row + c).ok_or_else(broken)?,
+            };
+            row += c;
+            head.clear();
+            route::pack_header(&mut head, Kind::Combine, seq, slots.len(), bad);
+            let pieces = std::iter::once((at, &head[..])).chain(slot_parts(handle, slots.clone(), expert_out, h, ll.crows));
+            if s == me {
+                for (off, bytes) in pieces {
+                    ll.combine.write(off, bytes)?;
+                }
+            } else if !self.signals.put_parts(self.comm, Which::Combine, s, pieces, seq)? {
+                let peer = ll.peers[s].1;
+                for (off, bytes) in std::iter::once((at, &head[..])).chain(slot_parts(handle, slots, expert_out, h, ll.crows)) {
+                    let start = self.send.len();
+                    self.send.extend_from_slice(bytes);
+                    items.push((s, peer, off, start..self.send.len()));
+                }
             }
         }
         self.signals.put_many(self.comm, Which::Combine, &items, &self.send, seq)
     }
+
+    /// The low-latency combine's receiving half: waits for every rank's signal `seq`, checks
+    /// each one's header (the rows it wrote: as many as this rank's (token, slot) pairs on
+    /// it), then sums each token's rows in top-k order, weighted, into `out`. `Ok(bad)`:
+    /// the ranks whose input was bad.
+    fn ll_combine_recv(&mut self, seq: u64, handle: &MoeHandle, out: &mut [T]) -> Result<Vec<String>> {
+        let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
+        let ll = windows(&self.ll, me)?;
+        self.signals.wait_all(self.comm, &ll.combine, Which::Combine, seq)?;
+        let (h, k, rb) = (shape.hidden, shape.top_k, shape.row_bytes::<T>());
+        let (n, crows) = (handle.n, ll.crows);
+        ll.combine.with_bytes(|bytes| {
+            let mut bad = Vec::new();
+            for d in 0..size {
+                let Some((_, hd)) = message(bytes, (d * HEADER_BYTES, HEADER_BYTES), d, me, Kind::Combine, &mut bad)? else { continue };
+                let want = handle.slots_to.get(d).copied().unwrap_or(0);
+                if hd.seq != seq || hd.count != want {
+                    return Err(invalid(
+                        me,
+                        "combine",
+                        format!("rank {d} sent {} rows of step {}, want {want} of step {seq} (signals used elsewhere?)", hd.count, hd.seq),
+                    ));
+                }
+            }
+            if bad.is_empty() && out.len() == n * h {
+                let rows = bytes
+                    .get(crows..crows + n * k * rb)
+                    .ok_or_else(|| Error::internal(format!("rank {me}: moe combine: {n} tokens past the combine window")))?;
+                route::sum_slots::<T>(h, k, rows, &handle.weights, out);
+            }
+            Ok(bad)
+        })?
+    }
+}
+
+/// The pieces of a low-latency combine to one origin: for each slot in `slots` (of
+/// `handle`), its expert output row of `expert_out` and the byte offset of its (token,
+/// top-k slot) row in the origin's combine window (rows from `crows`).
+fn slot_parts<'t, T: MoeFloat>(
+    handle: &'t MoeHandle,
+    slots: std::ops::Range<usize>,
+    expert_out: &'t [T],
+    hidden: usize,
+    crows: usize,
+) -> impl Iterator<Item = (usize, &'t [u8])> + 't {
+    let rb = hidden * std::mem::size_of::<T>();
+    slots.map(move |i| {
+        let at = handle.slots[i].0 as usize;
+        (crows + handle.places[i] as usize * rb, ferroccl_kernels::as_bytes(&expert_out[at * hidden..(at + 1) * hidden]))
+    })
 }
 
 impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
@@ -789,12 +912,12 @@ impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
         if let Some(d) = self.ready {
             return Ok(d);
         }
-        let (seq, sent, n) = match std::mem::replace(&mut moe.state, State::Broken) {
-            State::DispatchSent { seq, sent, n } => (seq, sent, n),
+        let (seq, origin, n) = match std::mem::replace(&mut moe.state, State::Broken) {
+            State::DispatchSent { seq, origin, n } => (seq, origin, n),
             _ => return Err(Error::internal(format!("rank {}: moe dispatch: a pending dispatch in another state", moe.me()))),
         };
-        moe.ll_gather(Which::Dispatch, seq)?;
-        moe.finish_dispatch(seq, n, sent)
+        moe.ll_gather(seq)?;
+        moe.finish_dispatch(seq, n, origin)
     }
 }
 
@@ -810,12 +933,35 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
             State::CombineSent { seq } => seq,
             _ => return Err(Error::internal(format!("rank {me}: moe combine: a pending combine in another state"))),
         };
-        if moe.mode == MoeMode::LowLatency {
-            moe.ll_gather(Which::Combine, seq)?;
+        let want_len = handle.n * moe.shape.hidden;
+        let bad = match moe.mode {
+            MoeMode::LowLatency => moe.ll_combine_recv(seq, handle, out)?,
+            MoeMode::Throughput => moe.throughput_combine_recv(seq, handle, out)?,
+        };
+        if !bad.is_empty() {
+            // Throughput: every rank saw the status and fails alike, the object goes on.
+            if moe.mode == MoeMode::Throughput {
+                moe.state = State::Idle;
+            }
+            return Err(invalid(me, "combine", bad.join("; ")));
         }
-        let (h, rb) = (moe.shape.hidden, moe.shape.row_bytes::<T>());
+        moe.state = State::Idle;
+        if out.len() != want_len {
+            return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: want_len as u64 }));
+        }
+        Ok(())
+    }
+}
+
+impl<T: MoeFloat> Moe<'_, T> {
+    /// The throughput combine's receiving half: checks each destination's message in
+    /// `recv` and sums the rows of each token into `out` (see [`route::sum_rows`]).
+    /// `Ok(bad)`: the ranks whose input was bad.
+    fn throughput_combine_recv(&mut self, seq: u64, handle: &MoeHandle, out: &mut [T]) -> Result<Vec<String>> {
+        let me = self.me();
+        let (h, rb) = (self.shape.hidden, self.shape.row_bytes::<T>());
         let want_len = handle.n * h;
-        let bad = moe.with_received(Which::Combine, |moe, recv| {
+        self.with_received(Which::Combine, |moe, recv| {
             let mut bad = Vec::new();
             let mut rows: Vec<&[u8]> = Vec::with_capacity(moe.recv_at.len());
             for (d, &at) in moe.recv_at.iter().enumerate() {
@@ -837,19 +983,7 @@ impl<T: MoeFloat> PendingCombine<'_, '_, T> {
                 route::sum_rows::<T>(h, &handle.sent, &rows, &mut moe.order, out);
             }
             Ok(bad)
-        })?;
-        if !bad.is_empty() {
-            // Throughput: every rank saw the status and fails alike, the object goes on.
-            if moe.mode == MoeMode::Throughput {
-                moe.state = State::Idle;
-            }
-            return Err(invalid(me, "combine", bad.join("; ")));
-        }
-        moe.state = State::Idle;
-        if out.len() != want_len {
-            return Err(invalid(me, "combine", Bad::OutLen { len: out.len() as u64, want: want_len as u64 }));
-        }
-        Ok(())
+        })
     }
 }
 
@@ -869,6 +1003,20 @@ fn pack_dispatch_to<T: MoeFloat>(
         (None, Err(b)) => route::pack_header(out, Kind::Dispatch, seq, 0, Some(b)),
         (None, Ok(_)) => route::pack_header(out, Kind::Dispatch, seq, 0, None),
     }
+}
+
+/// The rows of `tokens` (`hidden` elements each) named by `list`, as (byte offset, bytes)
+/// pieces of a message whose rows start at `base`.
+fn row_parts<'t, T: MoeFloat>(
+    list: &'t [u32],
+    tokens: &'t [T],
+    hidden: usize,
+    base: usize,
+) -> impl Iterator<Item = (usize, &'t [u8])> + 't {
+    let rb = hidden * std::mem::size_of::<T>();
+    list.iter()
+        .enumerate()
+        .map(move |(i, &t)| (base + i * rb, ferroccl_kernels::as_bytes(&tokens[t as usize * hidden..(t as usize + 1) * hidden])))
 }
 
 /// A low-latency object's windows (an internal error for a throughput object); a free

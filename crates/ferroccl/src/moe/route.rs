@@ -156,9 +156,14 @@ impl Shape {
         rows.checked_mul(per)?.checked_add(HEADER_BYTES)
     }
 
-    /// Bytes of one combine message holding `rows` rows of `T`.
-    pub(crate) fn combine_bytes<T: Element>(&self, rows: usize) -> Option<usize> {
-        rows.checked_mul(self.row_bytes::<T>())?.checked_add(HEADER_BYTES)
+    /// The low-latency combine window: per source a header (the source's `HEADER_BYTES` at
+    /// `source × HEADER_BYTES`), then, from the returned offset (a multiple of 64), one row
+    /// of `T` per (token, top-k slot): row `token × top_k + j`. `None` if it does not fit
+    /// in memory. Returns (rows offset, window bytes).
+    pub(crate) fn ll_combine_layout<T: Element>(&self) -> Option<(usize, usize)> {
+        let rows_at = self.ranks.checked_mul(HEADER_BYTES)?.checked_next_multiple_of(64)?;
+        let rows = self.max_tokens.checked_mul(self.top_k)?.checked_mul(self.row_bytes::<T>())?;
+        Some((rows_at, rows_at.checked_add(rows)?))
     }
 }
 
@@ -281,12 +286,14 @@ pub(crate) struct Route {
     pub tokens: Vec<Vec<u32>>,
     /// `meta[d]`: [`meta_words`] words per row of `tokens[d]`.
     pub meta: Vec<Vec<u32>>,
+    /// `slots[d]`: the (token, top-k slot) pairs whose expert lives on rank `d`.
+    pub slots: Vec<usize>,
 }
 
 /// Routes `n` checked tokens (see [`check_dispatch`]).
 pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Route {
     let (k, per) = (shape.top_k, shape.per_rank());
-    let mut r = Route { tokens: vec![Vec::new(); shape.ranks], meta: vec![Vec::new(); shape.ranks] };
+    let mut r = Route { tokens: vec![Vec::new(); shape.ranks], meta: vec![Vec::new(); shape.ranks], slots: vec![0; shape.ranks] };
     for t in 0..n {
         let idx = &topk_idx[t * k..(t + 1) * k];
         let w = &topk_weights[t * k..(t + 1) * k];
@@ -300,7 +307,10 @@ pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f
             for j in 0..k {
                 let e = idx[j] as usize;
                 match e / per == d {
-                    true => m.extend([(e % per) as u32, w[j].to_bits()]),
+                    true => {
+                        m.extend([(e % per) as u32, w[j].to_bits()]);
+                        r.slots[d] += 1;
+                    }
                     false => m.extend([NO_EXPERT, 0]),
                 }
             }
@@ -335,13 +345,19 @@ pub(crate) fn pack_header(out: &mut Vec<u8>, kind: Kind, seq: u64, count: usize,
 /// Appends a dispatch message to `out`: the header, `meta`, and the rows of `tokens`
 /// (`hidden` elements each) named by `rows`.
 pub(crate) fn pack_dispatch<T: Element>(out: &mut Vec<u8>, seq: u64, hidden: usize, rows: &[u32], meta: &[u32], tokens: &[T]) {
-    pack_header(out, Kind::Dispatch, seq, rows.len(), None);
-    for &m in meta {
-        out.extend_from_slice(&m.to_le_bytes());
-    }
+    pack_dispatch_head(out, seq, rows.len(), meta);
     for &t in rows {
         let t = t as usize;
         out.extend_from_slice(as_bytes(&tokens[t * hidden..(t + 1) * hidden]));
+    }
+}
+
+/// Appends a dispatch message's header and metadata (of `count` rows) to `out`: the rows
+/// follow them.
+pub(crate) fn pack_dispatch_head(out: &mut Vec<u8>, seq: u64, count: usize, meta: &[u32]) {
+    pack_header(out, Kind::Dispatch, seq, count, None);
+    for &m in meta {
+        out.extend_from_slice(&m.to_le_bytes());
     }
 }
 
@@ -395,6 +411,9 @@ pub(crate) struct Grouped<T> {
     pub slots: Vec<(u32, f32)>,
     /// `received rows + 1` offsets into `slots`.
     pub slot_at: Vec<usize>,
+    /// Per slot, where its result goes at the origin: `token × top_k + j` for top-k entry `j`
+    /// of the origin's token (the low-latency combine's row in the origin's window).
+    pub places: Vec<u32>,
 }
 
 /// Groups the rows received from every source (in source order) by local expert; `Err`
@@ -422,6 +441,7 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
     let total = offsets[per];
     let mut next = offsets.clone();
     let mut slots = Vec::new();
+    let mut places = Vec::new();
     let mut slot_at = vec![0];
     let mut counts = Vec::with_capacity(from.len());
     let rb = shape.row_bytes::<T>();
@@ -431,11 +451,16 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
     for (si, r) in from.iter().enumerate() {
         counts.push(r.meta.len() / mw);
         for (i, row) in r.meta.chunks_exact(mw).enumerate() {
+            let t = row[0] as usize;
+            if t >= shape.max_tokens {
+                return Err(format!("token index {t} at or past max_tokens_per_rank ({})", shape.max_tokens));
+            }
             for j in 0..k {
                 let le = row[1 + 2 * j];
                 if le == NO_EXPERT {
                     continue;
                 }
+                places.push((t * k + j) as u32);
                 let at = next[le as usize];
                 next[le as usize] += 1;
                 order[at] = (si as u32, i as u32);
@@ -449,7 +474,7 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
         let src = &from[si as usize].rows[i as usize * rb..(i as usize + 1) * rb];
         extend_from_bytes(&mut tokens, src);
     }
-    Ok(Grouped { tokens, offsets, counts, slots, slot_at })
+    Ok(Grouped { tokens, offsets, counts, slots, slot_at, places })
 }
 
 /// Appends the elements of `T` in `bytes` (a whole number of them) to `out`: one copy,
@@ -537,6 +562,30 @@ pub(crate) fn sum_rows<T: MoeFloat>(hidden: usize, tokens: &[Vec<u32>], rows: &[
             srcs.push((&views[d][j * hidden..(j + 1) * hidden], 1.0));
             next.next();
         }
+        ferroccl_kernels::weighted_sum(&srcs, dst);
+    }
+}
+
+/// The low-latency origin's combine: `out[t]` (`hidden` elements per token) is the sum in
+/// `f32` of `w[t × top_k + j] · y(t, j)` over the top-k slots `j` in order, rounded once to
+/// `T`, where `y(t, j)` is row `t × top_k + j` of `rows` (the bytes of at least
+/// `out.len() / hidden × top_k` rows of `T`, viewed in place, copied if not aligned).
+pub(crate) fn sum_slots<T: MoeFloat>(hidden: usize, top_k: usize, rows: &[u8], weights: &[f32], out: &mut [T]) {
+    let mut copy: Vec<T> = Vec::new();
+    let rows: &[T] = match bytemuck::try_cast_slice::<u8, T>(rows) {
+        Ok(v) => v,
+        Err(_) => {
+            extend_from_bytes(&mut copy, rows);
+            &copy
+        }
+    };
+    let mut srcs: Vec<(&[T], f32)> = Vec::with_capacity(top_k);
+    for (t, dst) in out.chunks_exact_mut(hidden).enumerate() {
+        srcs.clear();
+        srcs.extend((0..top_k).map(|j| {
+            let r = t * top_k + j;
+            (&rows[r * hidden..(r + 1) * hidden], weights[r])
+        }));
         ferroccl_kernels::weighted_sum(&srcs, dst);
     }
 }

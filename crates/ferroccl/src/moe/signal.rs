@@ -20,7 +20,6 @@
 
 use std::ops::Range;
 
-use super::route::Kind;
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::window::{MappedWindow, RemoteHandle, Window};
@@ -30,16 +29,6 @@ use crate::window::{MappedWindow, RemoteHandle, Window};
 pub(crate) enum Which {
     Dispatch,
     Combine,
-}
-
-impl Which {
-    /// The kind of the messages the window holds.
-    pub(crate) fn kind(self) -> Kind {
-        match self {
-            Which::Dispatch => Kind::Dispatch,
-            Which::Combine => Kind::Combine,
-        }
-    }
 }
 
 /// An object's signal slot, the value of its last send, and the direct pairs.
@@ -103,8 +92,9 @@ impl Signals {
     }
 
     /// Writes `src[range]` at byte `offset` of member `d`'s `which` window (`h`, its
-    /// handle) for each item, each then signalled at `value`: directly where this rank
-    /// maps the window, the others in one job (one round trip in all).
+    /// handle) for each item, signalled at `value` (once per member, after its last item;
+    /// a member's items are consecutive): directly where this rank maps the window, the
+    /// others in one job (one round trip in all).
     pub(crate) fn put_many(
         &self,
         comm: &Communicator,
@@ -114,18 +104,40 @@ impl Signals {
         value: u64,
     ) -> Result<()> {
         let mut slow = Vec::new();
-        for (d, h, offset, range) in items {
-            match (&self.to[*d], which) {
-                (Some((w, _)), Which::Dispatch) | (Some((_, w)), Which::Combine) => {
-                    comm.put_raise(w, *offset, &src[range.clone()], value)?
-                }
-                (None, _) => slow.push((*h, *offset, range.clone())),
+        let mut i = 0;
+        while i < items.len() {
+            let d = items[i].0;
+            let end = items[i..].iter().position(|it| it.0 != d).map_or(items.len(), |p| i + p);
+            let mine = &items[i..end];
+            if !self.put_parts(comm, which, d, mine.iter().map(|(_, _, offset, range)| (*offset, &src[range.clone()])), value)? {
+                slow.extend(mine.iter().map(|(_, h, offset, range)| (*h, *offset, range.clone())));
             }
+            i = end;
         }
         if slow.is_empty() {
             return Ok(());
         }
         comm.put_signal_many_on(&slow, src, self.slot, value)
+    }
+
+    /// Writes the `(offset, bytes)` pieces into member `d`'s `which` window and raises this
+    /// rank's word there to `value`, when this rank maps that window (`Ok(true)`); `Ok(false)`
+    /// (nothing written) when it does not: the pieces then go by [`Signals::put_many`].
+    pub(crate) fn put_parts<'b>(
+        &self,
+        comm: &Communicator,
+        which: Which,
+        d: usize,
+        parts: impl IntoIterator<Item = (usize, &'b [u8])>,
+        value: u64,
+    ) -> Result<bool> {
+        match (self.to.get(d), which) {
+            (Some(Some((w, _))), Which::Dispatch) | (Some(Some((_, w))), Which::Combine) => {
+                comm.put_parts_raise(w, parts, value)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Waits until every other member has signalled this rank's window `w` (the object's
