@@ -215,8 +215,10 @@ pub struct Moe<'c, T: MoeFloat> {
     step: u64,
     state: State,
     ll: Option<Ll>,
-    /// Reused between steps: packed messages going out, and coming in.
+    /// Reused between steps: packed messages going out, and coming in; a low-latency
+    /// message's header (and metadata) while its rows are copied.
     send: Vec<u8>,
+    head: Vec<u8>,
     recv: Vec<u8>,
     /// Scratch of combine's sums: (token, destination, row) (reused).
     order: Vec<(u32, u32, u32)>,
@@ -383,6 +385,7 @@ impl Communicator {
             state: State::Idle,
             ll,
             send: Vec::new(),
+            head: Vec::new(),
             recv: Vec::new(),
             order: Vec::new(),
             recv_at: Vec::new(),
@@ -573,7 +576,9 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let g: Grouped<T> = route::group(&shape, &received).map_err(|e| invalid(me, "dispatch", e))?;
         let rows = g.offsets.last().copied().unwrap_or(0);
         self.last_recv.clone_from(&g.counts);
-        self.last_sent = (0..self.comm.size()).map(|d| origin.sent.get(d).map_or(0, Vec::len)).collect();
+        for (d, c) in self.last_sent.iter_mut().enumerate() {
+            *c = origin.sent.get(d).map_or(0, Vec::len);
+        }
         self.state = State::Dispatched;
         Ok(Dispatched {
             tokens: g.tokens,
@@ -615,7 +620,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         };
         let h = shape.hidden;
         let at = me * ll.dregion;
-        let mut head = Vec::new();
+        let mut head = std::mem::take(&mut self.head);
         self.send.clear();
         let mut items = Vec::new();
         for d in (0..size).filter(|&d| d != me).chain([me]) {
@@ -640,6 +645,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 items.push((d, ll.peers[d].0, at, start..self.send.len()));
             }
         }
+        self.head = head;
         self.signals.put_many(self.comm, Which::Dispatch, &items, &self.send, seq)?;
         if let Err(b) = checked {
             // The peers' writes of this step into this rank's window land before it returns
@@ -651,23 +657,18 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         Ok(())
     }
 
-    /// Waits for every peer's signal `seq` on this rank's dispatch window, then points
-    /// `recv_at` at each source's message there: read in place (see
-    /// [`Moe::with_received`]), not copied out.
-    fn ll_gather(&mut self, seq: u64) -> Result<()> {
-        let (me, size) = (self.me(), self.comm.size());
-        let ll = windows(&self.ll, me)?;
-        let (window, region) = (&ll.dispatch, ll.dregion);
+    /// Points `recv_at` at each source's message in this rank's dispatch window (`bytes`,
+    /// its contents, `region` bytes per source; every peer's signal of this step seen):
+    /// read in place (see [`Moe::with_received`]), not copied out.
+    fn ll_point_at(&mut self, bytes: &[u8], region: usize) {
         self.recv_at.clear();
-        let mut head = [0u8; HEADER_BYTES];
-        self.signals.wait_all(self.comm, window, Which::Dispatch, seq)?;
+        let size = self.comm.size();
         for s in 0..size {
-            window.read(s * region, &mut head)?;
-            let count = route::parse_header(&head, Kind::Dispatch).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
+            let head = bytes.get(s * region..s * region + HEADER_BYTES).unwrap_or(&[]);
+            let count = route::parse_header(head, Kind::Dispatch).map(|h| if h.bad.is_some() { 0 } else { h.count }).unwrap_or(0);
             let len = self.shape.dispatch_bytes::<T>(count).filter(|&l| l <= region).unwrap_or(HEADER_BYTES);
             self.recv_at.push((s * region, len));
         }
-        Ok(())
     }
 
     /// Runs `f` on the bytes this step's `recv_at` points into: `recv` (throughput mode),
@@ -822,7 +823,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let ll = windows(&self.ll, me)?;
         let (h, at) = (shape.hidden, me * HEADER_BYTES);
         let broken = || Error::internal(format!("rank {me}: moe combine: a handle without the slots of its rows"));
-        let mut head = Vec::new();
+        let mut head = std::mem::take(&mut self.head);
         self.send.clear();
         let mut items = Vec::new();
         let mut row = 0usize;
@@ -849,6 +850,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 }
             }
         }
+        self.head = head;
         self.signals.put_many(self.comm, Which::Combine, &items, &self.send, seq)
     }
 
@@ -916,8 +918,12 @@ impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
             State::DispatchSent { seq, origin, n } => (seq, origin, n),
             _ => return Err(Error::internal(format!("rank {}: moe dispatch: a pending dispatch in another state", moe.me()))),
         };
-        moe.ll_gather(seq)?;
-        moe.finish_dispatch(seq, n, origin)
+        moe.ll_drain(Which::Dispatch, seq)?;
+        let region = windows(&moe.ll, moe.me())?.dregion;
+        moe.with_received(Which::Dispatch, |moe, bytes| {
+            moe.ll_point_at(bytes, region);
+            moe.finish_dispatch_in(bytes, seq, n, origin)
+        })
     }
 }
 

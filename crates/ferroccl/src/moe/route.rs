@@ -301,6 +301,10 @@ pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f
             if !idx.iter().any(|&e| e as usize / per == d) {
                 continue;
             }
+            if r.tokens[d].is_empty() {
+                r.tokens[d].reserve_exact(n - t);
+                r.meta[d].reserve_exact((n - t) * meta_words(k));
+            }
             r.tokens[d].push(t as u32);
             let m = &mut r.meta[d];
             m.push(t as u32);
@@ -378,8 +382,8 @@ pub(crate) fn parse_header(bytes: &[u8], kind: Kind) -> Result<Header, String> {
 /// One source's dispatched rows, as received.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Received<'a> {
-    /// [`meta_words`] words per row.
-    pub meta: Vec<u32>,
+    /// [`meta_words`] little-endian `u32` words per row.
+    pub meta: &'a [u8],
     /// The rows' bytes (`count × row_bytes`).
     pub rows: &'a [u8],
 }
@@ -392,8 +396,7 @@ pub(crate) fn split_dispatch<'a>(shape: &Shape, row_bytes: usize, count: usize, 
     if body.len() < meta_len.checked_add(rows_len)? {
         return None;
     }
-    let meta = body[..meta_len].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    Some(Received { meta, rows: &body[meta_len..meta_len + rows_len] })
+    Some(Received { meta: &body[..meta_len], rows: &body[meta_len..meta_len + rows_len] })
 }
 
 /// What a rank received in one dispatch, grouped by local expert, and what combine needs.
@@ -421,11 +424,14 @@ pub(crate) struct Grouped<T> {
 pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result<Grouped<T>, String> {
     let (k, per, h) = (shape.top_k, shape.per_rank(), shape.hidden);
     let mw = meta_words(k);
+    let word = |row: &[u8], i: usize| u32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]);
     let mut sizes = vec![0usize; per];
+    let mut received = 0usize;
     for r in from {
-        for row in r.meta.chunks_exact(mw) {
+        for row in r.meta.chunks_exact(4 * mw) {
+            received += 1;
             for j in 0..k {
-                match row[1 + 2 * j] {
+                match word(row, 1 + 2 * j) {
                     NO_EXPERT => {}
                     le if (le as usize) < per => sizes[le as usize] += 1,
                     le => return Err(format!("local expert {le} out of range (this rank has {per})")),
@@ -440,23 +446,24 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
     }
     let total = offsets[per];
     let mut next = offsets.clone();
-    let mut slots = Vec::new();
-    let mut places = Vec::new();
-    let mut slot_at = vec![0];
+    let mut slots = Vec::with_capacity(total);
+    let mut places = Vec::with_capacity(total);
+    let mut slot_at = Vec::with_capacity(received + 1);
+    slot_at.push(0);
     let mut counts = Vec::with_capacity(from.len());
     let rb = shape.row_bytes::<T>();
     // Where each group's rows come from, in the group's order: (source, row), so that the
     // rows are appended once each, group by group (no zero fill, no second pass).
     let mut order = vec![(0u32, 0u32); total];
     for (si, r) in from.iter().enumerate() {
-        counts.push(r.meta.len() / mw);
-        for (i, row) in r.meta.chunks_exact(mw).enumerate() {
-            let t = row[0] as usize;
+        counts.push(r.meta.len() / (4 * mw));
+        for (i, row) in r.meta.chunks_exact(4 * mw).enumerate() {
+            let t = word(row, 0) as usize;
             if t >= shape.max_tokens {
                 return Err(format!("token index {t} at or past max_tokens_per_rank ({})", shape.max_tokens));
             }
             for j in 0..k {
-                let le = row[1 + 2 * j];
+                let le = word(row, 1 + 2 * j);
                 if le == NO_EXPERT {
                     continue;
                 }
@@ -464,7 +471,7 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
                 let at = next[le as usize];
                 next[le as usize] += 1;
                 order[at] = (si as u32, i as u32);
-                slots.push((at as u32, f32::from_bits(row[2 + 2 * j])));
+                slots.push((at as u32, f32::from_bits(word(row, 2 + 2 * j))));
             }
             slot_at.push(slots.len());
         }
@@ -678,7 +685,8 @@ mod tests {
     fn corrupt_metadata_is_an_error_not_a_panic() {
         let s = shape(2);
         let rows = [0u8; 8];
-        let rec = Received { meta: vec![0, 7, 0, NO_EXPERT, 0], rows: &rows };
+        let meta: Vec<u8> = [0u32, 7, 0, NO_EXPERT, 0].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let rec = Received { meta: &meta, rows: &rows };
         assert!(group::<f32>(&s, &[rec]).unwrap_err().contains("local expert 7"));
         assert!(split_dispatch(&s, 8, 2, &[0u8; 10]).is_none());
         assert!(parse_header(&[0u8; 10], Kind::Dispatch).is_err());
