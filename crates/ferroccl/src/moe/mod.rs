@@ -62,7 +62,7 @@ use crate::window::{RemoteHandle, Window};
 use signal::Which;
 
 pub use route::MoeFloat;
-use route::{Bad, Grouped, Kind, Shape, HEADER_BYTES};
+use route::{Bad, Groups, Kind, Route, Shape, HEADER_BYTES};
 
 /// A layer's MoE shape; every member passes the same one (checked at construction).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -101,29 +101,16 @@ pub struct Dispatched<T> {
     pub handle: MoeHandle,
 }
 
-/// The routing of one dispatch, for its combine (only the object and step that made it
-/// accept it).
+/// Names one dispatch, for its combine (only the object and step that made it accept it;
+/// the routing itself stays in the object, which has one step in flight at a time).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeHandle {
     object: u64,
     step: u64,
     /// Tokens this rank had.
     n: usize,
-    /// Per destination rank, the tokens sent there, in sent order.
-    sent: Vec<Vec<u32>>,
-    /// Per source rank, the rows received from it.
-    counts: Vec<usize>,
-    slots: Vec<(u32, f32)>,
-    slot_at: Vec<usize>,
-    /// Per slot, its row in the origin's low-latency combine window (see
-    /// `Shape::ll_combine_layout`).
-    places: Vec<u32>,
     /// Rows of [`Dispatched::tokens`].
     rows: usize,
-    /// This rank's routing: its top-k weights (`n × top_k`) and, per destination, how many
-    /// of its (token, slot) pairs live there (the low-latency combine's rows from it).
-    weights: Vec<f32>,
-    slots_to: Vec<usize>,
 }
 
 impl MoeHandle {
@@ -138,26 +125,6 @@ impl MoeHandle {
     }
 }
 
-/// What a dispatch's origin keeps for its combine.
-#[derive(Debug, Default)]
-struct Origin {
-    /// Per destination, the tokens sent there, in sent order.
-    sent: Vec<Vec<u32>>,
-    /// Per destination, the (token, top-k slot) pairs whose expert lives there.
-    slots_to: Vec<usize>,
-    /// The top-k weights, `n × top_k`.
-    weights: Vec<f32>,
-}
-
-impl Origin {
-    fn of(r: Option<route::Route>, topk_weights: &[f32], n: usize, k: usize) -> Origin {
-        match r {
-            Some(r) => Origin { sent: r.tokens, slots_to: r.slots, weights: topk_weights[..n * k].to_vec() },
-            None => Origin::default(),
-        }
-    }
-}
-
 /// Where an object is in its dispatch / combine cycle.
 #[derive(Debug)]
 enum State {
@@ -165,7 +132,6 @@ enum State {
     /// A dispatch was sent (sequence value `seq`, low latency) and not yet received.
     DispatchSent {
         seq: u64,
-        origin: Origin,
         n: usize,
     },
     /// A dispatch of step `step` was received; its combine is next.
@@ -224,6 +190,11 @@ pub struct Moe<'c, T: MoeFloat> {
     order: Vec<(u32, u32, u32)>,
     /// Byte ranges of `recv` per peer.
     recv_at: Vec<(usize, usize)>,
+    /// The last dispatch's routing at this rank as an origin (and its top-k weights,
+    /// `n × top_k`), and what it received as an expert rank: what its combine needs.
+    route: Route,
+    weights: Vec<f32>,
+    groups: Groups,
     /// Rows the last dispatch received from each source, and sent to each destination.
     last_recv: Vec<usize>,
     last_sent: Vec<usize>,
@@ -388,6 +359,9 @@ impl Communicator {
             head: Vec::new(),
             recv: Vec::new(),
             order: Vec::new(),
+            route: Route::default(),
+            weights: Vec::new(),
+            groups: Groups::default(),
             recv_at: Vec::new(),
             last_recv: vec![0; size],
             last_sent: vec![0; size],
@@ -491,10 +465,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         topk_weights: &[f32],
     ) -> Result<Result<Dispatched<T>>> {
         let (me, size, shape, step) = (self.me(), self.comm.size(), self.shape, self.step);
-        let (n, routed) = match checked {
-            Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
-            Err(_) => (0, None),
-        };
+        let n = *checked.as_ref().unwrap_or(&0);
+        self.route_step(n, topk_idx, topk_weights);
         // Counts and statuses: 5 words per peer (bytes, status code, 3 details).
         self.send.clear();
         let mut words = vec![0u64; 5 * size];
@@ -502,7 +474,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let mut send_displs = vec![0usize; size];
         for d in 0..size {
             send_displs[d] = self.send.len();
-            pack_dispatch_to(&mut self.send, step, &shape, d, routed.as_ref(), &checked, tokens);
+            pack_dispatch_to(&mut self.send, step, &shape, d, &self.route, &checked, tokens);
             send_counts[d] = self.send.len() - send_displs[d];
             words[5 * d] = send_counts[d] as u64;
             if let Err(b) = &checked {
@@ -538,18 +510,17 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         }
         self.comm.alltoallv(&self.send, &send_counts, &send_displs, &mut self.recv[..total], &recv_counts, &recv_displs)?;
         self.recv_at = (0..size).map(|s| (recv_displs[s], recv_counts[s])).collect();
-        let origin = Origin::of(routed, topk_weights, n, shape.top_k);
-        self.finish_dispatch(step, n, origin).map(Ok)
+        self.finish_dispatch(step, n).map(Ok)
     }
 
     /// Parses the dispatch messages of every source (`recv_at`, see
     /// [`Moe::with_received`]), checks their headers, groups the rows; the object goes to
     /// `Dispatched`.
-    fn finish_dispatch(&mut self, seq: u64, n: usize, origin: Origin) -> Result<Dispatched<T>> {
-        self.with_received(Which::Dispatch, |moe, bytes| moe.finish_dispatch_in(bytes, seq, n, origin))
+    fn finish_dispatch(&mut self, seq: u64, n: usize) -> Result<Dispatched<T>> {
+        self.with_received(Which::Dispatch, |moe, bytes| moe.finish_dispatch_in(bytes, seq, n))
     }
 
-    fn finish_dispatch_in(&mut self, recv: &[u8], seq: u64, n: usize, origin: Origin) -> Result<Dispatched<T>> {
+    fn finish_dispatch_in(&mut self, recv: &[u8], seq: u64, n: usize) -> Result<Dispatched<T>> {
         let (me, shape) = (self.me(), self.shape);
         let rb = shape.row_bytes::<T>();
         let mut received = Vec::with_capacity(self.recv_at.len());
@@ -573,30 +544,23 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         if !bad.is_empty() {
             return Err(invalid(me, "dispatch", bad.join("; ")));
         }
-        let g: Grouped<T> = route::group(&shape, &received).map_err(|e| invalid(me, "dispatch", e))?;
-        let rows = g.offsets.last().copied().unwrap_or(0);
-        self.last_recv.clone_from(&g.counts);
+        let (tokens, expert_offsets) =
+            route::group_into::<T>(&shape, &received, &mut self.groups).map_err(|e| invalid(me, "dispatch", e))?;
+        let rows = expert_offsets.last().copied().unwrap_or(0);
+        self.last_recv.clone_from(&self.groups.counts);
         for (d, c) in self.last_sent.iter_mut().enumerate() {
-            *c = origin.sent.get(d).map_or(0, Vec::len);
+            *c = self.route.tokens.get(d).map_or(0, Vec::len);
         }
         self.state = State::Dispatched;
-        Ok(Dispatched {
-            tokens: g.tokens,
-            expert_offsets: g.offsets,
-            handle: MoeHandle {
-                object: self.object,
-                step: self.step,
-                n,
-                sent: origin.sent,
-                counts: g.counts,
-                slots: g.slots,
-                slot_at: g.slot_at,
-                places: g.places,
-                rows,
-                weights: origin.weights,
-                slots_to: origin.slots_to,
-            },
-        })
+        Ok(Dispatched { tokens, expert_offsets, handle: MoeHandle { object: self.object, step: self.step, n, rows } })
+    }
+
+    /// Routes this step's `n` checked tokens (none when the input was bad) into `route`
+    /// and keeps their top-k weights.
+    fn route_step(&mut self, n: usize, topk_idx: &[u32], topk_weights: &[f32]) {
+        route::route_into(&self.shape, n, topk_idx, topk_weights, &mut self.route);
+        self.weights.clear();
+        self.weights.extend_from_slice(&topk_weights[..n * self.shape.top_k]);
     }
 
     /// The low-latency dispatch's sending half: every destination's region gets a message
@@ -612,12 +576,10 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         topk_weights: &[f32],
     ) -> Result<()> {
         let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
+        let n = *checked.as_ref().unwrap_or(&0);
+        self.route_step(n, topk_idx, topk_weights);
         let ll = windows(&self.ll, me)?;
         let seq = self.signals.next();
-        let (n, routed) = match checked {
-            Ok(n) => (n, Some(route::route(&shape, n, topk_idx, topk_weights))),
-            Err(_) => (0, None),
-        };
         let h = shape.hidden;
         let at = me * ll.dregion;
         let mut head = std::mem::take(&mut self.head);
@@ -625,12 +587,11 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         let mut items = Vec::new();
         for d in (0..size).filter(|&d| d != me).chain([me]) {
             head.clear();
-            match (&routed, &checked) {
-                (Some(r), _) => route::pack_dispatch_head(&mut head, seq, r.tokens[d].len(), &r.meta[d]),
-                (None, Err(b)) => route::pack_header(&mut head, Kind::Dispatch, seq, 0, Some(b)),
-                (None, Ok(_)) => route::pack_header(&mut head, Kind::Dispatch, seq, 0, None),
+            match &checked {
+                Ok(_) => route::pack_dispatch_head(&mut head, seq, self.route.tokens[d].len(), &self.route.meta[d]),
+                Err(b) => route::pack_header(&mut head, Kind::Dispatch, seq, 0, Some(b)),
             }
-            let list: &[u32] = routed.as_ref().map_or(&[], |r| &r.tokens[d]);
+            let list: &[u32] = &self.route.tokens[d];
             let parts = std::iter::once((at, &head[..])).chain(row_parts(list, tokens, h, at + head.len()));
             if d == me {
                 for (off, bytes) in parts {
@@ -653,7 +614,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             self.ll_drain(Which::Dispatch, seq)?;
             return Err(invalid(me, "dispatch", b));
         }
-        self.state = State::DispatchSent { seq, origin: Origin::of(routed, topk_weights, n, shape.top_k), n };
+        self.state = State::DispatchSent { seq, n };
         Ok(())
     }
 
@@ -738,10 +699,10 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             out_len.filter(|&l| l != handle.n * h).map(|l| Bad::OutLen { len: l as u64, want: (handle.n * h) as u64 })
         };
         let sent = match self.mode {
-            MoeMode::Throughput => self.throughput_combine(bad.as_ref(), expert_out, handle),
+            MoeMode::Throughput => self.throughput_combine(bad.as_ref(), expert_out),
             MoeMode::LowLatency => {
                 let seq = self.signals.next();
-                self.ll_combine_send(seq, bad.as_ref(), expert_out, handle).map(|()| seq)
+                self.ll_combine_send(seq, bad.as_ref(), expert_out).map(|()| seq)
             }
         };
         let seq = match sent {
@@ -779,7 +740,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// The throughput combine's exchange: one message per source rank, its rows' partial
     /// sums (zeros, with the status, when `bad`), by `alltoallv`; `recv_at` then points at
     /// each destination's message in `recv`. Returns the step (the messages' sequence).
-    fn throughput_combine(&mut self, bad: Option<&Bad>, expert_out: &[T], handle: &MoeHandle) -> Result<u64> {
+    fn throughput_combine(&mut self, bad: Option<&Bad>, expert_out: &[T]) -> Result<u64> {
         let (size, shape, seq) = (self.comm.size(), self.shape, self.step);
         let h = shape.hidden;
         // Message sizes come from this object's last dispatch, not from the handle (which
@@ -795,7 +756,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             route::pack_header(&mut self.send, Kind::Combine, seq, c, bad);
             match bad {
                 Some(_) => (0..c).for_each(|_| self.send.extend_from_slice(ferroccl_kernels::as_bytes(&zero))),
-                None => route::partial_sums(h, expert_out, &handle.slots, &handle.slot_at, row..row + c, &mut self.send),
+                None => route::partial_sums(h, expert_out, &self.groups.slots, &self.groups.slot_at, row..row + c, &mut self.send),
             }
             row += c;
             send_counts[s] = self.send.len() - send_displs[s];
@@ -818,7 +779,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
     /// the origin weights and sums them. Mapped windows get the pieces directly; the
     /// others get them staged here and written in one job (one signal per rank, after its
     /// last piece).
-    fn ll_combine_send(&mut self, seq: u64, bad: Option<&Bad>, expert_out: &[T], handle: &MoeHandle) -> Result<()> {
+    fn ll_combine_send(&mut self, seq: u64, bad: Option<&Bad>, expert_out: &[T]) -> Result<()> {
         let (me, size, shape) = (self.me(), self.comm.size(), self.shape);
         let ll = windows(&self.ll, me)?;
         let (h, at) = (shape.hidden, me * HEADER_BYTES);
@@ -831,19 +792,19 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             let c = self.last_recv.get(s).copied().unwrap_or(0);
             let slots = match bad {
                 Some(_) => 0..0,
-                None => *handle.slot_at.get(row).ok_or_else(broken)?..*handle.slot_at.get(row + c).ok_or_else(broken)?,
+                None => *self.groups.slot_at.get(row).ok_or_else(broken)?..*self.groups.slot_at.get(row + c).ok_or_else(broken)?,
             };
             row += c;
             head.clear();
             route::pack_header(&mut head, Kind::Combine, seq, slots.len(), bad);
-            let pieces = std::iter::once((at, &head[..])).chain(slot_parts(handle, slots.clone(), expert_out, h, ll.crows));
+            let pieces = std::iter::once((at, &head[..])).chain(slot_parts(&self.groups, slots.clone(), expert_out, h, ll.crows));
             if s == me {
                 for (off, bytes) in pieces {
                     ll.combine.write(off, bytes)?;
                 }
             } else if !self.signals.put_parts(self.comm, Which::Combine, s, pieces, seq)? {
                 let peer = ll.peers[s].1;
-                for (off, bytes) in std::iter::once((at, &head[..])).chain(slot_parts(handle, slots, expert_out, h, ll.crows)) {
+                for (off, bytes) in std::iter::once((at, &head[..])).chain(slot_parts(&self.groups, slots, expert_out, h, ll.crows)) {
                     let start = self.send.len();
                     self.send.extend_from_slice(bytes);
                     items.push((s, peer, off, start..self.send.len()));
@@ -868,7 +829,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
             let mut bad = Vec::new();
             for d in 0..size {
                 let Some((_, hd)) = message(bytes, (d * HEADER_BYTES, HEADER_BYTES), d, me, Kind::Combine, &mut bad)? else { continue };
-                let want = handle.slots_to.get(d).copied().unwrap_or(0);
+                let want = self.route.slots.get(d).copied().unwrap_or(0);
                 if hd.seq != seq || hd.count != want {
                     return Err(invalid(
                         me,
@@ -881,7 +842,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 let rows = bytes
                     .get(crows..crows + n * k * rb)
                     .ok_or_else(|| Error::internal(format!("rank {me}: moe combine: {n} tokens past the combine window")))?;
-                route::sum_slots::<T>(h, k, rows, &handle.weights, out);
+                route::sum_slots::<T>(h, k, rows, &self.weights, out);
             }
             Ok(bad)
         })?
@@ -892,7 +853,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
 /// `handle`), its expert output row of `expert_out` and the byte offset of its (token,
 /// top-k slot) row in the origin's combine window (rows from `crows`).
 fn slot_parts<'t, T: MoeFloat>(
-    handle: &'t MoeHandle,
+    g: &'t Groups,
     slots: std::ops::Range<usize>,
     expert_out: &'t [T],
     hidden: usize,
@@ -900,8 +861,8 @@ fn slot_parts<'t, T: MoeFloat>(
 ) -> impl Iterator<Item = (usize, &'t [u8])> + 't {
     let rb = hidden * std::mem::size_of::<T>();
     slots.map(move |i| {
-        let at = handle.slots[i].0 as usize;
-        (crows + handle.places[i] as usize * rb, ferroccl_kernels::as_bytes(&expert_out[at * hidden..(at + 1) * hidden]))
+        let at = g.slots[i].0 as usize;
+        (crows + g.places[i] as usize * rb, ferroccl_kernels::as_bytes(&expert_out[at * hidden..(at + 1) * hidden]))
     })
 }
 
@@ -914,15 +875,15 @@ impl<T: MoeFloat> PendingDispatch<'_, '_, T> {
         if let Some(d) = self.ready {
             return Ok(d);
         }
-        let (seq, origin, n) = match std::mem::replace(&mut moe.state, State::Broken) {
-            State::DispatchSent { seq, origin, n } => (seq, origin, n),
+        let (seq, n) = match std::mem::replace(&mut moe.state, State::Broken) {
+            State::DispatchSent { seq, n } => (seq, n),
             _ => return Err(Error::internal(format!("rank {}: moe dispatch: a pending dispatch in another state", moe.me()))),
         };
         moe.ll_drain(Which::Dispatch, seq)?;
         let region = windows(&moe.ll, moe.me())?.dregion;
         moe.with_received(Which::Dispatch, |moe, bytes| {
             moe.ll_point_at(bytes, region);
-            moe.finish_dispatch_in(bytes, seq, n, origin)
+            moe.finish_dispatch_in(bytes, seq, n)
         })
     }
 }
@@ -975,7 +936,7 @@ impl<T: MoeFloat> Moe<'_, T> {
                     rows.push(&[]);
                     continue;
                 };
-                let want = handle.sent.get(d).map_or(0, Vec::len);
+                let want = moe.route.tokens.get(d).map_or(0, Vec::len);
                 if hd.seq != seq || hd.count != want || msg.len() < HEADER_BYTES + want * rb {
                     return Err(invalid(
                         me,
@@ -986,7 +947,7 @@ impl<T: MoeFloat> Moe<'_, T> {
                 rows.push(&msg[HEADER_BYTES..HEADER_BYTES + want * rb]);
             }
             if bad.is_empty() && out.len() == want_len {
-                route::sum_rows::<T>(h, &handle.sent, &rows, &mut moe.order, out);
+                route::sum_rows::<T>(h, &moe.route.tokens, &rows, &mut moe.order, out);
             }
             Ok(bad)
         })
@@ -994,20 +955,19 @@ impl<T: MoeFloat> Moe<'_, T> {
 }
 
 /// Appends the dispatch message for destination `d`: its rows and metadata, or a header
-/// alone (with this rank's bad-input status, if any) when nothing was routed.
+/// alone with this rank's bad-input status.
 fn pack_dispatch_to<T: MoeFloat>(
     out: &mut Vec<u8>,
     seq: u64,
     shape: &Shape,
     d: usize,
-    routed: Option<&route::Route>,
+    routed: &Route,
     checked: &std::result::Result<usize, Bad>,
     tokens: &[T],
 ) {
-    match (routed, checked) {
-        (Some(r), _) => route::pack_dispatch(out, seq, shape.hidden, &r.tokens[d], &r.meta[d], tokens),
-        (None, Err(b)) => route::pack_header(out, Kind::Dispatch, seq, 0, Some(b)),
-        (None, Ok(_)) => route::pack_header(out, Kind::Dispatch, seq, 0, None),
+    match checked {
+        Ok(_) => route::pack_dispatch(out, seq, shape.hidden, &routed.tokens[d], &routed.meta[d], tokens),
+        Err(b) => route::pack_header(out, Kind::Dispatch, seq, 0, Some(b)),
     }
 }
 

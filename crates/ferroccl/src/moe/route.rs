@@ -278,9 +278,9 @@ pub(crate) fn check_dispatch(shape: &Shape, tokens_len: usize, topk_idx: &[u32],
     Ok(n)
 }
 
-/// Where each token goes: per destination rank, the tokens (ascending) that have at least
-/// one expert there, and each such row's metadata.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// The routing of one dispatch at its origin; kept by the object and refilled every step
+/// (its vectors keep their capacity).
+#[derive(Debug, Default)]
 pub(crate) struct Route {
     /// `tokens[d]`: token indices sent to rank `d`, ascending.
     pub tokens: Vec<Vec<u32>>,
@@ -290,20 +290,20 @@ pub(crate) struct Route {
     pub slots: Vec<usize>,
 }
 
-/// Routes `n` checked tokens (see [`check_dispatch`]).
-pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Route {
-    let (k, per) = (shape.top_k, shape.per_rank());
-    let mut r = Route { tokens: vec![Vec::new(); shape.ranks], meta: vec![Vec::new(); shape.ranks], slots: vec![0; shape.ranks] };
+/// Routes `n` checked tokens (see [`check_dispatch`]) into `r`.
+pub(crate) fn route_into(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f32], r: &mut Route) {
+    let (k, per, ranks) = (shape.top_k, shape.per_rank(), shape.ranks);
+    r.tokens.resize_with(ranks, Vec::new);
+    r.meta.resize_with(ranks, Vec::new);
+    r.tokens.iter_mut().chain(r.meta.iter_mut()).for_each(Vec::clear);
+    r.slots.clear();
+    r.slots.resize(ranks, 0);
     for t in 0..n {
         let idx = &topk_idx[t * k..(t + 1) * k];
         let w = &topk_weights[t * k..(t + 1) * k];
-        for d in 0..shape.ranks {
+        for d in 0..ranks {
             if !idx.iter().any(|&e| e as usize / per == d) {
                 continue;
-            }
-            if r.tokens[d].is_empty() {
-                r.tokens[d].reserve_exact(n - t);
-                r.meta[d].reserve_exact((n - t) * meta_words(k));
             }
             r.tokens[d].push(t as u32);
             let m = &mut r.meta[d];
@@ -320,6 +320,13 @@ pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f
             }
         }
     }
+}
+
+/// [`route_into`] a new [`Route`].
+#[cfg(test)]
+pub(crate) fn route(shape: &Shape, n: usize, topk_idx: &[u32], topk_weights: &[f32]) -> Route {
+    let mut r = Route::default();
+    route_into(shape, n, topk_idx, topk_weights, &mut r);
     r
 }
 
@@ -399,41 +406,44 @@ pub(crate) fn split_dispatch<'a>(shape: &Shape, row_bytes: usize, count: usize, 
     Some(Received { meta: &body[..meta_len], rows: &body[meta_len..meta_len + rows_len] })
 }
 
-/// What a rank received in one dispatch, grouped by local expert, and what combine needs.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Grouped<T> {
-    /// Rows grouped by local expert (expert 0's first), within a group by source rank and
-    /// then by the source's order.
-    pub tokens: Vec<T>,
-    /// `per_rank + 1` row offsets into `tokens`.
-    pub offsets: Vec<usize>,
+/// What a rank received in one dispatch, for its combine; kept by the object and refilled
+/// every step (its vectors keep their capacity).
+#[derive(Debug, Default)]
+pub(crate) struct Groups {
     /// Rows received from each source rank.
     pub counts: Vec<usize>,
-    /// Per received row (sources in order), its (row in `tokens`, weight) per local expert
-    /// it chose, in top-k order: `slots[slot_at[i]..slot_at[i + 1]]`.
+    /// Per received row (sources in order), its (row in the grouped tokens, weight) per
+    /// local expert it chose, in top-k order: `slots[slot_at[i]..slot_at[i + 1]]`.
     pub slots: Vec<(u32, f32)>,
     /// `received rows + 1` offsets into `slots`.
     pub slot_at: Vec<usize>,
     /// Per slot, where its result goes at the origin: `token × top_k + j` for top-k entry `j`
     /// of the origin's token (the low-latency combine's row in the origin's window).
     pub places: Vec<u32>,
+    /// Scratch: rows per local expert, the next free row of each group, and where each
+    /// grouped row comes from (source, row).
+    sizes: Vec<usize>,
+    next: Vec<usize>,
+    order: Vec<(u32, u32)>,
 }
 
-/// Groups the rows received from every source (in source order) by local expert; `Err`
-/// names a metadata entry that is out of range (a corrupt message).
-pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result<Grouped<T>, String> {
+/// Groups the rows received from every source (in source order) by local expert into a
+/// new vector: rows grouped by local expert (expert 0's first), within a group by source
+/// rank and then by the source's order, and `per_rank + 1` row offsets into it; `g` gets
+/// what combine needs. `Err` names a metadata entry that is out of range (a corrupt
+/// message).
+pub(crate) fn group_into<T: MoeFloat>(shape: &Shape, from: &[Received<'_>], g: &mut Groups) -> Result<(Vec<T>, Vec<usize>), String> {
     let (k, per, h) = (shape.top_k, shape.per_rank(), shape.hidden);
     let mw = meta_words(k);
     let word = |row: &[u8], i: usize| u32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]);
-    let mut sizes = vec![0usize; per];
-    let mut received = 0usize;
+    g.sizes.clear();
+    g.sizes.resize(per, 0);
     for r in from {
         for row in r.meta.chunks_exact(4 * mw) {
-            received += 1;
             for j in 0..k {
                 match word(row, 1 + 2 * j) {
                     NO_EXPERT => {}
-                    le if (le as usize) < per => sizes[le as usize] += 1,
+                    le if (le as usize) < per => g.sizes[le as usize] += 1,
                     le => return Err(format!("local expert {le} out of range (this rank has {per})")),
                 }
             }
@@ -441,22 +451,23 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
     }
     let mut offsets = Vec::with_capacity(per + 1);
     offsets.push(0);
-    for s in &sizes {
+    for s in &g.sizes {
         offsets.push(offsets[offsets.len() - 1] + s);
     }
     let total = offsets[per];
-    let mut next = offsets.clone();
-    let mut slots = Vec::with_capacity(total);
-    let mut places = Vec::with_capacity(total);
-    let mut slot_at = Vec::with_capacity(received + 1);
-    slot_at.push(0);
-    let mut counts = Vec::with_capacity(from.len());
+    g.next.clone_from(&offsets);
+    g.slots.clear();
+    g.places.clear();
+    g.slot_at.clear();
+    g.slot_at.push(0);
+    g.counts.clear();
     let rb = shape.row_bytes::<T>();
     // Where each group's rows come from, in the group's order: (source, row), so that the
     // rows are appended once each, group by group (no zero fill, no second pass).
-    let mut order = vec![(0u32, 0u32); total];
+    g.order.clear();
+    g.order.resize(total, (0, 0));
     for (si, r) in from.iter().enumerate() {
-        counts.push(r.meta.len() / (4 * mw));
+        g.counts.push(r.meta.len() / (4 * mw));
         for (i, row) in r.meta.chunks_exact(4 * mw).enumerate() {
             let t = word(row, 0) as usize;
             if t >= shape.max_tokens {
@@ -467,21 +478,38 @@ pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result
                 if le == NO_EXPERT {
                     continue;
                 }
-                places.push((t * k + j) as u32);
-                let at = next[le as usize];
-                next[le as usize] += 1;
-                order[at] = (si as u32, i as u32);
-                slots.push((at as u32, f32::from_bits(word(row, 2 + 2 * j))));
+                g.places.push((t * k + j) as u32);
+                let at = g.next[le as usize];
+                g.next[le as usize] += 1;
+                g.order[at] = (si as u32, i as u32);
+                g.slots.push((at as u32, f32::from_bits(word(row, 2 + 2 * j))));
             }
-            slot_at.push(slots.len());
+            g.slot_at.push(g.slots.len());
         }
     }
     let mut tokens: Vec<T> = Vec::with_capacity(total * h);
-    for &(si, i) in &order {
+    for &(si, i) in &g.order {
         let src = &from[si as usize].rows[i as usize * rb..(i as usize + 1) * rb];
         extend_from_bytes(&mut tokens, src);
     }
-    Ok(Grouped { tokens, offsets, counts, slots, slot_at, places })
+    Ok((tokens, offsets))
+}
+
+/// [`group_into`] with its results in one struct (tests).
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct Grouped<T> {
+    pub tokens: Vec<T>,
+    pub offsets: Vec<usize>,
+    pub slots: Vec<(u32, f32)>,
+    pub slot_at: Vec<usize>,
+}
+
+#[cfg(test)]
+pub(crate) fn group<T: MoeFloat>(shape: &Shape, from: &[Received<'_>]) -> Result<Grouped<T>, String> {
+    let mut g = Groups::default();
+    let (tokens, offsets) = group_into(shape, from, &mut g)?;
+    Ok(Grouped { tokens, offsets, slots: g.slots, slot_at: g.slot_at })
 }
 
 /// Appends the elements of `T` in `bytes` (a whole number of them) to `out`: one copy,
