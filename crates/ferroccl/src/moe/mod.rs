@@ -12,11 +12,13 @@
 //! * [`Moe::combine`]`(expert_out, handle, out)` gives every token, at its origin and in its
 //!   original order, `Σ_k w_k · y_{e_k}(x_t)`.
 //!
-//! Rounding: the expert rank sums `w_k · y` in `f32` over its own experts of a token in
-//! top-k order and rounds once to `T`; the origin sums the ranks' rows in `f32` in
-//! ascending rank order and rounds once to `T`. For `f32` with values whose sums are
-//! exact (integers, dyadic weights) the result is exact; for `bf16` / `f16` see
-//! `docs/moe.md` for the bound.
+//! Rounding: in throughput mode the expert rank sums `w_k · y` in `f32` over its own
+//! experts of a token in top-k order and rounds once to `T`, and the origin sums the
+//! ranks' rows in `f32` in ascending rank order and rounds once to `T`; in low-latency mode
+//! the expert outputs come back unweighted and the origin sums `w_k · y_k` in `f32` in
+//! top-k order, rounding once. For `f32` with values whose sums are exact (integers,
+//! dyadic weights) the result is exact; for `bf16` / `f16` see `docs/moe.md` for the
+//! bounds.
 //!
 //! Two modes ([`MoeMode`]): **Throughput** exchanges counts (with each rank's input
 //! status) in an `alltoall` and the packed rows and metadata in an `alltoallv`; combine is
@@ -255,7 +257,8 @@ impl Communicator {
     /// collective, every member calls it with the same `cfg`, `mode` and `T`. In
     /// [`MoeMode::LowLatency`] it allocates two windows per rank (dispatch:
     /// `size() × (56 + max_tokens_per_rank × (4 × (1 + 2 × top_k) + hidden × size_of::<T>()))`
-    /// bytes; combine: `size() × (56 + max_tokens_per_rank × hidden × size_of::<T>())`)
+    /// bytes; combine: `⌈56 × size() / 64⌉ × 64 + max_tokens_per_rank × top_k × hidden ×
+    /// size_of::<T>()`)
     /// and exchanges their handles in its one allgather.
     ///
     /// # Errors
