@@ -147,6 +147,31 @@ fn auto_picks_shm_within_a_host_and_tcp_across() {
     }
 }
 
+/// `FERROCCL_SOCKET_IFNAME` picks the interface tcp listens on (here `lo`, the one every
+/// host and namespace has), and tcp works over IPv6 (`FERROCCL_SOCKET_ADDR=::1`, where the
+/// host has IPv6 loopback).
+#[test]
+fn tcp_listens_where_the_socket_knobs_say() {
+    let j = job(3, "tcp", &["exchange", "--sizes", "0,1,1M"], &[("FERROCCL_SOCKET_IFNAME", "=lo")]);
+    assert_all_ok(&j, 3);
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        let j = job(3, "tcp", &["exchange", "--sizes", "0,1,1M"], &[("FERROCCL_SOCKET_ADDR", "::1")]);
+        assert_all_ok(&j, 3);
+    } else {
+        eprintln!("tcp_listens_where_the_socket_knobs_say: no IPv6 loopback here, the IPv6 half skipped");
+    }
+}
+
+/// An interface filter that matches nothing fails every rank, naming the variable and the
+/// host's interfaces, well before the deadline.
+#[test]
+fn an_unmatched_socket_ifname_is_an_error_naming_the_interfaces() {
+    let j = job(2, "tcp", &["exchange", "--sizes", "1"], &[("FERROCCL_SOCKET_IFNAME", "=no-such-if")]);
+    assert_ne!(j.code, Some(0), "{}", j.all());
+    assert!(j.stderr.contains("FERROCCL_SOCKET_IFNAME") && j.stderr.contains("lo 127.0.0.1"), "{}", j.all());
+    assert!(j.wall < Duration::from_secs(60), "took {:?}\n{}", j.wall, j.all());
+}
+
 #[test]
 fn forcing_shm_across_hosts_is_an_error() {
     let j = job(2, "shm", &["exchange", "--sizes", "1", "--fake-hosts", "1"], &[]);
@@ -984,5 +1009,118 @@ fn an_inference_rank_killed_mid_sync_is_named_by_the_trainers() {
         let (failed, held) = failed_and_held(line, &ctx);
         assert_eq!(held + 1, failed, "{ctx}: rank 2: {line}");
         assert!(j.wall < Duration::from_secs(30), "{ctx}: took {:?}", j.wall);
+    }
+}
+
+/// Network namespaces joined by a veth pair, removed on drop: separate network stacks on
+/// this machine, as hosts of a cluster are.
+struct Namespaces {
+    names: Vec<String>,
+}
+
+impl Namespaces {
+    /// `ns[i]` gets address `10.77.0.(i + 1)/24` on its end of a veth link to the others (a
+    /// bridge in namespace 0 joins them) and `lo` up; `None` (with the reason) where this
+    /// process cannot make namespaces (not root, no `ip`).
+    fn create(count: usize) -> Result<Namespaces, String> {
+        let tag = format!("fcc{}", std::process::id());
+        let ns = Namespaces { names: (0..count).map(|i| format!("{tag}-{i}")).collect() };
+        let ip = |args: &[&str]| -> Result<(), String> {
+            let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+            match o.status.success() {
+                true => Ok(()),
+                false => Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
+            }
+        };
+        for n in &ns.names {
+            ip(&["netns", "add", n])?;
+            ip(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        let hub = ns.names[0].clone();
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        ip(&["-n", &hub, "addr", "add", "10.77.0.1/24", "dev", "br0"])?;
+        for (i, n) in ns.names.iter().enumerate().skip(1) {
+            let (a, b) = (format!("h{i}"), format!("v{i}"));
+            ip(&["-n", &hub, "link", "add", &a, "type", "veth", "peer", "name", &b, "netns", n])?;
+            ip(&["-n", &hub, "link", "set", &a, "master", "br0", "up"])?;
+            ip(&["-n", n, "addr", "add", &format!("10.77.0.{}/24", i + 1), "dev", &b])?;
+            ip(&["-n", n, "link", "set", &b, "up"])?;
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+    }
+}
+
+/// Ranks placed in 3 network namespaces (rank r in namespace r % 3, so ranks 0 and 3 share
+/// one), launched as torchrun launches them (rank 0 serves the store at `MASTER_ADDR`), one
+/// `FERROCCL_HOST_ID` per namespace. Every rank must reach every other over the veth links
+/// with the address it published (a rank that advertised 127.0.0.1 would be unreachable from
+/// the others), tcp between namespaces and shm within one; then again with
+/// `FERROCCL_SOCKET_IFNAME` choosing the veth interfaces. Skipped, saying why, where the
+/// test cannot make namespaces.
+#[test]
+fn ranks_in_separate_network_namespaces_find_each_other() {
+    let ns = match Namespaces::create(3) {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!("ranks_in_separate_network_namespaces_find_each_other: skipped, cannot make network namespaces: {why}");
+            return;
+        }
+    };
+    for (case, ifname) in [("store's side", None), ("ifname", Some("^lo"))] {
+        let n = 4;
+        let port = 29_000 + (std::process::id() % 1000) as u16 * 2 + u16::from(ifname.is_some());
+        let mut children = Vec::new();
+        for r in 0..n {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns.names[r % 3], SELFTEST, "exchange", "--sizes", "0,1,4097,1M"]);
+            c.env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
+            c.envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", n.to_string()),
+                ("MASTER_ADDR", "10.77.0.1".to_string()),
+                ("MASTER_PORT", port.to_string()),
+                ("TORCHELASTIC_RUN_ID", format!("netns-{}-{}", std::process::id(), u8::from(ifname.is_some()))),
+                ("FERROCCL_TOKEN", format!("netns-test-token-{}", std::process::id())),
+                ("FERROCCL_HOST_ID", format!("ns-{}", r % 3)),
+                ("FERROCCL_TIMEOUT", "60".to_string()),
+            ]);
+            if let Some(f) = ifname {
+                c.env("FERROCCL_SOCKET_IFNAME", f);
+            }
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            children.push(c.spawn().expect("spawn ip netns exec"));
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut outs = Vec::new();
+        for mut ch in children {
+            while ch.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = ch.kill();
+            outs.push(ch.wait_with_output().expect("collect a rank"));
+        }
+        let text: String = outs
+            .iter()
+            .enumerate()
+            .map(|(r, o)| format!("--- rank {r}\n{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+            .collect();
+        for (r, o) in outs.iter().enumerate() {
+            assert!(o.status.success(), "{case}: rank {r} failed\n{text}");
+            let out = String::from_utf8_lossy(&o.stdout);
+            let line = out.lines().find(|l| l.contains("exchanged")).unwrap_or_else(|| panic!("{case}: rank {r}\n{text}"));
+            for p in (0..n).filter(|&p| p != r) {
+                let want = if p % 3 == r % 3 { "shm" } else { "tcp" };
+                assert!(line.contains(&format!("{p}:{want}")), "{case}: rank {r} to {p} should be {want}: {line}\n{text}");
+            }
+        }
     }
 }

@@ -41,7 +41,8 @@
 //! - [`process`]: [`ProcessWatch`] (pidfd exit detection) and
 //!   [`read_process_memory`] (`process_vm_readv` single copy);
 //! - [`region`]: [`RegionHandle`], registered memory views that transports
-//!   write into, with scoped validity ([`with_region`]).
+//!   write into, with scoped validity ([`with_region`]);
+//! - [`net`]: the host's network interfaces and their addresses ([`interface_addrs`]).
 //!
 //! # Platform
 //!
@@ -53,6 +54,8 @@ pub mod alloc_count;
 #[cfg(target_os = "linux")]
 pub mod futex;
 #[cfg(target_os = "linux")]
+pub mod net;
+#[cfg(target_os = "linux")]
 pub mod process;
 pub mod region;
 #[cfg(target_os = "linux")]
@@ -60,6 +63,8 @@ pub mod segment;
 
 #[cfg(target_os = "linux")]
 pub use futex::{futex_wait, futex_wake, WaitOutcome};
+#[cfg(target_os = "linux")]
+pub use net::{interface_addrs, InterfaceAddr};
 #[cfg(target_os = "linux")]
 pub use process::{can_read_process, read_process_memory, wait_any_exited, ProcessWatch};
 pub use region::{

@@ -141,7 +141,7 @@ impl Mesh {
         let inbox = Arc::new(Inbox::new(rank, shm.as_ref().map_or_else(Bell::heap, |s| Bell::Mapped(s.bell()))));
         // A listener for tcp peers.
         let tcp = if open(TransportKind::Tcp) {
-            let ip: IpAddr = params.socket_addr.unwrap_or_else(|| store.local_addr().ip());
+            let ip: IpAddr = crate::transport::tcp::listen_ip(params, store.local_addr().ip())?;
             Some(TcpSetup::listen(rank, ip)?)
         } else {
             None

@@ -36,7 +36,8 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_IB_GID_INDEX", default: "", doc: "GID table index of port 1 used as the source address (RoCE v2: the entry holding the netdev's IPv4 address). Default: the first IPv4-mapped GID of the port, else index 0 (InfiniBand)." },
     Param { name: "FERROCCL_TIMEOUT", default: "300", doc: "Seconds any blocking call may wait (store, connect, send, recv, barrier) before it fails with a timeout error." },
     Param { name: "FERROCCL_HOST_ID", default: "", doc: "Overrides this host's identity used to find ranks on the same host (as NCCL_HOSTID). Default: boot id + mount and pid namespaces." },
-    Param { name: "FERROCCL_SOCKET_ADDR", default: "", doc: "IP address the TCP transport listens on and advertises. Default: the local address of the connection to the store." },
+    Param { name: "FERROCCL_SOCKET_ADDR", default: "", doc: "IP address the TCP transport listens on and advertises. Default: an address of FERROCCL_SOCKET_IFNAME's interfaces if set, else the local address of the connection to the store." },
+    Param { name: "FERROCCL_SOCKET_IFNAME", default: "", doc: "Interfaces the TCP transport may listen on, in NCCL_SOCKET_IFNAME's syntax: comma-separated name prefixes (eth,ib), `=` before the list for exact names (=eth0), `^` to exclude (^lo,docker; ^=lo). The first up interface that matches gives the address (its first IPv4 one, else its IPv6 one; link-local IPv6 left out); none matching is an error that lists the host's interfaces. FERROCCL_SOCKET_ADDR wins over it. Default: the local address of the connection to the store." },
     Param { name: "FERROCCL_SHM_RING_BYTES", default: "1048576", doc: "Bytes of each per-peer shared-memory ring (eager data and control messages)." },
     Param { name: "FERROCCL_SHM_INLINE_MAX", default: "16384", doc: "Largest one-sided write copied through the ring; larger ones are single-copied (process_vm_readv) when allowed." },
     Param { name: "FERROCCL_SHM_CMA", default: "0", doc: "1: large shm writes are single-copied by the receiver with process_vm_readv (cross-memory attach) when the kernel allows it; 0: they are copied through the ring in chunks. Off by default: measured slower for collectives on this project's machine (see docs/params.md)." },
@@ -102,6 +103,54 @@ impl TransportChoice {
     }
 }
 
+/// `FERROCCL_SOCKET_IFNAME`, in `NCCL_SOCKET_IFNAME`'s syntax: a comma-separated list of
+/// interface names, prefixes unless the list starts with `=` (exact names), selecting
+/// unless it starts with `^` (excluding; `^=` excludes exact names).
+///
+/// ```
+/// use ferroccl::params::IfnameFilter;
+///
+/// let f = IfnameFilter::parse("^lo,docker").unwrap();
+/// assert!(f.matches("eth0") && !f.matches("lo") && !f.matches("docker0"));
+/// let f = IfnameFilter::parse("=eth0").unwrap();
+/// assert!(f.matches("eth0") && !f.matches("eth01"));
+/// assert_eq!(f.to_string(), "=eth0");
+/// assert!(IfnameFilter::parse("^").is_none());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IfnameFilter {
+    /// `^`: the names are excluded, every other interface matches.
+    pub exclude: bool,
+    /// `=`: the names are exact, not prefixes.
+    pub exact: bool,
+    /// The names (or prefixes), none empty.
+    pub names: Vec<String>,
+}
+
+impl IfnameFilter {
+    /// Parses the variable's value; `None` when it names nothing.
+    pub fn parse(v: &str) -> Option<IfnameFilter> {
+        let v = v.trim();
+        let (exclude, v) = v.strip_prefix('^').map_or((false, v), |r| (true, r));
+        let (exact, v) = v.strip_prefix('=').map_or((false, v), |r| (true, r));
+        let names: Vec<String> = v.split(',').map(str::trim).filter(|n| !n.is_empty()).map(str::to_string).collect();
+        (!names.is_empty()).then_some(IfnameFilter { exclude, exact, names })
+    }
+
+    /// Whether interface `name` is one the filter selects.
+    pub fn matches(&self, name: &str) -> bool {
+        let listed = self.names.iter().any(|n| if self.exact { name == n } else { name.starts_with(n.as_str()) });
+        listed != self.exclude
+    }
+}
+
+impl std::fmt::Display for IfnameFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (x, e) = (if self.exclude { "^" } else { "" }, if self.exact { "=" } else { "" });
+        write!(f, "{x}{e}{}", self.names.join(","))
+    }
+}
+
 /// The knobs that shape a communicator, read from the environment or set by hand.
 #[derive(Clone, Debug)]
 pub struct Params {
@@ -113,6 +162,8 @@ pub struct Params {
     pub host_id: Option<String>,
     /// `FERROCCL_SOCKET_ADDR`.
     pub socket_addr: Option<std::net::IpAddr>,
+    /// `FERROCCL_SOCKET_IFNAME`.
+    pub socket_ifname: Option<IfnameFilter>,
     /// `FERROCCL_SHM_RING_BYTES`.
     pub shm_ring_bytes: usize,
     /// `FERROCCL_SHM_INLINE_MAX`.
@@ -197,6 +248,7 @@ impl Default for Params {
             timeout: Duration::from_secs(300),
             host_id: None,
             socket_addr: None,
+            socket_ifname: None,
             shm_ring_bytes: 1 << 20,
             shm_inline_max: 16 << 10,
             shm_cma: false,
@@ -264,6 +316,12 @@ impl Params {
                     .parse()
                     .map_err(|_| Error::Env { var: "FERROCCL_SOCKET_ADDR".into(), problem: format!("{v:?} is not an IP address") })?,
             );
+        }
+        if let Some(v) = get("FERROCCL_SOCKET_IFNAME") {
+            p.socket_ifname = Some(IfnameFilter::parse(&v).ok_or_else(|| Error::Env {
+                var: "FERROCCL_SOCKET_IFNAME".into(),
+                problem: format!("{v:?} names no interface (want e.g. eth, =eth0, ^lo,docker)"),
+            })?);
         }
         if let Some(v) = get("FERROCCL_SHM_RING_BYTES") {
             p.shm_ring_bytes = parse_num("FERROCCL_SHM_RING_BYTES", &v)?;
@@ -462,6 +520,8 @@ mod tests {
             ("FERROCCL_TIMEOUT", "soon"),
             ("FERROCCL_SHM_RING_BYTES", "1000"),
             ("FERROCCL_SOCKET_ADDR", "not-an-ip"),
+            ("FERROCCL_SOCKET_IFNAME", "^"),
+            ("FERROCCL_SOCKET_IFNAME", " , "),
             ("FERROCCL_DEBUG", "maybe"),
             ("FERROCCL_ALGO", "bubble"),
             ("FERROCCL_PROTO", "pigeon"),

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
+use crate::params::{IfnameFilter, Params};
 use crate::transport::{row_imm, Connected, Descriptor, Endpoint, Handshake, SetupCx, TcpInfo, TransportKind, WriteReq};
 use crate::wire::{Reader, Writer};
 
@@ -65,8 +66,34 @@ pub(crate) struct TcpSetup {
     listener: TcpListener,
 }
 
+/// The address this rank's tcp listener binds and advertises: `FERROCCL_SOCKET_ADDR`, else
+/// one of `FERROCCL_SOCKET_IFNAME`'s interfaces ([`pick_interface`]), else `store_side` (this
+/// side's address of the connection to the store).
+pub(crate) fn listen_ip(params: &Params, store_side: IpAddr) -> Result<IpAddr> {
+    if let Some(ip) = params.socket_addr {
+        return Ok(ip);
+    }
+    let Some(filter) = &params.socket_ifname else { return Ok(store_side) };
+    let all = ferroccl_mem::interface_addrs().map_err(|e| Error::io("list the network interfaces (FERROCCL_SOCKET_IFNAME)", e))?;
+    pick_interface(filter, &all).ok_or_else(|| {
+        let have: Vec<String> = all.iter().map(|a| format!("{} {}{}", a.name, a.ip, if a.up { "" } else { " (down)" })).collect();
+        Error::Env {
+            var: "FERROCCL_SOCKET_IFNAME".into(),
+            problem: format!("{filter} matches no interface that is up; this host has: {}", have.join(", ")),
+        }
+    })
+}
+
+/// The address of the first up interface (in the kernel's order) that `filter` selects: its
+/// first IPv4 address, else its first IPv6 one.
+pub(crate) fn pick_interface(filter: &IfnameFilter, all: &[ferroccl_mem::InterfaceAddr]) -> Option<IpAddr> {
+    let first = all.iter().find(|a| a.up && filter.matches(&a.name))?;
+    let mine = all.iter().filter(|a| a.name == first.name);
+    mine.clone().find(|a| a.ip.is_ipv4()).or_else(|| mine.clone().next()).map(|a| a.ip)
+}
+
 impl TcpSetup {
-    /// Listens on `ip` (the interface that reaches the store, or `FERROCCL_SOCKET_ADDR`'s).
+    /// Listens on `ip` (see [`listen_ip`]).
     pub(crate) fn listen(rank: usize, ip: IpAddr) -> Result<TcpSetup> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
         Ok(TcpSetup { listener })
@@ -674,6 +701,54 @@ fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<At
 mod tests {
     use super::*;
     use crate::inbox::{Bell, Inbox};
+    use ferroccl_mem::InterfaceAddr;
+
+    fn iface(name: &str, ip: &str, up: bool) -> InterfaceAddr {
+        InterfaceAddr { name: name.into(), ip: ip.parse().unwrap(), up, loopback: name == "lo" }
+    }
+
+    /// NCCL_SOCKET_IFNAME's rules: prefixes, `=` exact, `^` exclude; the first up match in
+    /// the kernel's order; its IPv4 address before its IPv6 one.
+    #[test]
+    fn interfaces_are_picked_as_nccl_picks_them() {
+        let all = [
+            iface("lo", "127.0.0.1", true),
+            iface("lo", "::1", true),
+            iface("eth0", "fd00::2", true),
+            iface("eth0", "10.0.0.2", true),
+            iface("eth1", "10.1.0.2", false),
+            iface("eth10", "10.10.0.2", true),
+            iface("ib0", "fd01::5", true),
+        ];
+        let pick = |f: &str| pick_interface(&IfnameFilter::parse(f).unwrap(), &all).map(|ip| ip.to_string());
+        assert_eq!(pick("eth").as_deref(), Some("10.0.0.2"));
+        assert_eq!(pick("=eth1"), None, "eth1 is down");
+        assert_eq!(pick("eth1").as_deref(), Some("10.10.0.2"), "a prefix: eth10 after the down eth1");
+        assert_eq!(pick("^lo,eth").as_deref(), Some("fd01::5"), "IPv6 when that is all it has");
+        assert_eq!(pick("^=lo").as_deref(), Some("10.0.0.2"));
+        assert_eq!(pick("lo").as_deref(), Some("127.0.0.1"));
+        assert_eq!(pick("docker"), None);
+    }
+
+    /// The knob wins over the store's side; an unmatched filter is an error naming the
+    /// variable and the host's interfaces; an IPv6 listener advertises a parsable address.
+    #[test]
+    fn the_listen_address_follows_the_knobs() {
+        let store_side: IpAddr = "127.0.0.1".parse().unwrap();
+        let mut p = Params::default();
+        assert_eq!(listen_ip(&p, store_side).unwrap(), store_side);
+        p.socket_ifname = IfnameFilter::parse("lo");
+        assert!(listen_ip(&p, "10.9.9.9".parse().unwrap()).unwrap().is_loopback());
+        p.socket_ifname = IfnameFilter::parse("=no-such-interface");
+        let e = listen_ip(&p, store_side).unwrap_err().to_string();
+        assert!(e.contains("FERROCCL_SOCKET_IFNAME") && e.contains("=no-such-interface") && e.contains("lo 127.0.0.1"), "{e}");
+        p.socket_addr = Some("::1".parse().unwrap());
+        assert_eq!(listen_ip(&p, store_side).unwrap().to_string(), "::1");
+        if let Ok(setup) = TcpSetup::listen(0, "::1".parse().unwrap()) {
+            let addr = setup.info().addr;
+            assert!(addr.starts_with("[::1]:") && addr.parse::<SocketAddr>().is_ok(), "{addr}");
+        }
+    }
     use std::io::Read;
     use std::net::TcpListener;
 
