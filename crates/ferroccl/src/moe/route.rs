@@ -521,6 +521,18 @@ pub(crate) fn extend_from_bytes<T: MoeFloat>(out: &mut Vec<T>, bytes: &[u8]) {
     }
 }
 
+/// `bytes` (a whole number of `T`) as elements: viewed in place when aligned for `T`, else
+/// copied into `copy`.
+fn elems<'a, T: MoeFloat>(bytes: &'a [u8], copy: &'a mut Vec<T>) -> &'a [T] {
+    match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(v) => v,
+        Err(_) => {
+            extend_from_bytes(copy, bytes);
+            copy
+        }
+    }
+}
+
 /// The expert rank's half of combine: per received row `rows` (in received order), the
 /// sum in `f32` of `w · y` over its slots in top-k order, rounded once to `T`; appended to
 /// `out` as bytes. One pass per row (`ferroccl_kernels::weighted_sum`: the products and
@@ -561,19 +573,8 @@ pub(crate) fn partial_sums<T: MoeFloat>(
 /// `order` is scratch (reused).
 pub(crate) fn sum_rows<T: MoeFloat>(hidden: usize, tokens: &[Vec<u32>], rows: &[&[u8]], order: &mut Vec<(u32, u32, u32)>, out: &mut [T]) {
     let rb = hidden * std::mem::size_of::<T>();
-    // Rows viewed as `T` in place (copied where the bytes are not aligned for `T`).
-    let copies: Vec<Vec<T>> = rows
-        .iter()
-        .map(|r| match bytemuck::try_cast_slice::<u8, T>(r) {
-            Ok(_) => Vec::new(),
-            Err(_) => {
-                let mut v = Vec::new();
-                extend_from_bytes(&mut v, r);
-                v
-            }
-        })
-        .collect();
-    let views: Vec<&[T]> = rows.iter().zip(&copies).map(|(r, c)| bytemuck::try_cast_slice::<u8, T>(r).unwrap_or(c.as_slice())).collect();
+    let mut copies: Vec<Vec<T>> = (0..rows.len()).map(|_| Vec::new()).collect();
+    let views: Vec<&[T]> = rows.iter().zip(copies.iter_mut()).map(|(r, c)| elems(r, c)).collect();
     // (token, destination, row): a stable sort by token keeps the destinations ascending.
     order.clear();
     for (d, ts) in tokens.iter().enumerate() {
@@ -607,13 +608,7 @@ pub(crate) fn sum_rows<T: MoeFloat>(hidden: usize, tokens: &[Vec<u32>], rows: &[
 /// `out.len() / hidden × top_k` rows of `T`, viewed in place, copied if not aligned).
 pub(crate) fn sum_slots<T: MoeFloat>(hidden: usize, top_k: usize, rows: &[u8], weights: &[f32], out: &mut [T]) {
     let mut copy: Vec<T> = Vec::new();
-    let rows: &[T] = match bytemuck::try_cast_slice::<u8, T>(rows) {
-        Ok(v) => v,
-        Err(_) => {
-            extend_from_bytes(&mut copy, rows);
-            &copy
-        }
-    };
+    let rows = elems(rows, &mut copy);
     let mut srcs: Vec<(&[T], f32)> = Vec::with_capacity(top_k);
     for (t, dst) in out.chunks_exact_mut(hidden).enumerate() {
         srcs.clear();
