@@ -5,11 +5,14 @@
 #
 #   benches/latency.sh [--ranks "2 4"] [--rounds 3] [--sizes 8,64,1K,8K,16K,32K,64K,256K]
 #                      [--dtypes "f32 bf16"] [--colls allreduce] [--peers "ompi mpich"]
-#                      [-n 200] [--batches 6] [--bind] [--out DIR]
+#                      [-n 200] [--batches 6] [--bind] [--transport shm|tcp] [--out DIR]
 #
 #   --dtypes   f32 and/or bf16
 #   --colls    allreduce, allgather, broadcast, reduce_scatter (allgather, reduce_scatter:
 #              the size is the per-rank block; broadcast: root 0)
+#   --transport  shm (default) or tcp: FerroCCL's --transport, Open MPI's btl (self,vader /
+#              self,sm, or self,tcp on the loopback interface); MPICH is not a tcp peer here
+#              (ch4:ucx picks its own path) and is skipped with tcp.
 #   --peers    ompi (Open MPI: mpicc.openmpi / mpirun.openmpi, or plain mpicc / mpirun if
 #              they are Open MPI's) and/or mpich (mpicc.mpich / mpirun.mpich, or plain ones
 #              if they are MPICH's); a peer that is not installed is skipped, saying so
@@ -58,6 +61,7 @@ iters=200
 batches=6
 out=""
 bind=0
+transport=shm
 while [ $# -gt 0 ]; do
     case "$1" in
         --ranks) ranks_list="$2"; shift 2 ;;
@@ -70,13 +74,19 @@ while [ $# -gt 0 ]; do
         --batches) batches="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --bind) bind=1; shift ;;
-        -h|--help) sed -n "2,48p" "$0"; exit 0 ;;
+        --transport) transport="$2"; shift 2 ;;
+        -h|--help) sed -n "2,52p" "$0"; exit 0 ;;
         *) echo "latency.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 for d in $dtypes; do
     case "$d" in f32|bf16) ;; *) echo "latency.sh: --dtypes: $d is not f32 or bf16" >&2; exit 2 ;; esac
 done
+case "$transport" in
+    shm) ;;
+    tcp) peers=$(echo "$peers" | tr ' ' '\n' | grep -v '^mpich$' | tr '\n' ' ' || true) ;;
+    *) echo "latency.sh: --transport: $transport is not shm or tcp" >&2; exit 2 ;;
+esac
 for c in $colls; do
     case "$c" in allreduce|allgather|broadcast|reduce_scatter) ;;
         *) echo "latency.sh: --colls: $c is not allreduce, allgather, broadcast or reduce_scatter" >&2; exit 2 ;;
@@ -136,6 +146,8 @@ if [ -n "${peer_run[ompi]:-}" ]; then
     major=$("${peer_run[ompi]}" --version 2>/dev/null | head -1 | grep -o '[0-9][0-9]*\.[0-9.]*' | head -1 | cut -d. -f1)
     [ "${major:-4}" -ge 5 ] && btl=sm
 fi
+ompi_mca=(--mca btl "self,$btl")
+[ "$transport" = tcp ] && ompi_mca=(--mca btl self,tcp --mca btl_tcp_if_include lo)
 
 data="$out/rows.txt"
 : > "$data"
@@ -146,10 +158,10 @@ run() {
     local log="$out/r$round-$impl-$dtype-$coll-$n.log"
     local args=(--sizes "$sizes" --dtype "$dtype" --coll "$coll" -n "$iters" --batches "$batches" --raw)
     if [ "$impl" = F ] && [ "$bind" = 1 ]; then
-        "$runner" -n "$n" --transport shm --no-prefix -- sh -c \
+        "$runner" -n "$n" --transport "$transport" --no-prefix -- sh -c \
             "exec taskset -c \$((FERROCCL_RANK % $ncpu)) $perf latency ${args[*]}" >"$log" 2>"$log.err" || rc=$?
     elif [ "$impl" = F ]; then
-        "$perf" latency "${args[@]}" --ranks "$n" --transport shm >"$log" 2>"$log.err" || rc=$?
+        "$perf" latency "${args[@]}" --ranks "$n" --transport "$transport" >"$log" 2>"$log.err" || rc=$?
     elif [ "$impl" = ompi ]; then
         local over=() binding=none
         [ "$n" -gt "$ncpu" ] && over=(--oversubscribe)
@@ -157,7 +169,7 @@ run() {
             binding=core
             [ "$n" -gt "$ncpu" ] && binding=core:overload-allowed
         fi
-        "${peer_run[ompi]}" --allow-run-as-root "${over[@]}" --bind-to "$binding" -np "$n" --mca btl "self,$btl" \
+        "${peer_run[ompi]}" --allow-run-as-root "${over[@]}" --bind-to "$binding" -np "$n" "${ompi_mca[@]}" \
             "target/peers/mpi_latency.ompi" "${args[@]}" >"$log" 2>"$log.err" || rc=$?
     else
         local binding=none

@@ -678,6 +678,7 @@ impl Engine {
             let Some(engine) = engine.upgrade() else { return };
             match engine.driver.try_lock() {
                 Ok(mut jobs) => {
+                    let _drive = engine.fabric.drive_sockets();
                     let mut backoff = Backoff::default();
                     loop {
                         let seen = engine.fabric.inbox.bell_seen();
@@ -717,21 +718,24 @@ impl Engine {
                 break false;
             }
             match self.driver.try_lock() {
-                Ok(mut jobs) => loop {
-                    let seen = fabric.inbox.bell_seen();
-                    let moved = self.round(&mut jobs, backoff.is_slow());
-                    if job.is_done() {
-                        break;
+                Ok(mut jobs) => {
+                    let _drive = fabric.drive_sockets();
+                    loop {
+                        let seen = fabric.inbox.bell_seen();
+                        let moved = self.round(&mut jobs, backoff.is_slow());
+                        if job.is_done() {
+                            break;
+                        }
+                        if until.is_some_and(|u| Instant::now() >= u) {
+                            break;
+                        }
+                        if moved {
+                            backoff.moved();
+                        } else {
+                            backoff.idle(PARK_NAP, until, |t| fabric.sleep_on_bell_or(seen, t, &|| Engine::ll_ready(&jobs)));
+                        }
                     }
-                    if until.is_some_and(|u| Instant::now() >= u) {
-                        break;
-                    }
-                    if moved {
-                        backoff.moved();
-                    } else {
-                        backoff.idle(PARK_NAP, until, |t| fabric.sleep_on_bell_or(seen, t, &|| Engine::ll_ready(&jobs)));
-                    }
-                },
+                }
                 Err(_) => {
                     // Another thread drives; it rings the doorbell when a job finishes and
                     // when it gives the role up.

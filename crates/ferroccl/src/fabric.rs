@@ -232,8 +232,14 @@ impl Fabric {
         self.registry.next_imms(n)
     }
 
-    /// Drains the shm inbox and the verbs completions. An error here is fatal for the
-    /// fabric.
+    /// While the guard lives, this thread (the engine's driver) reads the tcp sockets itself
+    /// in [`Fabric::progress`]; see [`Mesh::drive_sockets`].
+    pub(crate) fn drive_sockets(&self) -> Option<crate::transport::tcp::DriveGuard> {
+        self.mesh.drive_sockets()
+    }
+
+    /// Drains the shm inbox, the verbs completions, and (in a thread that drives) the tcp
+    /// sockets. An error here is fatal for the fabric.
     pub(crate) fn progress(&self) -> Result<()> {
         self.mesh.progress(&self.inbox)
     }
@@ -405,6 +411,8 @@ impl Fabric {
     /// must not return early for data in them: only the driver's doorbell rings matter).
     pub(crate) fn sleep_on_bell_for(&self, seen: u32, until: Instant, drains: bool) {
         let until = until.min(Instant::now() + PARK_NAP);
+        // Asleep, this thread reads no sockets: their reader threads do.
+        let _paused = self.mesh.pause_sockets();
         // shm peers ring the bell only when they see us sleeping: look once more once we
         // have said so.
         self.inbox.sleep(seen, until, || drains && self.mesh.has_pending());
@@ -415,6 +423,7 @@ impl Fabric {
     /// `ready` is looked at once the waiter is counted as sleeping.
     pub(crate) fn sleep_on_bell_or(&self, seen: u32, until: Instant, ready: &dyn Fn() -> bool) {
         let until = until.min(Instant::now() + PARK_NAP);
+        let _paused = self.mesh.pause_sockets();
         self.inbox.sleep(seen, until, || {
             std::sync::atomic::fence(Ordering::SeqCst);
             ready() || self.mesh.has_pending()

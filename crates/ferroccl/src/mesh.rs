@@ -18,7 +18,7 @@ use crate::error::{Error, Fault, Result};
 use crate::inbox::{Bell, Inbox};
 use crate::params::{Params, TransportChoice};
 use crate::transport::shm::{ShmNet, ShmSetup};
-use crate::transport::tcp::TcpSetup;
+use crate::transport::tcp::{DriveGuard, Paused, TcpNet, TcpSetup};
 use crate::transport::verbs::{VerbsNet, VerbsSetup};
 use crate::transport::{self, Connected, Descriptor, Endpoint, Handshake, SetupCx, SetupExchange, TransportKind, VerbsInfo};
 
@@ -55,6 +55,8 @@ pub(crate) struct Mesh {
     shm: Option<ShmNet>,
     /// The verbs mesh (polled in `progress`), when any peer uses verbs.
     verbs: Option<Arc<VerbsNet>>,
+    /// The tcp side (read in `progress` by a driving thread), when any peer uses tcp.
+    tcp: Option<TcpNet>,
     pub(crate) peers: Vec<PeerInfo>,
 }
 
@@ -232,9 +234,12 @@ impl Mesh {
             }
             _ => None,
         };
+        let mut tcp_net = None;
         if !tcp_peers.is_empty() {
             let tcp = tcp.ok_or_else(|| Error::internal("tcp peer without a listener"))?;
-            take(tcp.connect(&cx, &tcp_peers)?);
+            let (net, c) = tcp.connect(&cx, &tcp_peers)?;
+            take(c);
+            tcp_net = Some(net);
         }
         if let Some(pid) = params.launcher_pid {
             if let Ok(w) = ProcessWatch::new(pid) {
@@ -243,7 +248,7 @@ impl Mesh {
         }
 
         let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone() }).collect();
-        let mesh = Mesh { rank, endpoints, shm, verbs, peers };
+        let mesh = Mesh { rank, endpoints, shm, verbs, tcp: tcp_net, peers };
         Ok((mesh, inbox, watches))
     }
 
@@ -300,6 +305,10 @@ impl Mesh {
             // Completions: lands messages and immediates; a failed one fails its peer.
             v.poll()?;
         }
+        if let Some(tcp) = &self.tcp {
+            // Lands frames itself only in a thread that drives (`Mesh::drive_sockets`).
+            tcp.progress();
+        }
         if let Some(shm) = &self.shm {
             // Called on every round of every wait: no allocation here.
             match shm.drain(inbox) {
@@ -313,6 +322,19 @@ impl Mesh {
             }
         }
         Ok(())
+    }
+
+    /// While the guard lives, this thread reads the tcp sockets itself in
+    /// [`Mesh::progress`] (no hand-off from a reader thread on the critical path); `None`
+    /// without tcp peers. For the thread that drives the engine.
+    pub(crate) fn drive_sockets(&self) -> Option<DriveGuard> {
+        self.tcp.as_ref().map(TcpNet::drive)
+    }
+
+    /// While the guard lives, this thread (about to sleep) does not read the tcp sockets:
+    /// their reader threads do.
+    pub(crate) fn pause_sockets(&self) -> Option<Paused<'_>> {
+        self.tcp.as_ref().and_then(TcpNet::pause)
     }
 
     /// The first shm peer that `which` picks (by world rank) and that left last words

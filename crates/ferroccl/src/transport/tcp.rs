@@ -1,19 +1,27 @@
 //! TCP transport: one authenticated socket per peer.
 //!
 //! Frames are a 40-byte header (kind, immediate, length, registration key, address)
-//! followed by the payload. The caller's thread writes frames (under a per-socket lock); a
-//! reader thread per socket lands them: messages go to the fabric's queues, one-sided writes
-//! are received straight from the socket into the registered destination (no intermediate
-//! copy), then their immediate is reported. EOF or an error without a goodbye marks the
-//! peer failed, which wakes and fails every waiter.
+//! followed by the payload. The caller's thread writes frames (under a per-socket lock): a
+//! small frame goes in one non-blocking `sendmsg` (header and body gathered), the rest of a
+//! large one with waiting. Reading has two roads ([`Drive`]): the thread that drives the
+//! engine reads every socket itself with non-blocking `recv`s into a 64 KiB stage and lands
+//! whole frames from it (no hand-off between threads on the critical path: the latency
+//! path); while no thread drives (between calls, or while the driver sleeps or blocks in a
+//! write), each socket's reader thread does the same, and it also takes every frame larger
+//! than the stage, whose body it reads straight into the registered destination (no
+//! intermediate copy). Messages go to the fabric's queues; a one-sided write's immediate is
+//! reported once it has landed. EOF or an error without a goodbye marks the peer failed,
+//! which wakes and fails every waiter.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use ferroccl_mem::futex::{futex_wait, futex_wake};
 
 use crate::error::{Error, Op, Result};
 use crate::inbox::Inbox;
@@ -107,7 +115,7 @@ impl TcpSetup {
     /// One authenticated socket to every peer in `peers` (chosen for tcp): the lower rank
     /// of each pair connects, the higher accepts; both run the job's handshake, then the
     /// connecting side names its rank and the mesh. The listener closes when this returns.
-    pub(crate) fn connect(self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<Connected> {
+    pub(crate) fn connect(self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<(TcpNet, Connected)> {
         let rank = cx.rank;
         let expect: Vec<usize> = peers.iter().copied().filter(|&p| p < rank).collect();
         let (listener, handshake, mesh_id, deadline) = (&self.listener, cx.handshake, cx.mesh_id, cx.deadline);
@@ -123,10 +131,14 @@ impl TcpSetup {
             Ok(out)
         })?;
         let mut connected = Connected::default();
+        let net = TcpNet { drive: Arc::new(Drive::default()), readings: Vec::new() };
+        let mut readings = Vec::new();
         for (p, stream) in streams {
-            connected.endpoints.push((p, Endpoint::Tcp(TcpEndpoint::start(rank, p, stream, cx.inbox.clone())?)));
+            let e = TcpEndpoint::start(rank, p, stream, cx.inbox.clone(), net.drive.clone())?;
+            readings.push(e.reading.clone());
+            connected.endpoints.push((p, Endpoint::Tcp(e)));
         }
-        Ok(connected)
+        Ok((TcpNet { readings, ..net }, connected))
     }
 }
 
@@ -238,6 +250,46 @@ fn accept_peers(
     Ok(got.into_iter().collect())
 }
 
+/// What writes the body of a frame through the `put` it is given (see
+/// [`TcpEndpoint::send_frame_locked`]).
+type Body<'a> = &'a mut dyn FnMut(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>;
+
+/// What the mesh keeps of its tcp side: whoever drives the engine reads every socket
+/// through it (see [`Drive`]).
+#[derive(Debug)]
+pub(crate) struct TcpNet {
+    drive: Arc<Drive>,
+    readings: Vec<Arc<Reading>>,
+}
+
+impl TcpNet {
+    /// This thread reads the sockets in [`TcpNet::progress`] until the guard drops; the
+    /// reader threads stand by meanwhile.
+    pub(crate) fn drive(&self) -> DriveGuard {
+        Drive::enter(&self.drive)
+    }
+
+    /// See [`Drive::pause`].
+    pub(crate) fn pause(&self) -> Option<Paused<'_>> {
+        Drive::pause(&self.drive)
+    }
+
+    /// A driver's round: lands what has arrived on every socket, without waiting. Nothing
+    /// for a thread that does not drive (the reader threads read for it). Whether
+    /// anything arrived.
+    pub(crate) fn progress(&self) -> bool {
+        if !self.drive.driven_here() {
+            return false;
+        }
+        self.drive.rounds.fetch_add(1, Ordering::Relaxed);
+        let mut moved = false;
+        for r in &self.readings {
+            moved |= r.drive_once();
+        }
+        moved
+    }
+}
+
 /// The writing side of a socket.
 #[derive(Debug)]
 struct Wr {
@@ -245,6 +297,135 @@ struct Wr {
     /// The end of a frame that [`TcpEndpoint::try_post_send_now`] could not write without
     /// waiting: written first by the next send (the stream stays whole).
     tail: Vec<u8>,
+}
+
+/// Who reads a mesh's sockets: a thread that drives the engine reads them itself
+/// ([`Drive::enter`], then [`TcpEndpoint::drive`] every round: no hand-off between threads
+/// on the critical path); while none does, each socket's reader thread reads it. Shared by
+/// every tcp endpoint of one mesh and their reader threads.
+#[derive(Debug, Default)]
+pub(crate) struct Drive {
+    /// Low 16 bits: the threads driving now; above: a generation bumped by [`Drive::kick`].
+    /// Reader threads sleep on it (a futex word) while a driver reads for them.
+    word: AtomicU32,
+    /// Bumped on every driving round: a reader thread that sees it stand still for
+    /// [`DRIVER_STALL`] reads its socket itself (a driver stuck in something else must not
+    /// leave a peer's sends waiting).
+    rounds: AtomicU64,
+}
+
+const DRIVERS: u32 = 0xffff;
+/// How long a driver may go without a round before reader threads read for it.
+const DRIVER_STALL: Duration = Duration::from_millis(10);
+/// What a reader thread waits at most before it looks at `closing` again.
+const READER_NAP: Duration = Duration::from_millis(100);
+
+thread_local! {
+    /// The [`Drive`] this thread drives, if any (compared by address).
+    static DRIVING: std::cell::Cell<*const Drive> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+impl Drive {
+    /// This thread drives `drive`'s sockets until the guard drops (nested guards for the
+    /// same drive are free).
+    pub(crate) fn enter(drive: &Arc<Drive>) -> DriveGuard {
+        let before = DRIVING.with(|d| d.replace(Arc::as_ptr(drive)));
+        if before != Arc::as_ptr(drive) {
+            drive.word.fetch_add(1, Ordering::SeqCst);
+        }
+        DriveGuard { drive: drive.clone(), before }
+    }
+
+    /// Whether this thread drives `self`.
+    fn driven_here(&self) -> bool {
+        DRIVING.with(|d| d.get()) == std::ptr::from_ref(self)
+    }
+
+    fn leave(&self) {
+        if self.word.fetch_sub(1, Ordering::SeqCst) & DRIVERS == 1 {
+            let _ = futex_wake(&self.word, u32::MAX);
+        }
+    }
+
+    /// Wakes every reader thread (a hand-off, a closing socket).
+    fn kick(&self) {
+        self.word.fetch_add(DRIVERS + 1, Ordering::SeqCst);
+        let _ = futex_wake(&self.word, u32::MAX);
+    }
+
+    /// While the returned guard lives, this thread does not drive (it is about to sleep or
+    /// block in a write): reader threads read for it.
+    pub(crate) fn pause(drive: &Drive) -> Option<Paused<'_>> {
+        drive.driven_here().then(|| {
+            DRIVING.with(|d| d.set(std::ptr::null()));
+            drive.leave();
+            Paused { drive }
+        })
+    }
+}
+
+/// See [`Drive::enter`].
+#[derive(Debug)]
+pub(crate) struct DriveGuard {
+    drive: Arc<Drive>,
+    before: *const Drive,
+}
+
+impl Drop for DriveGuard {
+    fn drop(&mut self) {
+        let me = Arc::as_ptr(&self.drive);
+        if self.before != me {
+            DRIVING.with(|d| d.set(self.before));
+            // Quietly: waking the reader threads here would cost every call a wakeup of
+            // them (on this thread's core when pinned). They look again within
+            // `DRIVER_STALL`; the kernel holds what arrives meanwhile.
+            self.drive.word.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// See [`Drive::pause`].
+#[derive(Debug)]
+pub(crate) struct Paused<'a> {
+    drive: &'a Drive,
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        DRIVING.with(|d| d.set(std::ptr::from_ref(self.drive)));
+        self.drive.word.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Bytes staged from a socket: frames up to this size (header included) are read with
+/// non-blocking `recv`s into the stage and landed from it; a larger frame's body is read
+/// straight into its destination by the reader thread.
+const STAGE: usize = 64 << 10;
+
+/// The reading side of a socket.
+#[derive(Debug)]
+struct Rd {
+    s: TcpStream,
+    stage: Box<[u8]>,
+    /// `stage[lo..hi]`: received, not yet landed (at most the start of one frame once a
+    /// pump returns).
+    lo: usize,
+    hi: usize,
+    /// The stream ended (goodbye, failure, a refused write): nothing more is read.
+    ended: bool,
+}
+
+/// What a socket's reader thread and its drivers share.
+#[derive(Debug)]
+struct Reading {
+    peer: usize,
+    rd: Mutex<Rd>,
+    /// Set by a driver that met a frame larger than the stage: the reader thread reads it
+    /// (blocking, straight into place); drivers leave the socket alone until it is done.
+    handoff: AtomicBool,
+    inbox: Arc<Inbox>,
+    closing: Arc<AtomicBool>,
+    drive: Arc<Drive>,
 }
 
 /// This rank's socket to one peer.
@@ -255,6 +436,7 @@ pub(crate) struct TcpEndpoint {
     writer: Mutex<Wr>,
     /// A handle to shut the socket down without waiting for the writer's lock.
     ctl: TcpStream,
+    reading: Arc<Reading>,
     reader: Mutex<Option<JoinHandle<()>>>,
     inbox: Arc<Inbox>,
     closing: Arc<AtomicBool>,
@@ -266,21 +448,29 @@ pub(crate) struct TcpEndpoint {
 }
 
 impl TcpEndpoint {
-    pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, inbox: Arc<Inbox>) -> Result<TcpEndpoint> {
-        let rd = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
-        let ctl = stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e))?;
+    pub(crate) fn start(rank: usize, peer: usize, stream: TcpStream, inbox: Arc<Inbox>, drive: Arc<Drive>) -> Result<TcpEndpoint> {
+        let clone = || stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e));
+        let (rd, ctl, watch) = (clone()?, clone()?, clone()?);
         let closing = Arc::new(AtomicBool::new(false));
-        let c2 = closing.clone();
-        let sh = inbox.clone();
+        let reading = Arc::new(Reading {
+            peer,
+            rd: Mutex::new(Rd { s: rd, stage: vec![0u8; STAGE].into_boxed_slice(), lo: 0, hi: 0, ended: false }),
+            handoff: AtomicBool::new(false),
+            inbox: inbox.clone(),
+            closing: closing.clone(),
+            drive,
+        });
+        let r2 = reading.clone();
         let reader = std::thread::Builder::new()
             .name(format!("ferroccl-tcp-{peer}"))
-            .spawn(move || reader_loop(peer, rd, sh, c2))
+            .spawn(move || reader_loop(&r2, &watch))
             .map_err(|e| Error::io("spawn tcp reader thread", e))?;
         Ok(TcpEndpoint {
             rank,
             peer,
             writer: Mutex::new(Wr { s: stream, tail: Vec::new() }),
             ctl,
+            reading,
             reader: Mutex::new(Some(reader)),
             inbox,
             closing,
@@ -311,17 +501,14 @@ impl TcpEndpoint {
         }
     }
 
-    /// Writes one frame under the socket's lock. The deadline holds for the whole frame
-    /// (the body is written in pieces, each with the time that is left). A frame cut short
-    /// leaves the stream unusable: the socket is shut down so the peer sees it at once.
-    fn send_frame_locked(
-        &self,
-        w: &mut Wr,
-        hdr: &[u8],
-        body: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>,
-        deadline: Instant,
-        what: &str,
-    ) -> Result<()> {
+    /// Writes one frame under the socket's lock: `first` (the header, and the body when it
+    /// is at hand; at most 4 pieces) goes in one non-blocking `sendmsg` when the socket has
+    /// room (one system call for a small message); the rest of it, and what `body`
+    /// produces, with waiting. The deadline holds for the whole frame (the body is written
+    /// in pieces, each with the time that is left). A frame cut short leaves the stream
+    /// unusable: the socket is shut down so the peer sees it at once.
+    fn send_frame_locked(&self, w: &mut Wr, first: &[&[u8]], body: Option<Body<'_>>, deadline: Instant, what: &str) -> Result<()> {
+        use rustix::net::SendFlags;
         if self.broken.load(Ordering::Acquire) {
             return Err(Error::Transport {
                 rank: self.rank,
@@ -332,54 +519,86 @@ impl TcpEndpoint {
         }
         let start = Instant::now();
         let Wr { s, tail } = w;
-        let mut put = |mut b: &[u8]| -> std::io::Result<()> {
-            while !b.is_empty() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
-                }
-                s.set_write_timeout(Some(left))?;
-                let n = b.len().min(1 << 20);
-                s.write_all(&b[..n])?;
-                b = &b[n..];
+        let total: usize = first.iter().map(|b| b.len()).sum();
+        let (mut sent, mut fast_err) = (0usize, None);
+        if tail.is_empty() && total > 0 && first.len() <= 4 {
+            let iov: [std::io::IoSlice<'_>; 4] = std::array::from_fn(|i| std::io::IoSlice::new(first.get(i).copied().unwrap_or(&[])));
+            match rustix::net::sendmsg(&*s, &iov[..first.len()], &mut Default::default(), SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+                Ok(k) => sent = k,
+                Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => {}
+                Err(e) => fast_err = Some(std::io::Error::from(e)),
             }
-            Ok(())
+        }
+        if fast_err.is_none() && sent == total && body.is_none() {
+            return Ok(());
+        }
+        let r = match fast_err {
+            Some(e) => Err(e),
+            None => {
+                // Whatever waits here lets the reader threads read for this thread (the
+                // peer may be writing to us as we write to it).
+                let _pause = Drive::pause(&self.reading.drive);
+                let mut put = |mut b: &[u8]| -> std::io::Result<()> {
+                    while !b.is_empty() {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
+                        }
+                        s.set_write_timeout(Some(left))?;
+                        let n = b.len().min(1 << 20);
+                        s.write_all(&b[..n])?;
+                        b = &b[n..];
+                    }
+                    Ok(())
+                };
+                (|| {
+                    // The end of a best-effort frame first (see `try_post_send_now`).
+                    put(tail)?;
+                    tail.clear();
+                    let mut skip = sent;
+                    for b in first {
+                        let k = skip.min(b.len());
+                        skip -= k;
+                        put(&b[k..])?;
+                    }
+                    match body {
+                        Some(body) => body(&mut put),
+                        None => Ok(()),
+                    }
+                })()
+            }
         };
-        // The end of a best-effort frame first (see `try_post_send_now`).
-        let r = put(tail).map(|()| tail.clear()).and_then(|()| put(hdr)).and_then(|()| body(&mut put));
-        r.map_err(|e| {
-            self.broken.store(true, Ordering::Release);
-            if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
-                // The peer closed on us. If it said why first (an ERR ahead of its FIN), our
-                // reader thread is about to deliver it: report that root cause instead.
-                let until = Instant::now() + Duration::from_millis(200);
-                while Instant::now() < until
-                    && self.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|h| !h.is_finished())
-                {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                // A broken connection is only a suspect for a moment (see `Events::suspects`):
-                // wait for its grace too, then report the best-known cause.
-                let settle = Instant::now() + crate::inbox::SUSPECT_GRACE + Duration::from_millis(20);
-                if let Some(fault) = self.inbox.root_cause(settle) {
-                    let _ = self.ctl.shutdown(Shutdown::Both);
-                    return fault.to_error(self.rank, &Op::other(format!("tcp {what} to rank {}", self.peer)), None);
-                }
-            }
-            let _ = self.ctl.shutdown(Shutdown::Both);
-            self.io_err(what, e, start)
-        })
+        r.map_err(|e| self.send_failed(e, start, what))
     }
 
-    fn send_frame(
-        &self,
-        hdr: &[u8; HDR],
-        body: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()>,
-        deadline: Instant,
-        what: &str,
-    ) -> Result<()> {
+    /// The error for a frame cut short by `e`: the connection is unusable from here on.
+    fn send_failed(&self, e: std::io::Error, start: Instant, what: &str) -> Error {
+        self.broken.store(true, Ordering::Release);
+        if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
+            // The peer closed on us. If it said why first (an ERR ahead of its FIN), our
+            // reader thread (or a driver) is about to deliver it: report that root cause
+            // instead.
+            let until = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < until && self.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|h| !h.is_finished())
+            {
+                self.reading.drive_once();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            // A broken connection is only a suspect for a moment (see `Events::suspects`):
+            // wait for its grace too, then report the best-known cause.
+            let settle = Instant::now() + crate::inbox::SUSPECT_GRACE + Duration::from_millis(20);
+            if let Some(fault) = self.inbox.root_cause(settle) {
+                let _ = self.ctl.shutdown(Shutdown::Both);
+                return fault.to_error(self.rank, &Op::other(format!("tcp {what} to rank {}", self.peer)), None);
+            }
+        }
+        let _ = self.ctl.shutdown(Shutdown::Both);
+        self.io_err(what, e, start)
+    }
+
+    fn send_frame(&self, first: &[&[u8]], body: Option<Body<'_>>, deadline: Instant, what: &str) -> Result<()> {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        self.send_frame_locked(&mut w, hdr, body, deadline, what)
+        self.send_frame_locked(&mut w, first, body, deadline, what)
     }
 
     /// Sends only if no other frame is being written right now and the socket takes the
@@ -395,7 +614,7 @@ impl TcpEndpoint {
             return Err(Error::WouldBlock("socket busy".into()));
         };
         if self.broken.load(Ordering::Acquire) {
-            return self.send_frame_locked(&mut w, &[], |_| Ok(()), deadline, "send");
+            return self.send_frame_locked(&mut w, &[], None, deadline, "send");
         }
         let nowait = |s: &TcpStream, b: &[u8]| match rustix::net::send(s, b, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
             Ok(n) => Ok(n),
@@ -435,6 +654,7 @@ impl TcpEndpoint {
     pub(crate) fn cut(&self) {
         self.closing.store(true, Ordering::Release);
         let _ = self.ctl.shutdown(Shutdown::Both);
+        self.reading.drive.kick();
     }
 
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant) -> Result<()> {
@@ -447,19 +667,7 @@ impl TcpEndpoint {
         if len > MAX_MSG {
             return Err(Error::invalid(format!("tcp message of {len} bytes exceeds {MAX_MSG}")));
         }
-        self.send_frame(
-            &header(K_MSG, 0, len as u64, 0, 0),
-            |put| {
-                put(head)?;
-                if body.is_empty() {
-                    Ok(())
-                } else {
-                    put(body)
-                }
-            },
-            deadline,
-            "send",
-        )
+        self.send_frame(&[&header(K_MSG, 0, len as u64, 0, 0), head, body], None, deadline, "send")
     }
 
     /// Posts a write already checked by [`WriteReq`]'s bounds check: one frame, written
@@ -467,12 +675,8 @@ impl TcpEndpoint {
     pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant) -> Result<()> {
         let WriteReq { src, offset, len, dst, imm, .. } = *w;
         let hdr = header(K_WRITE, imm, len as u64, dst.key, w.dst_addr(0));
-        self.send_frame(
-            &hdr,
-            |put| src.with_slice(offset, len, |b| put(b)).unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
-            deadline,
-            "write",
-        )
+        src.with_slice(offset, len, |b| self.send_frame(&[&hdr, b], None, deadline, "write"))
+            .unwrap_or_else(|e| Err(Error::internal(format!("tcp write to rank {}: its source: {e}", self.peer))))
     }
 
     /// `rows` rows of `w.len` bytes, `src_stride` apart from `w.offset` in the source and
@@ -523,8 +727,8 @@ impl TcpEndpoint {
         let mut gather = self.gather.lock().unwrap_or_else(|e| e.into_inner());
         let gather = &mut *gather;
         self.send_frame(
-            &hdr,
-            |put| {
+            &[&hdr],
+            Some(&mut |put| {
                 w.src
                     .with_slice(w.offset, src_span as usize, |b| {
                         gather.clear();
@@ -547,7 +751,7 @@ impl TcpEndpoint {
                         Ok(())
                     })
                     .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
-            },
+            }),
             deadline,
             "write",
         )
@@ -556,9 +760,10 @@ impl TcpEndpoint {
     pub(crate) fn close(&self, deadline: Instant) {
         self.closing.store(true, Ordering::Release);
         if let Ok(mut w) = self.writer.try_lock() {
-            let _ = self.send_frame_locked(&mut w, &header(K_BYE, 0, 0, 0, 0), |_| Ok(()), deadline, "goodbye");
+            let _ = self.send_frame_locked(&mut w, &[&header(K_BYE, 0, 0, 0, 0)], None, deadline, "goodbye");
         }
         let _ = self.ctl.shutdown(Shutdown::Both);
+        self.reading.drive.kick();
         if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
@@ -574,7 +779,7 @@ impl Drop for TcpEndpoint {
 /// Reads `rows` rows of `row` bytes into `dst`, `stride` bytes apart, with `readv` of up
 /// to 64 rows at a time (a column shard's rows are often a few KiB: one `read` each would
 /// cost more than the copy).
-fn read_rows(s: &mut TcpStream, dst: &mut [u8], rows: usize, row: usize, stride: usize) -> std::io::Result<()> {
+fn read_rows(s: &mut impl Read, dst: &mut [u8], rows: usize, row: usize, stride: usize) -> std::io::Result<()> {
     use std::io::IoSliceMut;
     const BATCH: usize = 64;
     let (mut r, mut done) = (0usize, 0usize);
@@ -608,91 +813,232 @@ fn read_rows(s: &mut TcpStream, dst: &mut [u8], rows: usize, row: usize, stride:
     Ok(())
 }
 
-fn reader_loop(peer: usize, mut s: TcpStream, inbox: Arc<Inbox>, closing: Arc<AtomicBool>) {
-    let fail = |why: String| {
-        if !closing.load(Ordering::Acquire) {
-            inbox.peer_failed(peer, why);
-        }
-    };
-    loop {
-        let mut h = [0u8; HDR];
-        if let Err(e) = s.read_exact(&mut h) {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                fail("closed its TCP connection without saying goodbye (process died?)".into());
-            } else {
-                fail(format!("broke its TCP connection: {e}"));
+/// The body length of the frame with header `h`, checked; `Err` says what is wrong with it.
+fn body_len(h: &[u8; HDR]) -> std::result::Result<usize, String> {
+    let len = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
+    match h[0] {
+        K_MSG if len > MAX_MSG as u64 => Err(format!("sent a {len}-byte message, over the {MAX_MSG}-byte limit")),
+        K_MSG | K_WRITE => usize::try_from(len).map_err(|_| format!("sent a write of {len} bytes")),
+        K_WRITE_ROWS => {
+            let (row, stride) = (u64::from(u32_at(h, 32)), u64::from(u32_at(h, 36)));
+            match len.checked_div(row) {
+                Some(n) if len.is_multiple_of(row) && n <= u64::from(u32::MAX) && (n <= 1 || stride >= row) => {
+                    usize::try_from(len).map_err(|_| format!("sent a strided write of {len} bytes"))
+                }
+                _ => Err(format!("sent a strided write of {len} bytes in rows of {row}, {stride} apart")),
             }
-            return;
         }
-        let kind = h[0];
-        let imm = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        K_BYE => Ok(0),
+        k => Err(format!("sent an unknown TCP frame kind {k}")),
+    }
+}
+
+impl Reading {
+    /// Lands what has arrived on the socket, without waiting (a driving thread's round,
+    /// see [`Drive`]). Whether anything arrived.
+    fn drive_once(&self) -> bool {
+        if self.handoff.load(Ordering::Acquire) {
+            return false;
+        }
+        match self.rd.try_lock() {
+            Ok(mut rd) => self.pump(&mut rd, false),
+            Err(_) => false,
+        }
+    }
+
+    fn fail(&self, why: String) {
+        if !self.closing.load(Ordering::Acquire) {
+            self.inbox.peer_failed(self.peer, why);
+        }
+    }
+
+    /// Lands what has arrived: complete frames from the stage, then one non-blocking
+    /// `recv` at a time into it, until the socket has nothing more. A frame larger than the
+    /// stage is read straight into place when `may_block` (the reader thread), or handed
+    /// to the reader thread otherwise (see [`Reading::handoff`]). Whether anything arrived.
+    fn pump(&self, rd: &mut Rd, may_block: bool) -> bool {
+        use rustix::net::RecvFlags;
+        let mut moved = false;
+        let mut drained = false;
+        loop {
+            if rd.ended {
+                return moved;
+            }
+            while rd.hi - rd.lo >= HDR {
+                let mut h = [0u8; HDR];
+                h.copy_from_slice(&rd.stage[rd.lo..rd.lo + HDR]);
+                let need = match body_len(&h) {
+                    Ok(n) => n,
+                    Err(why) => {
+                        self.fail(why);
+                        return self.end(rd);
+                    }
+                };
+                if rd.hi - rd.lo - HDR >= need {
+                    let at = rd.lo + HDR;
+                    let ok = self.land(&h, &mut &rd.stage[at..at + need]);
+                    rd.lo = at + need;
+                    moved = true;
+                    if !ok {
+                        return self.end(rd);
+                    }
+                    continue;
+                }
+                if HDR + need <= rd.stage.len() {
+                    break;
+                }
+                if !may_block {
+                    if !self.handoff.swap(true, Ordering::AcqRel) {
+                        self.drive.kick();
+                    }
+                    return moved;
+                }
+                let Rd { s, stage, lo, hi, .. } = rd;
+                let ok = self.land(&h, &mut Read::chain(&stage[*lo + HDR..*hi], &*s));
+                (*lo, *hi) = (0, 0);
+                self.handoff.store(false, Ordering::Release);
+                moved = true;
+                if !ok {
+                    return self.end(rd);
+                }
+            }
+            if drained {
+                return moved;
+            }
+            if rd.lo == rd.hi {
+                (rd.lo, rd.hi) = (0, 0);
+            } else if rd.lo > 0 {
+                rd.stage.copy_within(rd.lo..rd.hi, 0);
+                (rd.lo, rd.hi) = (0, rd.hi - rd.lo);
+            }
+            let free = rd.stage.len() - rd.hi;
+            match rustix::net::recv(&rd.s, &mut rd.stage[rd.hi..], RecvFlags::DONTWAIT) {
+                Ok((0, _)) => {
+                    self.fail("closed its TCP connection without saying goodbye (process died?)".into());
+                    return self.end(rd);
+                }
+                Ok((n, _)) => {
+                    rd.hi += n;
+                    // Less than the room: that was all there is (no second `recv` to learn it).
+                    drained = n < free;
+                }
+                Err(e) if e == rustix::io::Errno::AGAIN => return moved,
+                Err(e) if e == rustix::io::Errno::INTR => {}
+                Err(e) => {
+                    self.fail(format!("broke its TCP connection: {e}"));
+                    return self.end(rd);
+                }
+            }
+        }
+    }
+
+    /// The stream has ended: nothing more is read; the reader thread, if asleep, wakes to
+    /// leave.
+    fn end(&self, rd: &mut Rd) -> bool {
+        rd.ended = true;
+        self.handoff.store(false, Ordering::Release);
+        self.drive.kick();
+        self.inbox.notify();
+        true
+    }
+
+    /// Lands the frame with header `h` (its body length checked by [`body_len`]), its body
+    /// read from `r`. Whether the stream goes on.
+    fn land(&self, h: &[u8; HDR], r: &mut impl Read) -> bool {
+        let (peer, inbox) = (self.peer, &self.inbox);
+        let imm = u32_at(h, 4);
         let u64_at = |o: usize| {
             let mut a = [0u8; 8];
             a.copy_from_slice(&h[o..o + 8]);
             u64::from_le_bytes(a)
         };
-        let (len, key, addr) = (u64_at(8), u64_at(16), u64_at(24));
-        match kind {
+        let (len, key, addr) = (u64_at(8) as usize, u64_at(16), u64_at(24));
+        match h[0] {
             K_MSG => {
-                if len as usize > MAX_MSG {
-                    fail(format!("sent a {len}-byte message, over the {MAX_MSG}-byte limit"));
-                    return;
-                }
-                let mut b = vec![0u8; len as usize];
-                if let Err(e) = s.read_exact(&mut b) {
-                    fail(format!("TCP connection broke mid-message: {e}"));
-                    return;
+                let mut b = inbox.take_buf(len);
+                if let Err(e) = r.read_exact(&mut b) {
+                    self.fail(format!("TCP connection broke mid-message: {e}"));
+                    return false;
                 }
                 inbox.deliver_msg(peer, b);
-                inbox.notify();
             }
             K_WRITE => {
-                let r = inbox.land_write(TransportKind::Tcp, peer, key, addr, len as usize, |dst| {
-                    s.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
+                let landed = inbox.land_write(TransportKind::Tcp, peer, key, addr, len, |dst| {
+                    r.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
-                if r.is_err() {
+                if landed.is_err() {
                     // The stream position is lost (or the write was refused): the
                     // connection cannot continue. land_write recorded why.
-                    inbox.notify();
-                    return;
+                    return false;
                 }
                 inbox.write_imm(peer, imm);
-                inbox.notify();
             }
             K_WRITE_ROWS => {
-                let (row, stride) = (u32_at(&h, 32) as usize, u64::from(u32_at(&h, 36)));
-                let rows = match len.checked_div(row as u64) {
-                    Some(n) if len % row as u64 == 0 && n <= u64::from(u32::MAX) && (n <= 1 || stride >= row as u64) => n as u32,
-                    _ => {
-                        fail(format!("sent a strided write of {len} bytes in rows of {row}, {stride} apart"));
-                        return;
-                    }
-                };
-                let span = u64::from(rows.saturating_sub(1)) * stride + row as u64;
-                let Ok(span) = usize::try_from(span) else {
-                    fail(format!("sent a strided write spanning {span} bytes"));
-                    return;
-                };
-                let r = inbox.land_write(TransportKind::Tcp, peer, key, addr, span, |dst| {
-                    read_rows(&mut s, dst, rows as usize, row, stride as usize)
-                        .map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
+                let (row, stride) = (u32_at(h, 32) as usize, u32_at(h, 36) as usize);
+                let rows = len / row;
+                let span = rows.saturating_sub(1) * stride + row;
+                let landed = inbox.land_write(TransportKind::Tcp, peer, key, addr, span, |dst| {
+                    read_rows(r, dst, rows, row, stride).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
-                if r.is_err() {
-                    inbox.notify();
-                    return;
+                if landed.is_err() {
+                    return false;
                 }
-                inbox.write_imms(peer, imm, rows);
-                inbox.notify();
+                inbox.write_imms(peer, imm, rows as u32);
             }
-            K_BYE => {
+            _ => {
                 inbox.peer_closed(peer);
                 inbox.notify();
-                return;
+                return false;
             }
-            k => {
-                fail(format!("sent an unknown TCP frame kind {k}"));
-                return;
+        }
+        inbox.notify();
+        true
+    }
+}
+
+/// A socket's reader thread: reads the socket while no thread drives the mesh (or the
+/// driver has stalled), and every frame a driver hands off.
+fn reader_loop(r: &Reading, watch: &TcpStream) {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut last_round = u64::MAX;
+    loop {
+        if r.closing.load(Ordering::Acquire) && r.rd.lock().map_or(true, |rd| rd.ended || rd.lo == rd.hi) {
+            // Closing: whatever is still staged is of no use to anyone.
+            return;
+        }
+        let w = r.drive.word.load(Ordering::SeqCst);
+        let handoff = r.handoff.load(Ordering::Acquire);
+        let mut nap = READER_NAP;
+        if w & DRIVERS != 0 && !handoff {
+            let round = r.drive.rounds.load(Ordering::Relaxed);
+            if round != last_round {
+                last_round = round;
+                let _ = futex_wait(&r.drive.word, w, Some(DRIVER_STALL));
+                continue;
             }
+            // The driver has not been round for a while: read for it, briefly.
+            nap = DRIVER_STALL;
+        }
+        if !handoff {
+            let mut fds = [PollFd::new(watch, PollFlags::IN)];
+            let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: nap.as_nanos() as _ };
+            match poll(&mut fds, Some(&ts)) {
+                Ok(0) => continue,
+                Ok(_) => {}
+                Err(e) if e == rustix::io::Errno::INTR => continue,
+                Err(e) => {
+                    r.fail(format!("cannot poll its TCP connection: {e}"));
+                    return;
+                }
+            }
+        }
+        let mut rd = r.rd.lock().unwrap_or_else(|e| e.into_inner());
+        if rd.ended {
+            return;
+        }
+        r.pump(&mut rd, true);
+        if rd.ended {
+            return;
         }
     }
 }
@@ -802,7 +1148,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (mut b, _) = listener.accept().unwrap();
-        let ep = TcpEndpoint::start(0, 1, a, Arc::new(Inbox::new(0, Bell::heap()))).unwrap();
+        let ep = TcpEndpoint::start(0, 1, a, Arc::new(Inbox::new(0, Bell::heap())), Arc::new(Drive::default())).unwrap();
         let msg = vec![7u8; 64 << 10];
         let mut sent = 0usize;
         let full = loop {
