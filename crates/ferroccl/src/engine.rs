@@ -460,6 +460,9 @@ pub(crate) struct Engine {
     closed: AtomicBool,
     /// The window server (see `crate::rma`).
     rma: RmaServer,
+    /// The ranks on this machine outnumber its CPUs: an idle driver yields at once instead
+    /// of spinning (the rank it waits for may need this CPU).
+    shared_cpus: bool,
 }
 
 /// Rounds between clock reads.
@@ -475,7 +478,10 @@ impl Engine {
     /// The engine of `fabric`.
     pub(crate) fn new(fabric: Fabric) -> Arc<Engine> {
         let park = Arc::new(Park { held: fabric.peer_regions.held_counter(), ..Park::default() });
+        let online = std::thread::available_parallelism().map_or(1, usize::from);
+        let shared_cpus = fabric.ranks_on_this_machine() > online;
         Arc::new(Engine {
+            shared_cpus,
             fabric,
             submitted: Mutex::default(),
             driver: Mutex::default(),
@@ -679,7 +685,7 @@ impl Engine {
             match engine.driver.try_lock() {
                 Ok(mut jobs) => {
                     let _drive = engine.fabric.drive_sockets();
-                    let mut backoff = Backoff::default();
+                    let mut backoff = Backoff::new(engine.shared_cpus);
                     loop {
                         let seen = engine.fabric.inbox.bell_seen();
                         let moved = engine.round(&mut jobs, backoff.is_slow());
@@ -709,7 +715,7 @@ impl Engine {
         self.park.waiters.fetch_add(1, Ordering::SeqCst);
         // A background driver asleep on the doorbell gives the role up when it wakes.
         fabric.inbox.notify();
-        let mut backoff = Backoff::default();
+        let mut backoff = Backoff::new(self.shared_cpus);
         let done = loop {
             if job.is_done() {
                 break true;

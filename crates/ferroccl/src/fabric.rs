@@ -146,6 +146,14 @@ impl Fabric {
         self.mesh.shm_peers().len() + 1
     }
 
+    /// The ranks (this one included) whose host name is this rank's: those that share
+    /// this machine's CPUs, whatever transport joins them (network namespaces of one
+    /// machine included).
+    pub(crate) fn ranks_on_this_machine(&self) -> usize {
+        let me = self.mesh.peers.get(self.rank).map(|p| p.hostname.as_str());
+        self.mesh.peers.iter().filter(|p| Some(p.hostname.as_str()) == me).count().max(1)
+    }
+
     /// The endpoint to world rank `peer`.
     pub(crate) fn endpoint(&self, peer: usize) -> Result<&Endpoint> {
         self.mesh.endpoint(peer)

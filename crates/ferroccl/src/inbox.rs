@@ -191,12 +191,19 @@ const YIELDS: u32 = 32;
 #[derive(Debug, Default)]
 pub(crate) struct Backoff {
     idle: u32,
+    /// Yield at once instead of spinning (the CPUs are shared with the ranks waited for).
+    no_spin: bool,
 }
 
 impl Backoff {
+    /// A backoff that spins first, or (`shared_cpus`) yields from the start.
+    pub(crate) fn new(shared_cpus: bool) -> Backoff {
+        Backoff { idle: if shared_cpus { SPINS } else { 0 }, no_spin: shared_cpus }
+    }
+
     /// Something moved: spin again.
     pub(crate) fn moved(&mut self) {
-        self.idle = 0;
+        self.idle = if self.no_spin { SPINS } else { 0 };
     }
 
     /// Whether the wait has stopped spinning (it yields or parks): a loop that reads the
@@ -216,7 +223,7 @@ impl Backoff {
         } else {
             let cap = Instant::now() + nap;
             park(deadline.map_or(cap, |d| d.min(cap)));
-            self.idle = SPINS / 2;
+            self.idle = if self.no_spin { SPINS } else { SPINS / 2 };
         }
     }
 }
