@@ -1023,7 +1023,10 @@ impl Namespaces {
     /// bridge in namespace 0 joins them) and `lo` up; `None` (with the reason) where this
     /// process cannot make namespaces (not root, no `ip`).
     fn create(count: usize) -> Result<Namespaces, String> {
-        let tag = format!("fcc{}", std::process::id());
+        // Tests run side by side in one process: each set gets its own names.
+        static SETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("fcc{}x{set}", std::process::id());
         let ns = Namespaces { names: (0..count).map(|i| format!("{tag}-{i}")).collect() };
         let ip = |args: &[&str]| -> Result<(), String> {
             let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
@@ -1122,5 +1125,114 @@ fn ranks_in_separate_network_namespaces_find_each_other() {
                 assert!(line.contains(&format!("{p}:{want}")), "{case}: rank {r} to {p} should be {want}: {line}\n{text}");
             }
         }
+    }
+}
+
+/// `n` selftest ranks running `args`, rank r in namespace `ns.names[r % ns.names.len()]`,
+/// launched as torchrun launches them (rank 0 serves the store at 10.77.0.1), one
+/// `FERROCCL_HOST_ID` per namespace, timeout `timeout_s`.
+fn spawn_in_namespaces(ns: &Namespaces, n: usize, args: &[&str], timeout_s: u32, tag: &str) -> Vec<std::process::Child> {
+    static PORTS: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let port = 31_000 + (std::process::id() % 500) as u16 * 8 + PORTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 8;
+    (0..n)
+        .map(|r| {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns.names[r % ns.names.len()], SELFTEST]).args(args);
+            c.env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
+            c.envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", n.to_string()),
+                ("MASTER_ADDR", "10.77.0.1".to_string()),
+                ("MASTER_PORT", port.to_string()),
+                ("TORCHELASTIC_RUN_ID", format!("{tag}-{}", std::process::id())),
+                ("FERROCCL_TOKEN", format!("{tag}-token-{}", std::process::id())),
+                ("FERROCCL_HOST_ID", format!("ns-{}", r % ns.names.len())),
+                ("FERROCCL_TIMEOUT", timeout_s.to_string()),
+            ]);
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            c.spawn().expect("spawn ip netns exec")
+        })
+        .collect()
+}
+
+/// Waits for every child until `deadline` (killing what is left then): each one's output
+/// and how long after `start` it ended.
+fn collect(children: Vec<std::process::Child>, start: Instant, deadline: Instant) -> Vec<(Output, Duration)> {
+    children
+        .into_iter()
+        .map(|mut ch| {
+            while ch.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let ended = start.elapsed();
+            let _ = ch.kill();
+            (ch.wait_with_output().expect("collect a rank"), ended)
+        })
+        .collect()
+}
+
+/// The line a selftest `kill` rank prints when it sees the failure: its time and error.
+fn failure_line(out: &Output) -> Option<(f64, String)> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("saw the failure after"))?;
+    let secs = line.split("after ").nth(1)?.split('s').next()?.parse().ok()?;
+    Some((secs, line.to_string()))
+}
+
+/// Over tcp between network namespaces (ranks on "hosts" of their own, every socket across
+/// a veth link): a peer killed in the middle of large transfers is named by the survivor
+/// within a few seconds (its connection breaks), and a link taken down in the middle of
+/// them (nothing breaks: the frames just stop) ends both ranks within the timeout, each
+/// naming the other. Skipped, saying why, where namespaces cannot be made.
+#[test]
+fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
+    let ns = match Namespaces::create(2) {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!("tcp_across_namespaces_names_a_killed_peer_and_a_cut_link: skipped, cannot make network namespaces: {why}");
+            return;
+        }
+    };
+    let all = |outs: &[(Output, Duration)]| -> String {
+        outs.iter()
+            .enumerate()
+            .map(|(r, (o, t))| {
+                format!(
+                    "--- rank {r} (ended at {t:?}, {})\n{}{}",
+                    o.status,
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            })
+            .collect()
+    };
+
+    // Rank 1 kills itself 300 ms into 8 MiB exchanges.
+    let start = Instant::now();
+    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "1", "--during", "transfer"], 30, "netns-kill");
+    let outs = collect(kids, start, start + Duration::from_secs(60));
+    let text = all(&outs);
+    assert!(!outs[0].0.status.success(), "kill: rank 0 should fail\n{text}");
+    let (secs, line) = failure_line(&outs[0].0).unwrap_or_else(|| panic!("kill: rank 0 printed no failure\n{text}"));
+    assert!(line.contains("rank 1"), "kill: rank 0's error does not name rank 1: {line}\n{text}");
+    assert!(secs < 10.0, "kill: rank 0 took {secs} s to see it (timeout 30 s)\n{text}");
+    eprintln!("kill: {line}");
+
+    // The link goes down 1.5 s into the exchanges: no FIN, no RST; the timeout (4 s) ends it.
+    let start = Instant::now();
+    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "99", "--during", "transfer"], 4, "netns-cut");
+    std::thread::sleep(Duration::from_millis(1500));
+    let cut = Command::new("ip").args(["-n", &ns.names[1], "link", "set", "v1", "down"]).output().expect("ip link set down");
+    assert!(cut.status.success(), "ip link set v1 down: {}", String::from_utf8_lossy(&cut.stderr));
+    let outs = collect(kids, start, start + Duration::from_secs(60));
+    let text = all(&outs);
+    for (r, (o, ended)) in outs.iter().enumerate() {
+        assert!(!o.status.success(), "cut: rank {r} should fail\n{text}");
+        let (secs, line) = failure_line(o).unwrap_or_else(|| panic!("cut: rank {r} printed no failure\n{text}"));
+        let other = format!("rank {}", 1 - r);
+        assert!(line.contains(&other), "cut: rank {r}'s error does not name {other}: {line}\n{text}");
+        // The cut came 1.5 s in; the timeout is 4 s (each wait's own), plus the report.
+        assert!(*ended < Duration::from_secs(20) && secs < 15.0, "cut: rank {r} ended at {ended:?} ({secs} s in the loop)\n{text}");
+        eprintln!("cut: {line}");
     }
 }
