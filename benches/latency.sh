@@ -5,7 +5,7 @@
 #
 #   benches/latency.sh [--ranks "2 4"] [--rounds 3] [--sizes 8,64,1K,8K,16K,32K,64K,256K]
 #                      [--dtypes "f32 bf16"] [--colls allreduce] [--peers "ompi mpich"]
-#                      [-n 200] [--batches 6] [--bind] [--transport shm|tcp] [--out DIR]
+#                      [-n 200] [-w 50] [--batches 6] [--bind] [--transport shm|tcp] [--out DIR]
 #
 #   --dtypes   f32 and/or bf16
 #   --colls    allreduce, allgather, broadcast, reduce_scatter (allgather, reduce_scatter:
@@ -58,6 +58,7 @@ dtypes="f32 bf16"
 colls="allreduce"
 peers="ompi mpich"
 iters=200
+warmup=50
 batches=6
 out=""
 bind=0
@@ -71,6 +72,7 @@ while [ $# -gt 0 ]; do
         --colls) colls="$2"; shift 2 ;;
         --peers) peers="$2"; shift 2 ;;
         -n) iters="$2"; shift 2 ;;
+        -w) warmup="$2"; shift 2 ;;
         --batches) batches="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --bind) bind=1; shift ;;
@@ -156,7 +158,7 @@ data="$out/rows.txt"
 run() {
     local impl=$1 n=$2 dtype=$3 coll=$4 round=$5 rc=0
     local log="$out/r$round-$impl-$dtype-$coll-$n.log"
-    local args=(--sizes "$sizes" --dtype "$dtype" --coll "$coll" -n "$iters" --batches "$batches" --raw)
+    local args=(--sizes "$sizes" --dtype "$dtype" --coll "$coll" -n "$iters" -w "$warmup" --batches "$batches" --raw)
     if [ "$impl" = F ] && [ "$bind" = 1 ]; then
         "$runner" -n "$n" --transport "$transport" --no-prefix -- sh -c \
             "exec taskset -c \$((FERROCCL_RANK % $ncpu)) $perf latency ${args[*]}" >"$log" 2>"$log.err" || rc=$?
