@@ -426,6 +426,26 @@ struct Rd {
     hi: usize,
     /// The stream ended (goodbye, failure, a refused write): nothing more is read.
     ended: bool,
+    /// A one-sided write larger than the stage whose body is being received in place.
+    part: Option<Part>,
+}
+
+/// A one-sided write (`K_WRITE`) being received in place: its header, and the bytes of it
+/// landed so far.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    h: [u8; HDR],
+    done: usize,
+}
+
+/// What [`Reading::continue_write`] got to.
+enum Step {
+    /// The write has fully landed.
+    Done,
+    /// Nothing more has arrived for now (whether anything did before).
+    More(bool),
+    /// The connection cannot go on.
+    Failed,
 }
 
 /// What a socket's reader thread and its drivers share.
@@ -474,7 +494,7 @@ impl TcpEndpoint {
         let closing = Arc::new(AtomicBool::new(false));
         let reading = Arc::new(Reading {
             peer,
-            rd: Mutex::new(Rd { s: rd, stage: vec![0u8; stage].into_boxed_slice(), lo: 0, hi: 0, ended: false }),
+            rd: Mutex::new(Rd { s: rd, stage: vec![0u8; stage].into_boxed_slice(), lo: 0, hi: 0, ended: false, part: None }),
             handoff: AtomicBool::new(false),
             inbox: inbox.clone(),
             closing: closing.clone(),
@@ -884,6 +904,14 @@ impl Reading {
             if rd.ended {
                 return moved;
             }
+            // A one-sided write larger than the stage, received in place piece by piece.
+            if let Some(part) = rd.part {
+                match self.continue_write(rd, part) {
+                    Step::Done => moved = true,
+                    Step::More(got) => return moved || got,
+                    Step::Failed => return self.end(rd),
+                }
+            }
             while rd.hi - rd.lo >= HDR {
                 let mut h = [0u8; HDR];
                 h.copy_from_slice(&rd.stage[rd.lo..rd.lo + HDR]);
@@ -907,6 +935,14 @@ impl Reading {
                 if HDR + need <= rd.stage.len() {
                     break;
                 }
+                if h[0] == K_WRITE {
+                    // Straight into place, with non-blocking reads: whoever pumps next
+                    // (this driver, another, or the reader thread) goes on with it.
+                    rd.lo += HDR;
+                    rd.part = Some(Part { h, done: 0 });
+                    moved = true;
+                    break;
+                }
                 if !may_block {
                     if !self.handoff.swap(true, Ordering::AcqRel) {
                         self.drive.kick();
@@ -921,6 +957,9 @@ impl Reading {
                 if !ok {
                     return self.end(rd);
                 }
+            }
+            if rd.part.is_some() {
+                continue;
             }
             if drained {
                 return moved;
@@ -948,6 +987,60 @@ impl Reading {
                     self.fail(format!("broke its TCP connection: {e}"));
                     return self.end(rd);
                 }
+            }
+        }
+    }
+
+    /// Receives what has arrived of the write `part` (the staged bytes first, then one
+    /// non-blocking `recv`) straight into its registered destination.
+    fn continue_write(&self, rd: &mut Rd, part: Part) -> Step {
+        use rustix::net::RecvFlags;
+        let (peer, h) = (self.peer, &part.h);
+        let u64_at = |o: usize| u64::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3], h[o + 4], h[o + 5], h[o + 6], h[o + 7]]);
+        let (len, key, addr) = (u64_at(8) as usize, u64_at(16), u64_at(24));
+        let mut got_any = false;
+        let mut done = part.done;
+        loop {
+            let mut got = 0usize;
+            let Rd { s, stage, lo, hi, .. } = rd;
+            let landed = self.inbox.land_write(TransportKind::Tcp, peer, key, addr + done as u64, len - done, |dst| {
+                if *lo < *hi {
+                    got = (*hi - *lo).min(dst.len());
+                    dst[..got].copy_from_slice(&stage[*lo..*lo + got]);
+                    *lo += got;
+                    return Ok(());
+                }
+                loop {
+                    return match rustix::net::recv(&*s, &mut *dst, RecvFlags::DONTWAIT) {
+                        Ok((0, _)) => Err(format!("TCP connection to rank {peer} closed mid-write (process died?)")),
+                        Ok((n, _)) => {
+                            got = n;
+                            Ok(())
+                        }
+                        Err(e) if e == rustix::io::Errno::AGAIN => Ok(()),
+                        Err(e) if e == rustix::io::Errno::INTR => continue,
+                        Err(e) => Err(format!("TCP connection to rank {peer} broke mid-write: {e}")),
+                    };
+                }
+            });
+            if landed.is_err() {
+                // land_write recorded why (a refused write, or the connection's end).
+                return Step::Failed;
+            }
+            if got == 0 {
+                rd.part = Some(Part { h: part.h, done });
+                return Step::More(got_any);
+            }
+            got_any = true;
+            done += got;
+            if done == len {
+                rd.part = None;
+                if rd.lo == rd.hi {
+                    (rd.lo, rd.hi) = (0, 0);
+                }
+                self.inbox.write_imm(peer, u32_at(h, 4));
+                self.inbox.notify();
+                return Step::Done;
             }
         }
     }
