@@ -367,7 +367,7 @@ impl Kernels {
     }
 }
 
-fn check_multiple(dtype: DType, len: usize) -> Result<(), KernelError> {
+pub(crate) fn check_multiple(dtype: DType, len: usize) -> Result<(), KernelError> {
     if len.is_multiple_of(dtype.size()) {
         Ok(())
     } else {

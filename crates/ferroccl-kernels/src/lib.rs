@@ -87,6 +87,7 @@ mod arith;
 mod error;
 mod kernels;
 mod op;
+mod par;
 mod portable;
 pub mod reference;
 #[cfg(target_arch = "x86_64")]
@@ -98,6 +99,7 @@ pub use half;
 pub use half::{bf16, f16};
 pub use kernels::{Kernels, SimdLevel};
 pub use op::ReduceOp;
+pub use par::ParPool;
 
 /// The element types FerroCCL moves and reduces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

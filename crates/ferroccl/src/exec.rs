@@ -19,7 +19,7 @@
 
 use std::ops::Range;
 
-use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, ReduceOp};
+use ferroccl_kernels::{finish_avg_bytes, reduce_into_bytes, reduce_many_bytes, DType, Kernels, ParPool, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::{Action, Buf, Schedule, Slice};
@@ -257,7 +257,7 @@ impl Exec {
                     {
                         return Err(Error::internal(format!("{}: step {i}: injected by FERROCCL_INJECT_FAULT", cx.op)));
                     }
-                    run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside)
+                    run_local(local, run.dtype, run.op, &run.bufs, &mut self.aside, &|bytes| cx.fabric.local_pool(bytes))
                         .map_err(|e| Error::internal(format!("{}: step {i}: {e}", cx.op)))?;
                     None
                 }
@@ -309,12 +309,24 @@ struct Views<'v> {
     scr: &'v mut [u8],
 }
 
-fn run_local(op: &Action, dtype: DType, rop: ReduceOp, bufs: &Buffers<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
+/// The pool a local step of so many bytes runs on (`None`: the calling thread alone).
+type PoolFor<'p> = dyn Fn(usize) -> Option<&'p ParPool> + 'p;
+
+fn run_local(
+    op: &Action,
+    dtype: DType,
+    rop: ReduceOp,
+    bufs: &Buffers<'_>,
+    aside: &mut Vec<u8>,
+    pool: &PoolFor<'_>,
+) -> std::result::Result<(), String> {
     let (out_len, scr_len) = (bufs.output.len(), bufs.scratch.len());
     let res = bufs.output.with_slice_mut(0, out_len, |out| {
         bufs.scratch.with_slice_mut(0, scr_len, |scr| match bufs.input {
-            Some(inp) => inp.with_slice(0, inp.len(), |input| local_on(op, dtype, rop, &mut Views { input: Some(input), out, scr }, aside)),
-            None => Ok(local_on(op, dtype, rop, &mut Views { input: None, out, scr }, aside)),
+            Some(inp) => {
+                inp.with_slice(0, inp.len(), |input| local_on(op, dtype, rop, &mut Views { input: Some(input), out, scr }, aside, pool))
+            }
+            None => Ok(local_on(op, dtype, rop, &mut Views { input: None, out, scr }, aside, pool)),
         })
     });
     match res {
@@ -421,22 +433,37 @@ fn with_dst_srcs<R>(
     Ok(f(mid, views))
 }
 
-fn local_on(op: &Action, dtype: DType, rop: ReduceOp, v: &mut Views<'_>, aside: &mut Vec<u8>) -> std::result::Result<(), String> {
+fn local_on(
+    op: &Action,
+    dtype: DType,
+    rop: ReduceOp,
+    v: &mut Views<'_>,
+    aside: &mut Vec<u8>,
+    pool: &PoolFor<'_>,
+) -> std::result::Result<(), String> {
     let step_op = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
+    let k = Kernels::detected();
     match op {
-        Action::Reduce { dst, src } => {
-            with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| reduce_into_bytes(dtype, step_op, d, s[0]))?
-                .map_err(|e| e.to_string())
-        }
-        Action::ReduceMany { dst, srcs } => {
-            with_dst_srcs(v, dst, srcs, aside, |d, s| reduce_many_bytes(dtype, rop, s, d))?.map_err(|e| e.to_string())
-        }
+        Action::Reduce { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| match pool(d.len()) {
+            Some(p) => p.reduce_into_bytes(k, dtype, step_op, d, s[0]),
+            None => reduce_into_bytes(dtype, step_op, d, s[0]),
+        })?
+        .map_err(|e| e.to_string()),
+        Action::ReduceMany { dst, srcs } => with_dst_srcs(v, dst, srcs, aside, |d, s| match pool(d.len()) {
+            Some(p) => p.reduce_many_bytes(k, dtype, rop, s, d),
+            None => reduce_many_bytes(dtype, rop, s, d),
+        })?
+        .map_err(|e| e.to_string()),
         Action::Copy { dst, src } => with_dst_srcs(v, dst, std::slice::from_ref(src), aside, |d, s| {
-            if d.len() == s[0].len() {
-                d.copy_from_slice(s[0]);
-                Ok(())
-            } else {
-                Err(format!("copy of {} bytes into {}", s[0].len(), d.len()))
+            if d.len() != s[0].len() {
+                return Err(format!("copy of {} bytes into {}", s[0].len(), d.len()));
+            }
+            match pool(d.len()) {
+                Some(p) => p.copy(d, s[0]).map_err(|e| e.to_string()),
+                None => {
+                    d.copy_from_slice(s[0]);
+                    Ok(())
+                }
             }
         })?,
         Action::FinishAvg { dst, n } => {

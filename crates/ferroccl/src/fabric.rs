@@ -81,6 +81,9 @@ pub(crate) struct Fabric {
     /// Set when the world communicator is finalized: every later call fails.
     finalized: AtomicBool,
     pub(crate) setup_time: Duration,
+    /// The threads of large local reductions and copies (see [`Fabric::local_pool`]), made
+    /// at the first that needs them; `None` inside when one thread is all this rank gets.
+    local_pool: std::sync::OnceLock<Option<ferroccl_kernels::ParPool>>,
 }
 
 impl Fabric {
@@ -111,6 +114,7 @@ impl Fabric {
             closed: AtomicBool::new(false),
             finalized: AtomicBool::new(false),
             setup_time: Duration::ZERO,
+            local_pool: std::sync::OnceLock::new(),
         };
         fabric.mesh.greet(deadline, &|| fabric.pump(&Op::other("connect")))?;
         let shm_peers = fabric.mesh.shm_peers();
@@ -144,6 +148,32 @@ impl Fabric {
     /// Ranks of the job on this host (this one and its shm peers).
     pub(crate) fn local_ranks(&self) -> usize {
         self.mesh.shm_peers().len() + 1
+    }
+
+    /// The pool to run a local reduction or copy of `bytes` bytes on, if it is large enough
+    /// (`FERROCCL_REDUCE_PAR_MIN`) and this rank gets more than one thread for it
+    /// (`FERROCCL_REDUCE_THREADS`); `None`: the calling thread does it alone.
+    pub(crate) fn local_pool(&self, bytes: usize) -> Option<&ferroccl_kernels::ParPool> {
+        if bytes < self.params.reduce_par_min {
+            return None;
+        }
+        self.local_pool
+            .get_or_init(|| {
+                let threads = self.params.reduce_threads_here(self.ranks_on_this_machine());
+                if threads < 2 {
+                    return None;
+                }
+                match ferroccl_kernels::ParPool::new(threads) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        if self.params.debug {
+                            eprintln!("ferroccl: rank {}: local reductions stay on one thread: {e}", self.rank);
+                        }
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     /// The ranks (this one included) whose host name is this rank's: those that share

@@ -274,6 +274,21 @@ pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suit
     }
 }
 
+/// Local reductions and copies on several threads (`FERROCCL_REDUCE_THREADS=3`, every step
+/// from 4 KiB up on the pool): every collective, dtype and op, bit-equal to the reference:
+/// the mesh (which reduces in rank order) on random floats, specials included; the ring
+/// (its own order) on exact values. The pool is the same whatever carries the bytes: not
+/// run again in the emulated verbs VM.
+pub fn reductions_on_several_threads_equal_the_reference(s: &Suite) {
+    if s.wire == Wire::Verbs {
+        return;
+    }
+    for (algo, exact) in [(Algo::Mesh, false), (Algo::Ring, true)] {
+        let p = |r| Params { reduce_threads: Some(3), reduce_par_min: 4096, ..params(s, Some(algo), ProtoChoice::Auto, 1 << 16, r) };
+        run_case_with(3, p, |_| vec![3000, 40_000], 17, exact).unwrap_or_else(|e| panic!("{algo}: {e}"));
+    }
+}
+
 /// Large buffers through the pipeline: many chunks, rendezvous.
 pub fn large_allreduce_through_the_pipeline(s: &Suite) {
     for algo in [Algo::Ring, Algo::Mesh] {

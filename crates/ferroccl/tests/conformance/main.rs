@@ -60,6 +60,7 @@ macro_rules! conformance_suite {
             collectives::collectives_equal_the_reference_three_ranks_counts_0_and_1,
             collectives::mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats,
             collectives::large_allreduce_through_the_pipeline,
+            collectives::reductions_on_several_threads_equal_the_reference,
             collectives::bad_arguments_are_errors_not_panics,
             collectives::mismatched_calls_fail_on_every_rank,
             collectives::forced_ll_collectives_equal_the_reference_up_to_and_past_the_slots,
