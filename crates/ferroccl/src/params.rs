@@ -191,7 +191,8 @@ pub struct Params {
     pub ll_max_bytes: usize,
     /// `FERROCCL_SPIN_US`: `None` for the default of the machine's case.
     pub spin_us: Option<u64>,
-    /// `FERROCCL_REDUCE_THREADS`: `None` for auto (see [`Params::reduce_threads_here`]).
+    /// `FERROCCL_REDUCE_THREADS`: `None` for auto (the CPUs this process may run on divided
+    /// by the ranks on this machine, at least 1).
     pub reduce_threads: Option<usize>,
     /// `FERROCCL_REDUCE_PAR_MIN`.
     pub reduce_par_min: usize,
