@@ -1080,37 +1080,11 @@ fn ranks_in_separate_network_namespaces_find_each_other() {
     };
     for (case, ifname) in [("store's side", None), ("ifname", Some("^lo"))] {
         let n = 4;
-        let port = 29_000 + (std::process::id() % 1000) as u16 * 2 + u16::from(ifname.is_some());
-        let mut children = Vec::new();
-        for r in 0..n {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &ns.names[r % 3], SELFTEST, "exchange", "--sizes", "0,1,4097,1M"]);
-            c.env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
-            c.envs([
-                ("RANK", r.to_string()),
-                ("WORLD_SIZE", n.to_string()),
-                ("MASTER_ADDR", "10.77.0.1".to_string()),
-                ("MASTER_PORT", port.to_string()),
-                ("TORCHELASTIC_RUN_ID", format!("netns-{}-{}", std::process::id(), u8::from(ifname.is_some()))),
-                ("FERROCCL_TOKEN", format!("netns-test-token-{}", std::process::id())),
-                ("FERROCCL_HOST_ID", format!("ns-{}", r % 3)),
-                ("FERROCCL_TIMEOUT", "60".to_string()),
-            ]);
-            if let Some(f) = ifname {
-                c.env("FERROCCL_SOCKET_IFNAME", f);
-            }
-            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-            children.push(c.spawn().expect("spawn ip netns exec"));
-        }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut outs = Vec::new();
-        for mut ch in children {
-            while ch.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = ch.kill();
-            outs.push(ch.wait_with_output().expect("collect a rank"));
-        }
+        let extra: Vec<(&str, &str)> = ifname.map(|f| ("FERROCCL_SOCKET_IFNAME", f)).into_iter().collect();
+        let tag = if ifname.is_some() { "netns-ifname" } else { "netns-store" };
+        let start = Instant::now();
+        let kids = spawn_in_namespaces(&ns, n, &["exchange", "--sizes", "0,1,4097,1M"], 60, tag, &extra);
+        let outs: Vec<Output> = collect(kids, start, start + Duration::from_secs(120)).into_iter().map(|(o, _)| o).collect();
         let text: String = outs
             .iter()
             .enumerate()
@@ -1130,8 +1104,15 @@ fn ranks_in_separate_network_namespaces_find_each_other() {
 
 /// `n` selftest ranks running `args`, rank r in namespace `ns.names[r % ns.names.len()]`,
 /// launched as torchrun launches them (rank 0 serves the store at 10.77.0.1), one
-/// `FERROCCL_HOST_ID` per namespace, timeout `timeout_s`.
-fn spawn_in_namespaces(ns: &Namespaces, n: usize, args: &[&str], timeout_s: u32, tag: &str) -> Vec<std::process::Child> {
+/// `FERROCCL_HOST_ID` per namespace, timeout `timeout_s`, and the variables in `extra`.
+fn spawn_in_namespaces(
+    ns: &Namespaces,
+    n: usize,
+    args: &[&str],
+    timeout_s: u32,
+    tag: &str,
+    extra: &[(&str, &str)],
+) -> Vec<std::process::Child> {
     static PORTS: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
     let port = 31_000 + (std::process::id() % 500) as u16 * 8 + PORTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 8;
     (0..n)
@@ -1149,6 +1130,7 @@ fn spawn_in_namespaces(ns: &Namespaces, n: usize, args: &[&str], timeout_s: u32,
                 ("FERROCCL_HOST_ID", format!("ns-{}", r % ns.names.len())),
                 ("FERROCCL_TIMEOUT", timeout_s.to_string()),
             ]);
+            c.envs(extra.iter().copied());
             c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
             c.spawn().expect("spawn ip netns exec")
         })
@@ -1209,7 +1191,7 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
 
     // Rank 1 kills itself 300 ms into 8 MiB exchanges.
     let start = Instant::now();
-    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "1", "--during", "transfer"], 30, "netns-kill");
+    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "1", "--during", "transfer"], 30, "netns-kill", &[]);
     let outs = collect(kids, start, start + Duration::from_secs(60));
     let text = all(&outs);
     assert!(!outs[0].0.status.success(), "kill: rank 0 should fail\n{text}");
@@ -1220,7 +1202,7 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
 
     // The link goes down 1.5 s into the exchanges: no FIN, no RST; the timeout (4 s) ends it.
     let start = Instant::now();
-    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "99", "--during", "transfer"], 4, "netns-cut");
+    let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "99", "--during", "transfer"], 4, "netns-cut", &[]);
     std::thread::sleep(Duration::from_millis(1500));
     let cut = Command::new("ip").args(["-n", &ns.names[1], "link", "set", "v1", "down"]).output().expect("ip link set down");
     assert!(cut.status.success(), "ip link set v1 down: {}", String::from_utf8_lossy(&cut.stderr));
