@@ -48,6 +48,13 @@ fn u32_at(h: &[u8; HDR], at: usize) -> u32 {
     u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]])
 }
 
+/// The little-endian u64 at `h[at..at + 8]`.
+fn u64_at(h: &[u8; HDR], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&h[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
 fn header(kind: u8, imm: u32, len: u64, key: u64, addr: u64) -> [u8; HDR] {
     let mut h = [0u8; HDR];
     h[0] = kind;
@@ -855,7 +862,7 @@ fn read_rows(s: &mut impl Read, dst: &mut [u8], rows: usize, row: usize, stride:
 
 /// The body length of the frame with header `h`, checked; `Err` says what is wrong with it.
 fn body_len(h: &[u8; HDR]) -> std::result::Result<usize, String> {
-    let len = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
+    let len = u64_at(h, 8);
     match h[0] {
         K_MSG if len > MAX_MSG as u64 => Err(format!("sent a {len}-byte message, over the {MAX_MSG}-byte limit")),
         K_MSG | K_WRITE => usize::try_from(len).map_err(|_| format!("sent a write of {len} bytes")),
@@ -996,8 +1003,7 @@ impl Reading {
     fn continue_write(&self, rd: &mut Rd, part: Part) -> Step {
         use rustix::net::RecvFlags;
         let (peer, h) = (self.peer, &part.h);
-        let u64_at = |o: usize| u64::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3], h[o + 4], h[o + 5], h[o + 6], h[o + 7]]);
-        let (len, key, addr) = (u64_at(8) as usize, u64_at(16), u64_at(24));
+        let (len, key, addr) = (u64_at(h, 8) as usize, u64_at(h, 16), u64_at(h, 24));
         let mut got_any = false;
         let mut done = part.done;
         loop {
@@ -1060,12 +1066,7 @@ impl Reading {
     fn land(&self, h: &[u8; HDR], r: &mut impl Read) -> bool {
         let (peer, inbox) = (self.peer, &self.inbox);
         let imm = u32_at(h, 4);
-        let u64_at = |o: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&h[o..o + 8]);
-            u64::from_le_bytes(a)
-        };
-        let (len, key, addr) = (u64_at(8) as usize, u64_at(16), u64_at(24));
+        let (len, key, addr) = (u64_at(h, 8) as usize, u64_at(h, 16), u64_at(h, 24));
         match h[0] {
             K_MSG => {
                 let mut b = inbox.take_buf(len);
