@@ -42,7 +42,8 @@
 //!   [`read_process_memory`] (`process_vm_readv` single copy);
 //! - [`region`]: [`RegionHandle`], registered memory views that transports
 //!   write into, with scoped validity ([`with_region`]);
-//! - [`net`]: the host's network interfaces and their addresses ([`interface_addrs`]).
+//! - [`net`]: the host's network interfaces and their addresses ([`interface_addrs`]), and
+//!   zero-copy socket sends ([`net::zerocopy_enable`], [`net::zerocopy_reap`]).
 //!
 //! # Platform
 //!

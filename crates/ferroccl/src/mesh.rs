@@ -144,7 +144,7 @@ impl Mesh {
         // A listener for tcp peers.
         let tcp = if open(TransportKind::Tcp) {
             let ip: IpAddr = crate::transport::tcp::listen_ip(params, store.local_addr().ip())?;
-            Some(TcpSetup::listen(rank, ip)?)
+            Some(TcpSetup::listen(rank, ip, params)?)
         } else {
             None
         };
@@ -420,7 +420,7 @@ mod tests {
             hostname: format!("node-{host}"),
             eager_max: 65536,
             shm: Some(ShmInfo { name: format!("seg-{rank}"), fd: 3, probe_addr: 0x1000, ring_bytes: 1 << 20 }),
-            tcp: Some(TcpInfo { addr: format!("10.0.0.{rank}:4000") }),
+            tcp: Some(TcpInfo { addr: format!("10.0.0.{rank}:4000"), sockets: 1 }),
             verbs,
         }
     }

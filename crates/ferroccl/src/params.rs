@@ -38,6 +38,9 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_HOST_ID", default: "", doc: "Overrides this host's identity used to find ranks on the same host (as NCCL_HOSTID). Default: boot id + mount and pid namespaces." },
     Param { name: "FERROCCL_SOCKET_ADDR", default: "", doc: "IP address the TCP transport listens on and advertises. Default: an address of FERROCCL_SOCKET_IFNAME's interfaces if set, else the local address of the connection to the store." },
     Param { name: "FERROCCL_SOCKET_IFNAME", default: "", doc: "Interfaces the TCP transport may listen on, in NCCL_SOCKET_IFNAME's syntax: comma-separated name prefixes (eth,ib), `=` before the list for exact names (=eth0), `^` to exclude (^lo,docker; ^=lo). The first up interface that matches gives the address (its first IPv4 one, else its IPv6 one; link-local IPv6 left out); none matching is an error that lists the host's interfaces. FERROCCL_SOCKET_ADDR wins over it. Default: the local address of the connection to the store." },
+    Param { name: "FERROCCL_TCP_SOCKETS", default: "1", doc: "TCP connections per pair of ranks (1 to 16; a pair uses the smaller of its two ranks' values). With more than one, one-sided writes of at least FERROCCL_TCP_STRIPE_MIN bytes (the chunks of large collectives and of rendezvous transfers) are cut into one piece per connection, written side by side without waiting on any one of them and received each on its own thread; messages and smaller writes keep the first connection. 1 by default: measured on this project's machine (2 CPUs, loopback and veth), more connections gained nothing (see docs/params.md); raise it where one TCP flow cannot fill the link." },
+    Param { name: "FERROCCL_TCP_STRIPE_MIN", default: "262144", doc: "Smallest one-sided write (bytes) cut across the FERROCCL_TCP_SOCKETS connections of a pair; each piece is at least 4 KiB." },
+    Param { name: "FERROCCL_TCP_ZEROCOPY_MIN", default: "0", doc: "Smallest one-sided write (bytes) the TCP transport sends with MSG_ZEROCOPY (the kernel sends from the buffer's pinned pages instead of copying them; the call returns once the kernel has let go of them). 0: never. Off by default: over loopback and veth the kernel copies anyway and the pinning and completion reports cost time (see docs/params.md); it pays on a NIC with scatter-gather. Pages that cannot be pinned (the memlock limit) are sent the usual way." },
     Param { name: "FERROCCL_SHM_RING_BYTES", default: "1048576", doc: "Bytes of each per-peer shared-memory ring (eager data and control messages)." },
     Param { name: "FERROCCL_SHM_INLINE_MAX", default: "16384", doc: "Largest one-sided write copied through the ring; larger ones are single-copied (process_vm_readv) when allowed." },
     Param { name: "FERROCCL_SHM_CMA", default: "0", doc: "1: large shm writes are single-copied by the receiver with process_vm_readv (cross-memory attach) when the kernel allows it; 0: they are copied through the ring in chunks. Off by default: measured slower for collectives on this project's machine (see docs/params.md)." },
@@ -166,6 +169,12 @@ pub struct Params {
     pub socket_addr: Option<std::net::IpAddr>,
     /// `FERROCCL_SOCKET_IFNAME`.
     pub socket_ifname: Option<IfnameFilter>,
+    /// `FERROCCL_TCP_SOCKETS`: connections per pair of ranks.
+    pub tcp_sockets: usize,
+    /// `FERROCCL_TCP_STRIPE_MIN`.
+    pub tcp_stripe_min: usize,
+    /// `FERROCCL_TCP_ZEROCOPY_MIN`: `None` for never.
+    pub tcp_zerocopy_min: Option<usize>,
     /// `FERROCCL_SHM_RING_BYTES`.
     pub shm_ring_bytes: usize,
     /// `FERROCCL_SHM_INLINE_MAX`.
@@ -256,6 +265,9 @@ impl Default for Params {
             host_id: None,
             socket_addr: None,
             socket_ifname: None,
+            tcp_sockets: 1,
+            tcp_stripe_min: 256 << 10,
+            tcp_zerocopy_min: None,
             shm_ring_bytes: 1 << 20,
             shm_inline_max: 16 << 10,
             shm_cma: false,
@@ -413,6 +425,19 @@ impl Params {
                 p.reduce_threads = Some(t);
             }
         }
+        if let Some(v) = get("FERROCCL_TCP_SOCKETS") {
+            p.tcp_sockets = parse_num("FERROCCL_TCP_SOCKETS", &v)?;
+            if !(1..=16).contains(&p.tcp_sockets) {
+                return Err(Error::Env { var: "FERROCCL_TCP_SOCKETS".into(), problem: format!("{v:?} must be between 1 and 16") });
+            }
+        }
+        if let Some(v) = get("FERROCCL_TCP_STRIPE_MIN") {
+            p.tcp_stripe_min = parse_num("FERROCCL_TCP_STRIPE_MIN", &v)?;
+        }
+        if let Some(v) = get("FERROCCL_TCP_ZEROCOPY_MIN") {
+            let n: usize = parse_num("FERROCCL_TCP_ZEROCOPY_MIN", &v)?;
+            p.tcp_zerocopy_min = (n > 0).then_some(n);
+        }
         if let Some(v) = get("FERROCCL_REDUCE_PAR_MIN") {
             p.reduce_par_min = parse_num("FERROCCL_REDUCE_PAR_MIN", &v)?;
         }
@@ -543,6 +568,13 @@ mod tests {
         assert_eq!(with(&[("FERROCCL_REDUCE_THREADS", "auto")]).unwrap().reduce_threads, None);
         assert!(with(&[("FERROCCL_REDUCE_THREADS", "0")]).is_err());
         assert!(with(&[("FERROCCL_REDUCE_THREADS", "many")]).is_err());
+        assert_eq!(
+            (p.tcp_sockets.to_string().as_str(), p.tcp_stripe_min.to_string().as_str()),
+            (d("FERROCCL_TCP_SOCKETS"), d("FERROCCL_TCP_STRIPE_MIN"))
+        );
+        assert_eq!((p.tcp_zerocopy_min, d("FERROCCL_TCP_ZEROCOPY_MIN")), (None, "0"));
+        let t = with(&[("FERROCCL_TCP_SOCKETS", "4"), ("FERROCCL_TCP_ZEROCOPY_MIN", "65536")]).unwrap();
+        assert_eq!((t.tcp_sockets, t.tcp_zerocopy_min), (4, Some(65536)));
         assert_eq!(p.transport, TransportChoice::Auto);
         assert_eq!((p.ib_dev, p.ib_gid_index), (None, None));
         assert_eq!(p.ib_timeout.to_string(), d("FERROCCL_IB_TIMEOUT"));
@@ -568,6 +600,10 @@ mod tests {
             ("FERROCCL_CHUNK_BYTES", "1000"),
             ("FERROCCL_IB_GID_INDEX", "300"),
             ("FERROCCL_IB_TIMEOUT", "32"),
+            ("FERROCCL_TCP_SOCKETS", "0"),
+            ("FERROCCL_TCP_SOCKETS", "17"),
+            ("FERROCCL_TCP_STRIPE_MIN", "big"),
+            ("FERROCCL_TCP_ZEROCOPY_MIN", "-1"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{e}");

@@ -47,10 +47,12 @@ pub(crate) struct ShmInfo {
     pub(crate) ring_bytes: u64,
 }
 
-/// The tcp part: the address this rank listens on.
+/// The tcp part: the address this rank listens on, and the connections it wants per peer
+/// (`FERROCCL_TCP_SOCKETS`; a pair uses the smaller of its two ranks' numbers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TcpInfo {
     pub(crate) addr: String,
+    pub(crate) sockets: u8,
 }
 
 /// The verbs part.
@@ -108,7 +110,7 @@ impl Descriptor {
         };
         match &self.tcp {
             None => w.u8(NONE),
-            Some(t) => w.u8(SOME).str(&t.addr),
+            Some(t) => w.u8(SOME).str(&t.addr).u8(t.sockets),
         };
         match &self.verbs {
             VerbsInfo::Off => w.u8(VERBS_OFF),
@@ -136,7 +138,7 @@ impl Descriptor {
         };
         let tcp = match r.u8()? {
             NONE => None,
-            SOME => Some(TcpInfo { addr: r.str()?.to_string() }),
+            SOME => Some(TcpInfo { addr: r.str()?.to_string(), sockets: r.u8()? }),
             t => return Err(DecodeError(format!("tcp part tag {t}"))),
         };
         let verbs = match r.u8()? {
@@ -177,7 +179,7 @@ mod tests {
             hostname: "node-a".into(),
             eager_max: 65536,
             shm: Some(ShmInfo { name: "ferroccl-1-3-abc".into(), fd: 7, probe_addr: 0xdead_beef, ring_bytes: 1 << 20 }),
-            tcp: Some(TcpInfo { addr: "10.0.0.1:4000".into() }),
+            tcp: Some(TcpInfo { addr: "10.0.0.1:4000".into(), sockets: 4 }),
             verbs,
         }
     }

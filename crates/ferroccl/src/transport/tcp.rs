@@ -37,6 +37,13 @@ const K_BYE: u8 = 3;
 /// A strided write: `len` bytes in rows of the u32 at header byte 32, landing the u32 at
 /// byte 36 apart from `addr` on; every row's immediate is reported (`row_imm`).
 const K_WRITE_ROWS: u8 = 4;
+/// The first piece of a striped write (on lane 0): lands like `K_WRITE`; the u32 at byte 32
+/// numbers the write, the u32 at byte 36 says how many pieces (`K_STRIPE`) went on the
+/// other lanes. Its immediate is reported, and lane 0 reads on, once they have all landed.
+const K_STRIPED: u8 = 5;
+/// Another piece of a striped write (lanes 1 and up, the only kind they carry besides
+/// `K_BYE`): lands like `K_WRITE`, numbered by the u32 at byte 32, no immediate of its own.
+const K_STRIPE: u8 = 6;
 /// Largest two-sided message on tcp.
 const MAX_MSG: usize = 4 << 20;
 /// Rows shorter than this are gathered into batches of up to this many bytes before they
@@ -76,10 +83,22 @@ pub(crate) fn can_connect(me: &Descriptor, peer: &Descriptor) -> std::result::Re
 }
 
 /// This rank's side of tcp while the mesh is built: a listener (the descriptor gives its
-/// address).
+/// address) and the knobs its endpoints follow.
 #[derive(Debug)]
 pub(crate) struct TcpSetup {
     listener: TcpListener,
+    knobs: Knobs,
+}
+
+/// The knobs of one rank's tcp endpoints (see [`Params`]).
+#[derive(Debug, Clone, Copy)]
+struct Knobs {
+    /// `FERROCCL_TCP_SOCKETS`.
+    sockets: usize,
+    /// `FERROCCL_TCP_STRIPE_MIN`.
+    stripe_min: usize,
+    /// `FERROCCL_TCP_ZEROCOPY_MIN`.
+    zerocopy_min: Option<usize>,
 }
 
 /// The address this rank's tcp listener binds and advertises: `FERROCCL_SOCKET_ADDR`, else
@@ -110,29 +129,38 @@ pub(crate) fn pick_interface(filter: &IfnameFilter, all: &[ferroccl_mem::Interfa
 
 impl TcpSetup {
     /// Listens on `ip` (see [`listen_ip`]).
-    pub(crate) fn listen(rank: usize, ip: IpAddr) -> Result<TcpSetup> {
+    pub(crate) fn listen(rank: usize, ip: IpAddr, params: &Params) -> Result<TcpSetup> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::io(format!("rank {rank}: listen on {ip}"), e))?;
-        Ok(TcpSetup { listener })
+        let knobs =
+            Knobs { sockets: params.tcp_sockets.clamp(1, 255), stripe_min: params.tcp_stripe_min, zerocopy_min: params.tcp_zerocopy_min };
+        Ok(TcpSetup { listener, knobs })
     }
 
     /// Our part of the descriptor.
     pub(crate) fn info(&self) -> TcpInfo {
-        TcpInfo { addr: self.listener.local_addr().map(|a| a.to_string()).unwrap_or_default() }
+        TcpInfo {
+            addr: self.listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            sockets: u8::try_from(self.knobs.sockets).unwrap_or(u8::MAX),
+        }
     }
 
-    /// One authenticated socket to every peer in `peers` (chosen for tcp): the lower rank
-    /// of each pair connects, the higher accepts; both run the job's handshake, then the
-    /// connecting side names its rank and the mesh. The listener closes when this returns.
+    /// Authenticated sockets to every peer in `peers` (chosen for tcp), as many per peer as
+    /// the smaller `FERROCCL_TCP_SOCKETS` of the pair: the lower rank of each pair
+    /// connects, the higher accepts; both run the job's handshake, then the connecting side
+    /// names the mesh, its rank and the socket's place. The listener closes when this
+    /// returns.
     pub(crate) fn connect(self, cx: &SetupCx<'_>, peers: &[usize]) -> Result<(TcpNet, Connected)> {
         let rank = cx.rank;
-        let expect: Vec<usize> = peers.iter().copied().filter(|&p| p < rank).collect();
+        let lanes = |p: usize| cx.descs[p].tcp.as_ref().map_or(1, |t| usize::from(t.sockets).min(self.knobs.sockets).max(1));
+        let expect: Vec<(usize, usize)> = peers.iter().copied().filter(|&p| p < rank).map(|p| (p, lanes(p))).collect();
         let (listener, handshake, mesh_id, deadline) = (&self.listener, cx.handshake, cx.mesh_id, cx.deadline);
-        let streams = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
+        let streams = std::thread::scope(|s| -> Result<Vec<(usize, Vec<TcpStream>)>> {
             let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, handshake, mesh_id, deadline));
             let mut out = Vec::new();
             for &p in peers.iter().filter(|&&p| p > rank) {
                 let addr = cx.descs[p].tcp.as_ref().map_or("", |t| t.addr.as_str());
-                out.push((p, connect_peer(cx, p, addr)?));
+                let socks = (0..lanes(p)).map(|lane| connect_peer(cx, p, addr, lane)).collect::<Result<Vec<_>>>()?;
+                out.push((p, socks));
             }
             let accepted = acceptor.join().map_err(|_| Error::internal("tcp acceptor panicked"))??;
             out.extend(accepted);
@@ -141,20 +169,21 @@ impl TcpSetup {
         let mut connected = Connected::default();
         let net = TcpNet { drive: Arc::new(Drive::default()), readings: Vec::new() };
         let mut readings = Vec::new();
-        for (p, stream) in streams {
+        for (p, socks) in streams {
             let stage = stage_len(usize::try_from(cx.descs[rank].eager_max).unwrap_or(MAX_MSG));
-            let e = TcpEndpoint::start(rank, p, stream, cx.inbox.clone(), net.drive.clone(), stage)?;
-            readings.push(e.reading.clone());
+            let e = TcpEndpoint::start(rank, p, socks, cx.inbox.clone(), net.drive.clone(), stage, self.knobs)?;
+            readings.push(e.lanes[0].reading.clone());
             connected.endpoints.push((p, Endpoint::Tcp(e)));
         }
         Ok((TcpNet { readings, ..net }, connected))
     }
 }
 
-/// What the connecting side sends after the handshake: the mesh it means and its rank.
-fn encode_hello(mesh_id: &str, rank: usize) -> Vec<u8> {
+/// What the connecting side sends after the handshake: the mesh it means, its rank and the
+/// socket's place among the pair's sockets (its lane).
+fn encode_hello(mesh_id: &str, rank: usize, lane: usize) -> Vec<u8> {
     let mut w = Writer::new();
-    w.str(mesh_id).u32(rank as u32);
+    w.str(mesh_id).u32(rank as u32).u32(lane as u32);
     w.finish()
 }
 
@@ -175,10 +204,10 @@ fn read_frame(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     Ok(b)
 }
 
-fn connect_peer(cx: &SetupCx<'_>, peer: usize, addr: &str) -> Result<TcpStream> {
+fn connect_peer(cx: &SetupCx<'_>, peer: usize, addr: &str, lane: usize) -> Result<TcpStream> {
     let (rank, deadline) = (cx.rank, cx.deadline);
     let sa: SocketAddr = addr.parse().map_err(|_| Error::protocol(format!("rank {peer}"), format!("bad tcp address {addr:?}")))?;
-    let label = format!("rank {peer} ({addr})");
+    let label = if lane == 0 { format!("rank {peer} ({addr})") } else { format!("rank {peer} ({addr}, socket {lane})") };
     let mut s = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(1))) {
@@ -193,38 +222,45 @@ fn connect_peer(cx: &SetupCx<'_>, peer: usize, addr: &str) -> Result<TcpStream> 
     cx.handshake.connecting(&mut s, &label, deadline)?;
     s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
         .map_err(|e| Error::io("set timeout", e))?;
-    write_frame(&mut s, &encode_hello(cx.mesh_id, rank)).map_err(|e| Error::io(format!("rank {rank}: hello to {label}"), e))?;
+    write_frame(&mut s, &encode_hello(cx.mesh_id, rank, lane)).map_err(|e| Error::io(format!("rank {rank}: hello to {label}"), e))?;
     s.set_read_timeout(None).and_then(|_| s.set_write_timeout(None)).map_err(|e| Error::io("clear timeouts", e))?;
     Ok(s)
 }
 
-/// Accepts one authenticated connection from each rank in `expect`. Strangers (wrong token,
-/// garbage, unexpected ranks) are dropped and do not disturb the job.
+/// Accepts the authenticated connections `expect` lists (a rank and how many sockets it
+/// opens). Strangers (wrong token, garbage, unexpected ranks or sockets) are dropped and do
+/// not disturb the job. Each rank's sockets in lane order.
 fn accept_peers(
     listener: &TcpListener,
     rank: usize,
-    expect: &[usize],
+    expect: &[(usize, usize)],
     handshake: &Arc<dyn Handshake>,
     mesh_id: &str,
     deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>> {
-    let mut got: HashMap<usize, TcpStream> = HashMap::new();
-    if expect.is_empty() {
+) -> Result<Vec<(usize, Vec<TcpStream>)>> {
+    let mut got: HashMap<(usize, usize), TcpStream> = HashMap::new();
+    let want: usize = expect.iter().map(|e| e.1).sum();
+    if want == 0 {
         return Ok(vec![]);
     }
+    let wanted = |p: usize, lane: usize| expect.iter().any(|&(q, n)| q == p && lane < n);
     listener.set_nonblocking(true).map_err(|e| Error::io("listener nonblocking", e))?;
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, TcpStream)>();
-    while got.len() < expect.len() {
-        while let Ok((p, st)) = rx.try_recv() {
-            if expect.contains(&p) && !got.contains_key(&p) {
-                got.insert(p, st);
+    let (tx, rx) = std::sync::mpsc::channel::<((usize, usize), TcpStream)>();
+    while got.len() < want {
+        while let Ok((k, st)) = rx.try_recv() {
+            if wanted(k.0, k.1) && !got.contains_key(&k) {
+                got.insert(k, st);
             }
         }
-        if got.len() == expect.len() {
+        if got.len() == want {
             break;
         }
         if Instant::now() >= deadline {
-            let missing: Vec<String> = expect.iter().filter(|p| !got.contains_key(p)).map(|p| format!("rank {p}")).collect();
+            let missing: Vec<String> = expect
+                .iter()
+                .filter(|&&(p, n)| (0..n).any(|l| !got.contains_key(&(p, l))))
+                .map(|&(p, n)| if n == 1 { format!("rank {p}") } else { format!("rank {p} ({n} sockets)") })
+                .collect();
             return Err(Error::Timeout { rank: Some(rank), op: Op::other("tcp mesh accept"), after: Duration::ZERO, waiting_for: missing });
         }
         match listener.accept() {
@@ -243,20 +279,25 @@ fn accept_peers(
                     let _ = st.set_read_timeout(Some(dl.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))));
                     let Ok(b) = read_frame(&mut st, 4096) else { return };
                     let mut r = Reader::new(&b);
-                    let (Ok(id), Ok(p)) = (r.str(), r.u32()) else { return };
+                    let (Ok(id), Ok(p), Ok(lane)) = (r.str(), r.u32(), r.u32()) else { return };
                     if id != mesh_id {
                         return;
                     }
                     let _ = st.set_read_timeout(None);
                     let _ = st.set_nodelay(true);
-                    let _ = tx.send((p as usize, st));
+                    let _ = tx.send(((p as usize, lane as usize), st));
                 });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
             Err(e) => return Err(Error::io(format!("rank {rank}: accept"), e)),
         }
     }
-    Ok(got.into_iter().collect())
+    let mut out: Vec<(usize, Vec<TcpStream>)> = expect.iter().map(|&(p, _)| (p, Vec::new())).collect();
+    for (p, socks) in &mut out {
+        let n = expect.iter().find(|e| e.0 == *p).map_or(0, |e| e.1);
+        socks.extend((0..n).filter_map(|l| got.remove(&(*p, l))));
+    }
+    Ok(out)
 }
 
 /// What writes the body of a frame through the `put` it is given (see
@@ -303,6 +344,8 @@ impl TcpNet {
 #[derive(Debug)]
 struct Wr {
     s: TcpStream,
+    /// `MSG_ZEROCOPY` is enabled on the socket (`FERROCCL_TCP_ZEROCOPY_MIN`).
+    zc: bool,
     /// The end of a frame that [`TcpEndpoint::try_post_send_now`] could not write without
     /// waiting: written first by the next send (the stream stays whole).
     tail: Vec<u8>,
@@ -435,6 +478,49 @@ struct Rd {
     ended: bool,
     /// A one-sided write larger than the stage whose body is being received in place.
     part: Option<Part>,
+    /// Lane 0 only: a striped write whose first piece has landed, waiting for its other
+    /// pieces; nothing more is read from this socket meanwhile.
+    wait: Option<Wait>,
+}
+
+/// A striped write waiting for its pieces on the other lanes (see [`K_STRIPED`]).
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    id: u32,
+    others: u32,
+    imm: u32,
+}
+
+/// The pieces of striped writes landed on lanes 1 and up, by write number, and a futex
+/// word bumped whenever one lands (lane 0's reader thread sleeps on it while it waits).
+/// Shared by the lanes of one peer.
+#[derive(Debug, Default)]
+struct Joined {
+    landed: Mutex<HashMap<u32, u32>>,
+    gen: AtomicU32,
+}
+
+impl Joined {
+    fn piece_landed(&self, id: u32) {
+        *self.landed.lock().unwrap_or_else(|e| e.into_inner()).entry(id).or_default() += 1;
+        self.bump();
+    }
+
+    /// Whether all `others` pieces of write `id` have landed (then it is forgotten).
+    fn take(&self, id: u32, others: u32) -> bool {
+        let mut m = self.landed.lock().unwrap_or_else(|e| e.into_inner());
+        if m.get(&id).copied().unwrap_or(0) < others {
+            return false;
+        }
+        m.remove(&id);
+        true
+    }
+
+    /// Wakes whoever waits for pieces (one landed, or the connection closes).
+    fn bump(&self) {
+        self.gen.fetch_add(1, Ordering::SeqCst);
+        let _ = futex_wake(&self.gen, u32::MAX);
+    }
 }
 
 /// A one-sided write (`K_WRITE`) being received in place: its header, and the bytes of it
@@ -459,6 +545,14 @@ enum Step {
 #[derive(Debug)]
 struct Reading {
     peer: usize,
+    /// The socket's place among the pair's sockets: lane 0 carries every kind of frame and
+    /// is read by drivers too; lanes 1 and up carry pieces of striped writes and are read by
+    /// their own reader threads alone (on a host with cores to spare, side by side).
+    lane: u32,
+    lanes: u32,
+    joined: Arc<Joined>,
+    /// `rd.wait` is set (read without the lock by the reader thread).
+    waiting: AtomicBool,
     rd: Mutex<Rd>,
     /// Set by a driver that met a frame larger than the stage: the reader thread reads it
     /// (blocking, straight into place); drivers leave the socket alone until it is done.
@@ -468,16 +562,26 @@ struct Reading {
     drive: Arc<Drive>,
 }
 
-/// This rank's socket to one peer.
+/// One of the sockets to a peer (see [`Reading::lane`]).
 #[derive(Debug)]
-pub(crate) struct TcpEndpoint {
-    rank: usize,
-    peer: usize,
+struct Lane {
     writer: Mutex<Wr>,
     /// A handle to shut the socket down without waiting for the writer's lock.
     ctl: TcpStream,
     reading: Arc<Reading>,
     reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// This rank's sockets to one peer: one, or `FERROCCL_TCP_SOCKETS` lanes that large writes
+/// are striped over.
+#[derive(Debug)]
+pub(crate) struct TcpEndpoint {
+    rank: usize,
+    peer: usize,
+    lanes: Vec<Lane>,
+    /// Numbers striped writes (see [`K_STRIPED`]).
+    next_stripe: AtomicU32,
+    knobs: Knobs,
     inbox: Arc<Inbox>,
     closing: Arc<AtomicBool>,
     /// Set when a frame was cut short by a send timeout: the stream is unusable.
@@ -488,37 +592,69 @@ pub(crate) struct TcpEndpoint {
 }
 
 impl TcpEndpoint {
-    pub(crate) fn start(
+    /// Starts the endpoint over `streams` (lane 0 first; at least one) and their reader
+    /// threads.
+    fn start(
         rank: usize,
         peer: usize,
-        stream: TcpStream,
+        streams: Vec<TcpStream>,
         inbox: Arc<Inbox>,
         drive: Arc<Drive>,
         stage: usize,
+        knobs: Knobs,
     ) -> Result<TcpEndpoint> {
-        let clone = || stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e));
-        let (rd, ctl, watch) = (clone()?, clone()?, clone()?);
+        if streams.is_empty() {
+            return Err(Error::internal(format!("rank {rank}: no tcp socket to rank {peer}")));
+        }
         let closing = Arc::new(AtomicBool::new(false));
-        let reading = Arc::new(Reading {
-            peer,
-            rd: Mutex::new(Rd { s: rd, stage: vec![0u8; stage].into_boxed_slice(), lo: 0, hi: 0, ended: false, part: None }),
-            handoff: AtomicBool::new(false),
-            inbox: inbox.clone(),
-            closing: closing.clone(),
-            drive,
-        });
-        let r2 = reading.clone();
-        let reader = std::thread::Builder::new()
-            .name(format!("ferroccl-tcp-{peer}"))
-            .spawn(move || reader_loop(&r2, &watch))
-            .map_err(|e| Error::io("spawn tcp reader thread", e))?;
+        let joined = Arc::new(Joined::default());
+        let n = streams.len() as u32;
+        let mut lanes: Vec<Lane> = Vec::with_capacity(streams.len());
+        for (lane, stream) in streams.into_iter().enumerate() {
+            let clone = || stream.try_clone().map_err(|e| Error::io(format!("rank {rank}: clone socket to rank {peer}"), e));
+            let (rd, ctl, watch) = (clone()?, clone()?, clone()?);
+            let zc = knobs.zerocopy_min.is_some();
+            if zc {
+                use std::os::fd::AsFd;
+                ferroccl_mem::net::zerocopy_enable(stream.as_fd()).map_err(|e| {
+                    Error::io(format!("rank {rank}: enable MSG_ZEROCOPY on the socket to rank {peer} (FERROCCL_TCP_ZEROCOPY_MIN)"), e)
+                })?;
+            }
+            let reading = Arc::new(Reading {
+                peer,
+                lane: lane as u32,
+                lanes: n,
+                joined: joined.clone(),
+                waiting: AtomicBool::new(false),
+                rd: Mutex::new(Rd {
+                    s: rd,
+                    // Lanes 1 and up carry pieces of large writes only, received in place.
+                    stage: vec![0u8; if lane == 0 { stage } else { STAGE_MIN }].into_boxed_slice(),
+                    lo: 0,
+                    hi: 0,
+                    ended: false,
+                    part: None,
+                    wait: None,
+                }),
+                handoff: AtomicBool::new(false),
+                inbox: inbox.clone(),
+                closing: closing.clone(),
+                drive: drive.clone(),
+            });
+            let r2 = reading.clone();
+            let name = if lane == 0 { format!("ferroccl-tcp-{peer}") } else { format!("ferroccl-tcp-{peer}.{lane}") };
+            let reader = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || reader_loop(&r2, &watch))
+                .map_err(|e| Error::io("spawn tcp reader thread", e))?;
+            lanes.push(Lane { writer: Mutex::new(Wr { s: stream, zc, tail: Vec::new() }), ctl, reading, reader: Mutex::new(Some(reader)) });
+        }
         Ok(TcpEndpoint {
             rank,
             peer,
-            writer: Mutex::new(Wr { s: stream, tail: Vec::new() }),
-            ctl,
-            reading,
-            reader: Mutex::new(Some(reader)),
+            lanes,
+            next_stripe: AtomicU32::new(0),
+            knobs,
             inbox,
             closing,
             broken: AtomicBool::new(false),
@@ -557,15 +693,10 @@ impl TcpEndpoint {
     fn send_frame_locked(&self, w: &mut Wr, first: &[&[u8]], body: Option<Body<'_>>, deadline: Instant, what: &str) -> Result<()> {
         use rustix::net::SendFlags;
         if self.broken.load(Ordering::Acquire) {
-            return Err(Error::Transport {
-                rank: self.rank,
-                peer: Some(self.peer),
-                transport: TransportKind::Tcp,
-                what: "connection is unusable after an earlier failed send".into(),
-            });
+            return Err(self.unusable());
         }
         let start = Instant::now();
-        let Wr { s, tail } = w;
+        let Wr { s, tail, .. } = w;
         let total: usize = first.iter().map(|b| b.len()).sum();
         let (mut sent, mut fast_err) = (0usize, None);
         if tail.is_empty() && total > 0 && first.len() <= 4 {
@@ -584,7 +715,10 @@ impl TcpEndpoint {
             None => {
                 // Whatever waits here lets the reader threads read for this thread (the
                 // peer may be writing to us as we write to it).
-                let _pause = Drive::pause(&self.reading.drive);
+                let _pause = Drive::pause(&self.lanes[0].reading.drive);
+                // Each `write` waits at most the time left (a `write_all` would give every
+                // partial write the whole timeout again: a link cut mid-frame then took twice
+                // the timeout to be reported).
                 let mut put = |mut b: &[u8]| -> std::io::Result<()> {
                     while !b.is_empty() {
                         let left = deadline.saturating_duration_since(Instant::now());
@@ -592,9 +726,12 @@ impl TcpEndpoint {
                             return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
                         }
                         s.set_write_timeout(Some(left))?;
-                        let n = b.len().min(1 << 20);
-                        s.write_all(&b[..n])?;
-                        b = &b[n..];
+                        match s.write(&b[..b.len().min(1 << 20)]) {
+                            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                            Ok(n) => b = &b[n..],
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(e),
+                        }
                     }
                     Ok(())
                 };
@@ -618,6 +755,132 @@ impl TcpEndpoint {
         r.map_err(|e| self.send_failed(e, start, what))
     }
 
+    fn unusable(&self) -> Error {
+        Error::Transport {
+            rank: self.rank,
+            peer: Some(self.peer),
+            transport: TransportKind::Tcp,
+            what: "connection is unusable after an earlier failed send".into(),
+        }
+    }
+
+    /// Sends a one-sided write without waiting on any one socket: cut into one piece per
+    /// lane (4 KiB multiples) when `stripe`, each piece's body sent with `MSG_ZEROCOPY` when
+    /// `zc`. Every lane's writer is held for the whole write (taken in lane order, as every
+    /// writer takes them), so the pieces of consecutive striped writes keep their order on
+    /// every lane. Returns once the kernel holds every byte (with zero copy: once it has let
+    /// go of the source's pages).
+    #[allow(clippy::too_many_arguments)]
+    fn send_spread(&self, body: &[u8], imm: u32, key: u64, addr: u64, stripe: bool, zc: bool, deadline: Instant) -> Result<()> {
+        let n = if stripe { self.lanes.len() } else { 1 };
+        let piece = body.len().div_ceil(n).next_multiple_of(4096).max(4096);
+        let others = u32::try_from(body.len().div_ceil(piece).saturating_sub(1)).unwrap_or(0);
+        let id = self.next_stripe.fetch_add(1, Ordering::Relaxed);
+        let mut outs: Vec<Out<'_>> = body
+            .chunks(piece)
+            .enumerate()
+            .map(|(i, b)| {
+                let mut h = match (others, i) {
+                    (0, _) => header(K_WRITE, imm, b.len() as u64, key, addr),
+                    (_, 0) => header(K_STRIPED, imm, b.len() as u64, key, addr),
+                    _ => header(K_STRIPE, 0, b.len() as u64, key, addr + (i * piece) as u64),
+                };
+                if others > 0 {
+                    h[32..36].copy_from_slice(&id.to_le_bytes());
+                    h[36..40].copy_from_slice(&(if i == 0 { others } else { 0 }).to_le_bytes());
+                }
+                Out { pre: Vec::new(), h, body: b, sent: 0, zc, zc_calls: 0 }
+            })
+            .collect();
+        let mut ws: Vec<_> = self.lanes[..outs.len()].iter().map(|l| l.writer.lock().unwrap_or_else(|e| e.into_inner())).collect();
+        if self.broken.load(Ordering::Acquire) {
+            return Err(self.unusable());
+        }
+        for (o, w) in outs.iter_mut().zip(&ws) {
+            o.zc &= w.zc;
+        }
+        // The end of a best-effort frame goes first (see `try_post_send_now`).
+        outs[0].pre = std::mem::take(&mut ws[0].tail);
+        let start = Instant::now();
+        self.spread_io(&ws, &mut outs, deadline).map_err(|e| self.send_failed(e, start, "write"))
+    }
+
+    /// [`TcpEndpoint::send_spread`]'s system calls: one non-blocking send per unfinished
+    /// lane per round; when no lane takes anything, a `poll` for room on all of them; then,
+    /// for zero-copy sends, the kernel's reports that it has finished with them.
+    fn spread_io(&self, ws: &[std::sync::MutexGuard<'_, Wr>], outs: &mut [Out<'_>], deadline: Instant) -> std::io::Result<()> {
+        use rustix::event::PollFlags;
+        use rustix::io::Errno;
+        use rustix::net::SendFlags;
+        use std::os::fd::AsFd;
+        let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+        let zero_copy = flags | SendFlags::from_bits_retain(ferroccl_mem::net::ZEROCOPY);
+        // Whatever waits here lets the reader threads read for this thread.
+        let mut pause = None;
+        loop {
+            let (mut moved, mut left) = (false, false);
+            for (o, w) in outs.iter_mut().zip(ws) {
+                if o.done() {
+                    continue;
+                }
+                let head = o.pre.len() + HDR;
+                let r = if o.sent < head {
+                    // What is left of the header (with the body, unless it goes zero-copy).
+                    let pre = &o.pre[o.sent.min(o.pre.len())..];
+                    let h = &o.h[o.sent.saturating_sub(o.pre.len())..];
+                    let b = if o.zc { &[][..] } else { o.body };
+                    let iov = [std::io::IoSlice::new(pre), std::io::IoSlice::new(h), std::io::IoSlice::new(b)];
+                    rustix::net::sendmsg(&w.s, &iov, &mut Default::default(), flags)
+                } else {
+                    rustix::net::send(&w.s, &o.body[o.sent - head..], if o.zc { zero_copy } else { flags })
+                };
+                match r {
+                    Ok(k) => {
+                        if o.zc && o.sent >= head {
+                            o.zc_calls += 1;
+                        }
+                        o.sent += k;
+                        moved |= k > 0;
+                    }
+                    Err(e) if e == Errno::AGAIN || e == Errno::INTR => {}
+                    // The pages could not be pinned (the memlock limit): nothing was sent;
+                    // the rest of this piece is copied as usual.
+                    Err(e) if e == Errno::NOBUFS && o.zc => {
+                        o.zc = false;
+                        moved = true;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                left |= !o.done();
+            }
+            if !left {
+                break;
+            }
+            if !moved {
+                pause.get_or_insert_with(|| Drive::pause(&self.lanes[0].reading.drive));
+                let busy = ws.iter().zip(outs.iter()).filter(|(_, o)| !o.done()).map(|(w, _)| &w.s);
+                wait_ready(busy, PollFlags::OUT, deadline)?;
+            }
+        }
+        // Zero copy: the source is the caller's again only once the kernel says so.
+        for (o, w) in outs.iter().zip(ws) {
+            let mut done = 0u64;
+            loop {
+                done += ferroccl_mem::net::zerocopy_reap(w.s.as_fd())?.done;
+                if done >= o.zc_calls {
+                    break;
+                }
+                pause.get_or_insert_with(|| Drive::pause(&self.lanes[0].reading.drive));
+                if wait_ready(std::iter::once(&w.s), PollFlags::ERR, deadline)? {
+                    // Hung up with reports still due: they come as the kernel drops the
+                    // data; do not spin meanwhile.
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The error for a frame cut short by `e`: the connection is unusable from here on.
     fn send_failed(&self, e: std::io::Error, start: Instant, what: &str) -> Error {
         self.broken.store(true, Ordering::Release);
@@ -626,25 +889,26 @@ impl TcpEndpoint {
             // reader thread (or a driver) is about to deliver it: report that root cause
             // instead.
             let until = Instant::now() + Duration::from_millis(200);
-            while Instant::now() < until && self.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|h| !h.is_finished())
+            let main = &self.lanes[0];
+            while Instant::now() < until && main.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|h| !h.is_finished())
             {
-                self.reading.drive_once();
+                main.reading.drive_once();
                 std::thread::sleep(Duration::from_millis(2));
             }
             // A broken connection is only a suspect for a moment (see `Events::suspects`):
             // wait for its grace too, then report the best-known cause.
             let settle = Instant::now() + crate::inbox::SUSPECT_GRACE + Duration::from_millis(20);
             if let Some(fault) = self.inbox.root_cause(settle) {
-                let _ = self.ctl.shutdown(Shutdown::Both);
+                self.shut_down();
                 return fault.to_error(self.rank, &Op::other(format!("tcp {what} to rank {}", self.peer)), None);
             }
         }
-        let _ = self.ctl.shutdown(Shutdown::Both);
+        self.shut_down();
         self.io_err(what, e, start)
     }
 
     fn send_frame(&self, first: &[&[u8]], body: Option<Body<'_>>, deadline: Instant, what: &str) -> Result<()> {
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.lanes[0].writer.lock().unwrap_or_else(|e| e.into_inner());
         self.send_frame_locked(&mut w, first, body, deadline, what)
     }
 
@@ -657,7 +921,7 @@ impl TcpEndpoint {
     /// the endpoint and goes first with the next send, so the stream stays whole.
     pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
         use rustix::net::SendFlags;
-        let Ok(mut w) = self.writer.try_lock() else {
+        let Ok(mut w) = self.lanes[0].writer.try_lock() else {
             return Err(Error::WouldBlock("socket busy".into()));
         };
         if self.broken.load(Ordering::Acquire) {
@@ -669,7 +933,7 @@ impl TcpEndpoint {
             Err(e) => Err(e),
         };
         let start = Instant::now();
-        let Wr { s, tail } = &mut *w;
+        let Wr { s, tail, .. } = &mut *w;
         let mut frame = [&header(K_MSG, 0, msg.len() as u64, 0, 0)[..], msg].concat();
         let r = (|| -> std::result::Result<bool, rustix::io::Errno> {
             if !tail.is_empty() {
@@ -691,17 +955,26 @@ impl TcpEndpoint {
             Ok(false) => Err(Error::WouldBlock("socket full".into())),
             Err(e) => {
                 self.broken.store(true, Ordering::Release);
-                let _ = self.ctl.shutdown(Shutdown::Both);
+                self.shut_down();
                 Err(self.io_err("send", std::io::Error::from(e), start))
             }
         }
     }
 
-    /// Shuts the socket down (after a fatal error); the reader thread ends.
+    /// Shuts every socket to the peer down (the peer sees it at once); reader threads
+    /// waiting for anything wake.
+    fn shut_down(&self) {
+        for l in &self.lanes {
+            let _ = l.ctl.shutdown(Shutdown::Both);
+        }
+        self.lanes[0].reading.drive.kick();
+        self.lanes[0].reading.joined.bump();
+    }
+
+    /// Shuts the sockets down (after a fatal error); the reader threads end.
     pub(crate) fn cut(&self) {
         self.closing.store(true, Ordering::Release);
-        let _ = self.ctl.shutdown(Shutdown::Both);
-        self.reading.drive.kick();
+        self.shut_down();
     }
 
     pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant) -> Result<()> {
@@ -721,9 +994,16 @@ impl TcpEndpoint {
     /// straight from the source region.
     pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant) -> Result<()> {
         let WriteReq { src, offset, len, dst, imm, .. } = *w;
-        let hdr = header(K_WRITE, imm, len as u64, dst.key, w.dst_addr(0));
-        src.with_slice(offset, len, |b| self.send_frame(&[&hdr, b], None, deadline, "write"))
-            .unwrap_or_else(|e| Err(Error::internal(format!("tcp write to rank {}: its source: {e}", self.peer))))
+        let (key, addr) = (dst.key, w.dst_addr(0));
+        let stripe = self.lanes.len() > 1 && len >= self.knobs.stripe_min;
+        let zc = self.knobs.zerocopy_min.is_some_and(|m| len >= m);
+        src.with_slice(offset, len, |b| {
+            if len > 0 && (stripe || zc) {
+                return self.send_spread(b, imm, key, addr, stripe, zc, deadline);
+            }
+            self.send_frame(&[&header(K_WRITE, imm, len as u64, key, addr), b], None, deadline, "write")
+        })
+        .unwrap_or_else(|e| Err(Error::internal(format!("tcp write to rank {}: its source: {e}", self.peer))))
     }
 
     /// `rows` rows of `w.len` bytes, `src_stride` apart from `w.offset` in the source and
@@ -806,13 +1086,16 @@ impl TcpEndpoint {
 
     pub(crate) fn close(&self, deadline: Instant) {
         self.closing.store(true, Ordering::Release);
-        if let Ok(mut w) = self.writer.try_lock() {
-            let _ = self.send_frame_locked(&mut w, &[&header(K_BYE, 0, 0, 0, 0)], None, deadline, "goodbye");
+        for l in &self.lanes {
+            if let Ok(mut w) = l.writer.try_lock() {
+                let _ = self.send_frame_locked(&mut w, &[&header(K_BYE, 0, 0, 0, 0)], None, deadline, "goodbye");
+            }
         }
-        let _ = self.ctl.shutdown(Shutdown::Both);
-        self.reading.drive.kick();
-        if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = h.join();
+        self.shut_down();
+        for l in &self.lanes {
+            if let Some(h) = l.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = h.join();
+            }
         }
     }
 }
@@ -820,6 +1103,43 @@ impl TcpEndpoint {
 impl Drop for TcpEndpoint {
     fn drop(&mut self) {
         self.close(Instant::now() + Duration::from_millis(200));
+    }
+}
+
+/// One lane's frame of a write sent by [`TcpEndpoint::send_spread`]: `pre` (the end of a
+/// best-effort frame, lane 0 only), the header, then the body.
+struct Out<'a> {
+    pre: Vec<u8>,
+    h: [u8; HDR],
+    body: &'a [u8],
+    /// Bytes of `pre`, header and body sent so far.
+    sent: usize,
+    /// The body goes with `MSG_ZEROCOPY`.
+    zc: bool,
+    /// Zero-copy sends made (each is reported finished on the socket's error queue).
+    zc_calls: u64,
+}
+
+impl Out<'_> {
+    fn done(&self) -> bool {
+        self.sent == self.pre.len() + HDR + self.body.len()
+    }
+}
+
+/// Waits (at most 100 ms, and not past `deadline`: then `TimedOut`) until one of `socks`
+/// shows `what`, an error or a hang-up. Whether one hung up.
+fn wait_ready<'a>(socks: impl Iterator<Item = &'a TcpStream>, what: rustix::event::PollFlags, deadline: Instant) -> std::io::Result<bool> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
+    }
+    let mut fds: Vec<PollFd<'_>> = socks.map(|s| PollFd::new(s, what)).collect();
+    let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: left.min(Duration::from_millis(100)).as_nanos() as _ };
+    match poll(&mut fds, Some(&ts)) {
+        Ok(_) => Ok(fds.iter().any(|f| f.revents().contains(PollFlags::HUP))),
+        Err(e) if e == rustix::io::Errno::INTR => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -865,7 +1185,7 @@ fn body_len(h: &[u8; HDR]) -> std::result::Result<usize, String> {
     let len = u64_at(h, 8);
     match h[0] {
         K_MSG if len > MAX_MSG as u64 => Err(format!("sent a {len}-byte message, over the {MAX_MSG}-byte limit")),
-        K_MSG | K_WRITE => usize::try_from(len).map_err(|_| format!("sent a write of {len} bytes")),
+        K_MSG | K_WRITE | K_STRIPED | K_STRIPE => usize::try_from(len).map_err(|_| format!("sent a write of {len} bytes")),
         K_WRITE_ROWS => {
             let (row, stride) = (u64::from(u32_at(h, 32)), u64::from(u32_at(h, 36)));
             match len.checked_div(row) {
@@ -881,6 +1201,39 @@ fn body_len(h: &[u8; HDR]) -> std::result::Result<usize, String> {
 }
 
 impl Reading {
+    /// The body length of the frame with header `h` on this lane, checked (see
+    /// [`body_len`]): lanes 1 and up carry only pieces of striped writes and goodbyes; a
+    /// striped write's first piece comes on lane 0 and names at most the other lanes.
+    fn frame_len(&self, h: &[u8; HDR]) -> std::result::Result<usize, String> {
+        let ok = match h[0] {
+            K_BYE => true,
+            K_STRIPE => self.lane > 0,
+            K_STRIPED => self.lane == 0 && (1..self.lanes).contains(&u32_at(h, 36)),
+            _ => self.lane == 0,
+        };
+        if !ok {
+            return Err(format!("sent a TCP frame of kind {} that socket {} of {} does not carry", h[0], self.lane, self.lanes));
+        }
+        body_len(h)
+    }
+
+    /// A one-sided write (or a piece of one) with header `h` has landed: its immediate is
+    /// reported, or the piece counted (`K_STRIPE`), or lane 0 waits for the other pieces
+    /// (`K_STRIPED`).
+    fn write_landed(&self, h: &[u8; HDR], wait: &mut Option<Wait>) {
+        match h[0] {
+            K_STRIPE => self.joined.piece_landed(u32_at(h, 32)),
+            K_STRIPED => {
+                *wait = Some(Wait { id: u32_at(h, 32), others: u32_at(h, 36), imm: u32_at(h, 4) });
+                self.waiting.store(true, Ordering::Release);
+            }
+            _ => {
+                self.inbox.write_imm(self.peer, u32_at(h, 4));
+                self.inbox.notify();
+            }
+        }
+    }
+
     /// Lands what has arrived on the socket, without waiting (a driving thread's round,
     /// see [`Drive`]). Whether anything arrived.
     fn drive_once(&self) -> bool {
@@ -907,14 +1260,28 @@ impl Reading {
         use rustix::net::RecvFlags;
         let mut moved = false;
         let mut drained = false;
-        loop {
+        'frames: loop {
             if rd.ended {
                 return moved;
+            }
+            // A striped write on lane 0 waits for its other pieces before anything after it.
+            if let Some(w) = rd.wait {
+                if !self.joined.take(w.id, w.others) {
+                    return moved;
+                }
+                rd.wait = None;
+                self.waiting.store(false, Ordering::Release);
+                self.inbox.write_imm(self.peer, w.imm);
+                self.inbox.notify();
+                moved = true;
             }
             // A one-sided write larger than the stage, received in place piece by piece.
             if let Some(part) = rd.part {
                 match self.continue_write(rd, part) {
-                    Step::Done => moved = true,
+                    Step::Done => {
+                        moved = true;
+                        continue 'frames;
+                    }
                     Step::More(got) => return moved || got,
                     Step::Failed => return self.end(rd),
                 }
@@ -922,7 +1289,7 @@ impl Reading {
             while rd.hi - rd.lo >= HDR {
                 let mut h = [0u8; HDR];
                 h.copy_from_slice(&rd.stage[rd.lo..rd.lo + HDR]);
-                let need = match body_len(&h) {
+                let need = match self.frame_len(&h) {
                     Ok(n) => n,
                     Err(why) => {
                         self.fail(why);
@@ -931,18 +1298,21 @@ impl Reading {
                 };
                 if rd.hi - rd.lo - HDR >= need {
                     let at = rd.lo + HDR;
-                    let ok = self.land(&h, &mut &rd.stage[at..at + need]);
+                    let ok = self.land(&h, &mut &rd.stage[at..at + need], &mut rd.wait);
                     rd.lo = at + need;
                     moved = true;
                     if !ok {
                         return self.end(rd);
+                    }
+                    if rd.wait.is_some() {
+                        continue 'frames;
                     }
                     continue;
                 }
                 if HDR + need <= rd.stage.len() {
                     break;
                 }
-                if h[0] == K_WRITE {
+                if matches!(h[0], K_WRITE | K_STRIPED | K_STRIPE) {
                     // Straight into place, with non-blocking reads: whoever pumps next
                     // (this driver, another, or the reader thread) goes on with it.
                     rd.lo += HDR;
@@ -956,8 +1326,8 @@ impl Reading {
                     }
                     return moved;
                 }
-                let Rd { s, stage, lo, hi, .. } = rd;
-                let ok = self.land(&h, &mut Read::chain(&stage[*lo + HDR..*hi], &*s));
+                let Rd { s, stage, lo, hi, wait, .. } = rd;
+                let ok = self.land(&h, &mut Read::chain(&stage[*lo + HDR..*hi], &*s), wait);
                 (*lo, *hi) = (0, 0);
                 self.handoff.store(false, Ordering::Release);
                 moved = true;
@@ -1044,8 +1414,7 @@ impl Reading {
                 if rd.lo == rd.hi {
                     (rd.lo, rd.hi) = (0, 0);
                 }
-                self.inbox.write_imm(peer, u32_at(h, 4));
-                self.inbox.notify();
+                self.write_landed(h, &mut rd.wait);
                 return Step::Done;
             }
         }
@@ -1057,13 +1426,14 @@ impl Reading {
         rd.ended = true;
         self.handoff.store(false, Ordering::Release);
         self.drive.kick();
+        self.joined.bump();
         self.inbox.notify();
         true
     }
 
     /// Lands the frame with header `h` (its body length checked by [`body_len`]), its body
     /// read from `r`. Whether the stream goes on.
-    fn land(&self, h: &[u8; HDR], r: &mut impl Read) -> bool {
+    fn land(&self, h: &[u8; HDR], r: &mut impl Read, wait: &mut Option<Wait>) -> bool {
         let (peer, inbox) = (self.peer, &self.inbox);
         let imm = u32_at(h, 4);
         let (len, key, addr) = (u64_at(h, 8) as usize, u64_at(h, 16), u64_at(h, 24));
@@ -1076,7 +1446,7 @@ impl Reading {
                 }
                 inbox.deliver_msg(peer, b);
             }
-            K_WRITE => {
+            K_WRITE | K_STRIPED | K_STRIPE => {
                 let landed = inbox.land_write(TransportKind::Tcp, peer, key, addr, len, |dst| {
                     r.read_exact(dst).map_err(|e| format!("TCP connection to rank {peer} broke mid-write: {e}"))
                 });
@@ -1085,7 +1455,8 @@ impl Reading {
                     // connection cannot continue. land_write recorded why.
                     return false;
                 }
-                inbox.write_imm(peer, imm);
+                self.write_landed(h, wait);
+                return true;
             }
             K_WRITE_ROWS => {
                 let (row, stride) = (u32_at(h, 32) as usize, u32_at(h, 36) as usize);
@@ -1110,20 +1481,20 @@ impl Reading {
     }
 }
 
-/// A socket's reader thread: reads the socket while no thread drives the mesh (or the
-/// driver has stalled), and every frame a driver hands off.
+/// A socket's reader thread: reads lane 0 while no thread drives the mesh (or the driver
+/// has stalled), and every frame a driver hands off; reads lanes 1 and up always.
 fn reader_loop(r: &Reading, watch: &TcpStream) {
     use rustix::event::{poll, PollFd, PollFlags};
     let mut last_round = u64::MAX;
     loop {
-        if r.closing.load(Ordering::Acquire) && r.rd.lock().map_or(true, |rd| rd.ended || rd.lo == rd.hi) {
+        if r.closing.load(Ordering::Acquire) && r.rd.lock().map_or(true, |rd| rd.ended || rd.lo == rd.hi || rd.wait.is_some()) {
             // Closing: whatever is still staged is of no use to anyone.
             return;
         }
         let w = r.drive.word.load(Ordering::SeqCst);
         let handoff = r.handoff.load(Ordering::Acquire);
         let mut nap = READER_NAP;
-        if w & DRIVERS != 0 && !handoff {
+        if r.lane == 0 && w & DRIVERS != 0 && !handoff {
             let round = r.drive.rounds.load(Ordering::Relaxed);
             if round != last_round {
                 last_round = round;
@@ -1132,6 +1503,22 @@ fn reader_loop(r: &Reading, watch: &TcpStream) {
             }
             // The driver has not been round for a while: read for it, briefly.
             nap = DRIVER_STALL;
+        }
+        if r.waiting.load(Ordering::Acquire) {
+            // A striped write waits for pieces on the other lanes: sleep until one lands
+            // (the generation is read before the pump looks, so no landing is missed).
+            let g = r.joined.gen.load(Ordering::SeqCst);
+            let mut rd = r.rd.lock().unwrap_or_else(|e| e.into_inner());
+            if rd.ended {
+                return;
+            }
+            r.pump(&mut rd, true);
+            let still = rd.wait.is_some() && !rd.ended;
+            drop(rd);
+            if still {
+                let _ = futex_wait(&r.joined.gen, g, Some(nap));
+            }
+            continue;
         }
         if !handoff {
             let mut fds = [PollFd::new(watch, PollFlags::IN)];
@@ -1204,7 +1591,7 @@ mod tests {
         assert!(e.contains("FERROCCL_SOCKET_IFNAME") && e.contains("=no-such-interface") && e.contains("lo 127.0.0.1"), "{e}");
         p.socket_addr = Some("::1".parse().unwrap());
         assert_eq!(listen_ip(&p, store_side).unwrap().to_string(), "::1");
-        if let Ok(setup) = TcpSetup::listen(0, "::1".parse().unwrap()) {
+        if let Ok(setup) = TcpSetup::listen(0, "::1".parse().unwrap(), &Params::default()) {
             let addr = setup.info().addr;
             assert!(addr.starts_with("[::1]:") && addr.parse::<SocketAddr>().is_ok(), "{addr}");
         }
@@ -1262,7 +1649,9 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (mut b, _) = listener.accept().unwrap();
-        let ep = TcpEndpoint::start(0, 1, a, Arc::new(Inbox::new(0, Bell::heap())), Arc::new(Drive::default()), STAGE_MIN).unwrap();
+        let knobs = Knobs { sockets: 1, stripe_min: 1 << 20, zerocopy_min: None };
+        let ep =
+            TcpEndpoint::start(0, 1, vec![a], Arc::new(Inbox::new(0, Bell::heap())), Arc::new(Drive::default()), STAGE_MIN, knobs).unwrap();
         let msg = vec![7u8; 64 << 10];
         let mut sent = 0usize;
         let full = loop {

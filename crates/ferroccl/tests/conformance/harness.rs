@@ -16,6 +16,12 @@ use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner}
 pub enum Wire {
     Shm,
     Tcp,
+    /// tcp with 3 sockets per pair and every write of 4 KiB or more striped over them
+    /// (`FERROCCL_TCP_SOCKETS`, `FERROCCL_TCP_STRIPE_MIN`).
+    TcpStriped,
+    /// tcp with every write of 4 KiB or more sent with `MSG_ZEROCOPY`, and those of 64 KiB
+    /// or more also striped over 2 sockets (`FERROCCL_TCP_ZEROCOPY_MIN`).
+    TcpZeroCopy,
     /// `auto` with two host ids: shm between ranks on the same "host", tcp across.
     /// Rank r is on host r % 2, except in the point-to-point properties, which draw each
     /// rank's host at random.
@@ -65,7 +71,7 @@ impl Wire {
     pub fn transport(self) -> TransportChoice {
         match self {
             Wire::Shm => TransportChoice::Shm,
-            Wire::Tcp => TransportChoice::Tcp,
+            Wire::Tcp | Wire::TcpStriped | Wire::TcpZeroCopy => TransportChoice::Tcp,
             Wire::Mixed => TransportChoice::Auto,
             Wire::Verbs => TransportChoice::Verbs,
         }
@@ -77,6 +83,8 @@ impl Wire {
         let p = Params { transport: self.transport(), ..Params::default() };
         match self {
             Wire::Shm | Wire::Tcp => p,
+            Wire::TcpStriped => Params { tcp_sockets: 3, tcp_stripe_min: 4096, ..p },
+            Wire::TcpZeroCopy => Params { tcp_sockets: 2, tcp_stripe_min: 64 << 10, tcp_zerocopy_min: Some(4096), ..p },
             Wire::Mixed => Params { host_id: Some(format!("conformance-host-{host}")), ..p },
             Wire::Verbs => with_ib_env(p),
         }

@@ -13,6 +13,8 @@
 //! | ------- | ---------------------------------------------------------- | ------------- |
 //! | `shm`   | shm for every peer                                         | everywhere    |
 //! | `tcp`   | tcp for every peer                                         | everywhere    |
+//! | `tcp_striped` | tcp, writes of 4 KiB and up striped over 3 sockets   | everywhere    |
+//! | `tcp_zerocopy` | tcp, writes of 4 KiB and up sent with `MSG_ZEROCOPY` (and from 64 KiB striped over 2 sockets) | everywhere |
 //! | `mixed` | `auto` with two host ids: shm inside a host, tcp across    | everywhere    |
 //! | `verbs` | RDMA verbs for every peer; fewer ranks, messages and cases | with a device |
 //!
@@ -175,6 +177,20 @@ mod tcp {
     use crate::harness::{Suite, Wire};
 
     conformance_suite!(Suite { wire: Wire::Tcp, ..crate::BROAD });
+}
+
+/// tcp with its bandwidth paths forced: large writes striped over several sockets
+/// (`FERROCCL_TCP_SOCKETS`), and sent zero-copy (`MSG_ZEROCOPY`).
+mod tcp_striped {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::TcpStriped, ..crate::BROAD });
+}
+
+mod tcp_zerocopy {
+    use crate::harness::{Suite, Wire};
+
+    conformance_suite!(Suite { wire: Wire::TcpZeroCopy, ..crate::BROAD });
 }
 
 mod mixed {

@@ -134,7 +134,7 @@ impl Knobs {
     fn transport_between(&self, a: usize, b: usize) -> TransportKind {
         match self.wire {
             Wire::Shm => TransportKind::Shm,
-            Wire::Tcp => TransportKind::Tcp,
+            Wire::Tcp | Wire::TcpStriped | Wire::TcpZeroCopy => TransportKind::Tcp,
             Wire::Verbs => TransportKind::Verbs,
             Wire::Mixed if self.hosts[a] == self.hosts[b] => TransportKind::Shm,
             Wire::Mixed => TransportKind::Tcp,
