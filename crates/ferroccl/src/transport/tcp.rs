@@ -1,4 +1,5 @@
-//! TCP transport: one authenticated socket per peer.
+//! TCP transport: authenticated sockets to each peer, one by default
+//! (`FERROCCL_TCP_SOCKETS`).
 //!
 //! Frames are a 40-byte header (kind, immediate, length, registration key, address)
 //! followed by the payload. The caller's thread writes frames (under a per-socket lock): a
@@ -13,6 +14,16 @@
 //! intermediate copy). Messages go to the fabric's queues; a one-sided write's immediate is
 //! reported once it has landed. EOF or an error without a goodbye marks the peer failed,
 //! which wakes and fails every waiter.
+//!
+//! With several sockets to a peer (lanes), lane 0 carries everything above; a one-sided
+//! write of at least `FERROCCL_TCP_STRIPE_MIN` bytes is cut into one piece per lane
+//! ([`K_STRIPED`] on lane 0, [`K_STRIPE`] on the others), written with non-blocking sends
+//! round the lanes (a `poll` when none has room), each piece received in place by its
+//! lane's reader thread (lanes 1 and up are never read by drivers: on a host with cores to
+//! spare they copy side by side). Lane 0 reports the write's immediate, and reads on, only
+//! once every piece has landed, so a message sent after a write is still delivered after
+//! it. With `FERROCCL_TCP_ZEROCOPY_MIN`, write bodies go with `MSG_ZEROCOPY`, and the post
+//! returns once the kernel has let go of the source's pages (the peer's ACK).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
