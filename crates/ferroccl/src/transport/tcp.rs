@@ -874,7 +874,7 @@ impl TcpEndpoint {
             }
         }
         // Zero copy: the source is the caller's again only once the kernel says so.
-        for (o, w) in outs.iter().zip(ws) {
+        for (o, w) in outs.iter().zip(ws).filter(|(o, _)| o.zc_calls > 0) {
             let mut done = 0u64;
             loop {
                 done += ferroccl_mem::net::zerocopy_reap(w.s.as_fd())?.done;
