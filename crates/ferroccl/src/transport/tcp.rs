@@ -1699,4 +1699,37 @@ mod tests {
         assert!(frames[..sent].iter().all(|(k, body)| *k == K_MSG && *body == msg));
         ep.cut();
     }
+
+    /// A frame its socket does not carry (a piece of a striped write on lane 0, a first
+    /// piece that names more pieces than there are other lanes, a message on lane 1) fails
+    /// the connection with a reason that names the frame's kind and the socket.
+    #[test]
+    fn frames_a_lane_does_not_carry_fail_the_connection() {
+        let mut too_many = header(K_STRIPED, 0, 8, 1, 0);
+        too_many[36..40].copy_from_slice(&2u32.to_le_bytes());
+        for (lanes, bad_lane, h) in [(1, 0, header(K_STRIPE, 0, 8, 1, 0)), (2, 0, too_many), (2, 1, header(K_MSG, 0, 8, 0, 0))] {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for _ in 0..lanes {
+                ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+                theirs.push(listener.accept().unwrap().0);
+            }
+            let inbox = Arc::new(Inbox::new(0, Bell::heap()));
+            let knobs = Knobs { sockets: lanes, stripe_min: 1 << 20, zerocopy_min: None };
+            let ep = TcpEndpoint::start(0, 1, ours, inbox.clone(), Arc::new(Drive::default()), STAGE_MIN, knobs).unwrap();
+            theirs[bad_lane].write_all(&h).unwrap();
+            theirs[bad_lane].write_all(&[0u8; 8]).unwrap();
+            let until = Instant::now() + Duration::from_secs(10);
+            let fault = loop {
+                if let Some(f) = inbox.root_cause(Instant::now()) {
+                    break f;
+                }
+                assert!(Instant::now() < until, "kind {} on socket {bad_lane} of {lanes}: the connection did not fail", h[0]);
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let want = format!("kind {} that socket {bad_lane} of {lanes} does not carry", h[0]);
+            assert!(fault.what.contains(&want) && fault.culprit == Some(1), "{fault:?}");
+            ep.cut();
+        }
+    }
 }
