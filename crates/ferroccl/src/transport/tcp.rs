@@ -562,8 +562,6 @@ struct Reading {
     lane: u32,
     lanes: u32,
     joined: Arc<Joined>,
-    /// `rd.wait` is set (read without the lock by the reader thread).
-    waiting: AtomicBool,
     rd: Mutex<Rd>,
     /// Set by a driver that met a frame larger than the stage: the reader thread reads it
     /// (blocking, straight into place); drivers leave the socket alone until it is done.
@@ -636,7 +634,6 @@ impl TcpEndpoint {
                 lane: lane as u32,
                 lanes: n,
                 joined: joined.clone(),
-                waiting: AtomicBool::new(false),
                 rd: Mutex::new(Rd {
                     s: rd,
                     // Lanes 1 and up carry pieces of large writes only, received in place.
@@ -1236,13 +1233,15 @@ impl Reading {
             K_STRIPE => self.joined.piece_landed(u32_at(h, 32)),
             K_STRIPED => {
                 *wait = Some(Wait { id: u32_at(h, 32), others: u32_at(h, 36), imm: u32_at(h, 4) });
-                self.waiting.store(true, Ordering::Release);
             }
-            _ => {
-                self.inbox.write_imm(self.peer, u32_at(h, 4));
-                self.inbox.notify();
-            }
+            _ => self.report_imm(u32_at(h, 4)),
         }
+    }
+
+    /// A write (all of it) has landed: its immediate is reported and waiters wake.
+    fn report_imm(&self, imm: u32) {
+        self.inbox.write_imm(self.peer, imm);
+        self.inbox.notify();
     }
 
     /// Lands what has arrived on the socket, without waiting (a driving thread's round,
@@ -1281,9 +1280,7 @@ impl Reading {
                     return moved;
                 }
                 rd.wait = None;
-                self.waiting.store(false, Ordering::Release);
-                self.inbox.write_imm(self.peer, w.imm);
-                self.inbox.notify();
+                self.report_imm(w.imm);
                 moved = true;
             }
             // A one-sided write larger than the stage, received in place piece by piece.
@@ -1515,7 +1512,7 @@ fn reader_loop(r: &Reading, watch: &TcpStream) {
             // The driver has not been round for a while: read for it, briefly.
             nap = DRIVER_STALL;
         }
-        if r.waiting.load(Ordering::Acquire) {
+        if r.lane == 0 && r.rd.lock().unwrap_or_else(|e| e.into_inner()).wait.is_some() {
             // A striped write waits for pieces on the other lanes: sleep until one lands
             // (the generation is read before the pump looks, so no landing is missed).
             let g = r.joined.gen.load(Ordering::SeqCst);
