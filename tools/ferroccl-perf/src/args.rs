@@ -97,7 +97,7 @@ struct Cli {
     /// Run the out-of-place variant only (default: both)
     #[arg(long, overrides_with = "inplace")]
     no_inplace: bool,
-    /// auto, ring, mesh, oneshot, chain, pairwise (FERROCCL_ALGO for this run)
+    /// auto, ring, mesh, oneshot, chain, bruck, binomial, pairwise (FERROCCL_ALGO for this run)
     #[arg(long, value_name = "A", allow_hyphen_values = true, value_parser = algo)]
     algo: Option<String>,
     /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)

@@ -26,7 +26,7 @@
 //! | `-c 0\|1` | check one more call per size against the reference; count wrong elements | 1 |
 //! | `-r`, `--root` | root of broadcast and reduce | 0 |
 //! | `--inplace` / `--no-inplace` | run only the in-place / only the out-of-place variant | both |
-//! | `--algo` | auto, ring, mesh, oneshot, chain, pairwise: `FERROCCL_ALGO` for this run | environment |
+//! | `--algo` | auto, ring, mesh, oneshot, chain, bruck, binomial, pairwise: `FERROCCL_ALGO` for this run | environment |
 //! | `--transport` | auto, shm, tcp, verbs: `FERROCCL_TRANSPORT` for this run | environment |
 //! | `--ranks N` | start N local ranks (the store, token and environment of `ferroccl-run`, from its library) | under a launcher |
 //! | `--json FILE` | every row, plus the run's metadata (ranks, transports, dtype, op, machine) | |

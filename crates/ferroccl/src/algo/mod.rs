@@ -43,6 +43,8 @@
 //! `docs/algorithms.md` lists every algorithm's steps, bytes on the wire, reduction order and
 //! scratch.
 
+mod binomial;
+mod bruck;
 mod chain;
 pub(crate) mod control;
 pub(crate) mod ll;
@@ -259,6 +261,15 @@ pub enum Algo {
     /// and receives from `r - s` (mod n), a small window of steps in flight: one peer
     /// sending to each rank at a time (no incast), bounded buffering.
     Pairwise,
+    /// Small messages where every message costs (tcp, verbs, ranks that share CPUs):
+    /// Bruck's dissemination, `ceil(log2 n)` rounds of one message each instead of one
+    /// round of `n - 1`; allreduce gathers every input and reduces in rank order (bit-equal
+    /// to the reference), allgather copies the gathered blocks into place.
+    Bruck,
+    /// Broadcast down a binomial tree: `ceil(log2 n)` hops, the root sends `ceil(log2 n)`
+    /// messages where the mesh's sends `n - 1`; for small messages where every message
+    /// costs.
+    Binomial,
 }
 
 /// Everything a builder needs.
@@ -362,10 +373,11 @@ impl std::fmt::Display for Collective {
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 6] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Ll, Algo::Pairwise];
+    pub const ALL: [Algo; 8] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Ll, Algo::Pairwise, Algo::Bruck, Algo::Binomial];
 
     /// The algorithms [`build`] makes schedules of (all but [`Algo::Ll`]).
-    pub(crate) const SCHEDULED: [Algo; 5] = [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Pairwise];
+    pub(crate) const SCHEDULED: [Algo; 7] =
+        [Algo::Ring, Algo::Mesh, Algo::OneShot, Algo::Chain, Algo::Pairwise, Algo::Bruck, Algo::Binomial];
 
     /// The name users write (`FERROCCL_ALGO`): `ring`, `mesh`, `oneshot`, `chain`, `ll`,
     /// `pairwise`.
@@ -377,6 +389,8 @@ impl Algo {
             Algo::Chain => "chain",
             Algo::Ll => "ll",
             Algo::Pairwise => "pairwise",
+            Algo::Bruck => "bruck",
+            Algo::Binomial => "binomial",
         }
     }
 
@@ -396,6 +410,8 @@ impl Algo {
             // Per-peer counts do not fit the slots' layout.
             Algo::Ll => !coll.per_call(),
             Algo::Pairwise => matches!(coll, Collective::AllToAllV),
+            Algo::Bruck => matches!(coll, Collective::AllReduce | Collective::AllGather),
+            Algo::Binomial => matches!(coll, Collective::Broadcast { .. }),
         }
     }
 
@@ -511,6 +527,9 @@ pub(crate) fn build(algo: Algo, shape: &Shape) -> Result<Schedule, String> {
         (Algo::Mesh, Collective::Reduce { root }) => mesh::reduce::build(shape, root),
         (Algo::Mesh, Collective::Broadcast { root }) => mesh::broadcast::build(shape, root),
         (Algo::OneShot, Collective::AllReduce) => oneshot::allreduce::build(shape),
+        (Algo::Bruck, Collective::AllReduce) => bruck::allreduce::build(shape),
+        (Algo::Bruck, Collective::AllGather) => bruck::allgather::build(shape),
+        (Algo::Binomial, Collective::Broadcast { root }) => binomial::broadcast::build(shape, root),
         (Algo::Chain, Collective::Broadcast { root }) => chain::broadcast::build(shape, root),
         (Algo::Ll, _) => return Err("ll runs on shared-memory slots, not as a schedule".into()),
         (algo, coll) => return Err(format!("algorithm {algo} has no builder for {}", coll.name())),

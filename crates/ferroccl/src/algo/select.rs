@@ -6,6 +6,7 @@
 //! ```text
 //! time = rounds * latency + messages * MSG_OVERHEAD * latency
 //!      + max(wire_bytes / bandwidth * contention, reduced_bytes / REDUCE_GBPS)
+//!      + sends * msg_us   (only for messages up to SMALL_BYTES)
 //! ```
 //!
 //! (chunks are pipelined, so reductions overlap with the wire and the slower of the two
@@ -18,12 +19,17 @@
 //! * `wire_bytes`: the most bytes any rank sends (or receives), in units of the message;
 //! * `contention`: `1 + MESH_CONTENTION * (n - 2)` for the mesh algorithms, whose `n - 1`
 //!   simultaneous peers share the rank's link and memory, 1 otherwise;
-//! * `reduced_bytes`: bytes one rank's reductions read.
+//! * `reduced_bytes`: bytes one rank's reductions read;
+//! * `sends`: messages one rank sends in all (ring and mesh allreduce `2 (n - 1)`, oneshot
+//!   `n - 1`, Bruck `ceil(log2 n)`), each costing the link's `msg_us` of software time while
+//!   messages are small (beyond [`SMALL_BYTES`] copying the bytes dominates, and the terms
+//!   above were fitted there without it).
 //!
 //! [`choose`] returns the cheapest. The constants are deliberately simple; they and the
 //! [`LinkCost`] of each transport are where measurements should be fed back. Small messages
-//! pick oneshot (allreduce) or mesh (one round), large ones ring (allreduce, allgather,
-//! reduce-scatter) or chain (broadcast). See docs/algorithms.md.
+//! pick oneshot (allreduce) or mesh (one round), or over tcp from 4 ranks Bruck (allreduce,
+//! allgather) or the binomial tree (broadcast): fewer messages; large ones ring (allreduce, allgather, reduce-scatter) or chain (broadcast).
+//! See docs/algorithms.md.
 
 use ferroccl_kernels::{DType, ReduceOp};
 
@@ -36,12 +42,25 @@ pub(crate) struct LinkCost {
     pub(crate) latency_us: f64,
     /// Per-rank bandwidth (GB/s, 1e9 bytes per second).
     pub(crate) gbps: f64,
+    /// Software time of each small message a rank sends (microseconds): system calls,
+    /// headers, the peer's wake-up.
+    pub(crate) msg_us: f64,
 }
 
 /// Link costs the cost model assumes (rough measurements on one host; see
-/// docs/algorithms.md).
-pub(crate) const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
-pub(crate) const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+/// docs/algorithms.md). tcp's `msg_us` is fitted to 4 ranks over loopback (2 CPUs,
+/// alternating, 8 B to 32 KiB): Bruck's 2 messages a rank took 0.76-0.94x the time of
+/// oneshot's and the mesh allgather's 3. Over shm small calls take the low-latency slots,
+/// so no message cost was fitted there.
+pub(crate) const SHM_LINK: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0, msg_us: 0.0 };
+pub(crate) const TCP_LINK: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0, msg_us: 22.0 };
+
+/// Messages up to this size (bytes: `bytes` as [`estimate`] takes it) pay their link's
+/// `msg_us`, and only they may take Bruck or the binomial tree: Bruck's allreduce moves
+/// `n - 1` times the message through `ceil(log2 n)` dependent rounds (measured, 4 ranks over
+/// tcp: 32 KiB 0.94x oneshot's time, 64 KiB 1.3x the mesh's); the tree was measured at
+/// small sizes only.
+pub(crate) const SMALL_BYTES: usize = 32 << 10;
 
 /// Extra cost of each additional message posted in one round, as a fraction of the latency.
 const MSG_OVERHEAD: f64 = 0.25;
@@ -79,6 +98,12 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
     };
     let frac = (nf - 1.0) / nf;
     let contention = 1.0 + MESH_CONTENTION * (nf - 2.0);
+    let small = bytes <= SMALL_BYTES;
+    if matches!(algo, Algo::Bruck | Algo::Binomial) && !small {
+        return None;
+    }
+    // Bruck's rounds and the binomial tree's depth (and their messages: one a round).
+    let log_rounds = n.next_power_of_two().trailing_zeros() as f64;
     // (rounds, extra messages, wire bytes, bandwidth factor, reduced bytes)
     let (rounds, msgs, wire, factor, reduced) = match (algo, coll) {
         // Each of the n - 1 pairwise reductions reads two blocks of S / n.
@@ -108,6 +133,12 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         (Algo::Mesh, Collective::Reduce { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, nf * total),
         (Algo::Mesh, Collective::Broadcast { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0),
         (Algo::OneShot, Collective::AllReduce) => (1.0, nf - 2.0, (nf - 1.0) * total, contention, nf * total),
+        // Every input gathered, then one ReduceMany (as oneshot, after the wire).
+        (Algo::Bruck, Collective::AllReduce) => (log_rounds, 0.0, (nf - 1.0) * total, 1.0, nf * total),
+        // The gathered blocks copied into place.
+        (Algo::Bruck, Collective::AllGather) => (log_rounds, 0.0, frac * total, 1.0, total),
+        // The root sends the message once per level.
+        (Algo::Binomial, Collective::Broadcast { .. }) => (log_rounds, 0.0, log_rounds * total, 1.0, 0.0),
         // Pipelined: the last rank gets the last chunk n - 2 chunk-times after the first hop.
         (Algo::Chain, Collective::Broadcast { .. }) => (nf - 1.0, 0.0, total + (nf - 2.0) * total.min(CHAIN_CHUNK), 1.0, 0.0),
         _ => return None,
@@ -117,8 +148,12 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
     // Oneshot reduces a chunk only once all n - 1 copies of it have landed (and, in place,
     // been sent): its reduction follows the wire instead of overlapping it (measured, 2
     // ranks, shm, f32: 1 MiB 185 us against the ring's 105, 256 KiB 49 against 38).
-    let body = if algo == Algo::OneShot { wire_us + reduce_us } else { wire_us.max(reduce_us) };
-    Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + body)
+    let body = if matches!(algo, Algo::OneShot | Algo::Bruck) { wire_us + reduce_us } else { wire_us.max(reduce_us) };
+    // Messages the busiest rank handles: every round is one, plus the extra ones posted
+    // with it (a rooted collective's root), but the chain's root and links send once.
+    let sends = if algo == Algo::Chain { 1.0 } else { rounds + msgs };
+    let small_us = if small { sends * link.msg_us } else { 0.0 };
+    Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + body + small_us)
 }
 
 /// The cheapest algorithm for `coll` by [`estimate`], among those that [`build`](super::build)
@@ -221,8 +256,8 @@ mod tests {
     use super::*;
     use crate::algo::{build, Shape};
 
-    const SHM: LinkCost = LinkCost { latency_us: 1.5, gbps: 8.0 };
-    const TCP: LinkCost = LinkCost { latency_us: 30.0, gbps: 3.0 };
+    const SHM: LinkCost = SHM_LINK;
+    const TCP: LinkCost = TCP_LINK;
 
     fn colls(n: usize) -> Vec<Collective> {
         vec![
@@ -237,14 +272,88 @@ mod tests {
 
     #[test]
     fn small_messages_take_one_round() {
-        for link in [SHM, TCP] {
-            for n in [2, 4, 8, 16] {
+        for (link, ns) in [(SHM, &[2, 4, 8][..]), (TCP, &[2, 3][..])] {
+            for &n in ns {
                 assert_eq!(choose(Collective::AllReduce, n, 256, DType::F32, ReduceOp::Sum, link), Algo::OneShot, "n {n}");
             }
-            // (With two ranks the ring is one round too.)
-            for n in [3, 4, 8, 16] {
-                for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast { root: 0 }] {
-                    assert_eq!(choose(coll, n, 64, DType::F32, ReduceOp::Sum, link), Algo::Mesh, "{coll} n {n}");
+        }
+        // (With two ranks the ring is one round too.)
+        for n in [3, 4, 8, 16] {
+            for coll in [Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast { root: 0 }] {
+                if n < 16 || coll == Collective::ReduceScatter {
+                    assert_eq!(choose(coll, n, 64, DType::F32, ReduceOp::Sum, SHM), Algo::Mesh, "{coll} n {n}");
+                }
+                if n == 3 || coll == Collective::ReduceScatter {
+                    assert_eq!(choose(coll, n, 64, DType::F32, ReduceOp::Sum, TCP), Algo::Mesh, "{coll} n {n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_messages_over_tcp_take_bruck_from_four_ranks() {
+        // Measured, 4 ranks over loopback tcp (2 CPUs, alternating with the choice before
+        // Bruck): allreduce 8 B - 32 KiB 0.84-0.94x oneshot's time, 64 KiB 1.3x the mesh's;
+        // allgather 8 B - 32 KiB blocks 0.74-0.87x the mesh's, 64 KiB 1.5-1.7x.
+        for n in [4, 8, 16, 64] {
+            for bytes in [4, 256, 8 << 10, SMALL_BYTES] {
+                for coll in [Collective::AllReduce, Collective::AllGather] {
+                    assert_eq!(choose(coll, n, bytes, DType::F32, ReduceOp::Sum, TCP), Algo::Bruck, "{coll} n {n} {bytes}");
+                }
+            }
+            for coll in [Collective::AllReduce, Collective::AllGather] {
+                assert_ne!(choose(coll, n, SMALL_BYTES + 4, DType::F32, ReduceOp::Sum, TCP), Algo::Bruck, "{coll} n {n}");
+            }
+        }
+        // Two ranks: one message either way, and Bruck's copy on top.
+        assert_eq!(choose(Collective::AllReduce, 2, 8, DType::F32, ReduceOp::Sum, TCP), Algo::OneShot);
+        // Over shm (verbs too) the latency term alone decides: oneshot's extra messages
+        // outweigh Bruck's extra rounds from 16 ranks (not measured: 2 CPUs here).
+        assert_eq!(choose(Collective::AllReduce, 8, 8, DType::F32, ReduceOp::Sum, SHM), Algo::OneShot);
+        assert_eq!(choose(Collective::AllReduce, 16, 8, DType::F32, ReduceOp::Sum, SHM), Algo::Bruck);
+    }
+
+    #[test]
+    fn small_broadcasts_over_tcp_take_the_binomial_tree_from_four_ranks() {
+        let bcast = |n, bytes, link| choose(Collective::Broadcast { root: 1 }, n, bytes, DType::F32, ReduceOp::Sum, link);
+        for n in [4, 8, 16, 64] {
+            for bytes in [4, 256, 8 << 10, SMALL_BYTES] {
+                assert_eq!(bcast(n, bytes, TCP), Algo::Binomial, "n {n} {bytes}");
+            }
+            assert_ne!(bcast(n, SMALL_BYTES + 4, TCP), Algo::Binomial, "n {n}");
+        }
+        // 2 and 3 ranks: the root sends as many messages either way.
+        assert_eq!(bcast(2, 8, TCP), Algo::Mesh);
+        assert_eq!(bcast(3, 8, TCP), Algo::Mesh);
+        assert_eq!(bcast(8, 8, SHM), Algo::Mesh);
+    }
+
+    /// The per-message cost of small messages changes no choice but to Bruck or the binomial
+    /// tree: with it set to 0 and those two left out, every choice is what the model chose
+    /// before them.
+    #[test]
+    fn the_message_cost_only_brings_bruck_in() {
+        let before = |coll, n, bytes, link: LinkCost| {
+            let mut best: Option<(f64, Algo)> = None;
+            for algo in Algo::SCHEDULED.into_iter().filter(|&a| !matches!(a, Algo::Bruck | Algo::Binomial)) {
+                if let Some(t) = estimate(algo, coll, n, bytes, LinkCost { msg_us: 0.0, ..link }) {
+                    if best.is_none_or(|(b, _)| t < b) {
+                        best = Some((t, algo));
+                    }
+                }
+            }
+            best.map(|(_, a)| a)
+        };
+        for link in [SHM, TCP] {
+            for n in [2, 3, 4, 5, 8, 16, 64] {
+                for coll in colls(n) {
+                    for shift in 0..30 {
+                        let bytes = 1usize << shift;
+                        let now = choose(coll, n, bytes, DType::F32, ReduceOp::Sum, link);
+                        if !matches!(now, Algo::Bruck | Algo::Binomial) {
+                            assert_eq!(Some(now), before(coll, n, bytes, link), "{coll} n {n} 2^{shift}");
+                        }
+                    }
                 }
             }
         }

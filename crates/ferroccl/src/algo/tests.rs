@@ -436,6 +436,7 @@ fn names_round_trip() {
         assert_eq!(Algo::parse(&a.name().to_uppercase()), Some(a));
     }
     assert_eq!(Algo::parse("tree"), None);
+    assert_eq!(Algo::parse("binomial"), Some(Algo::Binomial));
 }
 
 /// The schedule's size: the ring allreduce sends 2 (n - 1) / n of the message per rank in

@@ -242,7 +242,16 @@ fn run_case_with(
 pub fn collectives_equal_the_reference_exact_values(s: &Suite) {
     let case = (
         1usize..=s.collective_ranks,
-        prop::sample::select(vec![None, Some(Algo::Ring), Some(Algo::Mesh), Some(Algo::OneShot), Some(Algo::Chain), Some(Algo::Ll)]),
+        prop::sample::select(vec![
+            None,
+            Some(Algo::Ring),
+            Some(Algo::Mesh),
+            Some(Algo::OneShot),
+            Some(Algo::Chain),
+            Some(Algo::Ll),
+            Some(Algo::Bruck),
+            Some(Algo::Binomial),
+        ]),
         prop::sample::select(vec![ProtoChoice::Auto, ProtoChoice::Eager, ProtoChoice::Rendezvous]),
         12u32..=17,
         prop::sample::select(vec![0usize, 1, 2, 3, 5, 17, 100, 1023, 4099]),
@@ -255,6 +264,18 @@ pub fn collectives_equal_the_reference_exact_values(s: &Suite) {
     });
 }
 
+/// Bruck (allreduce, allgather) and the binomial tree (broadcast) forced on every rank
+/// count up to the suite's, with chunks small enough that the larger counts take several:
+/// every collective equals the reference (the others keep the cost model's choice).
+pub fn bruck_and_the_binomial_tree_equal_the_reference(s: &Suite) {
+    for algo in [Algo::Bruck, Algo::Binomial] {
+        for n in 1..=s.collective_ranks {
+            run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 12, &[0, 1, 5, 1023, 4099], 7 + n as u64, true)
+                .unwrap_or_else(|e| panic!("{algo} on {n} ranks: {e}"));
+        }
+    }
+}
+
 /// The case that proptest once shrank a failure of the test above to (it was saved, over
 /// shm, in `collectives.proptest-regressions`): three ranks, counts 0 and 1, the cost
 /// model's choice, 4 KiB chunks.
@@ -262,11 +283,12 @@ pub fn collectives_equal_the_reference_three_ranks_counts_0_and_1(s: &Suite) {
     run_case(s, 3, None, ProtoChoice::Auto, 1 << 12, &[0, 1], 0, true).unwrap();
 }
 
-/// Random floats (specials included): mesh, oneshot and the low-latency protocol (where the
-/// wire has it: shm) are bit-equal to the rank-order reference; auto (whatever it picks) is
-/// checked through the same path with exact values above.
+/// Random floats (specials included): mesh, oneshot, Bruck (allreduce and allgather), the
+/// binomial tree (broadcast) and the low-latency protocol (where the wire has it: shm) are bit-equal to the rank-order
+/// reference; auto (whatever it picks) is checked through the same path with exact values
+/// above.
 pub fn mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats(s: &Suite) {
-    for algo in [Algo::Mesh, Algo::OneShot, Algo::Ll] {
+    for algo in [Algo::Mesh, Algo::OneShot, Algo::Bruck, Algo::Binomial, Algo::Ll] {
         for &n in s.float_ranks {
             run_case(s, n, Some(algo), ProtoChoice::Auto, 1 << 14, &[1, 33, 3000], 99 + n as u64, false)
                 .unwrap_or_else(|e| panic!("{algo}: {e}"));

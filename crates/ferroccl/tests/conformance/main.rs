@@ -61,6 +61,7 @@ macro_rules! conformance_suite {
             collectives::collectives_equal_the_reference_exact_values,
             collectives::collectives_equal_the_reference_three_ranks_counts_0_and_1,
             collectives::mesh_and_oneshot_are_bit_equal_to_the_reference_on_random_floats,
+            collectives::bruck_and_the_binomial_tree_equal_the_reference,
             collectives::large_allreduce_through_the_pipeline,
             collectives::reductions_on_several_threads_equal_the_reference,
             collectives::bad_arguments_are_errors_not_panics,
