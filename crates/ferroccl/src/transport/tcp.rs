@@ -6,7 +6,8 @@
 //! small frame goes in one non-blocking `sendmsg` (header and body gathered), the rest of a
 //! large one with waiting. Reading has two roads ([`Drive`]): the thread that drives the
 //! engine reads every socket itself with non-blocking `recv`s into a stage (64 KiB, or the
-//! largest eager message) and lands
+//! largest eager message; with two or more peers only the sockets one `epoll_wait` says
+//! have bytes, see [`READY_MIN_PEERS`]) and lands
 //! whole frames from it (no hand-off between threads on the critical path: the latency
 //! path); while no thread drives (between calls, or while the driver sleeps or blocks in a
 //! write), each socket's reader thread does the same, and it also takes every frame larger
@@ -178,15 +179,16 @@ impl TcpSetup {
             Ok(out)
         })?;
         let mut connected = Connected::default();
-        let net = TcpNet { drive: Arc::new(Drive::default()), readings: Vec::new() };
+        let drive = Arc::new(Drive::default());
         let mut readings = Vec::new();
         for (p, socks) in streams {
             let stage = stage_len(usize::try_from(cx.descs[rank].eager_max).unwrap_or(MAX_MSG));
-            let e = TcpEndpoint::start(rank, p, socks, cx.inbox.clone(), net.drive.clone(), stage, self.knobs)?;
+            let e = TcpEndpoint::start(rank, p, socks, cx.inbox.clone(), drive.clone(), stage, self.knobs)?;
             readings.push(e.lanes[0].reading.clone());
             connected.endpoints.push((p, Endpoint::Tcp(e)));
         }
-        Ok((TcpNet { readings, ..net }, connected))
+        let ready = Ready::new(rank, &readings)?;
+        Ok((TcpNet { drive, readings, ready }, connected))
     }
 }
 
@@ -321,6 +323,69 @@ type Body<'a> = &'a mut dyn FnMut(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) 
 pub(crate) struct TcpNet {
     drive: Arc<Drive>,
     readings: Vec<Arc<Reading>>,
+    /// Which sockets have something to read, when there are enough to ask (see [`Ready`]).
+    ready: Option<Ready>,
+}
+
+/// Sockets a driver asks about, from this many peers up: one `epoll_wait` says which have
+/// bytes (without the socket lock a `recv` takes), where a round would otherwise `recv` on
+/// every socket. Measured, 4 ranks on 2 CPUs over loopback (3 sockets each), alternated with
+/// the build before it, 5-8 rounds: broadcast 8 B - 1 KiB 0.85-0.93x the time, allgather
+/// 0.90-0.99x, allreduce 0.92-1.00x: a waiting rank's idle rounds, which take the CPU from
+/// the rank it waits for, get cheaper. With one peer a `poll` before the `recv` was 1.08x
+/// slower (a second system call per message), so one peer is read as before.
+const READY_MIN_PEERS: usize = 2;
+/// Ready sockets taken from one `epoll_wait` (more are left for the next round).
+const READY_BATCH: usize = 32;
+
+/// An epoll instance over the first socket of every peer whose endpoint has one socket
+/// (level-triggered: a socket with unread bytes stays ready). Endpoints with several
+/// sockets are pumped every round: lane 0 of a striped write waits for the other lanes'
+/// pieces, which no readiness of its own socket announces.
+#[derive(Debug)]
+struct Ready {
+    epoll: std::os::fd::OwnedFd,
+    /// Indices (into [`TcpNet::readings`]) pumped every round whatever the epoll says.
+    always: Vec<usize>,
+}
+
+impl Ready {
+    /// `readings`: the first socket of every peer, in [`TcpNet::readings`]'s order.
+    fn new(rank: usize, readings: &[Arc<Reading>]) -> Result<Option<Ready>> {
+        use rustix::event::epoll;
+        if readings.iter().filter(|r| r.lanes == 1).count() < READY_MIN_PEERS {
+            return Ok(None);
+        }
+        let fail = |what: &str, e: rustix::io::Errno| Error::io(format!("rank {rank}: {what}"), std::io::Error::from(e));
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| fail("epoll_create", e))?;
+        let mut always = Vec::new();
+        for (i, r) in readings.iter().enumerate() {
+            if r.lanes == 1 {
+                let rd = r.rd.lock().unwrap_or_else(|e| e.into_inner());
+                epoll::add(&ep, &rd.s, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN)
+                    .map_err(|e| fail(&format!("epoll_ctl for the socket to rank {}", r.peer), e))?;
+            } else {
+                always.push(i);
+            }
+        }
+        Ok(Some(Ready { epoll: ep, always }))
+    }
+
+    /// Calls `f` with the index of every socket that has bytes now (without waiting), then
+    /// of every socket read every round.
+    fn each(&self, mut f: impl FnMut(usize)) -> rustix::io::Result<()> {
+        use rustix::event::epoll;
+        let mut events = [const { std::mem::MaybeUninit::<epoll::Event>::uninit() }; READY_BATCH];
+        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+        let (events, _) = epoll::wait(&self.epoll, &mut events, Some(&zero))?;
+        for e in events.iter() {
+            f(e.data.u64() as usize);
+        }
+        for &i in &self.always {
+            f(i);
+        }
+        Ok(())
+    }
 }
 
 impl TcpNet {
@@ -344,6 +409,12 @@ impl TcpNet {
         }
         self.drive.rounds.fetch_add(1, Ordering::Relaxed);
         let mut moved = false;
+        if let Some(ready) = &self.ready {
+            if ready.each(|i| moved |= self.readings.get(i).is_some_and(|r| r.drive_once())).is_ok() {
+                return moved;
+            }
+            // epoll failed (it should not): ask every socket, as without it.
+        }
         for r in &self.readings {
             moved |= r.drive_once();
         }
@@ -1700,6 +1771,49 @@ mod tests {
     /// A frame its socket does not carry (a piece of a striped write on lane 0, a first
     /// piece that names more pieces than there are other lanes, a message on lane 1) fails
     /// the connection with a reason that names the frame's kind and the socket.
+    #[test]
+    fn a_driver_asks_only_the_sockets_with_bytes() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let inbox = Arc::new(Inbox::new(0, Bell::heap()));
+        let drive = Arc::new(Drive::default());
+        // Peers 1-3 with one socket each, peer 4 with two (read every round).
+        let (mut eps, mut theirs) = (Vec::new(), Vec::new());
+        for (peer, lanes) in [(1, 1), (2, 1), (3, 1), (4, 2)] {
+            let (mut ours, mut them) = (Vec::new(), Vec::new());
+            for _ in 0..lanes {
+                ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+                them.push(listener.accept().unwrap().0);
+            }
+            let knobs = Knobs { sockets: lanes, stripe_min: 1 << 20, zerocopy_min: None };
+            eps.push(TcpEndpoint::start(0, peer, ours, inbox.clone(), drive.clone(), STAGE_MIN, knobs).unwrap());
+            theirs.push(them);
+        }
+        let readings: Vec<Arc<Reading>> = eps.iter().map(|e| e.lanes[0].reading.clone()).collect();
+        let ready = Ready::new(0, &readings).unwrap().expect("3 peers of one socket are asked about");
+        let asked = || {
+            let mut v = Vec::new();
+            ready.each(|i| v.push(i)).unwrap();
+            v
+        };
+        assert_eq!(asked(), [3], "nothing arrived: only the striped peer");
+        theirs[1][0].write_all(&header(K_MSG, 0, 4, 0, 0)).unwrap();
+        theirs[1][0].write_all(b"ping").unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while asked() != [1, 3] {
+            assert!(Instant::now() < until, "peer 2's bytes were never reported: {:?}", asked());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Read (the driver's pump), the socket is quiet again.
+        let _guard = Drive::enter(&drive);
+        assert!(readings[1].drive_once());
+        assert_eq!(asked(), [3]);
+        // One peer of one socket (and any number of striped ones): nothing to ask.
+        assert!(Ready::new(0, &readings[2..]).unwrap().is_none());
+        for e in &eps {
+            e.cut();
+        }
+    }
+
     #[test]
     fn frames_a_lane_does_not_carry_fail_the_connection() {
         let mut too_many = header(K_STRIPED, 0, 8, 1, 0);
