@@ -44,6 +44,16 @@ impl Geometry {
         Slice::new(if self.in_place { Buf::Output } else { Buf::Input }, off, len)
     }
 
+    /// `len` bytes at byte `off` of this rank's block of an allgather's input: `Input`, or
+    /// in place block `rank` of `Output` (the one buffer holds every block).
+    pub(super) fn own_block(&self, blocks: &Blocks, off: usize, len: usize) -> Slice {
+        if self.in_place {
+            self.output(blocks.off(self.rank) + off, len)
+        } else {
+            self.input(off, len)
+        }
+    }
+
     pub(super) fn output(&self, off: usize, len: usize) -> Slice {
         Slice::new(Buf::Output, off, len)
     }

@@ -11,8 +11,6 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);
-    // In place, the input is block `r` of the one buffer.
-    let input = |off: usize, len: usize| if cx.in_place { cx.output(blocks.off(r) + off, len) } else { cx.input(off, len) };
     let mut em = Emitter::<()>::new(LOOKAHEAD);
     if n == 1 {
         if !cx.in_place {
@@ -23,7 +21,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let chunks = cx.chunks(blk);
     for &(off, len) in &chunks {
         let base = n * off;
-        let deps = super::gather(&cx, &mut em, input(off, len), base, len);
+        let deps = super::gather(&cx, &mut em, cx.own_block(&blocks, off, len), base, len);
         if chunks.len() == 1 {
             // Pieces 0..n - r are ranks r..n, pieces n - r..n ranks 0..r, each run whole (in
             // place, this rank's block is already where it belongs).

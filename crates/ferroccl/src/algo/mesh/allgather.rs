@@ -10,7 +10,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);
-    let input = |off: usize, len: usize| if cx.in_place { cx.output(blocks.off(r) + off, len) } else { cx.input(off, len) };
+    let input = |off: usize, len: usize| cx.own_block(&blocks, off, len);
     let mut em = Emitter::<()>::new(LOOKAHEAD);
     for (c, &(off, len)) in cx.chunks(blk).iter().enumerate() {
         for k in 1..n {

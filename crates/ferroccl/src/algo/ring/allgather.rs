@@ -12,8 +12,7 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     let (n, r) = (cx.n, cx.rank);
     let blocks = cx.equal_blocks();
     let blk = blocks.len(0);
-    // In place, the input is block `r` of the one buffer.
-    let input = |off: usize, len: usize| if cx.in_place { cx.output(blocks.off(r) + off, len) } else { cx.input(off, len) };
+    let input = |off: usize, len: usize| cx.own_block(&blocks, off, len);
     let mut em = Emitter::<()>::new(LOOKAHEAD);
     let copy = Action::Copy { dst: cx.output(blocks.off(r), blk), src: input(0, blk) };
     if n == 1 {
