@@ -20,16 +20,17 @@
 //! * `contention`: `1 + MESH_CONTENTION * (n - 2)` for the mesh algorithms, whose `n - 1`
 //!   simultaneous peers share the rank's link and memory, 1 otherwise;
 //! * `reduced_bytes`: bytes one rank's reductions read;
-//! * `sends`: messages one rank sends in all (ring and mesh allreduce `2 (n - 1)`, oneshot
-//!   `n - 1`, Bruck `ceil(log2 n)`), each costing the link's `msg_us` of software time while
-//!   messages are small (beyond [`SMALL_BYTES`] copying the bytes dominates, and the terms
-//!   above were fitted there without it).
+//! * `sends`: messages the busiest rank sends (or, a rooted collective's root, receives) in
+//!   all: ring and mesh allreduce `2 (n - 1)`, oneshot `n - 1`, Bruck and the binomial tree
+//!   `ceil(log2 n)`, the chain 1; each costs the link's `msg_us` of software time while the
+//!   call is small (beyond [`SMALL_BYTES`] copying the bytes dominates, and the terms above
+//!   were fitted there without it).
 //!
 //! [`choose`] returns the cheapest. The constants are deliberately simple; they and the
 //! [`LinkCost`] of each transport are where measurements should be fed back. Small messages
 //! pick oneshot (allreduce) or mesh (one round), or over tcp from 4 ranks Bruck (allreduce,
-//! allgather) or the binomial tree (broadcast): fewer messages; large ones ring (allreduce, allgather, reduce-scatter) or chain (broadcast).
-//! See docs/algorithms.md.
+//! allgather) or the binomial tree (broadcast), for fewer messages; large ones ring
+//! (allreduce, allgather, reduce-scatter) or chain (broadcast). See docs/algorithms.md.
 
 use ferroccl_kernels::{DType, ReduceOp};
 
@@ -149,8 +150,8 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
     // been sent): its reduction follows the wire instead of overlapping it (measured, 2
     // ranks, shm, f32: 1 MiB 185 us against the ring's 105, 256 KiB 49 against 38).
     let body = if matches!(algo, Algo::OneShot | Algo::Bruck) { wire_us + reduce_us } else { wire_us.max(reduce_us) };
-    // Messages the busiest rank handles: every round is one, plus the extra ones posted
-    // with it (a rooted collective's root), but the chain's root and links send once.
+    // `sends` (see the module docs): every round is one message, plus the extra ones
+    // posted with it; the chain's root and links send once.
     let sends = if algo == Algo::Chain { 1.0 } else { rounds + msgs };
     let small_us = if small { sends * link.msg_us } else { 0.0 };
     Some(rounds * link.latency_us + msgs * MSG_OVERHEAD * link.latency_us + body + small_us)

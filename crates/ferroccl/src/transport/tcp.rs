@@ -23,8 +23,10 @@
 //! lane's reader thread (lanes 1 and up are never read by drivers: on a host with cores to
 //! spare they copy side by side). Lane 0 reports the write's immediate, and reads on, only
 //! once every piece has landed, so a message sent after a write is still delivered after
-//! it. With `FERROCCL_TCP_ZEROCOPY_MIN`, write bodies go with `MSG_ZEROCOPY`, and the post
-//! returns once the kernel has let go of the source's pages (the peer's ACK).
+//! it. Close sends a goodbye on every lane; only lane 0's, which follows the peer's last
+//! messages, marks the peer closed (another lane's may be read first). With
+//! `FERROCCL_TCP_ZEROCOPY_MIN`, write bodies go with `MSG_ZEROCOPY`, and the post returns
+//! once the kernel has let go of the source's pages (the peer's ACK).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -1550,8 +1552,15 @@ impl Reading {
                 inbox.write_imms(peer, imm, rows as u32);
             }
             _ => {
-                inbox.peer_closed(peer);
-                inbox.notify();
+                // A goodbye (the only other kind `frame_len` lets through). Lane 0's follows
+                // everything the peer sent on it (its LEAVE saying where it stopped, its
+                // last messages); another lane's may be read first and ends only that lane
+                // (marking the peer closed then made a waiting receive report "closed its
+                // communicator" instead of the LEAVE still unread on lane 0).
+                if self.lane == 0 {
+                    inbox.peer_closed(peer);
+                    inbox.notify();
+                }
                 return false;
             }
         }
@@ -1768,9 +1777,9 @@ mod tests {
         ep.cut();
     }
 
-    /// A frame its socket does not carry (a piece of a striped write on lane 0, a first
-    /// piece that names more pieces than there are other lanes, a message on lane 1) fails
-    /// the connection with a reason that names the frame's kind and the socket.
+    /// With several peers of one socket a driver's round asks epoll: only a socket with
+    /// bytes is named (by its index among the readings), a peer with several sockets every
+    /// round; once read, the socket is quiet again.
     #[test]
     fn a_driver_asks_only_the_sockets_with_bytes() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1796,6 +1805,8 @@ mod tests {
             v
         };
         assert_eq!(asked(), [3], "nothing arrived: only the striped peer");
+        // Peer 2's reader thread cannot take the bytes while this holds its socket's lock.
+        let held = readings[1].rd.lock().unwrap();
         theirs[1][0].write_all(&header(K_MSG, 0, 4, 0, 0)).unwrap();
         theirs[1][0].write_all(b"ping").unwrap();
         let until = Instant::now() + Duration::from_secs(5);
@@ -1803,10 +1814,13 @@ mod tests {
             assert!(Instant::now() < until, "peer 2's bytes were never reported: {:?}", asked());
             std::thread::sleep(Duration::from_millis(1));
         }
-        // Read (the driver's pump), the socket is quiet again.
-        let _guard = Drive::enter(&drive);
-        assert!(readings[1].drive_once());
-        assert_eq!(asked(), [3]);
+        drop(held);
+        // Read (by a driver's pump here, or by the reader thread), the socket is quiet again.
+        let _ = readings[1].drive_once();
+        while asked() != [3] {
+            assert!(Instant::now() < until, "peer 2's socket still reported after it was read: {:?}", asked());
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // One peer of one socket (and any number of striped ones): nothing to ask.
         assert!(Ready::new(0, &readings[2..]).unwrap().is_none());
         for e in &eps {
@@ -1814,6 +1828,39 @@ mod tests {
         }
     }
 
+    /// A goodbye read on lane 1 before lane 0's (each lane has its own reader) ends that
+    /// lane only: the peer counts as closed once lane 0, which carries its last messages,
+    /// says goodbye too.
+    #[test]
+    fn only_lane_0s_goodbye_closes_the_peer() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..2 {
+            ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+            theirs.push(listener.accept().unwrap().0);
+        }
+        let inbox = Arc::new(Inbox::new(0, Bell::heap()));
+        let knobs = Knobs { sockets: 2, stripe_min: 1 << 20, zerocopy_min: None };
+        let ep = TcpEndpoint::start(0, 1, ours, inbox.clone(), Arc::new(Drive::default()), STAGE_MIN, knobs).unwrap();
+        theirs[1].write_all(&header(K_BYE, 0, 0, 0, 0)).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while !ep.lanes[1].reading.rd.lock().unwrap().ended {
+            assert!(Instant::now() < until, "lane 1's goodbye was never read");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!inbox.lock().closed.contains(&1), "lane 1's goodbye closed the peer");
+        theirs[0].write_all(&header(K_BYE, 0, 0, 0, 0)).unwrap();
+        while !inbox.lock().closed.contains(&1) {
+            assert!(Instant::now() < until, "lane 0's goodbye did not close the peer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(inbox.root_cause(Instant::now()).is_none(), "a goodbye is not a failure");
+        ep.cut();
+    }
+
+    /// A frame its socket does not carry (a piece of a striped write on lane 0, a first
+    /// piece that names more pieces than there are other lanes, a message on lane 1) fails
+    /// the connection with a reason that names the frame's kind and the socket.
     #[test]
     fn frames_a_lane_does_not_carry_fail_the_connection() {
         let mut too_many = header(K_STRIPED, 0, 8, 1, 0);
