@@ -1777,22 +1777,28 @@ mod tests {
         ep.cut();
     }
 
+    /// `lanes` connected loopback socket pairs: (this side's, the peer's).
+    fn socket_pairs(lanes: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        (0..lanes)
+            .map(|_| {
+                let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+                (ours, listener.accept().unwrap().0)
+            })
+            .unzip()
+    }
+
     /// With several peers of one socket a driver's round asks epoll: only a socket with
     /// bytes is named (by its index among the readings), a peer with several sockets every
     /// round; once read, the socket is quiet again.
     #[test]
     fn a_driver_asks_only_the_sockets_with_bytes() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let inbox = Arc::new(Inbox::new(0, Bell::heap()));
         let drive = Arc::new(Drive::default());
         // Peers 1-3 with one socket each, peer 4 with two (read every round).
         let (mut eps, mut theirs) = (Vec::new(), Vec::new());
         for (peer, lanes) in [(1, 1), (2, 1), (3, 1), (4, 2)] {
-            let (mut ours, mut them) = (Vec::new(), Vec::new());
-            for _ in 0..lanes {
-                ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
-                them.push(listener.accept().unwrap().0);
-            }
+            let (ours, them) = socket_pairs(lanes);
             let knobs = Knobs { sockets: lanes, stripe_min: 1 << 20, zerocopy_min: None };
             eps.push(TcpEndpoint::start(0, peer, ours, inbox.clone(), drive.clone(), STAGE_MIN, knobs).unwrap());
             theirs.push(them);
@@ -1833,12 +1839,7 @@ mod tests {
     /// says goodbye too.
     #[test]
     fn only_lane_0s_goodbye_closes_the_peer() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for _ in 0..2 {
-            ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
-            theirs.push(listener.accept().unwrap().0);
-        }
+        let (ours, mut theirs) = socket_pairs(2);
         let inbox = Arc::new(Inbox::new(0, Bell::heap()));
         let knobs = Knobs { sockets: 2, stripe_min: 1 << 20, zerocopy_min: None };
         let ep = TcpEndpoint::start(0, 1, ours, inbox.clone(), Arc::new(Drive::default()), STAGE_MIN, knobs).unwrap();
@@ -1866,12 +1867,7 @@ mod tests {
         let mut too_many = header(K_STRIPED, 0, 8, 1, 0);
         too_many[36..40].copy_from_slice(&2u32.to_le_bytes());
         for (lanes, bad_lane, h) in [(1, 0, header(K_STRIPE, 0, 8, 1, 0)), (2, 0, too_many), (2, 1, header(K_MSG, 0, 8, 0, 0))] {
-            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-            for _ in 0..lanes {
-                ours.push(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
-                theirs.push(listener.accept().unwrap().0);
-            }
+            let (ours, mut theirs) = socket_pairs(lanes);
             let inbox = Arc::new(Inbox::new(0, Bell::heap()));
             let knobs = Knobs { sockets: lanes, stripe_min: 1 << 20, zerocopy_min: None };
             let ep = TcpEndpoint::start(0, 1, ours, inbox.clone(), Arc::new(Drive::default()), STAGE_MIN, knobs).unwrap();
