@@ -357,6 +357,7 @@ impl Communicator {
     /// engine, as one step: jobs enter the engine in the order of their numbers.
     /// `restart`: a persistent plan's job, whose progress is reset and deadline renewed.
     pub(crate) fn submit(&self, job: &Arc<Job>, will_wait: bool, restart: bool) -> Result<()> {
+        self.settle_ll()?;
         let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
         {
             let mut body = job.body();
@@ -386,6 +387,17 @@ impl Communicator {
         }
         self.engine.submit(job.clone(), will_wait);
         Ok(())
+    }
+
+    /// Checks, before any operation that does not run on the low-latency slots, that every
+    /// member made this rank's last low-latency call if that call did not wait for all of
+    /// them (a broadcast, a reduce off the root: see `LlChannel::settle`); waits for them
+    /// if need be (their posts come at the start of their calls). An error is fatal.
+    pub(crate) fn settle_ll(&self) -> Result<()> {
+        let Some(ch) = &self.ll else { return Ok(()) };
+        let fabric = self.fabric();
+        ch.settle_last(fabric, fabric.params.timeout, &|now| self.engine().tend(now))
+            .map_err(|e| fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r)))
     }
 
     /// Numbers a low-latency call to run on this thread, now: `None` when an earlier one
@@ -606,6 +618,7 @@ impl Communicator {
     fn agree_to_leave(&self) -> Result<()> {
         let op = &Op::Finalize;
         self.check_usable(op)?;
+        self.settle_ll()?;
         let n = self.size();
         if n == 1 {
             return Ok(());

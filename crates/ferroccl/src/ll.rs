@@ -3,34 +3,51 @@
 //! message, no lock, no allocation and no system call on the path.
 //!
 //! Each member owns one anonymous segment per communicator (made when the communicator is:
-//! `init` or `split`), which every other member maps at that time: a control line, then two
-//! *slots*, used by the communicator's low-latency calls in turn (call `s` uses slot
-//! `s % 2`). A slot is a 32-byte header (the call's number `s`, the collective call number
-//! and its 16-byte descriptor) followed by the data, so that up to 32 bytes of data travel
-//! in the header's own cache line. A call:
+//! `init` or `split`), which every other member maps at that time: a control line, then
+//! [`LINES`] (32) *header lines*, used by the communicator's low-latency calls in turn (call
+//! `s` posts in line `s % 32`), then two *data slots* (call `s` uses slot `s % 2` when its
+//! data does not fit its header line). A header is 32 bytes (the call's number `s`, the
+//! collective call number and its 16-byte descriptor), followed in its cache line by up to
+//! 32 bytes of data. A call:
 //!
-//! 1. *posts*: copies this rank's contribution into its own slot, writes the header, and
-//!    publishes `s` (a release store, so that nothing waits for the slot's cache line to
-//!    come back from the members that read it last; members asleep on their doorbells are
-//!    woken after the finish, see `LlChannel::wake_sleepers`);
-//! 2. *waits* until every member's slot says `s` (the flag and the first data bytes arrive
-//!    in one cache line), comparing every member's call number and descriptor with its own
-//!    (a member in another call is a mismatch, named like any other);
-//! 3. *finishes*: reads what it needs from the members' slots, and reduces in rank order with
-//!    the same `reduce_many` as the mesh and oneshot algorithms (so f16/bf16 results are
-//!    bit-identical to theirs and to the reference), through a small cache-resident bounce
-//!    buffer (a slot is only ever copied, never borrowed: see `ferroccl_mem::segment`).
+//! 1. *posts*: copies this rank's contribution into its header line or data slot, writes
+//!    the header, and publishes `s` (a release store, so that nothing waits for the line
+//!    to come back from the members that read it last; members asleep on their doorbells
+//!    are woken after the finish, see `LlChannel::wake_sleepers`);
+//! 2. *waits* until the members whose data it needs have posted `s` (every member, except
+//!    for a broadcast, which needs only the root's, and for the root of a broadcast and a
+//!    reduce off its root, which need nobody's), comparing each one's call number and
+//!    descriptor with its own (a member in another call is a mismatch, named like any
+//!    other);
+//! 3. *finishes*: reads what it needs from the members' lines or slots, and reduces in rank
+//!    order with the same `reduce_many` as the mesh and oneshot algorithms (so f16/bf16
+//!    results are bit-identical to theirs and to the reference), through a small
+//!    cache-resident bounce buffer (shared memory is only ever copied, never borrowed: see
+//!    `ferroccl_mem::segment`).
 //!
-//! Why two slots are enough without any acknowledgement: a rank posts call `s` only after it
-//! has finished call `s - 1`, which needed every member's post of `s - 1`; a member posts
-//! `s - 1` only after finishing `s - 2`, i.e. after it read everything it needed from the slots of
-//! `s - 2`, the slot that `s` overwrites. So the low-latency calls of one communicator run
-//! strictly one after another on each rank (the engine holds a non-blocking one back until
-//! the one before it has finished), and no rank gets more than one call ahead of another.
-//! A call completes once every member has posted it, a broadcast's root too: the root needs
-//! nobody's data, but it must see what every member called (two ranks that each take
-//! themselves for the root would otherwise both return `Ok`; measured cost: a 2-rank 8 B
-//! broadcast 0.13 us instead of 0.10).
+//! No acknowledgement is ever sent; what keeps a post from overwriting what a member still
+//! reads is when a rank may post. Call it *settling* call `t`: this rank has seen every
+//! member's post of `t` and checked its header. A member posts `t` only after finishing
+//! `t - 1`, so once `t` is settled, every member is done reading what any call before `t`
+//! posted. Hence a rank posts call `s` only once it has settled
+//! - `s - 1`, when `s` uses a data slot (which `s - 2` used) or waits for every member
+//!   anyway (allreduce, allgather, reduce_scatter, alltoall, barrier, a reduce's root);
+//! - `s - LEAD` (`s - 16`), when `s` fits its header line and waits for fewer members than
+//!   all (a broadcast, a reduce off its root): its line was last used by `s - 32`, which
+//!   every member finished before posting `s - 31`.
+//!
+//! So a broadcast's root may run up to 16 calls ahead of the members, and the members
+//! ahead of each other, as a sender of eager messages does (with 4 ranks on 2 CPUs an 8 B
+//! broadcast went from 3.5 to 0.87 us a call: a rank that gets the CPU finishes many calls
+//! at once instead of handing the CPU over for each). A call a rank did not wait for every
+//! member in is settled later: by its next calls, as the rule above needs, by the
+//! communicator's next operation off the slots (`Communicator::submit`), and by `finalize`,
+//! so a mismatch in it (two ranks that each take themselves for the root) is still an
+//! error on every rank, at one of those. Why 16 is safe: a member posts `u` only after
+//! settling `u - 16` (or more), i.e. after this rank posted `u - 16`; this rank settles
+//! `t` no earlier than at its call `t + 1` and no later than before posting `t + 16`, so the
+//! members have posted at most `t + 31` by then: the member's header of `t` is still in
+//! its line (overwritten by `t + 32` only).
 //!
 //! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
 //! tens of microseconds when every rank of the host has a core of its own, not at all when
@@ -82,8 +99,22 @@ const HDR: usize = 32;
 const SEQ_OFF: usize = 0;
 const CALL_OFF: usize = 8;
 const DESC_OFF: usize = 16;
+/// A header line: the header, then up to [`INLINE`] data bytes.
+const LINE: usize = 64;
+/// Header lines lie this far apart: a pair of cache lines each, since a core fetching one
+/// line may fetch its pair too (measured: with lines 64 bytes apart, 2 ranks, 8 B
+/// allreduce 1.05-1.09x the time).
+const LINE_GAP: usize = 128;
 /// Data bytes that share the header's cache line.
-const INLINE: usize = 64 - HDR;
+const INLINE: usize = LINE - HDR;
+/// Header lines per member, used by the calls in turn (call `s` posts in line `s % LINES`).
+pub(crate) const LINES: u64 = 32;
+/// How far a rank may run ahead: a call that needs no member's post to finish (a
+/// broadcast's root, a reduce off its root) or only the root's (a broadcast elsewhere), and
+/// whose data fits its header line, posts once every member has posted the call `LEAD`
+/// before it (other calls: the call before). At most half the lines, so that a member's
+/// header is still in its line when this rank checks it (see the module documentation).
+const LEAD: u64 = LINES / 2;
 /// Looks for a member's segment before giving up (see `LlChannel::connect`).
 const OPEN_TRIES: u32 = 20;
 /// Most members a low-latency communicator may have (each call reads every member's slot).
@@ -221,6 +252,11 @@ pub(crate) struct LlChannel {
     pub(crate) policy: WaitPolicy,
     /// The number of the last low-latency call this rank finished.
     done: AtomicU64,
+    /// The number of the last call whose every member's post this rank has seen and
+    /// checked: `done`, or `done - 1` after a call that needed fewer members' posts than
+    /// all (a broadcast, a reduce off its root: see [`LlChannel::needs`]); then the next
+    /// call, or the communicator's next operation of any kind, settles it first.
+    settled: AtomicU64,
     /// Low-latency calls waiting in the engine (whoever finishes a call rings the doorbell
     /// for them).
     queued: AtomicUsize,
@@ -235,11 +271,11 @@ fn seg_name(job: u64, comm: u32, world: usize) -> String {
 }
 
 fn slot_len(cap: usize) -> usize {
-    (HDR + cap).div_ceil(128) * 128
+    cap.div_ceil(128) * 128
 }
 
 fn seg_len(cap: usize) -> usize {
-    CTL + 2 * slot_len(cap)
+    CTL + LINES as usize * LINE_GAP + 2 * slot_len(cap)
 }
 
 /// This process's CPUs (the first 256), as a bit mask.
@@ -413,6 +449,7 @@ impl LlChannel {
             slot_len: slot_len(cap),
             policy,
             done: AtomicU64::new(0),
+            settled: AtomicU64::new(0),
             queued: AtomicUsize::new(0),
             limits: COLLS.map(|c| {
                 let per = LlSpec::slot_bytes(LlKind::Coll(c), n, 1).unwrap_or(1).max(1);
@@ -450,8 +487,24 @@ impl LlChannel {
         }
     }
 
-    fn slot(&self, s: u64) -> usize {
-        CTL + (s % 2) as usize * self.slot_len
+    /// Call `s`'s header line.
+    fn line(s: u64) -> usize {
+        CTL + (s % LINES) as usize * LINE_GAP
+    }
+
+    /// Where call `s` of `spec` keeps its data, whom it waits for, and what it settles
+    /// first.
+    fn place(&self, s: u64, spec: &LlSpec) -> Place {
+        let all = self.all_but_me();
+        let want = self.needs(spec);
+        // A member's bytes fit its header line: there; else in data slot `s % 2`.
+        let inline = LlSpec::slot_bytes(spec.kind, self.segs.len(), spec.bytes()).is_some_and(|b| b <= INLINE);
+        let data = if inline { Self::line(s) + HDR } else { CTL + LINES as usize * LINE_GAP + (s % 2) as usize * self.slot_len };
+        // The call before, or, for a call in its header line that does not wait for every
+        // member, the oldest call whose line it does not overwrite (see the module
+        // documentation).
+        let settle_to = if want == all || !inline { s - 1 } else { s.saturating_sub(LEAD) };
+        Place { want, settles: want == all, data, settle_to }
     }
 
     /// Step 1: this rank's contribution `src` (the call's own bytes: see
@@ -459,10 +512,10 @@ impl LlChannel {
     /// nothing waits here for the slot's cache line to come back from the members that read
     /// it last). Members asleep on their doorbells are woken by [`LlChannel::wake_sleepers`],
     /// which the caller runs after it (see there).
-    fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8]) {
+    fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8], data: usize) {
         let seg = &self.segs[self.rank];
-        let at = self.slot(s);
-        if src.len() <= INLINE {
+        let at = Self::line(s);
+        if data == at + HDR {
             // Header and data share the cache line: word stores, no copy call.
             seg.atomic_u64(at + CALL_OFF).store(u64::from(call), Ordering::Relaxed);
             let (d0, d1) = desc.split_at(8);
@@ -472,7 +525,7 @@ impl LlChannel {
                 seg.atomic_u64(at + HDR + 8 * i).store(word(c), Ordering::Relaxed);
             }
         } else {
-            seg.write(at + HDR, src);
+            seg.write(data, src);
             seg.write(at + CALL_OFF, &call.to_le_bytes());
             seg.write(at + DESC_OFF, desc);
         }
@@ -497,7 +550,7 @@ impl LlChannel {
     }
 
     fn arrived(&self, s: u64, p: usize) -> bool {
-        self.segs[p].atomic_u64(self.slot(s) + SEQ_OFF).load(Ordering::Acquire) == s
+        self.segs[p].atomic_u64(Self::line(s) + SEQ_OFF).load(Ordering::Acquire) == s
     }
 
     /// Members (by rank) that have not posted call `s` yet, as a bit set.
@@ -518,13 +571,34 @@ impl LlChannel {
         (if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }) & !(1u64 << self.rank)
     }
 
-    /// Member `p`'s call number and descriptor for call `s` (posted) against ours.
-    fn check_call(&self, s: u64, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
-        let (at, seg) = (self.slot(s), &self.segs[p]);
-        let theirs = seg.atomic_u64(at + CALL_OFF).load(Ordering::Relaxed) as u32;
+    /// The collective call number and descriptor member `p` posted as call `s`.
+    fn header(&self, s: u64, p: usize) -> (u32, Desc) {
+        let (at, seg) = (Self::line(s), &self.segs[p]);
+        let call = seg.atomic_u64(at + CALL_OFF).load(Ordering::Relaxed) as u32;
         let mut d = [0u8; 16];
         d[..8].copy_from_slice(&seg.atomic_u64(at + DESC_OFF).load(Ordering::Relaxed).to_le_bytes());
         d[8..].copy_from_slice(&seg.atomic_u64(at + DESC_OFF + 8).load(Ordering::Relaxed).to_le_bytes());
+        (call, d)
+    }
+
+    /// The members (as a bit set) whose posts of a call of `spec` this rank needs before it
+    /// can finish: the root's for a broadcast off the root, nobody's for the broadcast's
+    /// root and for a reduce off its root, everyone's otherwise. The posts it does not
+    /// wait for are checked (call number, descriptor) by its next call before that one
+    /// posts, which the two slots need anyway (see [`LlChannel::settle`]).
+    fn needs(&self, spec: &LlSpec) -> u64 {
+        let r = self.rank;
+        match spec.kind {
+            LlKind::Coll(Collective::Broadcast { root }) if root == r => 0,
+            LlKind::Coll(Collective::Broadcast { root }) if root < self.segs.len() => 1 << root,
+            LlKind::Coll(Collective::Reduce { root }) if root != r => 0,
+            _ => self.all_but_me(),
+        }
+    }
+
+    /// Member `p`'s call number and descriptor for call `s` (posted) against ours.
+    fn check_call(&self, s: u64, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
+        let (theirs, d) = self.header(s, p);
         if theirs == call && d == *desc {
             return Ok(());
         }
@@ -543,13 +617,12 @@ impl LlChannel {
     /// Step 3, once every member has posted `s`: the call's result into `out` (`None`:
     /// this rank wants none, e.g. reduce off the root). `own`: where this rank's own
     /// contribution is read from (see [`Own`]).
-    fn finish(&self, fabric: &Fabric, s: u64, spec: &LlSpec, out: Option<&mut [u8]>, own: Own<'_>) -> Result<()> {
+    fn finish(&self, fabric: &Fabric, data: usize, spec: &LlSpec, out: Option<&mut [u8]>, own: Own<'_>) -> Result<()> {
         let Some(out) = out else { return Ok(()) };
         if spec.kind.reduces() && fabric.params.injects(FaultSite::ReduceStep, fabric.rank) {
             return Err(Error::internal("low-latency reduction: injected by FERROCCL_INJECT_FAULT"));
         }
         let (r, b) = (self.rank, spec.bytes());
-        let data = self.slot(s) + HDR;
         // This rank's bytes of the block at `off` of its contribution.
         let block = |off: usize| match own {
             Own::Posted(c) => c.get(off..off + b).map_or(OwnBlock::Slot, OwnBlock::Here),
@@ -667,8 +740,12 @@ impl LlChannel {
         Ok(())
     }
 
-    /// This rank finished call `s`: the next may post.
-    fn complete(&self, fabric: &Fabric, s: u64) {
+    /// This rank finished call `s` (`settled`: having seen and checked every member's post
+    /// of it): the next may post.
+    fn complete(&self, fabric: &Fabric, s: u64, settled: bool) {
+        if settled {
+            self.settled.store(s, Ordering::Release);
+        }
         self.done.store(s, Ordering::Release);
         if self.queued.load(Ordering::SeqCst) > 0 {
             fabric.inbox.notify();
@@ -734,7 +811,11 @@ impl LlChannel {
             (_, _, Some(o)) => o.get(off..off + len).ok_or_else(|| Error::internal("low-latency call: output too short"))?,
             _ => return Err(Error::internal("low-latency call without its buffers")),
         };
-        self.post(s, call, desc, src);
+        let place = self.place(s, spec);
+        if self.settled.load(Ordering::Acquire) < place.settle_to {
+            self.settle(fabric, place.settle_to, deadline_after, tend)?;
+        }
+        self.post(s, call, desc, src, place.data);
         // A small contribution is kept on the stack too (in place, the output it came
         // from is written before it is read).
         let mut mine = [0u8; INLINE];
@@ -743,35 +824,69 @@ impl LlChannel {
         if small {
             mine[..len].copy_from_slice(src);
         }
-        let r = self.wait(fabric, s, call, desc, deadline_after, tend, op).and_then(|()| {
+        let r = self.wait(fabric, s, place.want, call, desc, deadline_after, tend, op).and_then(|()| {
             let own = match input {
                 _ if small => Own::Posted(&mine[..len]),
                 Some(i) => Own::Posted(i),
                 None => Own::InPlace,
             };
-            self.finish(fabric, s, spec, output, own)
+            self.finish(fabric, place.data, spec, output, own)
         });
         // After the finish, so that its work, not a stall, covers the time the post's
         // stores take to leave (the fence waits for them; see `post`).
         self.wake_sleepers(fabric);
         r?;
-        self.complete(fabric, s);
+        self.complete(fabric, s, place.settles);
         Ok(())
     }
 
-    /// Step 2 on this thread: until every member has posted `s` (and called what we did).
+    /// Waits until every member has posted each call up to `upto` that this rank finished
+    /// without waiting for all of them ([`LlChannel::needs`]), and checks that each called
+    /// what this rank did (its own call number and descriptor are still in its header
+    /// line): a member in another call is a mismatch, found here, late, on every rank that
+    /// did not wait for it (two ranks that each broadcast from themselves both return `Ok`,
+    /// then both fail at a later call, their next operation off the slots, or `finalize`).
+    /// An error names the call it found; it must be made fatal by the caller.
+    #[cold]
+    #[inline(never)]
+    fn settle(&self, fabric: &Fabric, upto: u64, deadline_after: Duration, tend: &dyn Fn(Instant)) -> Result<()> {
+        let mut t = self.settled.load(Ordering::Acquire);
+        while t < upto {
+            t += 1;
+            let (call, desc) = self.header(t, self.rank);
+            let op = || Op::other(format!("{} as call #{call} (its members checked at a later operation)", proto::describe(&desc)));
+            self.wait(fabric, t, self.all_but_me(), call, &desc, deadline_after, tend, &op)?;
+            self.settled.fetch_max(t, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Settles this rank's last low-latency call if it did not wait for every member (see
+    /// [`LlChannel::settle`]): what the communicator's operations that do not run on the
+    /// slots do first, and `finalize`.
+    pub(crate) fn settle_last(&self, fabric: &Fabric, deadline_after: Duration, tend: &dyn Fn(Instant)) -> Result<()> {
+        let last = self.done();
+        if self.settled.load(Ordering::Acquire) >= last {
+            return Ok(());
+        }
+        self.settle(fabric, last, deadline_after, tend)
+    }
+
+    /// Step 2 on this thread: until every member in `want` (a bit set) has posted `s` (and
+    /// called what we did).
     #[allow(clippy::too_many_arguments)]
     fn wait(
         &self,
         fabric: &Fabric,
         s: u64,
+        want: u64,
         call: u32,
         desc: &Desc,
         deadline_after: Duration,
         tend: &dyn Fn(Instant),
         op: &dyn Fn() -> Op,
     ) -> Result<()> {
-        let all = self.all_but_me();
+        let all = want;
         let mut missing = all;
         let mut checked = !all;
         let mut spins = 0u32;
@@ -860,6 +975,20 @@ impl LlChannel {
     }
 }
 
+/// What [`LlChannel::place`] says of a call.
+#[derive(Clone, Copy)]
+struct Place {
+    /// The members (a bit set) whose posts it waits for.
+    want: u64,
+    /// `want` is every member: the call settles itself.
+    settles: bool,
+    /// Where every member's data for it lies in its segment.
+    data: usize,
+    /// Every member must have posted the calls up to this one (and this rank checked them)
+    /// before this rank posts it.
+    settle_to: u64,
+}
+
 /// Where a call's finish reads this rank's own contribution. Not from its slot when it can
 /// be helped: the members have just read the slot's cache lines, and reading them back
 /// measured slower than private memory (2 ranks pinned, alternating A/B: allreduce 8-32 B
@@ -932,7 +1061,9 @@ impl LlRun {
         self.chan.missing(self.s, self.chan.all_but_me()) == 0
     }
 
-    /// Whether this rank finished the call before (and so every member posted it).
+    /// Whether this rank finished the call before (and so every member posted it: a call
+    /// this rank finished without waiting for every member was settled when the
+    /// communicator's next operation was submitted, see `Communicator::submit`).
     fn may_post(&self) -> bool {
         self.chan.done() + 1 == self.s
     }
@@ -968,7 +1099,7 @@ impl LlRun {
                 _ => output,
             };
             region
-                .with_slice(off, len, |src| chan.post(self.s, call, desc, src))
+                .with_slice(off, len, |src| chan.post(self.s, call, desc, src, chan.place(self.s, &self.spec).data))
                 .map_err(|e| Error::internal(format!("{}: low-latency post: {e}", named())))?;
             // The engine may sleep before it looks again: wake sleeping members now.
             chan.wake_sleepers(fabric);
@@ -991,9 +1122,9 @@ impl LlRun {
         }
         let len = output.len();
         output
-            .with_slice_mut(0, len, |out| chan.finish(fabric, self.s, &self.spec, Some(out), Own::Slot))
+            .with_slice_mut(0, len, |out| chan.finish(fabric, chan.place(self.s, &self.spec).data, &self.spec, Some(out), Own::Slot))
             .map_err(|e| Error::internal(format!("{}: low-latency result: {e}", named())))??;
-        chan.complete(fabric, self.s);
+        chan.complete(fabric, self.s, true);
         self.leave();
         Ok(Poll::Ready(()))
     }

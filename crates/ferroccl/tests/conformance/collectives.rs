@@ -581,3 +581,116 @@ pub fn forced_ll_is_on_in_every_thread_rank_world(s: &Suite) {
     }
     assert!(off.is_empty(), "worlds without the low-latency protocol (forced, over shm):\n{}", off.join("\n"));
 }
+
+/// Broadcasts and reduces whose data fit a header line let a rank run ahead of the members
+/// it does not wait for (a broadcast's root, a reduce off its root, a broadcast off the
+/// root waits for the root only), by up to half the header lines. A long mixed sequence
+/// (phases of 40 calls from one root, broadcasts only in every other phase; 1-8 f32, a
+/// 64 B broadcast past the line, reduces and an allreduce now and then in the others; a
+/// rank other than the root pausing at each phase's start so that the others run ahead of
+/// it), 1 to 6 ranks: every result is
+/// the reference's, the last barrier passes, and `finalize` (which checks the calls the
+/// ranks ran ahead of) agrees.
+pub fn forced_ll_runs_ahead_and_stays_correct(s: &Suite) {
+    for n in ll_ranks(s).take(6) {
+        let res = run_world(
+            n,
+            |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+            |comm| -> Result<(), String> {
+                let r = comm.rank();
+                let val = |i: usize, p: usize, k: usize| (i * 31 + p * 7 + k) as f32;
+                for i in 0..480 {
+                    // Phases of 40 calls with one root; at each phase's start the rank after
+                    // the root pauses, and the others run ahead of it as far as they may.
+                    let root = (i / 40) % n;
+                    let len = 1 + i % 8;
+                    if i % 40 == 0 && r == (root + 1) % n {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    let e = |what: &str, err: ferroccl::Error| format!("rank {r}: step {i}: {what}: {err}");
+                    // Every other phase only broadcasts (nobody waits for everyone).
+                    let kind = if (i / 40) % 2 == 0 { 0 } else { i % 7 };
+                    match kind {
+                        3 => {
+                            let mut out = vec![0f32; len];
+                            let b: Vec<f32> = (0..len).map(|k| val(i, r, k)).collect();
+                            comm.reduce(&b, &mut out, ReduceOp::Sum, root).map_err(|err| e("reduce", err))?;
+                            let want: Vec<f32> = (0..len).map(|k| (0..n).map(|p| val(i, p, k)).sum()).collect();
+                            if r == root && out != want {
+                                return Err(format!("rank {r}: step {i}: reduce to {root}: {out:?}, want {want:?}"));
+                            }
+                        }
+                        5 if i % 35 == 5 => {
+                            let mut b: Vec<f32> = (0..len).map(|k| val(i, r, k)).collect();
+                            comm.allreduce(&mut b, ReduceOp::Sum).map_err(|err| e("allreduce", err))?;
+                            let want: Vec<f32> = (0..len).map(|k| (0..n).map(|p| val(i, p, k)).sum()).collect();
+                            if b != want {
+                                return Err(format!("rank {r}: step {i}: allreduce: {b:?}, want {want:?}"));
+                            }
+                        }
+                        _ => {
+                            // In mixed phases every 11th is a 64 B broadcast: its data goes in
+                            // the data slots.
+                            let len = if kind != 0 && i % 11 == 0 { 16 } else { len };
+                            let mut b: Vec<f32> = (0..len).map(|k| if r == root { val(i, root, k) } else { -1.0 }).collect();
+                            comm.broadcast(&mut b, root).map_err(|err| e("broadcast", err))?;
+                            let want: Vec<f32> = (0..len).map(|k| val(i, root, k)).collect();
+                            if b != want {
+                                return Err(format!("rank {r}: step {i}: broadcast from {root}: {b:?}, want {want:?}"));
+                            }
+                        }
+                    }
+                }
+                comm.barrier().map_err(|e| format!("rank {r}: last barrier: {e}"))?;
+                comm.finalize().map_err(|e| format!("rank {r}: finalize: {e}"))
+            },
+        );
+        all_ok(res).unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+    }
+}
+
+/// Two ranks that each broadcast from themselves (small, on the slots) both finish the
+/// broadcast without waiting for anyone; the mismatch is found one operation later: a
+/// low-latency allreduce, a schedule (an allgather past the slots) or `finalize`. Every
+/// rank fails there or earlier, at least one with the mismatch naming both roots, none
+/// after a silent success; 2 to 4 ranks (rank 0 from root 0, the others from root 1).
+pub fn forced_ll_two_roots_fail_at_the_next_operation(s: &Suite) {
+    if s.wire != Wire::Shm {
+        return;
+    }
+    for next in ["allreduce", "allgather", "finalize"] {
+        for n in 2..=4 {
+            let ctx = format!("{n} ranks, then {next}");
+            let res = run_world(
+                n,
+                |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+                |comm| -> Result<(ferroccl::Error, Duration), String> {
+                    let r = comm.rank();
+                    comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
+                    let t = std::time::Instant::now();
+                    let mut b = [r as f32; 2];
+                    let res = comm.broadcast(&mut b, usize::from(r != 0)).and_then(|()| match next {
+                        "allreduce" => comm.allreduce(&mut b, ReduceOp::Sum),
+                        "allgather" => comm.allgather(&vec![1f32; LL_SLOT], &mut vec![0f32; LL_SLOT * n]),
+                        _ => comm.finalize(),
+                    });
+                    match res {
+                        Err(e) => Ok((e, t.elapsed())),
+                        Ok(()) => Err(format!("rank {r}: no error")),
+                    }
+                },
+            );
+            let errs = all_ok(res).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let named = errs.iter().any(|(e, _)| {
+                let m = e.to_string();
+                matches!(e, ferroccl::Error::Mismatch { .. }) && m.contains("root 0") && m.contains("root 1")
+            });
+            assert!(named, "{ctx}: no rank names the two roots: {errs:?}");
+            if s.clocks {
+                for (r, (e, took)) in errs.iter().enumerate() {
+                    assert!(*took < Duration::from_secs(5), "{ctx}: rank {r} took {took:?}: {e}");
+                }
+            }
+        }
+    }
+}

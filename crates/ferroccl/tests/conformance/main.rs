@@ -71,6 +71,8 @@ macro_rules! conformance_suite {
             collectives::forced_ll_on_split_communicators_next_to_the_world,
             collectives::forced_ll_mismatched_calls_fail_on_every_rank,
             collectives::forced_ll_is_on_in_every_thread_rank_world,
+            collectives::forced_ll_runs_ahead_and_stays_correct,
+            collectives::forced_ll_two_roots_fail_at_the_next_operation,
             alltoallv::alltoallv_equals_the_reference,
             alltoallv::alltoallv_pairwise_equals_the_reference,
             alltoallv::alltoallv_plans_run_many_times,
