@@ -4,11 +4,11 @@
 //!
 //! Each member owns one anonymous segment per communicator (made when the communicator is:
 //! `init` or `split`), which every other member maps at that time: a control line, then
-//! [`LINES`] (32) *header lines*, used by the communicator's low-latency calls in turn (call
+//! [`LINES`] (32) *header lines* of two cache lines each, used by the communicator's low-latency calls in turn (call
 //! `s` posts in line `s % 32`), then two *data slots* (call `s` uses slot `s % 2` when its
 //! data does not fit its header line). A header is 32 bytes (the call's number `s`, the
-//! collective call number and its 16-byte descriptor), followed in its cache line by up to
-//! 32 bytes of data. A call:
+//! collective call number and its 16-byte descriptor), followed by up to 96 bytes of data,
+//! the first 32 in the header's own cache line. A call:
 //!
 //! 1. *posts*: copies this rank's contribution into its header line or data slot, writes
 //!    the header, and publishes `s` (a release store, so that nothing waits for the line
@@ -101,10 +101,11 @@ const CALL_OFF: usize = 8;
 const DESC_OFF: usize = 16;
 /// A header line: the header, then up to [`INLINE`] data bytes.
 const LINE: usize = 64;
-/// Header lines lie this far apart: a pair of cache lines each, since a core fetching one
-/// line may fetch its pair too (measured: with lines 64 bytes apart, 2 ranks, 8 B
-/// allreduce 1.05-1.09x the time).
+/// Header lines lie this far apart (a pair of cache lines each).
 const LINE_GAP: usize = 128;
+/// Data bytes a call keeps after its header (rather than in a data slot): up to
+/// [`INLINE`] in the header's own cache line, the rest in the next.
+const LINE_DATA: usize = LINE_GAP - HDR;
 /// Data bytes that share the header's cache line.
 const INLINE: usize = LINE - HDR;
 /// Header lines per member, used by the calls in turn (call `s` posts in line `s % LINES`).
@@ -498,7 +499,7 @@ impl LlChannel {
         let all = self.all_but_me();
         let want = self.needs(spec);
         // A member's bytes fit its header line: there; else in data slot `s % 2`.
-        let inline = LlSpec::slot_bytes(spec.kind, self.segs.len(), spec.bytes()).is_some_and(|b| b <= INLINE);
+        let inline = LlSpec::slot_bytes(spec.kind, self.segs.len(), spec.bytes()).is_some_and(|b| b <= LINE_DATA);
         let data = if inline { Self::line(s) + HDR } else { CTL + LINES as usize * LINE_GAP + (s % 2) as usize * self.slot_len };
         // The call before, or, for a call in its header line that does not wait for every
         // member, the oldest call whose line it does not overwrite (see the module
@@ -515,7 +516,7 @@ impl LlChannel {
     fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8], data: usize) {
         let seg = &self.segs[self.rank];
         let at = Self::line(s);
-        if data == at + HDR {
+        if data == at + HDR && src.len() <= INLINE {
             // Header and data share the cache line: word stores, no copy call.
             seg.atomic_u64(at + CALL_OFF).store(u64::from(call), Ordering::Relaxed);
             let (d0, d1) = desc.split_at(8);

@@ -585,8 +585,8 @@ pub fn forced_ll_is_on_in_every_thread_rank_world(s: &Suite) {
 /// Broadcasts and reduces whose data fit a header line let a rank run ahead of the members
 /// it does not wait for (a broadcast's root, a reduce off its root, a broadcast off the
 /// root waits for the root only), by up to half the header lines. A long mixed sequence
-/// (phases of 40 calls from one root, broadcasts only in every other phase; 1-8 f32, a
-/// 64 B broadcast past the line, reduces and an allreduce now and then in the others; a
+/// (phases of 40 calls from one root, broadcasts only in every other phase; 1-8 f32, 96 B
+/// now and then, a 128 B broadcast past the line, reduces and an allreduce now and then in the others; a
 /// rank other than the root pausing at each phase's start so that the others run ahead of
 /// it), 1 to 6 ranks: every result is
 /// the reference's, the last barrier passes, and `finalize` (which checks the calls the
@@ -629,9 +629,15 @@ pub fn forced_ll_runs_ahead_and_stays_correct(s: &Suite) {
                             }
                         }
                         _ => {
-                            // In mixed phases every 11th is a 64 B broadcast: its data goes in
-                            // the data slots.
-                            let len = if kind != 0 && i % 11 == 0 { 16 } else { len };
+                            // In mixed phases every 11th is a 128 B broadcast: its data goes in
+                            // the data slots; every 13th 96 B, the most a header line holds.
+                            let len = if kind != 0 && i % 11 == 0 {
+                                32
+                            } else if i % 13 == 0 {
+                                24
+                            } else {
+                                len
+                            };
                             let mut b: Vec<f32> = (0..len).map(|k| if r == root { val(i, root, k) } else { -1.0 }).collect();
                             comm.broadcast(&mut b, root).map_err(|err| e("broadcast", err))?;
                             let want: Vec<f32> = (0..len).map(|k| val(i, root, k)).collect();
