@@ -4,11 +4,13 @@
 //!
 //! Each member owns one anonymous segment per communicator (made when the communicator is:
 //! `init` or `split`), which every other member maps at that time: a control line, then
-//! [`LINES`] (32) *header lines* of two cache lines each, used by the communicator's low-latency calls in turn (call
-//! `s` posts in line `s % 32`), then two *data slots* (call `s` uses slot `s % 2` when its
-//! data does not fit its header line). A header is 32 bytes (the call's number `s`, the
-//! collective call number and its 16-byte descriptor), followed by up to 96 bytes of data,
-//! the first 32 in the header's own cache line. A call:
+//! *header lines* of two cache lines each, then two *data slots*. The header lines are two
+//! *sync lines*, used in turn by every call but the ring's (call `s` posts in sync line
+//! `s % 2`), and [`RING`] (128) *ring lines*, used in turn by the *ring calls*: broadcasts
+//! and reduces whose data fits a line (call `s` posts in ring line `s % 128`). A header is
+//! 32 bytes (the call's number `s`, the collective call number and its 16-byte descriptor),
+//! followed by up to 96 bytes of data, the first 32 in the header's own cache line; a call
+//! whose data does not fit uses data slot `s % 2`. A call:
 //!
 //! 1. *posts*: copies this rank's contribution into its header line or data slot, writes
 //!    the header, and publishes `s` (a release store, so that nothing waits for the line
@@ -18,7 +20,9 @@
 //!    for a broadcast, which needs only the root's, and for the root of a broadcast and a
 //!    reduce off its root, which need nobody's), comparing each one's call number and
 //!    descriptor with its own (a member in another call is a mismatch, named like any
-//!    other);
+//!    other; a member that posted `s` in the other kind of line, where this rank does not
+//!    look, is found by the probe the waiter sends after 50 ms, like a member in a call off
+//!    the slots);
 //! 3. *finishes*: reads what it needs from the members' lines or slots, and reduces in rank
 //!    order with the same `reduce_many` as the mesh and oneshot algorithms (so f16/bf16
 //!    results are bit-identical to theirs and to the reference), through a small
@@ -30,27 +34,33 @@
 //! member's post of `t` and checked its header. A member posts `t` only after finishing
 //! `t - 1`, so once `t` is settled, every member is done reading what any call before `t`
 //! posted. Hence a rank posts call `s` only once it has settled
-//! - `s - 1`, when `s` uses a data slot (which `s - 2` used) or waits for every member
-//!   anyway (allreduce, allgather, reduce_scatter, alltoall, barrier, a reduce's root);
-//! - `s - LEAD` (`s - 16`), when `s` fits its header line and waits for fewer members than
-//!   all (a broadcast, a reduce off its root): its line was last used by `s - 32`, which
-//!   every member finished before posting `s - 31`.
+//! - `s - 1`, when `s` is not a ring call or waits for every member anyway (allreduce,
+//!   allgather, reduce_scatter, alltoall, barrier, a reduce's root, every call past a
+//!   line: the sync line and the data slot `s` uses were last used by `s - 2` or before);
+//! - `s - LEAD` (`s - 64`) and the last call outside the ring, when `s` is a ring call that
+//!   waits for fewer members than all (a broadcast, a reduce off its root): its ring line
+//!   was last used by `s - 128` or before, which every member finished before posting
+//!   `s - 127`; and the sync line and data slot of a call outside the ring are used again
+//!   by the next such call, which the members post only after this rank's post of the one
+//!   after it.
 //!
-//! So a broadcast's root may run up to 16 calls ahead of the members, and the members
-//! ahead of each other, as a sender of eager messages does (with 4 ranks on 2 CPUs an 8 B
-//! broadcast went from about 2.6 to 0.45 us a call: a rank that gets the CPU finishes many
-//! calls at once instead of handing the CPU over for each). 32 lines rather than more: with
-//! 64 (32 ahead) that broadcast took 0.8x the time again, but a 2-rank 8 B allreduce, which
-//! never runs ahead, 1.05-1.10x (alternated; why the number of lines matters there is not
-//! known). A call a rank did not wait for every
-//! member in is settled later: by its next calls, as the rule above needs, by the
-//! communicator's next operation off the slots (`Communicator::submit`), and by `finalize`,
-//! so a mismatch in it (two ranks that each take themselves for the root) is still an
-//! error on every rank, at one of those. Why 16 is safe: a member posts `u` only after
-//! settling `u - 16` (or more), i.e. after this rank posted `u - 16`; this rank settles
-//! `t` no earlier than at its call `t + 1` and no later than before posting `t + 16`, so the
-//! members have posted at most `t + 31` by then: the member's header of `t` is still in
-//! its line (overwritten by `t + 32` only).
+//! So a broadcast's root may run up to 64 calls ahead of the members, and the members
+//! ahead of each other, as a sender of eager messages does (with 4 ranks on 2 CPUs a
+//! rank that gets the CPU finishes many calls at once instead of handing the CPU over for
+//! each). A call a rank did not wait for every member in is settled later: by its next
+//! calls, as the rule above needs, by the communicator's next operation off the slots
+//! (`Communicator::submit`), and by `finalize`, so a mismatch in it (two ranks that each
+//! take themselves for the root) is still an error on every rank, at one of those. Why 64
+//! is safe: a member posts ring call `u` only after settling `u - 64` (or more), i.e.
+//! after this rank posted `u - 64`; this rank settles a ring call `t` no earlier than at its
+//! call `t + 1` and no later than before posting `t + 64`, so the members have posted at
+//! most `t + 127` by then: the member's header of `t` is still in its line (overwritten by
+//! `t + 128` at the earliest). A call outside the ring is settled before the next call
+//! posts, and overwritten by the member's `t + 2` at the earliest. Why the ring is apart
+//! from the lines of the other calls: so that its depth (128 lines: a 4-rank 8 B broadcast
+//! took 0.7x the time it took with 32) leaves alone how the other calls use their lines
+//! (with every call in one ring, a 2-rank 8 B allreduce, which never runs ahead, measured
+//! 1.04x the time of two lines with 32 lines, 0.99-1.10x with 64; alternated, noisy).
 //!
 //! Waiting: the waiter spins while that is cheap for the machine ([`WaitPolicy`]): for a few
 //! tens of microseconds when every rank of the host has a core of its own, not at all when
@@ -111,14 +121,18 @@ const LINE_GAP: usize = 128;
 const LINE_DATA: usize = LINE_GAP - HDR;
 /// Data bytes that share the header's cache line.
 const INLINE: usize = LINE - HDR;
-/// Header lines per member, used by the calls in turn (call `s` posts in line `s % LINES`).
-pub(crate) const LINES: u64 = 32;
-/// How far a rank may run ahead: a call that needs no member's post to finish (a
-/// broadcast's root, a reduce off its root) or only the root's (a broadcast elsewhere), and
-/// whose data fits its header line, posts once every member has posted the call `LEAD`
-/// before it (other calls: the call before). At most half the lines, so that a member's
-/// header is still in its line when this rank checks it (see the module documentation).
-const LEAD: u64 = LINES / 2;
+/// Header lines per member for every call but the ring's (below), used in turn: call `s`
+/// posts in sync line `s % 2`.
+const SYNC_LINES: u64 = 2;
+/// Header lines per member for broadcasts and reduces whose data fits a line, used in
+/// turn: call `s` posts in ring line `s % RING`.
+pub(crate) const RING: u64 = 128;
+/// How far a rank may run ahead: a ring call that needs no member's post to finish (a
+/// broadcast's root, a reduce off its root) or only the root's (a broadcast elsewhere)
+/// posts once every member has posted the call `LEAD` before it (other calls: the call
+/// before). At most half the ring, so that a member's header is still in its line when
+/// this rank checks it (see the module documentation).
+const LEAD: u64 = RING / 2;
 /// Looks for a member's segment before giving up (see `LlChannel::connect`).
 const OPEN_TRIES: u32 = 20;
 /// Most members a low-latency communicator may have (each call reads every member's slot).
@@ -261,6 +275,8 @@ pub(crate) struct LlChannel {
     /// all (a broadcast, a reduce off its root: see [`LlChannel::needs`]); then the next
     /// call, or the communicator's next operation of any kind, settles it first.
     settled: AtomicU64,
+    /// The number of the last call outside the ring this rank ran on its thread.
+    last_sync: AtomicU64,
     /// Low-latency calls waiting in the engine (whoever finishes a call rings the doorbell
     /// for them).
     queued: AtomicUsize,
@@ -279,7 +295,7 @@ fn slot_len(cap: usize) -> usize {
 }
 
 fn seg_len(cap: usize) -> usize {
-    CTL + LINES as usize * LINE_GAP + 2 * slot_len(cap)
+    CTL + (SYNC_LINES + RING) as usize * LINE_GAP + 2 * slot_len(cap)
 }
 
 /// This process's CPUs (the first 256), as a bit mask.
@@ -454,6 +470,7 @@ impl LlChannel {
             policy,
             done: AtomicU64::new(0),
             settled: AtomicU64::new(0),
+            last_sync: AtomicU64::new(0),
             queued: AtomicUsize::new(0),
             limits: COLLS.map(|c| {
                 let per = LlSpec::slot_bytes(LlKind::Coll(c), n, 1).unwrap_or(1).max(1);
@@ -491,9 +508,25 @@ impl LlChannel {
         }
     }
 
-    /// Call `s`'s header line.
-    fn line(s: u64) -> usize {
-        CTL + (s % LINES) as usize * LINE_GAP
+    /// Call `s`'s header line when it is not a ring call.
+    fn sync_line(s: u64) -> usize {
+        CTL + (s % SYNC_LINES) as usize * LINE_GAP
+    }
+
+    /// Call `s`'s header line when it is a ring call.
+    fn ring_line(s: u64) -> usize {
+        CTL + (SYNC_LINES + s % RING) as usize * LINE_GAP
+    }
+
+    /// The header line this rank posted call `s` in (which it has not overwritten yet:
+    /// see the module documentation).
+    fn posted_line(&self, s: u64) -> usize {
+        let ring = Self::ring_line(s);
+        if self.segs[self.rank].atomic_u64(ring + SEQ_OFF).load(Ordering::Relaxed) == s {
+            ring
+        } else {
+            Self::sync_line(s)
+        }
     }
 
     /// Where call `s` of `spec` keeps its data, whom it waits for, and what it settles
@@ -503,12 +536,15 @@ impl LlChannel {
         let want = self.needs(spec);
         // A member's bytes fit its header line: there; else in data slot `s % 2`.
         let inline = LlSpec::slot_bytes(spec.kind, self.segs.len(), spec.bytes()).is_some_and(|b| b <= LINE_DATA);
-        let data = if inline { Self::line(s) + HDR } else { CTL + LINES as usize * LINE_GAP + (s % 2) as usize * self.slot_len };
-        // The call before, or, for a call in its header line that does not wait for every
-        // member, the oldest call whose line it does not overwrite (see the module
-        // documentation).
-        let settle_to = if want == all || !inline { s - 1 } else { s.saturating_sub(LEAD) };
-        Place { want, settles: want == all, data, settle_to }
+        // Every member alike (the call's kind and size) tells a ring call.
+        let ring = inline && matches!(spec.kind, LlKind::Coll(Collective::Broadcast { .. } | Collective::Reduce { .. }));
+        let line = if ring { Self::ring_line(s) } else { Self::sync_line(s) };
+        let data = if inline { line + HDR } else { CTL + (SYNC_LINES + RING) as usize * LINE_GAP + (s % 2) as usize * self.slot_len };
+        // The call before, or, for a ring call that does not wait for every member, the
+        // oldest call whose line it does not overwrite, and the last call outside the ring
+        // (whose line the next one of its kind may overwrite: see the module documentation).
+        let settle_to = if want == all || !ring { s - 1 } else { s.saturating_sub(LEAD).max(self.last_sync.load(Ordering::Relaxed)) };
+        Place { want, settles: want == all, ring, line, data, settle_to }
     }
 
     /// Step 1: this rank's contribution `src` (the call's own bytes: see
@@ -516,9 +552,8 @@ impl LlChannel {
     /// nothing waits here for the slot's cache line to come back from the members that read
     /// it last). Members asleep on their doorbells are woken by [`LlChannel::wake_sleepers`],
     /// which the caller runs after it (see there).
-    fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8], data: usize) {
+    fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8], at: usize, data: usize) {
         let seg = &self.segs[self.rank];
-        let at = Self::line(s);
         if data == at + HDR && src.len() <= INLINE {
             // Header and data share the cache line: word stores, no copy call.
             seg.atomic_u64(at + CALL_OFF).store(u64::from(call), Ordering::Relaxed);
@@ -553,17 +588,17 @@ impl LlChannel {
         }
     }
 
-    fn arrived(&self, s: u64, p: usize) -> bool {
-        self.segs[p].atomic_u64(Self::line(s) + SEQ_OFF).load(Ordering::Acquire) == s
+    fn arrived(&self, s: u64, line: usize, p: usize) -> bool {
+        self.segs[p].atomic_u64(line + SEQ_OFF).load(Ordering::Acquire) == s
     }
 
     /// Members (by rank) that have not posted call `s` yet, as a bit set.
-    fn missing(&self, s: u64, mut set: u64) -> u64 {
+    fn missing(&self, s: u64, line: usize, mut set: u64) -> u64 {
         let mut left = set;
         while left != 0 {
             let p = left.trailing_zeros() as usize;
             left &= left - 1;
-            if self.arrived(s, p) {
+            if self.arrived(s, line, p) {
                 set &= !(1 << p);
             }
         }
@@ -575,9 +610,9 @@ impl LlChannel {
         (if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }) & !(1u64 << self.rank)
     }
 
-    /// The collective call number and descriptor member `p` posted as call `s`.
-    fn header(&self, s: u64, p: usize) -> (u32, Desc) {
-        let (at, seg) = (Self::line(s), &self.segs[p]);
+    /// The collective call number and descriptor member `p` posted in header line `at`.
+    fn header(&self, at: usize, p: usize) -> (u32, Desc) {
+        let seg = &self.segs[p];
         let call = seg.atomic_u64(at + CALL_OFF).load(Ordering::Relaxed) as u32;
         let mut d = [0u8; 16];
         d[..8].copy_from_slice(&seg.atomic_u64(at + DESC_OFF).load(Ordering::Relaxed).to_le_bytes());
@@ -600,9 +635,9 @@ impl LlChannel {
         }
     }
 
-    /// Member `p`'s call number and descriptor for call `s` (posted) against ours.
-    fn check_call(&self, s: u64, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
-        let (theirs, d) = self.header(s, p);
+    /// Member `p`'s call number and descriptor in header line `line` (posted) against ours.
+    fn check_call(&self, line: usize, p: usize, call: u32, desc: &Desc, op: &dyn Fn() -> Op) -> Result<()> {
+        let (theirs, d) = self.header(line, p);
         if theirs == call && d == *desc {
             return Ok(());
         }
@@ -819,7 +854,7 @@ impl LlChannel {
         if self.settled.load(Ordering::Acquire) < place.settle_to {
             self.settle(fabric, place.settle_to, deadline_after, tend)?;
         }
-        self.post(s, call, desc, src, place.data);
+        self.post(s, call, desc, src, place.line, place.data);
         // A small contribution is kept on the stack too (in place, the output it came
         // from is written before it is read).
         let mut mine = [0u8; INLINE];
@@ -828,7 +863,7 @@ impl LlChannel {
         if small {
             mine[..len].copy_from_slice(src);
         }
-        let r = self.wait(fabric, s, place.want, call, desc, deadline_after, tend, op).and_then(|()| {
+        let r = self.wait(fabric, s, place.line, place.want, call, desc, deadline_after, tend, op).and_then(|()| {
             let own = match input {
                 _ if small => Own::Posted(&mine[..len]),
                 Some(i) => Own::Posted(i),
@@ -840,6 +875,9 @@ impl LlChannel {
         // stores take to leave (the fence waits for them; see `post`).
         self.wake_sleepers(fabric);
         r?;
+        if !place.ring {
+            self.last_sync.store(s, Ordering::Relaxed);
+        }
         self.complete(fabric, s, place.settles);
         Ok(())
     }
@@ -857,9 +895,10 @@ impl LlChannel {
         let mut t = self.settled.load(Ordering::Acquire);
         while t < upto {
             t += 1;
-            let (call, desc) = self.header(t, self.rank);
+            let line = self.posted_line(t);
+            let (call, desc) = self.header(line, self.rank);
             let op = || Op::other(format!("{} as call #{call} (its members checked at a later operation)", proto::describe(&desc)));
-            self.wait(fabric, t, self.all_but_me(), call, &desc, deadline_after, tend, &op)?;
+            self.wait(fabric, t, line, self.all_but_me(), call, &desc, deadline_after, tend, &op)?;
             self.settled.fetch_max(t, Ordering::AcqRel);
         }
         Ok(())
@@ -883,6 +922,7 @@ impl LlChannel {
         &self,
         fabric: &Fabric,
         s: u64,
+        line: usize,
         want: u64,
         call: u32,
         desc: &Desc,
@@ -903,14 +943,14 @@ impl LlChannel {
         let mut slow = false;
         loop {
             let seen = if slow { fabric.inbox.bell_seen() } else { 0 };
-            missing = self.missing(s, missing);
+            missing = self.missing(s, line, missing);
             let fresh = !missing & !checked & all;
             if fresh != 0 {
                 let mut f = fresh;
                 while f != 0 {
                     let p = f.trailing_zeros() as usize;
                     f &= f - 1;
-                    if let Err(e) = self.check_call(s, p, call, desc, op) {
+                    if let Err(e) = self.check_call(line, p, call, desc, op) {
                         // A cause a peer reports (an abort, a failure) wins over what it
                         // left in its slot.
                         return Err(fabric.cause_behind(&e, &op(), &|| tend(Instant::now())).unwrap_or(e));
@@ -973,7 +1013,7 @@ impl LlChannel {
                 std::thread::yield_now();
             } else {
                 let until = (now + PARK_NAP).min(t0 + deadline_after).min(tended.unwrap_or(now) + PARK_NAP);
-                fabric.sleep_on_bell_or(seen, until, &|| self.missing(s, missing) != missing);
+                fabric.sleep_on_bell_or(seen, until, &|| self.missing(s, line, missing) != missing);
             }
         }
     }
@@ -986,6 +1026,10 @@ struct Place {
     want: u64,
     /// `want` is every member: the call settles itself.
     settles: bool,
+    /// A ring call (see [`RING`]).
+    ring: bool,
+    /// Its header line in every member's segment.
+    line: usize,
     /// Where every member's data for it lies in its segment.
     data: usize,
     /// Every member must have posted the calls up to this one (and this rank checked them)
@@ -1062,7 +1106,12 @@ impl LlRun {
         if !self.posted {
             return self.may_post();
         }
-        self.chan.missing(self.s, self.chan.all_but_me()) == 0
+        self.chan.missing(self.s, self.line(), self.chan.all_but_me()) == 0
+    }
+
+    /// Its header line.
+    fn line(&self) -> usize {
+        self.chan.place(self.s, &self.spec).line
     }
 
     /// Whether this rank finished the call before (and so every member posted it: a call
@@ -1077,7 +1126,7 @@ impl LlRun {
         if !self.posted {
             return Vec::new();
         }
-        self.chan.worlds(self.chan.missing(self.s, self.chan.all_but_me())).collect()
+        self.chan.worlds(self.chan.missing(self.s, self.line(), self.chan.all_but_me())).collect()
     }
 
     /// Moves the call as far as it goes now.
@@ -1103,7 +1152,10 @@ impl LlRun {
                 _ => output,
             };
             region
-                .with_slice(off, len, |src| chan.post(self.s, call, desc, src, chan.place(self.s, &self.spec).data))
+                .with_slice(off, len, |src| {
+                    let place = chan.place(self.s, &self.spec);
+                    chan.post(self.s, call, desc, src, place.line, place.data)
+                })
                 .map_err(|e| Error::internal(format!("{}: low-latency post: {e}", named())))?;
             // The engine may sleep before it looks again: wake sleeping members now.
             chan.wake_sleepers(fabric);
@@ -1111,13 +1163,14 @@ impl LlRun {
             moved = true;
         }
         let all = chan.all_but_me();
-        let missing = chan.missing(self.s, all);
+        let line = self.line();
+        let missing = chan.missing(self.s, line, all);
         let fresh = !missing & !self.checked & all;
         let mut f = fresh;
         while f != 0 {
             let p = f.trailing_zeros() as usize;
             f &= f - 1;
-            chan.check_call(self.s, p, call, desc, &named)?;
+            chan.check_call(line, p, call, desc, &named)?;
         }
         self.checked |= fresh;
         if missing != 0 {

@@ -585,7 +585,7 @@ pub fn forced_ll_is_on_in_every_thread_rank_world(s: &Suite) {
 /// Broadcasts and reduces whose data fit a header line let a rank run ahead of the members
 /// it does not wait for (a broadcast's root, a reduce off its root, a broadcast off the
 /// root waits for the root only), by up to half the header lines. A long mixed sequence
-/// (phases of 40 calls from one root, broadcasts only in every other phase; 1-8 f32, 96 B
+/// (phases of 200 calls from one root, broadcasts only in every other phase; 1-8 f32, 96 B
 /// now and then, a 128 B broadcast past the line, reduces and an allreduce now and then in the others; a
 /// rank other than the root pausing at each phase's start so that the others run ahead of
 /// it), 1 to 6 ranks: every result is
@@ -599,17 +599,19 @@ pub fn forced_ll_runs_ahead_and_stays_correct(s: &Suite) {
             |comm| -> Result<(), String> {
                 let r = comm.rank();
                 let val = |i: usize, p: usize, k: usize| (i * 31 + p * 7 + k) as f32;
-                for i in 0..480 {
-                    // Phases of 40 calls with one root; at each phase's start the rank after
-                    // the root pauses, and the others run ahead of it as far as they may.
-                    let root = (i / 40) % n;
+                // Phases of PHASE calls with one root (longer than the ring, so that a rank
+                // may get as far ahead as it is allowed); at each phase's start the rank
+                // after the root pauses, and the others run ahead of it.
+                const PHASE: usize = 200;
+                for i in 0..6 * PHASE {
+                    let root = (i / PHASE) % n;
                     let len = 1 + i % 8;
-                    if i % 40 == 0 && r == (root + 1) % n {
+                    if i % PHASE == 0 && r == (root + 1) % n {
                         std::thread::sleep(Duration::from_millis(5));
                     }
                     let e = |what: &str, err: ferroccl::Error| format!("rank {r}: step {i}: {what}: {err}");
                     // Every other phase only broadcasts (nobody waits for everyone).
-                    let kind = if (i / 40) % 2 == 0 { 0 } else { i % 7 };
+                    let kind = if (i / PHASE).is_multiple_of(2) { 0 } else { i % 7 };
                     match kind {
                         3 => {
                             let mut out = vec![0f32; len];
@@ -696,6 +698,45 @@ pub fn forced_ll_two_roots_fail_at_the_next_operation(s: &Suite) {
                 for (r, (e, took)) in errs.iter().enumerate() {
                     assert!(*took < Duration::from_secs(5), "{ctx}: rank {r} took {took:?}: {e}");
                 }
+            }
+        }
+    }
+}
+
+/// A ring call (a small broadcast, in the ring of header lines) against a call outside it
+/// (a small allreduce, in the sync lines): each side waits on its own kind of line, and the
+/// mismatch is found by the probes a waiter sends after 50 ms. Rank 0 broadcasts from
+/// itself (it waits for nobody, and finds it at `finalize`), the others allreduce; every
+/// rank fails, at least one with a mismatch naming both calls, within seconds; 2 to 4 ranks.
+pub fn forced_ll_ring_and_sync_calls_mismatch_on_every_rank(s: &Suite) {
+    if s.wire != Wire::Shm {
+        return;
+    }
+    for n in 2..=4 {
+        let res = run_world(
+            n,
+            |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+            |comm| -> Result<(ferroccl::Error, Duration), String> {
+                let r = comm.rank();
+                comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
+                let t = std::time::Instant::now();
+                let mut b = [r as f32; 2];
+                let res = if r == 0 { comm.broadcast(&mut b, 0) } else { comm.allreduce(&mut b, ReduceOp::Sum) };
+                match res.and_then(|()| comm.finalize()) {
+                    Err(e) => Ok((e, t.elapsed())),
+                    Ok(()) => Err(format!("rank {r}: no error")),
+                }
+            },
+        );
+        let errs = all_ok(res).unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+        let named = errs.iter().any(|(e, _)| {
+            let m = e.to_string();
+            matches!(e, ferroccl::Error::Mismatch { .. }) && m.contains("broadcast") && m.contains("allreduce")
+        });
+        assert!(named, "{n} ranks: no rank names both calls: {errs:?}");
+        if s.clocks {
+            for (r, (e, took)) in errs.iter().enumerate() {
+                assert!(*took < Duration::from_secs(5), "{n} ranks: rank {r} took {took:?}: {e}");
             }
         }
     }
