@@ -271,9 +271,10 @@ pub(crate) struct LlChannel {
     /// The number of the last low-latency call this rank finished.
     done: AtomicU64,
     /// The number of the last call whose every member's post this rank has seen and
-    /// checked: `done`, or `done - 1` after a call that needed fewer members' posts than
-    /// all (a broadcast, a reduce off its root: see [`LlChannel::needs`]); then the next
-    /// call, or the communicator's next operation of any kind, settles it first.
+    /// checked (and of every call before it): `done`, or less after calls that needed
+    /// fewer members' posts than all (a broadcast, a reduce off its root: see
+    /// [`LlChannel::needs`]), which later calls settle as they must (see the module
+    /// documentation), and the communicator's next operation off the slots all at once.
     settled: AtomicU64,
     /// The number of the last call outside the ring this rank ran on its thread.
     last_sync: AtomicU64,
@@ -548,10 +549,10 @@ impl LlChannel {
     }
 
     /// Step 1: this rank's contribution `src` (the call's own bytes: see
-    /// [`LlSpec::contribution`]) into its slot, then the header, then `s` (a release store:
-    /// nothing waits here for the slot's cache line to come back from the members that read
-    /// it last). Members asleep on their doorbells are woken by [`LlChannel::wake_sleepers`],
-    /// which the caller runs after it (see there).
+    /// [`LlSpec::contribution`]) at `data` (in its header line `at`, or a data slot), then
+    /// the header, then `s` (a release store: nothing waits here for the line to come back
+    /// from the members that read it last). Members asleep on their doorbells are woken by
+    /// [`LlChannel::wake_sleepers`], which the caller runs after it (see there).
     fn post(&self, s: u64, call: u32, desc: &Desc, src: &[u8], at: usize, data: usize) {
         let seg = &self.segs[self.rank];
         if data == at + HDR && src.len() <= INLINE {
@@ -623,8 +624,7 @@ impl LlChannel {
     /// The members (as a bit set) whose posts of a call of `spec` this rank needs before it
     /// can finish: the root's for a broadcast off the root, nobody's for the broadcast's
     /// root and for a reduce off its root, everyone's otherwise. The posts it does not
-    /// wait for are checked (call number, descriptor) by its next call before that one
-    /// posts, which the two slots need anyway (see [`LlChannel::settle`]).
+    /// wait for are checked (call number, descriptor) later, by [`LlChannel::settle`].
     fn needs(&self, spec: &LlSpec) -> u64 {
         let r = self.rank;
         match spec.kind {
@@ -653,7 +653,7 @@ impl LlChannel {
         Err(Error::Mismatch { rank: me, peer: p, op: op(), what, cause: None })
     }
 
-    /// Step 3, once every member has posted `s`: the call's result into `out` (`None`:
+    /// Step 3, once the members it needs have posted: the call's result into `out` (`None`:
     /// this rank wants none, e.g. reduce off the root). `own`: where this rank's own
     /// contribution is read from (see [`Own`]).
     fn finish(&self, fabric: &Fabric, data: usize, spec: &LlSpec, out: Option<&mut [u8]>, own: Own<'_>) -> Result<()> {
