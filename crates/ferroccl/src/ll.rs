@@ -930,9 +930,8 @@ impl LlChannel {
         tend: &dyn Fn(Instant),
         op: &dyn Fn() -> Op,
     ) -> Result<()> {
-        let all = want;
-        let mut missing = all;
-        let mut checked = !all;
+        let mut missing = want;
+        let mut checked = !want;
         let mut spins = 0u32;
         let mut start: Option<Instant> = None;
         let mut tended = None::<Instant>;
@@ -944,7 +943,7 @@ impl LlChannel {
         loop {
             let seen = if slow { fabric.inbox.bell_seen() } else { 0 };
             missing = self.missing(s, line, missing);
-            let fresh = !missing & !checked & all;
+            let fresh = !missing & !checked & want;
             if fresh != 0 {
                 let mut f = fresh;
                 while f != 0 {
