@@ -669,36 +669,54 @@ pub fn forced_ll_two_roots_fail_at_the_next_operation(s: &Suite) {
     for next in ["allreduce", "allgather", "finalize"] {
         for n in 2..=4 {
             let ctx = format!("{n} ranks, then {next}");
-            let res = run_world(
-                n,
-                |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
-                |comm| -> Result<(ferroccl::Error, Duration), String> {
-                    let r = comm.rank();
-                    comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
-                    let t = std::time::Instant::now();
-                    let mut b = [r as f32; 2];
-                    let res = comm.broadcast(&mut b, usize::from(r != 0)).and_then(|()| match next {
-                        "allreduce" => comm.allreduce(&mut b, ReduceOp::Sum),
-                        "allgather" => comm.allgather(&vec![1f32; LL_SLOT], &mut vec![0f32; LL_SLOT * n]),
-                        _ => comm.finalize(),
-                    });
-                    match res {
-                        Err(e) => Ok((e, t.elapsed())),
-                        Ok(()) => Err(format!("rank {r}: no error")),
-                    }
-                },
-            );
-            let errs = all_ok(res).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-            let named = errs.iter().any(|(e, _)| {
-                let m = e.to_string();
-                matches!(e, ferroccl::Error::Mismatch { .. }) && m.contains("root 0") && m.contains("root 1")
+            let res = failing_step(s, n, |comm| {
+                let mut b = [comm.rank() as f32; 2];
+                comm.broadcast(&mut b, usize::from(comm.rank() != 0)).and_then(|()| match next {
+                    "allreduce" => comm.allreduce(&mut b, ReduceOp::Sum),
+                    "allgather" => comm.allgather(&vec![1f32; LL_SLOT], &mut vec![0f32; LL_SLOT * n]),
+                    _ => comm.finalize(),
+                })
             });
-            assert!(named, "{ctx}: no rank names the two roots: {errs:?}");
-            if s.clocks {
-                for (r, (e, took)) in errs.iter().enumerate() {
-                    assert!(*took < Duration::from_secs(5), "{ctx}: rank {r} took {took:?}: {e}");
-                }
+            every_rank_failed_one_naming(s, &ctx, res, ["root 0", "root 1"]);
+        }
+    }
+}
+
+/// Runs `step` on every rank of an `n`-rank world with the low-latency protocol forced,
+/// after a barrier: each rank's error and how long after the barrier it came (a rank
+/// whose step succeeds fails the world).
+fn failing_step(
+    s: &Suite,
+    n: usize,
+    step: impl Fn(Communicator) -> ferroccl::Result<()> + Sync,
+) -> Vec<Result<(ferroccl::Error, Duration), String>> {
+    run_world(
+        n,
+        |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
+        |comm| {
+            let r = comm.rank();
+            comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
+            let t = std::time::Instant::now();
+            match step(comm) {
+                Err(e) => Ok((e, t.elapsed())),
+                Ok(()) => Err(format!("rank {r}: no error")),
             }
+        },
+    )
+}
+
+/// Every rank's result is an error (after `took`), at least one a mismatch that names both
+/// `names`, none later than 5 s where the suite's clocks count.
+fn every_rank_failed_one_naming(s: &Suite, ctx: &str, res: Vec<Result<(ferroccl::Error, Duration), String>>, names: [&str; 2]) {
+    let errs = all_ok(res).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    let named = errs.iter().any(|(e, _)| {
+        let m = e.to_string();
+        matches!(e, ferroccl::Error::Mismatch { .. }) && names.iter().all(|n| m.contains(n))
+    });
+    assert!(named, "{ctx}: no rank's mismatch names {names:?}: {errs:?}");
+    if s.clocks {
+        for (r, (e, took)) in errs.iter().enumerate() {
+            assert!(*took < Duration::from_secs(5), "{ctx}: rank {r} took {took:?}: {e}");
         }
     }
 }
@@ -713,31 +731,11 @@ pub fn forced_ll_ring_and_sync_calls_mismatch_on_every_rank(s: &Suite) {
         return;
     }
     for n in 2..=4 {
-        let res = run_world(
-            n,
-            |r| ll_params(s, LlChoice::Force, LL_SLOT, r),
-            |comm| -> Result<(ferroccl::Error, Duration), String> {
-                let r = comm.rank();
-                comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
-                let t = std::time::Instant::now();
-                let mut b = [r as f32; 2];
-                let res = if r == 0 { comm.broadcast(&mut b, 0) } else { comm.allreduce(&mut b, ReduceOp::Sum) };
-                match res.and_then(|()| comm.finalize()) {
-                    Err(e) => Ok((e, t.elapsed())),
-                    Ok(()) => Err(format!("rank {r}: no error")),
-                }
-            },
-        );
-        let errs = all_ok(res).unwrap_or_else(|e| panic!("{n} ranks: {e}"));
-        let named = errs.iter().any(|(e, _)| {
-            let m = e.to_string();
-            matches!(e, ferroccl::Error::Mismatch { .. }) && m.contains("broadcast") && m.contains("allreduce")
+        let res = failing_step(s, n, |comm| {
+            let mut b = [comm.rank() as f32; 2];
+            let res = if comm.rank() == 0 { comm.broadcast(&mut b, 0) } else { comm.allreduce(&mut b, ReduceOp::Sum) };
+            res.and_then(|()| comm.finalize())
         });
-        assert!(named, "{n} ranks: no rank names both calls: {errs:?}");
-        if s.clocks {
-            for (r, (e, took)) in errs.iter().enumerate() {
-                assert!(*took < Duration::from_secs(5), "{n} ranks: rank {r} took {took:?}: {e}");
-            }
-        }
+        every_rank_failed_one_naming(s, &format!("{n} ranks"), res, ["broadcast", "allreduce"]);
     }
 }
