@@ -281,6 +281,30 @@ impl ShmSegment {
         Err(seg_err(name, io::ErrorKind::NotFound, format_args!("process {pid} holds no such segment")))
     }
 
+    /// [`find_anonymous`](Self::find_anonymous) then [`open_from`](Self::open_from),
+    /// looked up again (up to 20 times, 200 us apart) when the open fails: threads of one
+    /// process that map the same segment each hold a short-lived descriptor of it, which
+    /// a lookup may find and which may close before the open. `retry_missing`: also look
+    /// again when nothing is found (else that fails at once).
+    pub fn open_anonymous(pid: i32, name: &str, expected_len: usize, retry_missing: bool) -> io::Result<ShmSegment> {
+        const TRIES: u32 = 20;
+        let mut tries = 1;
+        loop {
+            let r = match Self::find_anonymous(pid, name) {
+                Ok(fd) => Self::open_from(pid, fd, name, expected_len),
+                Err(e) if !retry_missing => return Err(e),
+                Err(e) => Err(e),
+            };
+            match r {
+                Err(_) if tries < TRIES => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// The descriptor number peers open an anonymous segment through (`None`
     /// for named segments, segments opened from a peer, and after
     /// [`withdraw`](Self::withdraw)).

@@ -133,8 +133,6 @@ pub(crate) const RING: u64 = 128;
 /// before). At most half the ring, so that a member's header is still in its line when
 /// this rank checks it (see the module documentation).
 const LEAD: u64 = RING / 2;
-/// Looks for a member's segment before giving up (see `LlChannel::connect`).
-const OPEN_TRIES: u32 = 20;
 /// Most members a low-latency communicator may have (each call reads every member's slot).
 pub(crate) const MAX_RANKS: usize = 32;
 /// The bounce buffer reductions read slots through, split among the members.
@@ -384,22 +382,10 @@ impl LlChannel {
                 fabric.endpoint(w).ok().and_then(|e| e.shm_pid()).ok_or_else(|| format!("rank {p} is not reached over shm")).and_then(
                     |pid| {
                         let name = seg_name(fabric.job, comm, w);
-                        // The owner keeps its descriptor until every member has looked; but
-                        // ranks that are threads of one process also see each other's
-                        // short-lived descriptors of the same segment (opened to map it),
-                        // which may close between the lookup and the open: look again.
-                        let mut tries = 1;
-                        loop {
-                            let r =
-                                ShmSegment::find_anonymous(pid, &name).and_then(|fd| ShmSegment::open_from(pid, fd, &name, seg_len(cap)));
-                            match r {
-                                Err(_) if tries < OPEN_TRIES => {
-                                    tries += 1;
-                                    std::thread::sleep(Duration::from_micros(200));
-                                }
-                                r => break r.map_err(|e| format!("rank {p}'s segment: {e}")),
-                            }
-                        }
+                        // The owner keeps its descriptor until every member has looked; ranks
+                        // that are threads of one process also see each other's short-lived
+                        // descriptors of it: look again (`open_anonymous`).
+                        ShmSegment::open_anonymous(pid, &name, seg_len(cap), true).map_err(|e| format!("rank {p}'s segment: {e}"))
                     },
                 );
             match opened {
@@ -545,7 +531,7 @@ impl LlChannel {
         // oldest call whose line it does not overwrite, and the last call outside the ring
         // (whose line the next one of its kind may overwrite: see the module documentation).
         let settle_to = if want == all || !ring { s - 1 } else { s.saturating_sub(LEAD).max(self.last_sync.load(Ordering::Relaxed)) };
-        Place { want, settles: want == all, ring, line, data, settle_to }
+        Place { want, ring, line, data, settle_to }
     }
 
     /// Step 1: this rank's contribution `src` (the call's own bytes: see
@@ -878,7 +864,8 @@ impl LlChannel {
         if !place.ring {
             self.last_sync.store(s, Ordering::Relaxed);
         }
-        self.complete(fabric, s, place.settles);
+        // Waited for every member: the call settled itself.
+        self.complete(fabric, s, place.want == self.all_but_me());
         Ok(())
     }
 
@@ -1023,8 +1010,6 @@ impl LlChannel {
 struct Place {
     /// The members (a bit set) whose posts it waits for.
     want: u64,
-    /// `want` is every member: the call settles itself.
-    settles: bool,
     /// A ring call (see [`RING`]).
     ring: bool,
     /// Its header line in every member's segment.
@@ -1070,6 +1055,9 @@ pub(crate) struct LlRun {
     pub(crate) spec: LlSpec,
     /// The call's number on the channel (assigned at submission).
     pub(crate) s: u64,
+    /// Its header line and where its data lies ([`LlChannel::place`] of `s`).
+    line: usize,
+    data: usize,
     posted: bool,
     checked: u64,
     /// Counted in the channel's `queued`.
@@ -1078,12 +1066,14 @@ pub(crate) struct LlRun {
 
 impl LlRun {
     pub(crate) fn new(chan: Arc<LlChannel>, spec: LlSpec) -> LlRun {
-        LlRun { chan, spec, s: 0, posted: false, checked: 0, queued: false }
+        LlRun { chan, spec, s: 0, line: 0, data: 0, posted: false, checked: 0, queued: false }
     }
 
     /// Numbered `s` and handed to the engine.
     pub(crate) fn submitted(&mut self, s: u64) {
         self.s = s;
+        let place = self.chan.place(s, &self.spec);
+        (self.line, self.data) = (place.line, place.data);
         self.posted = false;
         self.checked = 0;
         if !self.queued {
@@ -1105,12 +1095,7 @@ impl LlRun {
         if !self.posted {
             return self.may_post();
         }
-        self.chan.missing(self.s, self.line(), self.chan.all_but_me()) == 0
-    }
-
-    /// Its header line.
-    fn line(&self) -> usize {
-        self.chan.place(self.s, &self.spec).line
+        self.chan.missing(self.s, self.line, self.chan.all_but_me()) == 0
     }
 
     /// Whether this rank finished the call before (and so every member posted it: a call
@@ -1125,7 +1110,7 @@ impl LlRun {
         if !self.posted {
             return Vec::new();
         }
-        self.chan.worlds(self.chan.missing(self.s, self.line(), self.chan.all_but_me())).collect()
+        self.chan.worlds(self.chan.missing(self.s, self.line, self.chan.all_but_me())).collect()
     }
 
     /// Moves the call as far as it goes now.
@@ -1151,10 +1136,7 @@ impl LlRun {
                 _ => output,
             };
             region
-                .with_slice(off, len, |src| {
-                    let place = chan.place(self.s, &self.spec);
-                    chan.post(self.s, call, desc, src, place.line, place.data)
-                })
+                .with_slice(off, len, |src| chan.post(self.s, call, desc, src, self.line, self.data))
                 .map_err(|e| Error::internal(format!("{}: low-latency post: {e}", named())))?;
             // The engine may sleep before it looks again: wake sleeping members now.
             chan.wake_sleepers(fabric);
@@ -1162,7 +1144,7 @@ impl LlRun {
             moved = true;
         }
         let all = chan.all_but_me();
-        let line = self.line();
+        let line = self.line;
         let missing = chan.missing(self.s, line, all);
         let fresh = !missing & !self.checked & all;
         let mut f = fresh;
@@ -1178,7 +1160,7 @@ impl LlRun {
         }
         let len = output.len();
         output
-            .with_slice_mut(0, len, |out| chan.finish(fabric, chan.place(self.s, &self.spec).data, &self.spec, Some(out), Own::Slot))
+            .with_slice_mut(0, len, |out| chan.finish(fabric, self.data, &self.spec, Some(out), Own::Slot))
             .map_err(|e| Error::internal(format!("{}: low-latency result: {e}", named())))??;
         chan.complete(fabric, self.s, true);
         self.leave();

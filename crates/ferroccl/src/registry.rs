@@ -336,8 +336,6 @@ impl PeerRegions {
 /// Bytes of a shared window's segment before its data: one page of header, so that the
 /// data starts page-aligned and peers reading the header never share a cache line with it.
 pub(crate) const SHARED_HEADER: usize = 4096;
-/// Opens of a peer's shared window tried before giving up (see `SharedWindow::open`).
-const OPEN_TRIES: u32 = 20;
 /// Header word: the window's key while it is live, 0 from the moment its owner drops it.
 const SHARED_LIVE: usize = 0;
 /// Header word: 1 when peers may write the window.
@@ -411,21 +409,9 @@ impl SharedWindow {
             .ok()
             .and_then(|l| l.checked_add(SHARED_HEADER))
             .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "window too large"))?;
-        // Ranks that are threads of one process also see each other's short-lived
-        // descriptors of the segment (opened to map it), which may close between the
-        // lookup and the open: look again then (not when nothing is found: a dropped or
-        // forged window costs no wait).
-        let mut tries = 1;
-        let seg = loop {
-            let fd = ShmSegment::find_anonymous(pid, &name)?;
-            match ShmSegment::open_from(pid, fd, &name, total) {
-                Err(_) if tries < OPEN_TRIES => {
-                    tries += 1;
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
-                r => break r?,
-            }
-        };
+        // Looked up again when a thread-rank's short-lived descriptor closes under the
+        // lookup; not when nothing is found (a dropped or forged window costs no wait).
+        let seg = ShmSegment::open_anonymous(pid, &name, total, false)?;
         let w = SharedWindow { seg: Arc::new(seg), key };
         if !w.live() {
             return Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("shared window {name} was dropped")));
