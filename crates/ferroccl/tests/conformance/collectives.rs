@@ -682,6 +682,28 @@ pub fn forced_ll_two_roots_fail_at_the_next_operation(s: &Suite) {
     }
 }
 
+/// Two roots deep in a run of broadcasts from root 0: at call 20 of 150 rank 1 broadcasts
+/// from itself. Nobody waits for the other root there, and the calls after it agree again,
+/// so it is found only when the ranks settle the calls they ran ahead of, many at once (by
+/// the digest of each member's calls); the mismatch must still name the call that differs
+/// (both roots), and every rank fails; 2 to 4 ranks.
+pub fn forced_ll_a_mismatch_deep_in_a_run_ahead_names_its_call(s: &Suite) {
+    if s.wire != Wire::Shm {
+        return;
+    }
+    for n in 2..=4 {
+        let res = failing_step(s, n, |comm| {
+            let mut b = [comm.rank() as f32; 2];
+            for i in 0..150 {
+                let root = usize::from(i == 20 && comm.rank() == 1);
+                comm.broadcast(&mut b, root)?;
+            }
+            comm.finalize()
+        });
+        every_rank_failed_one_naming(s, &format!("{n} ranks"), res, ["root 0", "root 1"]);
+    }
+}
+
 /// Runs `step` on every rank of an `n`-rank world with the low-latency protocol forced,
 /// after a barrier: each rank's error and how long after the barrier it came (a rank
 /// whose step succeeds fails the world).

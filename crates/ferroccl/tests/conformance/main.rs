@@ -73,6 +73,7 @@ macro_rules! conformance_suite {
             collectives::forced_ll_is_on_in_every_thread_rank_world,
             collectives::forced_ll_runs_ahead_and_stays_correct,
             collectives::forced_ll_two_roots_fail_at_the_next_operation,
+            collectives::forced_ll_a_mismatch_deep_in_a_run_ahead_names_its_call,
             collectives::forced_ll_ring_and_sync_calls_mismatch_on_every_rank,
             alltoallv::alltoallv_equals_the_reference,
             alltoallv::alltoallv_pairwise_equals_the_reference,
