@@ -29,7 +29,8 @@
 # fastest batch).
 #
 # All: same op (sum), same sizes, same calls per batch, same warm-up, a barrier before each
-# batch, the slowest rank's time per call, one checked call per mode. FerroCCL: --transport
+# batch, the slowest rank's time per call, one checked call per mode before the batches (the MPI peers
+# also one after them). FerroCCL: --transport
 # shm. Open MPI: mpirun --bind-to none --mca btl self,vader (sm from Open MPI 5),
 # --oversubscribe when ranks > cores; MPICH: mpirun -bind-to none. Persistent: MPI-4's
 # MPI_*_init (MPICH >= 4) or Open MPI 4.1's MPIX_*_init (<mpi-ext.h>, the pcollreq
@@ -184,8 +185,12 @@ run() {
         tail -3 "$log.err" >&2 || true
     fi
     grep -q "wrong elements: 0 OK" "$log" || echo "latency.sh: $impl $dtype $coll n=$n round $round: no clean check in $log" >&2
+    # A (size, mode) whose checked calls gave wrong elements ("#wrong SIZE MODE COUNT", the
+    # MPI peers) is left out of the tables: its times are not of a working collective.
+    awk '$1 == "#wrong" { print "latency.sh: '"$impl $dtype $coll n=$n round $round"': " $3 " at " $2 " B gave " $4 " wrong elements: left out" }' "$log" >&2
     awk -v impl="$impl" -v n="$n" -v d="$dtype" -v c="$coll" -v round="$round" '
-        $1 == "#batch" { k = $2 " " $3; print impl, d, c, n, $2, $3, round, b[k]++, $4 }' "$log" >>"$data"
+        FNR == NR { if ($1 == "#wrong") bad[$2 " " $3] = 1; next }
+        $1 == "#batch" && !(($2 " " $3) in bad) { k = $2 " " $3; print impl, d, c, n, $2, $3, round, b[k]++, $4 }' "$log" "$log" >>"$data"
 }
 
 impls=(F "${avail[@]}")

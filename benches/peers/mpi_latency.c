@@ -27,9 +27,9 @@
  * alternating batch by batch (blocking first in even batches, persistent first in odd
  * ones); a batch is a barrier, then ITERS timed calls; its time per call is the slowest
  * rank's (max over the ranks). Before the batches: one checked call of each mode, then
- * WARMUP calls of each (every rank's input is rank + 1; allreduce and reduce_scatter must
- * give n(n+1)/2, allgather block r must be r + 1, broadcast 1; all exact in bf16 up to 22
- * ranks).
+ * WARMUP calls of each, and after them one more checked call of each (every rank's input
+ * is rank + 1; allreduce and reduce_scatter must give n(n+1)/2, allgather block r must be
+ * r + 1, broadcast 1; all exact in bf16 up to 22 ranks).
  *
  *   mpicc -O2 -o target/peers/mpi_latency benches/peers/mpi_latency.c
  *       (Open MPI and MPICH side by side on Debian/Ubuntu: mpicc.openmpi, mpicc.mpich)
@@ -324,13 +324,14 @@ int main(int argc, char **argv) {
 #endif
 
         /* One checked call of each mode, then the warm-up. */
+        int wrong[NMODES] = {0}, wrong_sum[NMODES] = {0};
         for (int m = 0; m < nmodes; m++) {
             if (in_len)
                 fill(in[m], in_len, rank + 1);
             else
                 fill(out[m], out_len, rank + 1);
             call(m, in[m], out[m], count, &req);
-            for (size_t k = 0; k < out_len; k++) wrong_total += get(out[m], k) != want(k, count);
+            for (size_t k = 0; k < out_len; k++) wrong[m] += get(out[m], k) != want(k, count);
             fill(in[m], in_len, 0);
             fill(out[m], out_len, 0);
             for (int w = 0; w < warmup; w++) call(m, in[m], out[m], count, &req);
@@ -348,6 +349,24 @@ int main(int argc, char **argv) {
                 if (raw && rank == 0) printf("#batch %zu %s %.3f\n", sizes[si], mode_names[m], slowest);
             }
         }
+        /* And one checked call of each mode after them: a mode that moved the data only in
+         * its first call (a persistent request reused wrongly) fails here. */
+        for (int m = 0; m < nmodes; m++) {
+            if (in_len)
+                fill(in[m], in_len, rank + 1);
+            else
+                fill(out[m], out_len, rank + 1);
+            if (in_len) fill(out[m], out_len, 0);
+            call(m, in[m], out[m], count, &req);
+            for (size_t k = 0; k < out_len; k++) wrong[m] += get(out[m], k) != want(k, count);
+        }
+        /* A mode that gave wrong elements at this size: said per mode (benches/latency.sh
+         * leaves its batches out). */
+        MPI_Allreduce(wrong, wrong_sum, NMODES, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+        for (int m = 0; m < nmodes; m++) {
+            wrong_total += wrong_sum[m];
+            if (rank == 0 && wrong_sum[m]) printf("#wrong %zu %s %d\n", sizes[si], mode_names[m], wrong_sum[m]);
+        }
         if (rank == 0) {
             for (int m = 0; m < nmodes; m++) {
                 qsort(t[m], (size_t)batches, sizeof(double), cmp_double);
@@ -362,8 +381,7 @@ int main(int argc, char **argv) {
             free(out[m]);
         }
     }
-    int wrong_all = 0;
-    MPI_Allreduce(&wrong_total, &wrong_all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    int wrong_all = wrong_total; /* summed over the ranks above */
     if (rank == 0) printf("# wrong elements: %d %s\n", wrong_all, wrong_all ? "FAILED" : "OK");
     for (int m = 0; m < NMODES; m++) free(t[m]);
     if (bf16) MPI_Op_free(&sum_op);
