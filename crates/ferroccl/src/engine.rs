@@ -768,17 +768,24 @@ impl Engine {
     /// quiet round.
     fn round(&self, jobs: &mut Vec<Arc<Job>>, slow: bool) -> bool {
         let fabric = &self.fabric;
-        {
+        // Jobs submitted since the last round are polled before the transports are read
+        // (then read after them if any is left): a call that waits for nothing (a
+        // broadcast's root, a send into room) finishes without a read of the sockets.
+        let fresh = {
             let mut s = lock(&self.submitted);
-            if !s.is_empty() {
+            let fresh = !s.is_empty();
+            if fresh {
                 jobs.append(&mut s);
             }
-        }
+            fresh
+        };
         let serving = self.serving();
         if jobs.is_empty() && !serving {
             return false;
         }
-        self.drain();
+        if !fresh {
+            self.drain();
+        }
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
@@ -835,6 +842,10 @@ impl Engine {
                     fabric.inbox.notify();
                 }
             }
+        }
+        if fresh && (!jobs.is_empty() || serving) {
+            self.drain();
+            moved = true;
         }
         moved
     }
