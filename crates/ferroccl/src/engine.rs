@@ -768,9 +768,10 @@ impl Engine {
     /// quiet round.
     fn round(&self, jobs: &mut Vec<Arc<Job>>, slow: bool) -> bool {
         let fabric = &self.fabric;
-        // Jobs submitted since the last round are polled before the transports are read
-        // (then read after them if any is left): a call that waits for nothing (a
-        // broadcast's root, a send into room) finishes without a read of the sockets.
+        // Jobs submitted since the last round are polled before the transports are read,
+        // and polled again after it if any is left: a call that waits for nothing (a
+        // broadcast's root, a send into room) finishes without a read of the sockets, and
+        // one whose data has arrived still finishes in this round.
         let fresh = {
             let mut s = lock(&self.submitted);
             let fresh = !s.is_empty();
@@ -796,6 +797,20 @@ impl Engine {
         }
         let fatal = fabric.inbox.has_fatal();
         let mut moved = !fatal && self.serve_rma(serving);
+        moved |= self.poll_jobs(jobs, fatal, now);
+        if fresh && !jobs.is_empty() {
+            // What has arrived may finish them now.
+            self.drain();
+            moved |= self.poll_jobs(jobs, fabric.inbox.has_fatal(), now);
+        }
+        moved
+    }
+
+    /// Polls every job once (`fatal`: the fabric is poisoned; `now`: the clock, on the
+    /// rounds that read it), finishing those that are done; whether anything moved.
+    fn poll_jobs(&self, jobs: &mut Vec<Arc<Job>>, fatal: bool, now: Option<Instant>) -> bool {
+        let fabric = &self.fabric;
+        let mut moved = false;
         let mut i = 0;
         while i < jobs.len() {
             let outcome = {
@@ -842,10 +857,6 @@ impl Engine {
                     fabric.inbox.notify();
                 }
             }
-        }
-        if fresh && (!jobs.is_empty() || serving) {
-            self.drain();
-            moved = true;
         }
         moved
     }
