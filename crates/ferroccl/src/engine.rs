@@ -771,7 +771,9 @@ impl Engine {
         // Jobs submitted since the last round are polled before the transports are read,
         // and polled again after it if any is left: a call that waits for nothing (a
         // broadcast's root, a send into room) finishes without a read of the sockets, and
-        // one whose data has arrived still finishes in this round.
+        // one whose data has arrived still finishes in this round. Every CLOCK_EVERY-th
+        // round reads them first anyway, so that a rank that only sends still sees what
+        // its peers report (an abort, a failure) within a few calls.
         let fresh = {
             let mut s = lock(&self.submitted);
             let fresh = !s.is_empty();
@@ -784,12 +786,13 @@ impl Engine {
         if jobs.is_empty() && !serving {
             return false;
         }
-        if !fresh {
-            self.drain();
-        }
         // Busy rounds read the clock every CLOCK_EVERY rounds; rounds that yield or sleep
         // between them, every time.
         let tick = self.rounds.fetch_add(1, Ordering::Relaxed);
+        let fresh = fresh && !tick.is_multiple_of(CLOCK_EVERY);
+        if !fresh {
+            self.drain();
+        }
         let now = (slow || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
         if let Some(now) = now {
             fabric.check_health(now);
