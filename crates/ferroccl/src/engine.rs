@@ -772,8 +772,8 @@ impl Engine {
         // and polled again after it if any is left: a call that waits for nothing (a
         // broadcast's root, a send into room) finishes without a read of the sockets, and
         // one whose data has arrived still finishes in this round. Every CLOCK_EVERY-th
-        // round reads them first anyway, so that a rank that only sends still sees what
-        // its peers report (an abort, a failure) within a few calls.
+        // round reads them first anyway: should calls keep finishing in their first poll, a
+        // rank still reads what its peers report (an abort, a failure) every few calls.
         let fresh = {
             let mut s = lock(&self.submitted);
             let fresh = !s.is_empty();

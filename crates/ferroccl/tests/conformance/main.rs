@@ -88,6 +88,7 @@ macro_rules! conformance_suite {
             nonblocking::groups_run_as_one_unit,
             nonblocking::requests_are_futures_and_progress_without_a_waiter,
             nonblocking::abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes,
+            nonblocking::a_rank_that_only_sends_hears_of_a_peers_abort,
             nonblocking::plans_start_in_scopes_next_to_other_operations,
             nonblocking::eight_ranks_on_two_cores_make_progress_without_waiters,
             nonblocking::forced_ll_interleaved_nonblocking_collectives_equal_the_reference,

@@ -412,6 +412,59 @@ pub fn abort_unblocks_a_rank_waiting_for_a_peer_that_never_comes(s: &Suite) {
     abort_while_a_peer_never_comes(s, &|r| params(s, r), 1000, false, &|comm| comm.barrier());
 }
 
+/// A rank that only sends still hears of a peer's abort: rank 0 broadcasts 8 B in a loop
+/// (off the low-latency slots: every call a job that needs nothing from the peer), rank 1
+/// aborts its communicator and then stays alive without calling anything. Rank 0 must fail
+/// with the abort within 2,000 calls of it, not go on succeeding while the peer's socket or
+/// ring still takes its data (measured: it fails in the call where it first sees rank 1's
+/// flag, or, over shm, when the ring is full just before).
+pub fn a_rank_that_only_sends_hears_of_a_peers_abort(s: &Suite) {
+    let (aborted, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    let res = run_world(
+        2,
+        |r| Params { ll: LlChoice::Off, ..params(s, r) },
+        |comm| -> Result<(), String> {
+            let r = comm.rank();
+            comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
+            if r == 1 {
+                std::thread::sleep(Duration::from_millis(20));
+                comm.abort();
+                aborted.store(true, Ordering::SeqCst);
+                // Alive, calling nothing, until rank 0 is done.
+                let t0 = Instant::now();
+                while !done.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                return Ok(());
+            }
+            let sent = || -> Result<(), String> {
+                let mut b = [1.0f32; 2];
+                let mut after = None::<u64>;
+                for i in 0u64..1_000_000 {
+                    if after.is_none() && aborted.load(Ordering::SeqCst) {
+                        after = Some(i);
+                    }
+                    match comm.broadcast(&mut b, 0) {
+                        Ok(()) if after.is_some_and(|a| i - a > 2_000) => {
+                            return Err(format!("rank 0: still succeeding 2,000 calls after rank 1 aborted (call {i})"));
+                        }
+                        Ok(()) => {}
+                        Err(Error::Aborted { by: Some(1), .. }) => return Ok(()),
+                        Err(e) => return Err(format!("rank 0: call {i}: {e:?}")),
+                    }
+                }
+                Err("rank 0: a million calls and no abort".into())
+            };
+            let r = sent();
+            done.store(true, Ordering::SeqCst);
+            r
+        },
+    );
+    for r in res {
+        assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
 /// Rank 1 never joins rank 0's allreduce of `count` f32 (with `params`); rank 0 aborts from
 /// another thread, and its call fails with `Aborted` promptly (over shm, with `want_ll`,
 /// naming a low-latency call); so does `after` on rank 0, and rank 1's allreduce, which then
