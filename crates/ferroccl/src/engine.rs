@@ -769,9 +769,9 @@ impl Engine {
     fn round(&self, jobs: &mut Vec<Arc<Job>>, slow: bool) -> bool {
         let fabric = &self.fabric;
         // Jobs submitted since the last round are polled before the transports are read,
-        // and polled again after it if any is left: a call that waits for nothing (a
-        // broadcast's root, a send into room) finishes without a read of the sockets, and
-        // one whose data has arrived still finishes in this round. Every CLOCK_EVERY-th
+        // and polled again after it if any is left: a call's sends leave before the read,
+        // and one whose data has arrived finishes in this round with one read (over tcp,
+        // fewer `recv`s that find nothing). Every CLOCK_EVERY-th
         // round reads them first anyway: should calls keep finishing in their first poll, a
         // rank still reads what its peers report (an abort, a failure) every few calls.
         let fresh = {
