@@ -662,7 +662,12 @@ impl LlChannel {
         } else {
             format!("rank {me} called {} as call #{call}, rank {p} called {} as call #{theirs}", proto::describe(desc), proto::describe(&d))
         };
-        Err(Error::Mismatch { rank: me, peer: p, op: op(), what, cause: None })
+        Err(self.mismatch(p, op(), what))
+    }
+
+    /// This rank's mismatch with member `p` in `op`.
+    fn mismatch(&self, p: usize, op: Op, what: String) -> Error {
+        Error::Mismatch { rank: self.rank, peer: p, op, what, cause: None }
     }
 
     /// Step 3, once the members it needs have posted: the call's result into `out` (`None`:
@@ -925,16 +930,14 @@ impl LlChannel {
                         self.settled.fetch_max(upto, Ordering::AcqRel);
                         return Ok(());
                     }
-                    Some(p) => Error::Mismatch {
-                        rank: self.rank,
-                        peer: p,
-                        op: op(),
-                        what: format!(
+                    Some(p) => self.mismatch(
+                        p,
+                        op(),
+                        format!(
                             "rank {} and rank {p} made different calls before call #{call} (their digests of the calls up to it differ)",
                             self.rank
                         ),
-                        cause: None,
-                    },
+                    ),
                 }
             }
             Err(e @ Error::Mismatch { .. }) => e,
@@ -955,7 +958,7 @@ impl LlChannel {
                         self.rank,
                         proto::describe(&desc)
                     );
-                    return Err(Error::Mismatch { rank: self.rank, peer: p, op: op(), what, cause: None });
+                    return Err(self.mismatch(p, op(), what));
                 }
                 self.check_call(line, p, call, &desc, &op)?;
             }
