@@ -204,6 +204,10 @@ fn killed_with(transport: &str, during: &str, env: &[(&str, &str)]) -> Job {
         assert!(secs < 5.0, "rank {r} took {secs} s to notice: {line}");
     }
     assert!(j.wall < Duration::from_secs(30), "took {:?}", j.wall);
+    // The survivors' flight records agree; the launcher blames the one that left none.
+    assert!(j.stderr.contains(&format!("no record from rank(s) {victim} ")), "{}", j.all());
+    assert!(j.stderr.contains(&format!("ferroccl-run: culprit: rank {victim} (was killed by signal SIGKILL (9))\n")), "{}", j.all());
+    assert!(!j.stderr.contains("[0] ferroccl-flight "), "the records themselves are shown only with -v\n{}", j.all());
     j
 }
 
@@ -508,6 +512,9 @@ fn a_stopped_rank_times_out_a_small_allreduce() {
             let relayed = (0..n).filter(|&o| o != 1 && o != r).any(|o| line.contains(&format!("because rank {o} gave up in allreduce")));
             assert!(j.stdout.contains(&want) || relayed, "{n} ranks: rank {r} is not a timeout for rank 1 alone\n{}", j.all());
         }
+        // The launcher's verdict blames the stopped rank, stopped (killed) by the launcher.
+        let culprit = "ferroccl-run: culprit: rank 1 (still running after the others had failed: stopped by the runner)";
+        assert!(j.stderr.contains(culprit) && j.stderr.contains("no record from rank(s) 1 "), "{n} ranks\n{}", j.all());
         // Every rank is gone, the stopped one included.
         for r in 0..n {
             let pid = j
@@ -697,6 +704,12 @@ fn low_latency_mismatches_fail_every_rank_promptly() {
             }
             let l0 = lines[0].as_deref().unwrap_or_default();
             assert!(l0.contains(", ll)"), "{ctx}: rank 0 was not in a low-latency call: {l0}");
+            // The launcher's verdict: the members parted at call #2 (after the barrier); of
+            // four ranks, rank 0 is the one whose call differs from the others'.
+            assert!(j.stderr.contains("parted at call #2 ("), "{ctx}: no verdict\n{}", j.all());
+            if n == 4 {
+                assert!(j.stderr.contains("ferroccl-run: culprit: rank 0 ("), "{ctx}: rank 0 not blamed\n{}", j.all());
+            }
             eprintln!("{ctx}: slowest rank failed after {:.3} s", lines.iter().flatten().map(|l| secs(l)).fold(0.0, f64::max));
         }
     }
@@ -806,6 +819,11 @@ fn a_rank_that_left_is_not_waited_for() {
                 let named =
                     lines.iter().flatten().filter(|l| l.contains(&format!("rank {} finalized the communicator after call #1", n - 1)));
                 assert!(named.count() >= 1, "{ctx}: nobody names the rank that left\n{}", j.all());
+                // The launcher's verdict from the flight records: the others parted from it at
+                // call #2, which it never reached.
+                let want = format!("rank {} never reached it (its last call: #1)", n - 1);
+                assert!(j.stderr.contains("parted at call #2 (allreduce") && j.stderr.contains(&want), "{ctx}\n{}", j.all());
+                assert!(j.stderr.contains(&format!("ferroccl-run: culprit: rank {} (", n - 1)), "{ctx}\n{}", j.all());
             }
         }
     }
@@ -1235,5 +1253,82 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
             );
             eprintln!("{case}, cut: {line}");
         }
+    }
+}
+
+/// The flight recorder's destinations: `FERROCCL_FLIGHT_RECORDER=PREFIX` writes each
+/// survivor's record to `PREFIX<rank>` (the launcher reads the files and gives the same
+/// verdict), `off` records nothing (no verdict); with `-v` the launcher shows the records
+/// themselves.
+#[test]
+fn flight_records_go_where_the_knob_says() {
+    let dir = std::env::temp_dir().join(format!("ferroccl-flight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = format!("{}/rec.", dir.display());
+    let j = job(3, "shm", &["kill", "--victim", "1", "--during", "allreduce"], &[("FERROCCL_FLIGHT_RECORDER", &prefix)]);
+    for r in [0, 2] {
+        let text = std::fs::read_to_string(format!("{prefix}{r}")).unwrap_or_else(|e| panic!("rank {r}'s record: {e}\n{}", j.all()));
+        let recs = ferroccl::flight::parse(&text);
+        assert_eq!(recs.len(), 1, "{text}");
+        assert_eq!((recs[0].rank, recs[0].members.clone()), (r, vec![0, 1, 2]));
+        let last = recs[0].last().unwrap_or_else(|| panic!("rank {r} recorded no call: {text}"));
+        assert!(last.op.starts_with("allreduce(count 4, f32") && !last.done, "rank {r}: {last:?}");
+        assert!(j.stderr.contains(&format!("[{r}] ferroccl: rank {r}: flight record written to {prefix}{r}")), "{}", j.all());
+    }
+    assert!(!std::path::Path::new(&format!("{prefix}1")).exists(), "the killed rank wrote a record");
+    assert!(j.stderr.contains("ferroccl-run: culprit: rank 1 (was killed by signal SIGKILL (9))"), "{}", j.all());
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let j = job(3, "shm", &["kill", "--victim", "1", "--during", "allreduce"], &[("FERROCCL_FLIGHT_RECORDER", "off")]);
+    assert_eq!(j.code, Some(137), "{}", j.all());
+    assert!(!j.stderr.contains("flight") && !j.stderr.contains("culprit"), "{}", j.all());
+
+    let mut c = std::process::Command::new(RUN);
+    c.args(["-n", "2", "-v", "--transport", "tcp", "--timeout", "120", "--", SELFTEST, "fault", "--case", "skip", "--count", "4"]);
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[0] ferroccl-flight rank=0 comm=0x0 member=0 size=2 members=0,1 "), "{err}");
+    assert!(err.contains("ferroccl-run: culprit: rank 1 ("), "{err}");
+}
+
+/// `FERROCCL_DEBUG` and `FERROCCL_DEBUG_SUBSYS`: INFO limited to `coll` explains each
+/// call's first occurrence once (algorithm, protocol, estimates) and says nothing of setup;
+/// WARN says nothing in a job that goes well; 1 still means INFO (setup lines included).
+#[test]
+fn logs_follow_the_debug_level_and_subsystems() {
+    for transport in ["shm", "tcp"] {
+        let env = [("FERROCCL_DEBUG", "INFO"), ("FERROCCL_DEBUG_SUBSYS", "coll")];
+        let j = job(2, transport, &["coll", "--counts", "7,100000"], &env);
+        assert_eq!(j.code, Some(0), "{}", j.all());
+        for r in 0..2 {
+            let lines: Vec<&str> = j.stderr.lines().filter(|l| l.starts_with(&format!("[{r}] ferroccl "))).collect();
+            assert!(lines.iter().all(|l| l.starts_with(&format!("[{r}] ferroccl INFO coll: rank {r}: "))), "{transport}: {lines:#?}");
+            let big =
+                lines.iter().find(|l| l.contains("allreduce (100000 x f32, sum")).unwrap_or_else(|| panic!("{transport}: {lines:#?}"));
+            assert!(big.contains("by the cost model") && big.contains("rendezvous") && big.contains("estimates over"), "{big}");
+            let mut seen = std::collections::HashSet::new();
+            assert!(lines.iter().all(|l| seen.insert(*l)), "{transport}: rank {r} explained a call twice: {lines:#?}");
+        }
+        let j = job(2, transport, &["coll", "--counts", "7"], &[("FERROCCL_DEBUG", "WARN")]);
+        assert_eq!(j.code, Some(0), "{}", j.all());
+        assert!(!j.stderr.contains("ferroccl "), "{transport}: WARN logged in a clean job\n{}", j.all());
+    }
+    let j = job(2, "tcp", &["coll", "--counts", "7"], &[("FERROCCL_DEBUG", "1")]);
+    assert!(
+        j.stderr.contains("[0] ferroccl INFO init: rank 0 -> rank 1: tcp")
+            && j.stderr.contains("ferroccl INFO transport: rank 1: tcp listens on"),
+        "{}",
+        j.all()
+    );
+    // A failure is a WARN of `health` on every survivor, with its culprit.
+    let j = job(
+        3,
+        "shm",
+        &["kill", "--victim", "1", "--during", "allreduce"],
+        &[("FERROCCL_DEBUG", "WARN"), ("FERROCCL_DEBUG_SUBSYS", "health")],
+    );
+    for r in [0, 2] {
+        let warned = j.stderr.lines().any(|l| l.starts_with(&format!("[{r}] ferroccl WARN health: rank {r}: ")) && l.contains("rank 1"));
+        assert!(warned, "rank {r} gave no warning naming rank 1\n{}", j.all());
     }
 }

@@ -21,6 +21,7 @@ use crate::comm::{Communicator, PartBufs};
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, PodType, Result};
 use crate::ll::{LlChannel, LlRun};
+use crate::logging::{flog, Subsys};
 use crate::params::LlChoice;
 use crate::pod::Wire;
 use crate::prepared::Prepared;
@@ -143,6 +144,11 @@ impl Communicator {
                     None => algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?,
                 };
                 let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op, ll };
+                if crate::logging::enabled(Subsys::Coll, log::Level::Info)
+                    && self.explained.lock().unwrap_or_else(|e| e.into_inner()).insert(key)
+                {
+                    flog!(Info, Coll, "{}", self.explain(&shape, algo, &prep));
+                }
                 self.sched_cache.insert(key, prep.clone());
                 prep
             }
@@ -185,19 +191,33 @@ impl Communicator {
         let r = ch.run(fabric, s, call, desc, spec, input, output, fabric.params.timeout, &|now| self.engine().tend(now), &|| {
             name.numbered(call)
         });
-        r.map_err(|e| fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r)))
+        match r {
+            Ok(()) => {
+                self.flight.finished(call);
+                Ok(())
+            }
+            Err(e) => Err(fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r))),
+        }
     }
 
     fn collective(&self, call: Call<'_>) -> Result<()> {
         let out_len = call.output_len();
         let spec = call.spec();
         let Call { coll, dtype, op, count, pod, input, output, .. } = call;
+        // One load and a compare when nothing is logged (the messages live out of line).
+        let logging = log::max_level() >= log::LevelFilter::Info;
+        if logging {
+            self.log_call(spec);
+        }
         // The low-latency path needs no schedule: nothing to look up.
         if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Coll(coll), dtype, op, count)) {
             let in_place = input.is_none();
             let (_, desc, id) = self.identity(coll, dtype, op, count, in_place, Algo::Ll);
             let id = id.with_pod(pod);
             self.check_usable(&id)?;
+            if logging {
+                self.explain_ll_once(coll, dtype, op, count, in_place, &id);
+            }
             if let Some(numbers) = self.begin_ll(ch, &desc) {
                 let spec = LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place };
                 return self.run_ll(ch, numbers, &desc, &spec, &id, input, output);
@@ -219,6 +239,67 @@ impl Communicator {
         });
         self.scratch().put(scratch);
         r
+    }
+
+    /// How a call runs, for the `coll` log at its first occurrence: the algorithm and why,
+    /// the protocol, the chunks, and what the cost model estimated for each candidate.
+    fn explain(&self, shape: &Shape, algo: Algo, prep: &Prepared) -> String {
+        let p = &self.fabric().params;
+        let link = if self.any_tcp() { TCP_LINK } else { SHM_LINK };
+        let bytes = shape.count.saturating_mul(shape.dtype.size());
+        let place = if shape.in_place { "in place" } else { "out of place" };
+        let mut s = format!("rank {}: {} on {} ranks, {bytes} B per rank, {place}: ", self.rank(), prep.name, shape.n);
+        if algo == Algo::Ll {
+            s += "low-latency protocol (one round through the shared slots)";
+        } else {
+            let why = if p.algo == Some(algo) { "FERROCCL_ALGO" } else { "the cost model" };
+            let chunk = p.chunk_bytes.min(bytes.max(1));
+            let proto = match p.proto {
+                crate::params::ProtoChoice::Eager => "eager (FERROCCL_PROTO)".to_string(),
+                crate::params::ProtoChoice::Rendezvous => "rendezvous (FERROCCL_PROTO)".to_string(),
+                _ if chunk <= p.eager_max => format!("eager (pieces up to {} B)", p.eager_max),
+                _ => format!("rendezvous (pieces over {} B)", p.eager_max),
+            };
+            s += &format!(
+                "{algo} by {why}; {proto}; chunks of up to {chunk} B, {} in flight per peer; schedule of {} steps, {} B of scratch",
+                p.slots,
+                prep.sched.steps.len(),
+                prep.sched.scratch_bytes
+            );
+        }
+        let est = select::estimates(shape.coll, shape.n, bytes, shape.dtype, shape.op, link);
+        let est: Vec<String> = est.iter().map(|(a, t)| format!("{a} {t:.1}")).collect();
+        s += &format!("; estimates over {} (us): {}", if self.any_tcp() { "tcp" } else { "shm" }, est.join(", "));
+        if self.ll.is_some() {
+            s += &format!(", ll {:.1}", select::ll_estimate(shape.coll, shape.n, bytes));
+        }
+        s
+    }
+
+    /// The `coll` log's line for every call (`TRACE`).
+    #[cold]
+    #[inline(never)]
+    fn log_call(&self, call: CallSpec) {
+        flog!(Trace, Coll, "rank {}: {} of {} x {} ({})", self.rank(), call.name, call.count, call.dtype, call.op);
+    }
+
+    /// The `coll` log of a low-latency call's first occurrence (the path looks nothing up:
+    /// this runs only when the log is enabled).
+    #[cold]
+    #[inline(never)]
+    fn explain_ll_once(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize, in_place: bool, id: &Op) {
+        if !crate::logging::enabled(Subsys::Coll, log::Level::Info) {
+            return;
+        }
+        let key = (coll, dtype, op, count, in_place);
+        if !self.explained.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+            return;
+        }
+        let p = &self.fabric().params;
+        let shape =
+            Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
+        let prep = Prepared { name: id.clone(), desc: [0; 16], sched: Default::default(), dtype, op, ll: None };
+        flog!(Info, Coll, "{}", self.explain(&shape, Algo::Ll, &prep));
     }
 
     fn run_coll(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Result<()> {

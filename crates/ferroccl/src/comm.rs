@@ -1,6 +1,6 @@
 //! The communicator: a group of ranks that can talk to each other.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,14 +11,16 @@ use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::{with_region, with_region_ro, RegionHandle};
 
 use crate::algo::ll::{LlKind, LlSpec};
-use crate::algo::{control, Schedule};
+use crate::algo::{control, Collective, Schedule};
 use crate::bootstrap::env::{self, LaunchEnv, StoreRole};
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::engine::{Engine, Job, JobBody, Part, Streams};
 use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{job_id, Fabric, FabricConfig};
+use crate::flight::Flight;
 use crate::ll::{self, LlChannel};
+use crate::logging::{flog, Subsys};
 use crate::params::{LlChoice, Params, ProtoChoice};
 use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
@@ -81,6 +83,17 @@ pub struct Communicator {
     departed: AtomicBool,
     /// The low-latency channel (every member on this host, reached over shm; see `crate::ll`).
     pub(crate) ll: Option<Arc<LlChannel>>,
+    /// The flight recorder of this communicator's calls (also held by its streams).
+    pub(crate) flight: Arc<Flight>,
+    /// Low-latency calls already explained in the `coll` log (touched only when it is on).
+    pub(crate) explained: Box<Mutex<HashSet<CallKey>>>,
+}
+
+/// A call's shape as the schedule cache keys it: collective, dtype, op, count, in place.
+pub(crate) type CallKey = (Collective, DType, ReduceOp, usize, bool);
+
+fn lock_streams(s: &Mutex<Streams>) -> std::sync::MutexGuard<'_, Streams> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Counts inits per (store, job token, world size, rank) so that several communicators in
@@ -157,20 +170,22 @@ impl Communicator {
             server: server as Option<StoreServer>,
             key_prefix,
         })?;
-        if fabric.params.debug {
+        if crate::logging::enabled(Subsys::Init, log::Level::Info) {
             for p in 0..fabric.size {
                 if p != fabric.rank {
-                    eprintln!("ferroccl: rank {} -> rank {p}: {}", fabric.rank, fabric.transport_kind(p).map_or("?", TransportKind::name));
+                    flog!(Info, Init, "rank {} -> rank {p}: {}", fabric.rank, fabric.transport_kind(p).map_or("?", TransportKind::name));
                 }
             }
-            eprintln!("ferroccl: rank {} connected in {:?}", fabric.rank, fabric.setup_time);
+            flog!(Info, Init, "rank {} connected in {:?}", fabric.rank, fabric.setup_time);
         }
         let members: Arc<[usize]> = (0..cfg.world_size).collect();
         let any_tcp = members.iter().any(|&w| fabric.transport_kind(w) == Some(TransportKind::Tcp));
         let ll = connect_ll(&fabric, ll_seg, 0, &members, cfg.rank)?;
         let engine = Engine::new(fabric);
         let seqs = engine.streams(0, members.clone(), cfg.rank);
+        let flight = lock_streams(&seqs).flight().clone();
         Ok(Communicator {
+            flight,
             any_tcp,
             engine,
             id: 0,
@@ -182,6 +197,7 @@ impl Communicator {
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
             ll,
+            explained: Box::default(),
         })
     }
 
@@ -298,6 +314,20 @@ impl Communicator {
         if !self.fabric().inbox.has_fatal() {
             return Ok(());
         }
+        self.refuse(op)
+    }
+
+    /// [`Communicator::check_usable`] on a fabric that has failed (out of line: the check
+    /// is on every call's path).
+    #[cold]
+    #[inline(never)]
+    fn refuse(&self, op: &Op) -> Result<()> {
+        if matches!(op, Op::Collective { .. } | Op::Barrier { .. } | Op::Split { .. }) {
+            // The flight record shows that this rank got to the call (before the fatal
+            // error below writes it out).
+            let next = lock_streams(&self.seqs).calls().wrapping_add(1);
+            self.flight.refused(next, &op.to_string());
+        }
         match self.fabric().fatal_error(op) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -348,6 +378,7 @@ impl Communicator {
             probe_at: now,
             probe_gap: Duration::ZERO,
             signal: 0,
+            flight: Some(self.flight.clone()),
         };
         body.start_clock(now, self.fabric().params.timeout);
         body
@@ -573,18 +604,22 @@ impl Communicator {
         }
         let any_tcp = members.iter().any(|&w| self.fabric().transport_kind(w) == Some(TransportKind::Tcp));
         let ll = connect_ll(self.fabric(), ll_seg, id, &members, rank)?;
+        let seqs = self.engine.streams(id, members.clone(), rank);
+        let flight = lock_streams(&seqs).flight().clone();
         Ok(Some(Communicator {
+            flight,
             ll,
             any_tcp,
             engine: self.engine.clone(),
             id,
             rank,
-            seqs: self.engine.streams(id, members.clone(), rank),
+            seqs,
             members,
             splits: Mutex::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
+            explained: Box::default(),
         }))
     }
 

@@ -42,12 +42,13 @@ use crate::algo::Schedule;
 use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
+use crate::flight::Flight;
 use crate::inbox::Backoff;
 use crate::ll::LlRun;
 use crate::p2p::XferCtx;
-use crate::params::FaultSite;
+use crate::params::{FaultSite, FlightDest};
 use crate::poll::Poll;
-use crate::proto::{self, Desc, Leave, CHANNELS, NO_DESC};
+use crate::proto::{self, Desc, Leave, CHANNELS};
 use crate::rma::RmaServer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -56,9 +57,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Where one communicator's ordered streams stand: the next sequence number of each
 /// (channel, direction, peer), flattened, the number of calls every member makes
-/// (collectives, barriers, splits) submitted so far, and the descriptors of the last few of
-/// them (to answer a peer's probe). Owned by the communicator, known to the engine (which
-/// answers probes) through a weak reference.
+/// (collectives, barriers, splits) submitted so far, and the flight recorder of the last
+/// calls (their descriptors also answer a peer's probe). Owned by the communicator, known to
+/// the engine (which answers probes) through a weak reference.
 #[derive(Debug)]
 pub(crate) struct Streams {
     /// The communicator's id, its members' world ranks and this rank in it.
@@ -67,19 +68,26 @@ pub(crate) struct Streams {
     rank: usize,
     next: Vec<u32>,
     calls: u32,
-    /// (call number, descriptor) of the last [`RECENT_CALLS`] calls, by call number modulo.
-    recent: [(u32, Desc); RECENT_CALLS],
     /// Low-latency calls numbered so far (see `crate::ll`).
     ll: u64,
+    /// The communicator's flight recorder: every numbered call is written to it.
+    flight: Arc<Flight>,
 }
 
-/// Calls whose descriptors a communicator remembers for probes.
+/// Calls whose descriptors a communicator remembers for probes, at least (the flight
+/// recorder's ring, whatever `FERROCCL_FLIGHT_ENTRIES` says).
 const RECENT_CALLS: usize = 16;
 
 impl Streams {
-    fn new(id: u32, members: Arc<[usize]>, rank: usize) -> Streams {
+    fn new(id: u32, members: Arc<[usize]>, rank: usize, flight_entries: usize) -> Streams {
         let n = members.len();
-        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, recent: [(0, NO_DESC); RECENT_CALLS], ll: 0 }
+        let flight = Arc::new(Flight::new(id, rank, members.clone(), flight_entries));
+        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, ll: 0, flight }
+    }
+
+    /// The communicator's flight recorder.
+    pub(crate) fn flight(&self) -> &Arc<Flight> {
+        &self.flight
     }
 
     fn index(&self, chan: u8, send: bool, peer: usize) -> usize {
@@ -98,7 +106,12 @@ impl Streams {
     /// Numbers the next call every member makes (from 1), with descriptor `desc`.
     pub(crate) fn next_call(&mut self, desc: &Desc) -> u32 {
         self.calls = self.calls.wrapping_add(1);
-        self.recent[self.calls as usize % RECENT_CALLS] = (self.calls, *desc);
+        self.flight.posted(self.calls, desc);
+        self.calls
+    }
+
+    /// Calls numbered so far (every member numbers the same calls alike).
+    pub(crate) fn calls(&self) -> u32 {
         self.calls
     }
 
@@ -195,6 +208,8 @@ pub(crate) struct JobBody {
     pub(crate) probe_gap: Duration,
     /// The value the signal steps of this run raise (a transfer plan's version).
     pub(crate) signal: u64,
+    /// The communicator's flight recorder: told when a collective part finishes.
+    pub(crate) flight: Option<Arc<Flight>>,
 }
 
 /// A collective call that has waited this long tells the peers it waits for which call it
@@ -240,7 +255,7 @@ impl JobBody {
     fn poll(&mut self, fabric: &Fabric) -> Result<Poll<()>> {
         let mut moved = false;
         let mut all = true;
-        let JobBody { comm, rank, members, parts, deadline, signal, .. } = self;
+        let JobBody { comm, rank, members, parts, deadline, signal, flight, .. } = self;
         let mut earlier_done = true;
         for p in parts.iter_mut() {
             if p.finished {
@@ -287,6 +302,11 @@ impl JobBody {
                             .map_err(|e| Error::internal(format!("{}: copying a fused result out: {e}", p.name)))?;
                     }
                     p.finished = true;
+                    if p.chan == proto::CHAN_COLL && p.call != 0 {
+                        if let Some(f) = flight {
+                            f.finished(p.call);
+                        }
+                    }
                     moved = true;
                 }
                 Poll::Moved => {
@@ -457,6 +477,12 @@ pub(crate) struct Engine {
     rounds: AtomicU32,
     /// The stream state of every communicator on this fabric, to answer probes.
     comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
+    /// The flight recorder of every communicator on this fabric (a list of its own: a dump
+    /// may happen where the streams' locks must not be taken).
+    flights: Mutex<Vec<Weak<Flight>>>,
+    /// Set once the flight records are written (see [`Engine::dump_flight`]).
+    flight_dumped: AtomicBool,
+    flight_dumping: Mutex<()>,
     closed: AtomicBool,
     /// The window server (see `crate::rma`).
     rma: RmaServer,
@@ -480,7 +506,7 @@ impl Engine {
         let park = Arc::new(Park { held: fabric.peer_regions.held_counter(), ..Park::default() });
         let online = std::thread::available_parallelism().map_or(1, usize::from);
         let shared_cpus = fabric.ranks_on_this_machine() > online;
-        Arc::new(Engine {
+        let engine = Arc::new(Engine {
             shared_cpus,
             fabric,
             submitted: Mutex::default(),
@@ -488,9 +514,19 @@ impl Engine {
             park,
             rounds: AtomicU32::new(0),
             comms: Mutex::default(),
+            flights: Mutex::default(),
+            flight_dumped: AtomicBool::new(false),
+            flight_dumping: Mutex::default(),
             closed: AtomicBool::new(false),
             rma: RmaServer::default(),
-        })
+        });
+        let weak = Arc::downgrade(&engine);
+        engine.fabric.on_fatal(Box::new(move |reason| {
+            if let Some(e) = weak.upgrade() {
+                e.dump_flight(reason);
+            }
+        }));
+        engine
     }
 
     /// The fabric every call runs over.
@@ -511,11 +547,75 @@ impl Engine {
     /// The stream state of a new communicator (`id`, its members' world ranks, this rank
     /// in it), known to the engine from now on.
     pub(crate) fn streams(&self, id: u32, members: Arc<[usize]>, rank: usize) -> Arc<Mutex<Streams>> {
-        let st = Arc::new(Mutex::new(Streams::new(id, members, rank)));
+        let p = &self.fabric.params;
+        let entries = if p.flight_recorder == FlightDest::Off { 0 } else { p.flight_entries };
+        // The ring also answers the peers' probes: it keeps the last RECENT_CALLS at least.
+        let entries = entries.max(RECENT_CALLS);
+        let st = Streams::new(id, members, rank, entries);
+        {
+            let mut flights = lock(&self.flights);
+            flights.retain(|w| w.strong_count() > 0);
+            flights.push(Arc::downgrade(st.flight()));
+        }
+        let st = Arc::new(Mutex::new(st));
         let mut comms = lock(&self.comms);
         comms.retain(|w| w.strong_count() > 0);
         comms.push(Arc::downgrade(&st));
         st
+    }
+
+    /// Writes the flight record of every communicator on this fabric (see
+    /// `crate::flight`) to stderr, or to the file `FERROCCL_FLIGHT_RECORDER` names; called
+    /// whenever an operation meets the fatal state: the first time the whole records,
+    /// later only what was added to them since (usually nothing).
+    pub(crate) fn dump_flight(&self, reason: &str) {
+        if self.fabric.params.flight_recorder == FlightDest::Off {
+            return;
+        }
+        // One dump at a time, so that the pieces of a record are written in order.
+        let _one = lock(&self.flight_dumping);
+        let flights: Vec<Arc<Flight>> = lock(&self.flights).iter().filter_map(Weak::upgrade).collect();
+        let world = self.fabric.rank;
+        let lines: Vec<String> = flights.iter().flat_map(|f| f.take_dump(world, reason)).collect();
+        if lines.is_empty() {
+            return;
+        }
+        let first = !self.flight_dumped.swap(true, Ordering::AcqRel);
+        self.write_flight(&lines, !first);
+    }
+
+    fn write_flight(&self, lines: &[String], append: bool) {
+        let world = self.fabric.rank;
+        let mut text = String::new();
+        for l in lines {
+            text.push_str(l);
+            text.push('\n');
+        }
+        match &self.fabric.params.flight_recorder {
+            FlightDest::Off => {}
+            FlightDest::Files(prefix) => {
+                let mut path = prefix.clone().into_os_string();
+                path.push(world.to_string());
+                let written = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(&path)
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()));
+                if append && written.is_ok() {
+                    return;
+                }
+                let said = match written {
+                    Ok(()) => format!("ferroccl: rank {world}: flight record written to {}\n", path.to_string_lossy()),
+                    Err(e) => format!("ferroccl: rank {world}: cannot write the flight record to {}: {e}\n{text}", path.to_string_lossy()),
+                };
+                let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), said.as_bytes());
+            }
+            FlightDest::Stderr => {
+                let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+            }
+        }
     }
 
     /// Answers the peers' probes: a peer in call `k` of a communicator whose call `k` here
@@ -529,8 +629,8 @@ impl Engine {
             let Some(st) = st else { continue };
             let fault = {
                 let st = lock(&st);
-                let (k, mine) = st.recent[call as usize % RECENT_CALLS];
-                if k != call || mine == theirs {
+                let Some(mine) = st.flight.desc_of(call) else { continue };
+                if mine == theirs {
                     continue;
                 }
                 let p = st.members.iter().position(|&w| w == peer).unwrap_or(peer);

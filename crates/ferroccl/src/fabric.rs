@@ -22,6 +22,7 @@ use crate::bootstrap::{StoreClient, StoreServer};
 use crate::error::{Error, Fault, FaultKind, Op, Result};
 use crate::health::Health;
 use crate::inbox::{Backoff, Events, Inbox};
+use crate::logging::{flog, Subsys};
 use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
@@ -48,10 +49,24 @@ pub(crate) struct FabricConfig {
     pub(crate) key_prefix: String,
 }
 
+/// See [`Fabric::on_fatal`].
+pub(crate) type FatalHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// Runs when an operation first meets the fabric's fatal state (see [`Fabric::on_fatal`]).
+#[derive(Default)]
+struct FatalHookCell(std::sync::OnceLock<FatalHook>);
+
+impl std::fmt::Debug for FatalHookCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() { "FatalHook(set)" } else { "FatalHook(unset)" })
+    }
+}
+
 /// This process's mesh, inbox, registrations and health: everything the engine runs calls
 /// over.
 #[derive(Debug)]
 pub(crate) struct Fabric {
+    fatal_hook: FatalHookCell,
     pub(crate) rank: usize,
     pub(crate) size: usize,
     pub(crate) params: Params,
@@ -92,9 +107,20 @@ impl Fabric {
     pub(crate) fn connect(cfg: FabricConfig) -> Result<Fabric> {
         let t0 = Instant::now();
         let FabricConfig { rank, size, token, params, store, server, key_prefix } = cfg;
+        crate::logging::install(params.debug, params.debug_subsys);
+        if crate::logging::enabled(Subsys::Init, log::Level::Info) {
+            // The knobs this rank's environment sets (the token is a secret: named, not shown).
+            for var in crate::params::PARAMS.iter().map(|p| p.name) {
+                if let Ok(v) = std::env::var(var) {
+                    let v = if var == "FERROCCL_TOKEN" { "(set)" } else { v.as_str() };
+                    flog!(Info, Init, "rank {rank}: {var}={v}");
+                }
+            }
+        }
         let deadline = t0 + params.timeout;
         let (mesh, inbox, watches) = Mesh::connect(rank, size, &token, &params, &store, &key_prefix, deadline)?;
         let fabric = Fabric {
+            fatal_hook: FatalHookCell::default(),
             rank,
             size,
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
@@ -166,9 +192,7 @@ impl Fabric {
                 match ferroccl_kernels::ParPool::new(threads) {
                     Ok(p) => Some(p),
                     Err(e) => {
-                        if self.params.debug {
-                            eprintln!("ferroccl: rank {}: local reductions stay on one thread: {e}", self.rank);
-                        }
+                        flog!(Warn, Init, "rank {}: local reductions stay on one thread: {e}", self.rank);
                         None
                     }
                 }
@@ -300,7 +324,25 @@ impl Fabric {
 
     /// The error for the fabric's fatal state, if any, as seen by an operation.
     pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
-        self.health.fatal_error(op)
+        let e = self.health.fatal_error(op);
+        if let Some(e) = &e {
+            self.fatal_seen(e);
+        }
+        e
+    }
+
+    /// Sets what runs when an operation first meets the fabric's fatal state (the engine's
+    /// flight-record dump; the fabric knows no engine). Set once.
+    pub(crate) fn on_fatal(&self, hook: FatalHook) {
+        let _ = self.fatal_hook.0.set(hook);
+    }
+
+    /// An operation met the fatal state, with error `e`: the hook runs (it does its work
+    /// once).
+    fn fatal_seen(&self, e: &Error) {
+        if let Some(h) = self.fatal_hook.0.get() {
+            h(&e.to_string());
+        }
     }
 
     /// For a mismatch `err` found in what a peer left behind (a message, a slot), the cause
@@ -351,7 +393,11 @@ impl Fabric {
     /// [`Fabric::poison`] for an error of a call on a communicator whose rank `r` is world
     /// rank `world(r)`.
     pub(crate) fn poison_in(&self, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
-        self.health.poison_in(&self.mesh, err, world)
+        let err = self.health.poison_in(&self.mesh, err, world);
+        if self.inbox.has_fatal() {
+            self.fatal_seen(&err);
+        }
+        err
     }
 
     /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Fault, FaultKind, Op};
 use crate::inbox::Inbox;
+use crate::logging::flog;
 use crate::mesh::{Mesh, Watch};
 use crate::proto;
 
@@ -63,6 +64,7 @@ impl Health {
                     ev.set_fault_from(Fault::from_error(&first, &|r| r), Some(first));
                 }
                 Some(p) if !ev.closed.contains(p) => {
+                    flog!(Warn, Health, "rank {}: rank {p} exited (pid {}) without closing its communicator", self.rank, w.pid());
                     ev.set_fatal(*p, format!("exited (pid {}) without closing its communicator (killed or crashed?)", w.pid()))
                 }
                 Some(_) => {}
@@ -119,11 +121,14 @@ impl Health {
         let cause = fault.root_cause(Some(self.rank));
         self.inbox.lock().set_fault_from(fault, Some(err.duplicate()));
         self.tell_peers_and_cut(mesh);
-        err.with_cause(cause)
+        let err = err.with_cause(cause);
+        flog!(Warn, Health, "rank {}: fatal: {err}", self.rank);
+        err
     }
 
     /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.
     pub(crate) fn poison_fault(&self, mesh: &Mesh, fault: Fault) {
+        flog!(Warn, Health, "rank {}: fatal: {} ({})", self.rank, fault.what, fault.op);
         self.inbox.lock().set_fault(fault);
         self.tell_peers_and_cut(mesh);
         self.inbox.notify();
@@ -131,6 +136,7 @@ impl Health {
 
     /// Aborts every operation on the fabric, pending and later, and tells every peer.
     pub(crate) fn abort(&self, mesh: &Mesh) {
+        flog!(Info, Health, "rank {}: aborted by this process", self.rank);
         let aborted = || Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
         {
             let mut ev = self.inbox.lock();

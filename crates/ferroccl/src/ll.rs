@@ -87,6 +87,7 @@ use crate::algo::ll::{LlKind, LlSpec};
 use crate::algo::{select, Collective};
 use crate::error::{Error, Op, Result};
 use crate::fabric::{Fabric, PARK_NAP};
+use crate::logging::flog;
 use crate::params::FaultSite;
 use crate::poll::Poll;
 use crate::proto::{self, Desc};
@@ -418,11 +419,7 @@ impl LlChannel {
                 }
             }
         }
-        let say = |why: &str| {
-            if fabric.params.debug {
-                eprintln!("ferroccl: rank {}: low-latency path off for communicator {comm:#x}: {why}", fabric.rank);
-            }
-        };
+        let say = |why: &str| flog!(Info, Init, "rank {}: low-latency path off for communicator {comm:#x}: {why}", fabric.rank);
         if let Some(why) = failed {
             own.atomic_u32(READY_OFF).store(READY_FAILED, Ordering::SeqCst);
             say(&why);
@@ -455,13 +452,13 @@ impl LlChannel {
         let online = std::thread::available_parallelism().map_or(1, usize::from).max(cpus);
         let shared = n > cpus || local > online;
         let policy = WaitPolicy::new(shared, fabric.params.spin_us);
-        if fabric.params.debug {
-            eprintln!(
-                "ferroccl: rank {}: low-latency path on for communicator {comm:#x} ({n} ranks, slots of {cap} B, {cpus} CPUs among them, {local} ranks on this host: {})",
-                fabric.rank,
-                if shared { "CPUs shared: waits yield at once" } else { "a CPU each: waits spin first" }
-            );
-        }
+        flog!(
+            Info,
+            Init,
+            "rank {}: low-latency path on for communicator {comm:#x} ({n} ranks, slots of {cap} B, {cpus} CPUs among them, {local} ranks on this host: {})",
+            fabric.rank,
+            if shared { "CPUs shared: waits yield at once" } else { "a CPU each: waits spin first" }
+        );
         Ok(Some(LlChannel {
             segs,
             rank,

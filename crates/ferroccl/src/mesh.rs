@@ -16,6 +16,7 @@ use crate::bootstrap::auth;
 use crate::bootstrap::StoreClient;
 use crate::error::{Error, Fault, Result};
 use crate::inbox::{Bell, Inbox};
+use crate::logging::flog;
 use crate::params::{Params, TransportChoice};
 use crate::transport::shm::{ShmNet, ShmSetup};
 use crate::transport::tcp::{DriveGuard, Paused, TcpNet, TcpSetup};
@@ -144,6 +145,7 @@ impl Mesh {
         // A listener for tcp peers.
         let tcp = if open(TransportKind::Tcp) {
             let ip: IpAddr = crate::transport::tcp::listen_ip(params, store.local_addr().ip())?;
+            flog!(Info, Transport, "rank {rank}: tcp listens on {ip}");
             Some(TcpSetup::listen(rank, ip, params)?)
         } else {
             None

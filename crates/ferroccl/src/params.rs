@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::algo::Algo;
 use crate::error::{Error, Result};
+pub use crate::logging::{DebugLevel, Subsys, SubsysSet};
 
 /// One declared knob.
 #[derive(Debug, Clone, Copy)]
@@ -55,7 +56,10 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_SLOTS", default: "4", doc: "Chunks in flight per peer in the pipelined collective algorithms (mesh, in-place ring): the pipeline's depth, and the scratch memory it needs (slots x FERROCCL_CHUNK_BYTES per peer). 1 to 64. Must be the same on every rank." },
     Param { name: "FERROCCL_STORE_MAX_VALUE", default: "67108864", doc: "Largest value (bytes) the bootstrap store accepts; larger set requests are refused." },
     Param { name: "FERROCCL_REG_CACHE_ENTRIES", default: "256", doc: "Registrations the registration cache keeps (keyed by address range; least recently used are evicted first, never one in use). Repeated calls on the same buffer reuse its registration." },
-    Param { name: "FERROCCL_DEBUG", default: "0", doc: "1: print the transport chosen for each peer and setup times to stderr." },
+    Param { name: "FERROCCL_DEBUG", default: "0", doc: "Logs, as NCCL_DEBUG: 0 (none), WARN (failures and their culprits, paths given up), INFO (also setup: transports, addresses, knobs set; and each call's first occurrence: algorithm, protocol, chunks, the cost model's estimates), TRACE (also every call and registration); 1 means INFO. Records go through the `log` crate (targets ferroccl::init, ::transport, ::coll, ::plan, ::reg, ::health) to the application's logger; where it installed none, the first communicator installs one that writes them to stderr as `ferroccl LEVEL subsys: message`." },
+    Param { name: "FERROCCL_DEBUG_SUBSYS", default: "all", doc: "Subsystems whose records FerroCCL's stderr logger writes, as NCCL_DEBUG_SUBSYS: comma-separated names among init, transport, coll, plan, reg, health (or all); a leading ^ excludes the list (^reg,plan)." },
+    Param { name: "FERROCCL_FLIGHT_RECORDER", default: "stderr", doc: "Where a rank writes its flight record (each communicator's last FERROCCL_FLIGHT_ENTRIES calls: number, collective, dtype, count, algorithm, done or pending, times) when a call fails for good (a fatal error, a timeout): stderr, a path prefix (the record goes to PREFIX<world rank>, and one line on stderr says so), or off (nothing recorded). ferroccl-run reads the records and names the first call the ranks parted at and who never reached it." },
+    Param { name: "FERROCCL_FLIGHT_ENTRIES", default: "64", doc: "Calls each communicator's flight recorder keeps (0 to 65536; 0: none)." },
 ];
 
 /// The protocol of collective transfers.
@@ -186,7 +190,13 @@ pub struct Params {
     /// `FERROCCL_LAUNCHER_PID`.
     pub launcher_pid: Option<i32>,
     /// `FERROCCL_DEBUG`.
-    pub debug: bool,
+    pub debug: DebugLevel,
+    /// `FERROCCL_DEBUG_SUBSYS`.
+    pub debug_subsys: SubsysSet,
+    /// `FERROCCL_FLIGHT_RECORDER`.
+    pub flight_recorder: FlightDest,
+    /// `FERROCCL_FLIGHT_ENTRIES`.
+    pub flight_entries: usize,
     /// `FERROCCL_STORE_MAX_VALUE` (read by whoever serves the store).
     pub store_max_value: usize,
     /// `FERROCCL_ALGO`: `None` for the cost model, else the algorithm to use for the
@@ -219,6 +229,17 @@ pub struct Params {
     pub ib_timeout: u8,
     /// `FERROCCL_INJECT_FAULT`: for FerroCCL's own tests, a fault to inject.
     pub inject_fault: Option<InjectedFault>,
+}
+
+/// Where a rank writes its flight record (`FERROCCL_FLIGHT_RECORDER`; see [`crate::flight`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FlightDest {
+    /// Calls are not recorded.
+    Off,
+    /// To stderr (the default).
+    Stderr,
+    /// To the file `PREFIX<world rank>` (a path prefix).
+    Files(std::path::PathBuf),
 }
 
 /// Where `FERROCCL_INJECT_FAULT` makes a rank fail, as an internal error, in the middle of
@@ -273,7 +294,10 @@ impl Default for Params {
             shm_cma: false,
             eager_max: 64 << 10,
             launcher_pid: None,
-            debug: false,
+            debug: DebugLevel::Off,
+            debug_subsys: SubsysSet::ALL,
+            flight_recorder: FlightDest::Stderr,
+            flight_entries: 64,
             store_max_value: 64 << 20,
             algo: None,
             proto: ProtoChoice::Auto,
@@ -469,7 +493,26 @@ impl Params {
             p.inject_fault = Some(InjectedFault { site, rank: rank.parse().map_err(|_| bad())? });
         }
         if let Some(v) = get("FERROCCL_DEBUG") {
-            p.debug = parse_bool("FERROCCL_DEBUG", &v)?;
+            p.debug = DebugLevel::parse(&v).ok_or_else(|| Error::Env {
+                var: "FERROCCL_DEBUG".into(),
+                problem: format!("{v:?} is not one of 0, WARN, INFO, TRACE (1 means INFO)"),
+            })?;
+        }
+        if let Some(v) = get("FERROCCL_FLIGHT_RECORDER") {
+            p.flight_recorder = match v.trim() {
+                "" | "stderr" => FlightDest::Stderr,
+                x if x.eq_ignore_ascii_case("off") || x == "0" => FlightDest::Off,
+                prefix => FlightDest::Files(prefix.into()),
+            };
+        }
+        if let Some(v) = get("FERROCCL_FLIGHT_ENTRIES") {
+            p.flight_entries = parse_num("FERROCCL_FLIGHT_ENTRIES", &v)?;
+            if p.flight_entries > 65536 {
+                return Err(Error::Env { var: "FERROCCL_FLIGHT_ENTRIES".into(), problem: format!("{v:?} must be at most 65536") });
+            }
+        }
+        if let Some(v) = get("FERROCCL_DEBUG_SUBSYS") {
+            p.debug_subsys = SubsysSet::parse(&v).map_err(|problem| Error::Env { var: "FERROCCL_DEBUG_SUBSYS".into(), problem })?;
         }
         Ok(p)
     }
@@ -519,6 +562,9 @@ impl Params {
         }
         if self.spin_us.is_some_and(|us| us > 1_000_000) {
             return bad("spin_us must be at most 1000000 (1 s)".into());
+        }
+        if self.flight_entries > 65536 {
+            return bad(format!("flight_entries {} must be at most 65536", self.flight_entries));
         }
         if self.reduce_threads.is_some_and(|t| !(1..=256).contains(&t)) {
             return bad("reduce_threads must be 1 to 256".into());
@@ -593,6 +639,8 @@ mod tests {
             ("FERROCCL_SOCKET_IFNAME", "^"),
             ("FERROCCL_SOCKET_IFNAME", " , "),
             ("FERROCCL_DEBUG", "maybe"),
+            ("FERROCCL_DEBUG_SUBSYS", "init,net"),
+            ("FERROCCL_FLIGHT_ENTRIES", "100000"),
             ("FERROCCL_ALGO", "bubble"),
             ("FERROCCL_PROTO", "pigeon"),
             ("FERROCCL_LL_MAX_BYTES", "1G"),

@@ -48,6 +48,7 @@ use crate::coll::CallSpec;
 use crate::comm::Communicator;
 use crate::engine::Job;
 use crate::error::{Error, Op, Result};
+use crate::logging::flog;
 use crate::prepared::Prepared;
 use crate::proto::Desc;
 
@@ -90,6 +91,20 @@ impl<'a, T: Pod> Plan<'a, T> {
         fabric.register_cached(out.handle());
         fabric.register_cached(&scratch);
         let ll = prep.ll.filter(|_| comm.ll.is_some()).map(|spec| (spec, prep.desc, prep.name.clone()));
+        flog!(
+            Info,
+            Plan,
+            "rank {}: plan of {}: {}, buffers registered once ({} B out, {} B scratch)",
+            comm.rank(),
+            prep.name,
+            if ll.is_some() {
+                "runs on the low-latency slots".to_string()
+            } else {
+                format!("a schedule of {} steps", prep.sched.steps.len())
+            },
+            out.handle().len(),
+            prep.sched.scratch_bytes
+        );
         let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
         let job = Job::new(comm.job_body(vec![part]));
         Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, ll, _t: PhantomData })

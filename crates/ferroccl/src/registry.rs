@@ -16,6 +16,7 @@ use ferroccl_mem::ShmSegment;
 
 use crate::error::Result;
 use crate::inbox::{Backoff, Inbox};
+use crate::logging::flog;
 use crate::proto;
 use crate::transport::verbs::{self, RemoteRegion, UserMr, VerbsEndpoint, VerbsNet};
 use crate::transport::{Endpoint, RemoteBuf, WriteGrant};
@@ -594,6 +595,7 @@ impl Registry {
                 cache.entries.insert(range, RegEntry { key, bound: key, last_use: clock });
                 cache.stats.registrations += 1;
                 cache.stats.registered_bytes += h.len() as u64;
+                flog!(Trace, Reg, "registered {} B at {:#x} as {key:#x} ({} entries)", h.len(), h.addr(), cache.entries.len());
                 let mut regions = self.inbox.regions.write().unwrap_or_else(|e| e.into_inner());
                 regions.insert(key, h.clone());
                 if cache.entries.len() > self.max_entries {
@@ -608,6 +610,7 @@ impl Registry {
                         cache.entries.remove(&r);
                         regions.remove(&k);
                         cache.stats.evictions += 1;
+                        flog!(Trace, Reg, "evicted {} B at {:#x} ({k:#x}), least recently used", r.1, r.0);
                         cache.stats.registered_bytes -= r.1 as u64;
                     }
                 }

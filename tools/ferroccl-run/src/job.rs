@@ -77,6 +77,10 @@ pub(crate) struct Job {
     pub(crate) ranks: Vec<Rank>,
     pub(crate) pumps: Vec<(usize, JoinHandle<()>)>,
     pub(crate) verbose: bool,
+    /// Flight-record lines the ranks wrote to stderr.
+    pub(crate) flight: crate::output::FlightLines,
+    /// Ranks the runner stopped (still running after the grace, or at the timeout).
+    pub(crate) stopped: Vec<usize>,
 }
 
 /// The runner's decision to stop the ranks still running.
@@ -98,7 +102,9 @@ impl Job {
     }
 
     /// Sends SIGTERM to the running ranks and schedules SIGKILL `after` from now.
-    pub(crate) fn begin_stop(&self, stopping: &mut Option<Stopping>, after: Duration) {
+    pub(crate) fn begin_stop(&mut self, stopping: &mut Option<Stopping>, after: Duration) {
+        let running = self.running();
+        self.stopped.extend(running.iter().filter(|r| !self.stopped.contains(r)).collect::<Vec<_>>());
         self.signal_running(Signal::SIGTERM);
         let kill_at = Instant::now() + after;
         match stopping {

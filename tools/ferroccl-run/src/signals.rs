@@ -21,7 +21,7 @@ pub(crate) fn catch() -> io::Result<Signals> {
 /// Acts on the signals that arrived since the last call: the first sends `SIGTERM` to the
 /// `running` ranks (and schedules `SIGKILL`) and is kept in `got`; any later one sends
 /// `SIGKILL` at once.
-pub(crate) fn forward(signals: &mut Signals, job: &Job, running: &[usize], got: &mut Option<i32>, stopping: &mut Option<Stopping>) {
+pub(crate) fn forward(signals: &mut Signals, job: &mut Job, running: &[usize], got: &mut Option<i32>, stopping: &mut Option<Stopping>) {
     for sig in signals.pending() {
         if got.is_none() {
             *got = Some(sig);

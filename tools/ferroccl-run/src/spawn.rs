@@ -228,11 +228,13 @@ pub(crate) fn spawn_all(opts: &Options, path: &Path, token: &str, store: SocketA
             return Err(1);
         };
         let prefix = opts.prefix;
+        let flight = job.flight.clone();
         for (to_stderr, src) in [(false, Box::new(out) as Box<dyn Read + Send>), (true, Box::new(err))] {
-            let spawned = thread::Builder::new()
-                .name(format!("rank{rank}-{}", if to_stderr { "err" } else { "out" }))
-                .stack_size(128 << 10)
-                .spawn(move || pump(src, rank, to_stderr, prefix));
+            let spawned =
+                thread::Builder::new().name(format!("rank{rank}-{}", if to_stderr { "err" } else { "out" })).stack_size(128 << 10).spawn({
+                    let flight = to_stderr.then(|| (flight.clone(), opts.verbose));
+                    move || pump(src, rank, to_stderr, prefix, flight)
+                });
             match spawned {
                 Ok(h) => job.pumps.push((rank, h)),
                 Err(e) => {

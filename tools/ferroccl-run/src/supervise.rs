@@ -72,13 +72,22 @@ pub(crate) fn run(opts: &Options) -> i32 {
         say!("ferroccl-run: store at {store_addr}, {} ranks", opts.nranks);
     }
 
-    let mut job = Job { ranks: Vec::with_capacity(opts.nranks), pumps: Vec::new(), verbose: opts.verbose };
+    let mut job = Job {
+        ranks: Vec::with_capacity(opts.nranks),
+        pumps: Vec::new(),
+        verbose: opts.verbose,
+        flight: Default::default(),
+        stopped: Vec::new(),
+    };
     let code = match spawn_all(opts, &path, &token, store_addr, &mut job) {
         Ok(()) => monitor(opts, &mut job, &mut signals, started),
         Err(code) => code,
     };
     job.kill_and_reap();
     job.drain_output();
+    if code != 0 {
+        flight_verdict(&job, started);
+    }
     store.shutdown();
     signals.handle().close();
     if opts.verbose {
@@ -86,6 +95,49 @@ pub(crate) fn run(opts: &Options) -> i32 {
     }
     let _ = io::stdout().flush();
     code
+}
+
+/// After a failed job: reads the ranks' flight records (from their stderr, or from the
+/// files `FERROCCL_FLIGHT_RECORDER` names, written since the job started) and says, once,
+/// where the ranks parted and who is to blame.
+fn flight_verdict(job: &Job, started: Instant) {
+    let mut text = job.flight.lock().unwrap_or_else(|e| e.into_inner()).join("\n");
+    if let Ok(ferroccl::Params { flight_recorder: ferroccl::FlightDest::Files(prefix), .. }) = ferroccl::Params::from_env() {
+        let since = std::time::SystemTime::now() - started.elapsed();
+        for r in &job.ranks {
+            let mut path = prefix.clone().into_os_string();
+            path.push(r.rank.to_string());
+            let fresh = std::fs::metadata(&path).and_then(|m| m.modified()).is_ok_and(|t| t >= since);
+            if let (true, Ok(s)) = (fresh, std::fs::read_to_string(&path)) {
+                text.push('\n');
+                text.push_str(&s);
+            }
+        }
+    }
+    let records = ferroccl::flight::parse(&text);
+    if records.is_empty() {
+        return;
+    }
+    let verdicts = ferroccl::flight::verdict(&records);
+    for v in &verdicts {
+        say!("ferroccl-run: flight recorder: {v}");
+    }
+    // One culprit: where the ranks' calls diverged (the world's first), else the ranks
+    // that left no record.
+    let blamed =
+        verdicts.iter().find(|v| v.call.is_some() && !v.culprits.is_empty()).or_else(|| verdicts.iter().find(|v| !v.culprits.is_empty()));
+    if let Some(v) = blamed {
+        let how: Vec<String> = v
+            .culprits
+            .iter()
+            .map(|&c| match job.ranks.iter().find(|r| r.rank == c).and_then(|r| r.status) {
+                _ if job.stopped.contains(&c) => format!("rank {c} (still running after the others had failed: stopped by the runner)"),
+                Some(st) if !st.success() => format!("rank {c} ({})", Describe(st)),
+                _ => format!("rank {c}"),
+            })
+            .collect();
+        say!("ferroccl-run: culprit: {}", how.join(", "));
+    }
 }
 
 /// Watches the ranks until all have exited; handles failure, timeout and signals.

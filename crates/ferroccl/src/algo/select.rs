@@ -176,6 +176,18 @@ pub(crate) fn choose(coll: Collective, n: usize, bytes: usize, dtype: DType, op:
     best.map_or(Algo::Mesh, |(_, a)| a)
 }
 
+/// Every scheduled algorithm that implements `coll` with `dtype` and `op`, with its
+/// [`estimate`] (microseconds), cheapest first: what [`choose`] weighed (for logs).
+pub(crate) fn estimates(coll: Collective, n: usize, bytes: usize, dtype: DType, op: ReduceOp, link: LinkCost) -> Vec<(Algo, f64)> {
+    let mut v: Vec<(Algo, f64)> = Algo::SCHEDULED
+        .into_iter()
+        .filter(|a| a.supports_op(coll, dtype, op))
+        .filter_map(|a| estimate(a, coll, n, bytes, link).map(|t| (a, t)))
+        .collect();
+    v.sort_by(|a, b| a.1.total_cmp(&b.1));
+    v
+}
+
 /// The low-latency protocol's fixed cost (microseconds): a cache-line round trip and the
 /// call's bookkeeping.
 const LL_LATENCY_US: f64 = 0.3;
