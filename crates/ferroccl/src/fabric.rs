@@ -337,9 +337,12 @@ impl Fabric {
         let _ = self.fatal_hook.0.set(hook);
     }
 
-    /// An operation met the fatal state, with error `e`: the hook runs (it does its work
-    /// once).
+    /// An operation met the fatal state, with error `e`: the hook runs. Not for an abort
+    /// (this process's or a peer's): it was asked for, not a failure to explain.
     fn fatal_seen(&self, e: &Error) {
+        if matches!(e, Error::Aborted { .. }) {
+            return;
+        }
         if let Some(h) = self.fatal_hook.0.get() {
             h(&e.to_string());
         }

@@ -650,6 +650,47 @@ mod tests {
         assert_eq!(v.never_reached, vec![(0, Some(5))]);
     }
 
+    proptest::proptest! {
+        /// Any text parses without panicking, and any records get a verdict without
+        /// panicking, whose culprits are members.
+        #[test]
+        fn garbage_records_never_panic(text in "(ferroccl-flight (rank|comm|call|state|op|members|reason)=[0-9a-z,x#]{0,6} ?){0,8}\n?") {
+            let recs = parse(&text);
+            let _ = verdict(&recs);
+        }
+
+        #[test]
+        fn verdicts_blame_members_only(
+            lasts in proptest::collection::vec((0u32..6, proptest::prelude::any::<bool>(), 0u8..3), 1..6),
+            silent in proptest::collection::vec(proptest::prelude::any::<bool>(), 6),
+        ) {
+            let n = lasts.len();
+            let m: Vec<usize> = (0..n).collect();
+            let recs: Vec<Record> = lasts
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| !silent[*r] || *r == 0)
+                .map(|(r, &(last, done, op))| {
+                    let mut calls: Vec<(u32, bool, String)> = (1..last).map(|c| (c, true, "a".to_string())).collect();
+                    if last > 0 {
+                        calls.push((last, done, ["a", "b", "c"][op as usize].to_string()));
+                    }
+                    Record {
+                        rank: r,
+                        comm: 0,
+                        members: m.clone(),
+                        reason: String::new(),
+                        entries: calls.into_iter().map(|(call, done, op)| Entry { call, done, refused: false, posted_ms: 0, op }).collect(),
+                    }
+                })
+                .collect();
+            for v in verdict(&recs) {
+                proptest::prop_assert!(v.culprits.iter().all(|c| *c < n), "{v:?}");
+                proptest::prop_assert!(v.reached.iter().all(|c| !v.culprits.contains(c) || v.differed.iter().any(|d| d.0 == *c)), "{v:?}");
+            }
+        }
+    }
+
     #[test]
     fn lines_of_other_programs_and_broken_lines_are_skipped() {
         let text = "hello\n[0] ferroccl-flight rank=x comm=0x0 member=0 size=1 members=0 pid=1 entries=1 reason=r\nferroccl-flight rank=0 comm=0x0 call=1 state=done op=a\n";

@@ -84,7 +84,7 @@ struct Cli {
     /// Do not pin the ranks to CPUs (leave them to the kernel)
     #[arg(long, overrides_with = "bind")]
     no_bind: bool,
-    /// Print store address, pids and wall time to stderr
+    /// Print store address, pids and wall time to stderr, and the ranks' flight records
     #[arg(short, long)]
     verbose: bool,
     /// The program every rank runs, then its arguments (all of them the program's)

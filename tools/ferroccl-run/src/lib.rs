@@ -19,7 +19,7 @@
 //! | `--no-prefix` | pass the ranks' output through without the `[R] ` prefix |
 //! | `--bind` | pin rank r to the (r mod k)-th of the k CPUs the runner may use (as `mpirun --bind-to core`), even when there are more ranks than CPUs |
 //! | `--no-bind` | do not pin the ranks (leave them to the kernel) |
-//! | `-v`, `--verbose` | print the store address, the ranks' pids and the wall time to stderr |
+//! | `-v`, `--verbose` | print the store address, the ranks' pids and the wall time to stderr, and pass the ranks' flight-record lines on |
 //! | `-h`, `--help` | print the help and exit 0 |
 //!
 //! Without `--bind` or `--no-bind`, the runner reads `FERROCCL_BIND` from its own
@@ -65,6 +65,11 @@
 //!    printed the same way). Ranks still running after the grace get `SIGTERM`, and
 //!    `SIGKILL` one second later, and the runner prints
 //!    `ferroccl-run: killed ranks 0, 3 (still running 5 s after rank 2 failed)`.
+//!    Once every rank has ended, the runner reads the ranks' flight records (the
+//!    `ferroccl-flight` lines they write to stderr when a call fails for good, kept out of
+//!    the output unless `-v`; or the files `FERROCCL_FLIGHT_RECORDER` names) and prints,
+//!    per communicator, where the ranks' calls parted, then one line
+//!    `ferroccl-run: culprit: rank 3 (exited with status 1)` (see `ferroccl::flight`).
 //! 5. **Timeout.** When `--timeout` passes with ranks still running it prints
 //!    `ferroccl-run: timeout after S s; ranks still running: 0, 2`, then sends `SIGTERM`
 //!    and, one second later, `SIGKILL` to them.
