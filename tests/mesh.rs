@@ -1332,3 +1332,37 @@ fn logs_follow_the_debug_level_and_subsystems() {
         assert!(warned, "rank {r} gave no warning naming rank 1\n{}", j.all());
     }
 }
+
+/// Shrink: a rank dies (SIGKILL) in a loop of small allreduces; the survivors see the
+/// failure, build a communicator of themselves (`Communicator::shrink`) and carry on: their
+/// new ranks follow the old order, the first collectives (allgather of old ranks, small and
+/// large allreduce, barrier) and 200 more are correct, and the shrunk communicator
+/// finalizes. shm and tcp, 3 and 4 ranks, the victim first, in the middle or last.
+#[test]
+fn survivors_shrink_and_carry_on() {
+    for transport in ["shm", "tcp"] {
+        for (n, victim) in [(3, 1), (4, 0), (4, 3)] {
+            let ctx = format!("{transport}, {n} ranks, rank {victim} killed");
+            let j = job_with_grace(n, transport, &["shrink", "--victim", &victim.to_string()], &[("FERROCCL_TIMEOUT", "20")], "30");
+            assert_eq!(j.code, Some(137), "{ctx}\n{}", j.all());
+            let survivors: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
+            for (r2, &r) in survivors.iter().enumerate() {
+                let head = format!("[{r}] selftest: rank {r} shrank to rank {r2} of {} in ", n - 1);
+                let line = j.stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("{ctx}: rank {r}\n{}", j.all()));
+                let took: f64 = line[head.len()..].split('s').next().unwrap().parse().unwrap();
+                assert!(took < 5.0, "{ctx}: rank {r} took {took} s to shrink: {line}");
+            }
+            assert!(j.wall < Duration::from_secs(60), "{ctx}: took {:?}", j.wall);
+        }
+    }
+    // A stopped rank: the others time out (2 s), and the shrink leaves it out once its
+    // deadline (the same 2 s) has passed without a word from it.
+    let j = job_with_grace(3, "shm", &["shrink", "--victim", "2", "--stop"], &[("FERROCCL_TIMEOUT", "2")], "30");
+    assert_eq!(j.code, Some(137), "{}", j.all());
+    for r in [0, 1] {
+        let head = format!("[{r}] selftest: rank {r} shrank to rank {r} of 2 in ");
+        let line = j.stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("stopped: rank {r}\n{}", j.all()));
+        let took: f64 = line[head.len()..].split('s').next().unwrap().parse().unwrap();
+        assert!((1.5..6.0).contains(&took), "stopped: rank {r} shrank in {took} s, expected about the 2 s deadline: {line}");
+    }
+}

@@ -1,6 +1,6 @@
 //! The communicator: a group of ranks that can talk to each other.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -72,6 +72,8 @@ pub struct Communicator {
     /// engine in the order their sequence numbers say.
     seqs: Arc<Mutex<Streams>>,
     splits: Mutex<u32>,
+    /// Shrinks of this communicator so far (see [`Communicator::shrink`]).
+    shrinks: Mutex<u32>,
     scratch: ScratchCache,
     /// Schedules of recent calls, so that a repeated call does not build its schedule again.
     pub(crate) sched_cache: SchedCache,
@@ -156,20 +158,27 @@ impl Communicator {
         let store = StoreClient::connect(&addr, &cfg.token, cfg.rank, timeout)?;
         let gen = init_generation(&addr, &cfg.token, cfg.world_size, cfg.rank);
         let key_prefix = format!("ferroccl/{}/{gen}", cfg.world_size);
+        Self::build(cfg.rank, cfg.world_size, cfg.token, addr, store, server, params, key_prefix)
+    }
+
+    /// A world communicator of `world_size` ranks over a new fabric whose store keys start
+    /// with `key_prefix` (unique in the job).
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        rank: usize,
+        world_size: usize,
+        token: String,
+        store_addr: String,
+        store: StoreClient,
+        server: Option<StoreServer>,
+        params: Params,
+        key_prefix: String,
+    ) -> Result<Communicator> {
         // The low-latency slots exist before this rank greets anyone, so that a member that
         // has been greeted by every other finds them (see `LlChannel::connect`).
-        let ll_seg = ll_wanted(&params, cfg.world_size)
-            .then(|| ll::create(job_id(&cfg.token, &key_prefix), 0, cfg.rank, params.ll_max_bytes).ok())
-            .flatten();
-        let fabric = Fabric::connect(FabricConfig {
-            rank: cfg.rank,
-            size: cfg.world_size,
-            token: cfg.token,
-            params,
-            store,
-            server: server as Option<StoreServer>,
-            key_prefix,
-        })?;
+        let ll_seg =
+            ll_wanted(&params, world_size).then(|| ll::create(job_id(&token, &key_prefix), 0, rank, params.ll_max_bytes).ok()).flatten();
+        let fabric = Fabric::connect(FabricConfig { rank, size: world_size, token, params, store, store_addr, server, key_prefix })?;
         if crate::logging::enabled(Subsys::Init, log::Level::Info) {
             for p in 0..fabric.size {
                 if p != fabric.rank {
@@ -178,27 +187,131 @@ impl Communicator {
             }
             flog!(Info, Init, "rank {} connected in {:?}", fabric.rank, fabric.setup_time);
         }
-        let members: Arc<[usize]> = (0..cfg.world_size).collect();
+        let members: Arc<[usize]> = (0..world_size).collect();
         let any_tcp = members.iter().any(|&w| fabric.transport_kind(w) == Some(TransportKind::Tcp));
-        let ll = connect_ll(&fabric, ll_seg, 0, &members, cfg.rank)?;
+        let ll = connect_ll(&fabric, ll_seg, 0, &members, rank)?;
         let engine = Engine::new(fabric);
-        let seqs = engine.streams(0, members.clone(), cfg.rank);
+        let seqs = engine.streams(0, members.clone(), rank);
         let flight = lock_streams(&seqs).flight().clone();
         Ok(Communicator {
             flight,
             any_tcp,
             engine,
             id: 0,
-            rank: cfg.rank,
+            rank,
             seqs,
             members,
             splits: Mutex::new(0),
+            shrinks: Mutex::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
             ll,
             explained: Box::default(),
         })
+    }
+
+    /// A new communicator of the members of this one that are still alive, in the order of
+    /// their ranks here (as NCCL's `ncclCommShrink` and ULFM's `MPI_Comm_shrink`): for the
+    /// survivors of a failure, to carry on without the failed ranks. Every surviving member
+    /// must call it (the same number of times on this communicator); it works whether or not
+    /// anything failed.
+    ///
+    /// The survivors agree through the job's store: each says it is alive and which members
+    /// it knows dead (exited, or named by a failure); once every member has either said so
+    /// or is known dead (or `FERROCCL_TIMEOUT` has passed: a stopped rank is left out then),
+    /// the first survivor to ask decides the membership and the others take its decision.
+    /// The new communicator has connections of its own (the old ones were cut by the
+    /// failure); this one stays failed. A member left out (it answered too late) gets an
+    /// error saying so. Needs the store: under `ferroccl-run` it lives in the launcher;
+    /// where rank 0 serves it (torchrun, Slurm), rank 0 must be among the survivors.
+    ///
+    /// ```no_run
+    /// # let comm = ferroccl::Communicator::init()?;
+    /// let mut x = [1.0f32; 4];
+    /// if let Err(e) = comm.allreduce(&mut x, ferroccl::ReduceOp::Sum) {
+    ///     eprintln!("{e}: carrying on without the failed ranks");
+    ///     let comm = comm.shrink()?;
+    ///     comm.allreduce(&mut x, ferroccl::ReduceOp::Sum)?;
+    /// }
+    /// # Ok::<(), ferroccl::Error>(())
+    /// ```
+    pub fn shrink(&self) -> Result<Communicator> {
+        let fabric = self.fabric();
+        let timeout = fabric.params.timeout;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let epoch = {
+            let mut s = self.shrinks.lock().unwrap_or_else(|e| e.into_inner());
+            *s += 1;
+            *s
+        };
+        let me = self.world_rank(self.rank).unwrap_or(self.rank);
+        let base = format!("{}/shrink/{:x}/{epoch}", fabric.key_prefix(), self.id);
+        let store = StoreClient::connect(&fabric.store_addr, &fabric.token, me, timeout)
+            .map_err(|e| Error::invalid(format!("rank {me}: shrink: cannot reach the job's store at {}: {e}", fabric.store_addr)))?;
+        let key = |what: &str, w: usize| format!("{base}/{what}/{w}");
+        let encode = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let decode = |b: &[u8]| -> Vec<usize> { String::from_utf8_lossy(b).split(',').filter_map(|s| s.parse().ok()).collect() };
+        // 1. Alive, and who this rank knows dead.
+        store.set(&key("alive", me), encode(&fabric.dead_peers()).as_bytes())?;
+        // 2. Wait until every member has said it is alive or is known dead by someone.
+        let members: Vec<usize> = self.members.to_vec();
+        let (mut alive, mut dead): (BTreeSet<usize>, BTreeSet<usize>) = Default::default();
+        loop {
+            dead.extend(fabric.dead_peers());
+            for &m in &members {
+                if alive.contains(&m) {
+                    continue;
+                }
+                if let Some(v) = store.try_get(&key("alive", m))? {
+                    alive.insert(m);
+                    dead.extend(decode(&v));
+                }
+            }
+            if members.iter().all(|m| alive.contains(m) || dead.contains(m)) || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // 3. The first to ask decides; the others take its decision.
+        let decided = if store.add(&format!("{base}/ticket"), 1)? == 1 {
+            let v: Vec<usize> = members.iter().copied().filter(|m| alive.contains(m)).collect();
+            store.set(&format!("{base}/decided"), encode(&v).as_bytes())?;
+            v
+        } else {
+            let left = deadline.saturating_duration_since(Instant::now()) + timeout;
+            decode(&store.get(&format!("{base}/decided"), left)?)
+        };
+        let Some(rank) = decided.iter().position(|&w| w == me) else {
+            return Err(Error::invalid(format!(
+                "rank {me}: shrink: left out of the shrunk communicator (ranks {}): the others did not hear from this rank in time",
+                encode(&decided)
+            )));
+        };
+        flog!(
+            Info,
+            Health,
+            "rank {me}: shrink #{epoch} of communicator {:#x}: {} of {} members carry on (ranks {}), agreed in {:?}",
+            self.id,
+            decided.len(),
+            members.len(),
+            encode(&decided),
+            start.elapsed()
+        );
+        // 4. A fresh world over new connections, numbered in the survivors' order.
+        let server = fabric.take_server();
+        let store = StoreClient::connect(&fabric.store_addr, &fabric.token, rank, timeout)?;
+        Self::build(
+            rank,
+            decided.len(),
+            fabric.token.clone(),
+            fabric.store_addr.clone(),
+            store,
+            server,
+            fabric.params.clone(),
+            format!("{base}/world"),
+        )
     }
 
     /// This rank's index in the communicator.
@@ -616,6 +729,7 @@ impl Communicator {
             seqs,
             members,
             splits: Mutex::new(0),
+            shrinks: Mutex::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),

@@ -44,6 +44,8 @@ pub(crate) struct FabricConfig {
     pub(crate) token: String,
     pub(crate) params: Params,
     pub(crate) store: StoreClient,
+    /// Where the store is (`host:port`), for connections made later (a shrink).
+    pub(crate) store_addr: String,
     pub(crate) server: Option<StoreServer>,
     /// Prefix of this communicator's store keys (unique per init in the job).
     pub(crate) key_prefix: String,
@@ -83,6 +85,9 @@ pub(crate) struct Fabric {
     /// This job's (and this `init`'s) identity in one-sided handles: a handle made by
     /// another job, or another `init` of this one, is refused.
     pub(crate) job: u64,
+    /// The job's token and the store's address: what a shrink needs to build a new fabric.
+    pub(crate) token: String,
+    pub(crate) store_addr: String,
     /// Numbers of this rank's one-sided requests (their owners' replies name them).
     next_req: std::sync::atomic::AtomicU64,
     /// The lowest signal slot no library object of this process has claimed (slot 0 is the
@@ -106,7 +111,7 @@ impl Fabric {
     /// greetings: proof that each has mapped our segment, so that its descriptor can go.
     pub(crate) fn connect(cfg: FabricConfig) -> Result<Fabric> {
         let t0 = Instant::now();
-        let FabricConfig { rank, size, token, params, store, server, key_prefix } = cfg;
+        let FabricConfig { rank, size, token, params, store, store_addr, server, key_prefix } = cfg;
         crate::logging::install(params.debug, params.debug_subsys);
         if crate::logging::enabled(Subsys::Init, log::Level::Info) {
             // The knobs this rank's environment sets (the token is a secret: named, not shown).
@@ -128,6 +133,8 @@ impl Fabric {
             peer_windows: PeerWindows::default(),
             peer_regions: PeerRegions::default(),
             job: job_id(&token, &key_prefix),
+            token,
+            store_addr,
             next_req: std::sync::atomic::AtomicU64::new(1),
             next_signal_slot: std::sync::atomic::AtomicU32::new(1),
             health: Health::new(rank, inbox.clone(), watches),
@@ -315,6 +322,23 @@ impl Fabric {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// The world ranks known dead or gone: exited processes, and the culprit of a fatal
+    /// failure or departure.
+    pub(crate) fn dead_peers(&self) -> Vec<usize> {
+        self.health.dead_peers()
+    }
+
+    /// The store server this rank runs, handed over (to a shrunk communicator's fabric, so
+    /// that dropping this one does not take the store away from the survivors).
+    pub(crate) fn take_server(&self) -> Option<StoreServer> {
+        self.server.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// The key prefix of this fabric's store keys.
+    pub(crate) fn key_prefix(&self) -> &str {
+        &self.key_prefix
     }
 
     /// Looks at the peers' processes (and the launcher) at most every 2 ms.

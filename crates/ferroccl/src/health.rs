@@ -86,6 +86,20 @@ impl Health {
         }
     }
 
+    /// The world ranks known dead or gone (see `Fabric::dead_peers`).
+    pub(crate) fn dead_peers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.watches.iter().filter(|(_, w)| w.has_exited()).filter_map(|(p, _)| *p).collect();
+        if let Some(f) = &self.inbox.lock().fatal {
+            if matches!(f.kind, crate::error::FaultKind::Failed | crate::error::FaultKind::Left) {
+                v.extend(f.culprit);
+            }
+        }
+        v.sort_unstable();
+        v.dedup();
+        v.retain(|&p| p != self.rank);
+        v
+    }
+
     /// The error for the fabric's fatal state, if any, as seen by an operation.
     pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
         let ev = self.inbox.lock();

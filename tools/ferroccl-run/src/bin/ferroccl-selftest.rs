@@ -36,6 +36,97 @@ use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partn
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// Every rank loops on small allreduces; `--victim` kills itself 0.3 s in (SIGKILL), or
+/// with `--stop` stops itself (SIGSTOP: the others time out, and the shrink leaves it out
+/// at its deadline). The survivors see the failure, shrink, check their new ranks and the
+/// first collectives of the shrunk communicator (small and large allreduce, barrier,
+/// allgather of the old ranks), run 200 more allreduces, finalize it, and exit 0 (the
+/// lowest then kills a stopped victim; the job's status is the victim's).
+fn shrink(comm: Communicator, args: &[String]) -> ! {
+    let run = || -> R<()> {
+        use ferroccl::ReduceOp;
+        let victim: usize = flag(args, "--victim").and_then(|s| s.parse().ok()).ok_or("--victim R required")?;
+        let stop = args.iter().any(|a| a == "--stop");
+        let (n, me) = (comm.size(), comm.rank());
+        let mut pids = vec![0u32; n];
+        comm.allgather(&[std::process::id()], &mut pids)?;
+        if me == victim {
+            use nix::sys::signal::Signal;
+            let sig = if stop { Signal::SIGSTOP } else { Signal::SIGKILL };
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                let _ = nix::sys::signal::kill(nix::unistd::getpid(), sig);
+            });
+        }
+        let start = Instant::now();
+        let mut calls = 0u64;
+        let want = (n * (n + 1) / 2) as f32;
+        let err = loop {
+            let mut x = [(me + 1) as f32; 4];
+            match comm.allreduce(&mut x, ReduceOp::Sum) {
+                Ok(()) if x == [want; 4] => calls += 1,
+                Ok(()) => return Err(format!("rank {me}: allreduce gave {x:?}, expected {want}").into()),
+                Err(e) => break e,
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err("the victim never died".into());
+            }
+        };
+        println!("selftest: rank {me} saw the failure after {:.3}s and {calls} calls: {err}", start.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let small = comm.shrink()?;
+        let took = t.elapsed();
+        drop(comm);
+        let (n2, r2) = (small.size(), small.rank());
+        let survivors: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
+        if n2 != n - 1 || survivors[r2] != me {
+            return Err(format!(
+                "rank {me}: shrunk to rank {r2} of {n2}, expected rank {} of {}",
+                survivors.iter().position(|&r| r == me).unwrap_or(usize::MAX),
+                n - 1
+            )
+            .into());
+        }
+        // The first collectives, checked: old ranks gathered, sums of old rank + 1.
+        let mut olds = vec![0u32; n2];
+        small.allgather(&[me as u32], &mut olds)?;
+        if olds.iter().map(|&o| o as usize).collect::<Vec<_>>() != survivors {
+            return Err(format!("rank {me}: the shrunk communicator gathered old ranks {olds:?}, expected {survivors:?}").into());
+        }
+        let want2 = survivors.iter().map(|&r| (r + 1) as f32).sum::<f32>();
+        for len in [4usize, 300_000] {
+            let mut x = vec![(me + 1) as f32; len];
+            small.allreduce(&mut x, ReduceOp::Sum)?;
+            if x.iter().any(|&v| v != want2) {
+                return Err(format!("rank {me}: shrunk allreduce of {len} gave {} (expected {want2})", x[0]).into());
+            }
+        }
+        small.barrier()?;
+        for _ in 0..200 {
+            let mut x = [(me + 1) as f32; 4];
+            small.allreduce(&mut x, ReduceOp::Sum)?;
+            if x != [want2; 4] {
+                return Err(format!("rank {me}: shrunk allreduce gave {x:?}").into());
+            }
+        }
+        small.finalize()?;
+        println!("selftest: rank {me} shrank to rank {r2} of {n2} in {:.3}s; 203 calls after it ok", took.as_secs_f64());
+        if stop && r2 == 0 {
+            // Nobody else would end the stopped rank.
+            let victim = nix::unistd::Pid::from_raw(pids[victim] as i32);
+            let _ = nix::sys::signal::kill(victim, nix::sys::signal::Signal::SIGKILL);
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("selftest: shrink error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().cloned() else {
@@ -89,6 +180,7 @@ fn main() {
         "abort" => abort(comm),
         "fault" => fault(comm, rest),
         "weights" => weights(&comm, rest),
+        "shrink" => shrink(comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
