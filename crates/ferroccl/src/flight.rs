@@ -4,11 +4,11 @@
 //! rank's record and says which call the ranks parted at and who never reached it.
 //!
 //! Recording costs a few relaxed stores per call into memory of its own: a call is written
-//! when it is numbered (under the lock that numbers it) and marked done when it finishes;
-//! every eighth call also reads the coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, with
-//! the resolution of the kernel's tick), the others take that reading, so a call's time may
-//! be early by up to seven calls' time. Nothing is formatted until a dump. Measured at 8 B
-//! (README, *Flight recorder and logs*).
+//! when it is numbered (under the lock that numbers it) and marked done when it finishes.
+//! Calls carry no time (reading even the coarse clock on every eighth call cost 4-6 % of an
+//! 8 B low-latency allreduce); a record says when it was written (`at_ms`), and the reason
+//! (the error) how long a failed call waited. Nothing is formatted until a dump. Measured at
+//! 8 B in the README (*Flight recorder and logs*).
 //!
 //! ## The record
 //!
@@ -16,13 +16,14 @@
 //! `ferroccl-flight ` so that the lines can be picked out of a rank's stderr:
 //!
 //! ```text
-//! ferroccl-flight rank=2 comm=0x0 member=2 size=4 members=0,1,2,3 pid=4711 entries=64 reason=allreduce (4 x f32, sum, ll) call #57 timed out ...
-//! ferroccl-flight rank=2 comm=0x0 call=56 state=done posted_ms=812345 op=allreduce(count 4, f32, sum, algo ll, ...)
-//! ferroccl-flight rank=2 comm=0x0 call=57 state=pending posted_ms=812346 op=allreduce(count 4, f32, sum, algo ll, ...)
+//! ferroccl-flight rank=2 comm=0x0 member=2 size=4 members=0,1,2,3 pid=4711 entries=64 at_ms=812346 reason=allreduce (4 x f32, sum, ll) call #57 timed out ...
+//! ferroccl-flight rank=2 comm=0x0 call=56 state=done op=allreduce(count 4, f32, sum, algo ll, ...)
+//! ferroccl-flight rank=2 comm=0x0 call=57 state=pending op=allreduce(count 4, f32, sum, algo ll, ...)
 //! ```
 //!
-//! `rank` is the world rank, `member` the rank in the communicator, times are the coarse
-//! monotonic clock in milliseconds (comparable between the ranks of one host). [`parse`]
+//! `rank` is the world rank, `member` the rank in the communicator, `at_ms` when the record
+//! was written (the coarse monotonic clock, ms: comparable between the ranks of one host).
+//! [`parse`]
 //! reads such lines back and [`verdict`] compares the ranks' records.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,9 +34,6 @@ use crate::proto::{self, Desc};
 
 /// What every line of a record starts with.
 pub const PREFIX: &str = "ferroccl-flight ";
-
-/// Calls between two readings of the clock by [`Flight::posted`].
-const CLOCK_EVERY: u32 = 8;
 
 /// The coarse monotonic clock, in nanoseconds (0 if it cannot be read).
 fn coarse_ns() -> u64 {
@@ -49,7 +47,6 @@ struct Slot {
     /// The call number written here (0 while it is being written, or never).
     call: AtomicU32,
     desc: [AtomicU64; 2],
-    posted_ns: AtomicU64,
     /// The call number marked done here.
     done_call: AtomicU32,
 }
@@ -64,10 +61,6 @@ pub(crate) struct Flight {
     /// The first call refused because the fabric had already failed (its number had it
     /// been made, and what it was): it shows that this rank got that far.
     refused: std::sync::Mutex<Option<(u32, String)>>,
-    /// The last call posted.
-    last: AtomicU32,
-    /// The coarse clock as last read (see [`Flight::posted`]).
-    clock: AtomicU64,
     /// What the last dump covered (the last call posted then, and whether a refusal was
     /// in it); `None` before the first.
     dumped: std::sync::Mutex<Option<(u32, bool)>>,
@@ -84,8 +77,6 @@ impl Flight {
             members,
             slots: (0..entries).map(|_| Slot::default()).collect(),
             refused: Default::default(),
-            last: AtomicU32::new(0),
-            clock: AtomicU64::new(coarse_ns()),
             dumped: Default::default(),
         }
     }
@@ -107,7 +98,7 @@ impl Flight {
     /// still be numbered after the fatal state is first met: [`parse`] adds such lines to
     /// the record); nothing if nothing changed.
     pub(crate) fn take_dump(&self, world_rank: usize, reason: &str) -> Vec<String> {
-        let now = (self.last.load(Ordering::Acquire), self.refused.lock().unwrap_or_else(|e| e.into_inner()).is_some());
+        let now = (self.last(), self.refused.lock().unwrap_or_else(|e| e.into_inner()).is_some());
         let mut dumped = self.dumped.lock().unwrap_or_else(|e| e.into_inner());
         if *dumped == Some(now) {
             return Vec::new();
@@ -116,6 +107,13 @@ impl Flight {
         *dumped = Some(now);
         drop(dumped);
         self.lines_after(world_rank, reason, after)
+    }
+
+    /// The newest call in the ring (0: none).
+    fn last(&self) -> u32 {
+        let calls: Vec<u32> = self.slots.iter().map(|s| s.call.load(Ordering::Acquire)).filter(|&c| c != 0).collect();
+        let pivot = calls.first().copied().unwrap_or(0);
+        calls.into_iter().max_by_key(|c| c.wrapping_sub(pivot).wrapping_add(1 << 31)).unwrap_or(0)
     }
 
     fn slot(&self, call: u32) -> Option<&Slot> {
@@ -128,22 +126,12 @@ impl Flight {
     #[inline]
     pub(crate) fn posted(&self, call: u32, desc: &Desc) {
         let Some(s) = self.slot(call) else { return };
-        self.last.store(call, Ordering::Release);
+        // No clock here: reading even the coarse clock on every eighth call cost 4-6 % of a
+        // 0.13 us low-latency allreduce (2 ranks, alternated); the stores, nothing measurable.
         s.call.store(0, Ordering::Relaxed);
         let (a, b) = desc.split_at(8);
         s.desc[0].store(u64::from_le_bytes(a.try_into().unwrap_or_default()), Ordering::Relaxed);
         s.desc[1].store(u64::from_le_bytes(b.try_into().unwrap_or_default()), Ordering::Relaxed);
-        // The clock is read every CLOCK_EVERY-th call only (measured: reading it on every
-        // call cost 4-6 % of a 0.14 us low-latency allreduce; the stores alone, nothing
-        // measurable): a call's time may be early by the time of the calls before it since.
-        let t = if call.is_multiple_of(CLOCK_EVERY) {
-            let t = coarse_ns();
-            self.clock.store(t, Ordering::Relaxed);
-            t
-        } else {
-            self.clock.load(Ordering::Relaxed)
-        };
-        s.posted_ns.store(t, Ordering::Relaxed);
         s.call.store(call, Ordering::Release);
     }
 
@@ -188,7 +176,6 @@ impl Flight {
             let mut desc = [0u8; 16];
             desc[..8].copy_from_slice(&s.desc[0].load(Ordering::Relaxed).to_le_bytes());
             desc[8..].copy_from_slice(&s.desc[1].load(Ordering::Relaxed).to_le_bytes());
-            let posted = s.posted_ns.load(Ordering::Relaxed) / 1_000_000;
             let done = s.done_call.load(Ordering::Acquire) == call;
             // A slot rewritten while it was read is left out rather than shown torn.
             if s.call.load(Ordering::Acquire) != call {
@@ -196,31 +183,26 @@ impl Flight {
             }
             let state = if done { "done" } else { "pending" };
             let op = one_line(&proto::describe(&desc));
-            entries.push((
-                call,
-                format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state={state} posted_ms={posted} op={op}", self.comm),
-            ));
+            entries.push((call, format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state={state} op={op}", self.comm)));
         }
         // Oldest first.
         let pivot = entries.first().map_or(0, |e| e.0);
         entries.sort_by_key(|e| e.0.wrapping_sub(pivot).wrapping_add(1 << 31));
         if let Some((call, what)) = self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            let now = coarse_ns() / 1_000_000;
             entries.retain(|e| e.0 != call);
-            entries.push((
-                call,
-                format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state=refused posted_ms={now} op={}", self.comm, one_line(&what)),
-            ));
+            entries
+                .push((call, format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state=refused op={}", self.comm, one_line(&what))));
         }
         let members: Vec<String> = self.members.iter().map(usize::to_string).collect();
         let mut out = vec![format!(
-            "{PREFIX}rank={world_rank} comm={:#x} member={} size={} members={} pid={} entries={} reason={}",
+            "{PREFIX}rank={world_rank} comm={:#x} member={} size={} members={} pid={} entries={} at_ms={} reason={}",
             self.comm,
             self.member,
             self.members.len(),
             members.join(","),
             std::process::id(),
             self.slots.len(),
+            coarse_ns() / 1_000_000,
             one_line(reason)
         )];
         out.extend(entries.into_iter().map(|e| e.1));
@@ -242,8 +224,6 @@ pub struct Entry {
     /// Whether the rank got to it but did not make it, the fabric having failed already
     /// (`op` is then the call as the API names it, not its descriptor).
     pub refused: bool,
-    /// When it was made (coarse monotonic clock, ms).
-    pub posted_ms: u64,
     /// What it was (collective, dtype, op, count, algorithm).
     pub op: String,
 }
@@ -259,6 +239,8 @@ pub struct Record {
     pub members: Vec<usize>,
     /// Why the rank wrote it (its error).
     pub reason: String,
+    /// When it was written (the coarse monotonic clock, ms; 0 if not said).
+    pub at_ms: u64,
     /// Its calls, oldest first.
     pub entries: Vec<Entry>,
 }
@@ -303,9 +285,17 @@ pub fn parse(text: &str) -> Vec<Record> {
             let members = field(&body, "members").unwrap_or("").split(',').filter_map(|m| m.parse().ok()).collect();
             // A later header of the same record (a refusal written after the dump) keeps
             // what was read of it.
-            let rec =
-                recs.entry((rank, comm)).or_insert_with(|| Record { rank, comm, members, reason: reason.to_string(), entries: Vec::new() });
+            let at_ms = field(&body, "at_ms").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let rec = recs.entry((rank, comm)).or_insert_with(|| Record {
+                rank,
+                comm,
+                members,
+                reason: reason.to_string(),
+                at_ms,
+                entries: Vec::new(),
+            });
             rec.reason = reason.to_string();
+            rec.at_ms = at_ms;
             continue;
         }
         let (Some(call), Some(state), Some(op)) =
@@ -313,10 +303,9 @@ pub fn parse(text: &str) -> Vec<Record> {
         else {
             continue;
         };
-        let posted_ms = field(&body, "posted_ms").and_then(|v| v.parse().ok()).unwrap_or(0);
         if let Some(r) = recs.get_mut(&(rank, comm)) {
             r.entries.retain(|e| e.call != call);
-            r.entries.push(Entry { call, done: state == "done", refused: state == "refused", posted_ms, op: op.to_string() });
+            r.entries.push(Entry { call, done: state == "done", refused: state == "refused", op: op.to_string() });
         }
     }
     recs.into_values().collect()
@@ -503,7 +492,8 @@ mod tests {
             comm: 0,
             members: members.to_vec(),
             reason: "timed out".into(),
-            entries: calls.iter().map(|&(call, done, op)| Entry { call, done, refused: false, posted_ms: 0, op: op.into() }).collect(),
+            at_ms: 0,
+            entries: calls.iter().map(|&(call, done, op)| Entry { call, done, refused: false, op: op.into() }).collect(),
         }
     }
 
@@ -583,7 +573,7 @@ mod tests {
             record(3, &m, &[(1, true, "barrier")]),
         ];
         for r in [0, 2] {
-            recs[r].entries.push(Entry { call: 2, done: false, refused: true, posted_ms: 0, op: "allreduce (4 x f32, sum, ll)".into() });
+            recs[r].entries.push(Entry { call: 2, done: false, refused: true, op: "allreduce (4 x f32, sum, ll)".into() });
         }
         let v = &verdict(&recs)[0];
         assert_eq!(v.call, Some((2, "allreduce".into())));
@@ -592,7 +582,7 @@ mod tests {
         assert_eq!(v.culprits, vec![3]);
         // A rank still waiting in call #1 never reached #2 either, but the one that finished
         // #1 and went elsewhere is to blame.
-        recs[2].entries = vec![Entry { call: 1, done: false, refused: false, posted_ms: 0, op: "barrier".into() }];
+        recs[2].entries = vec![Entry { call: 1, done: false, refused: false, op: "barrier".into() }];
         let v = &verdict(&recs)[0];
         assert_eq!(v.never_reached, vec![(2, Some(1)), (3, Some(1))]);
         assert_eq!(v.culprits, vec![3]);
@@ -680,7 +670,8 @@ mod tests {
                         comm: 0,
                         members: m.clone(),
                         reason: String::new(),
-                        entries: calls.into_iter().map(|(call, done, op)| Entry { call, done, refused: false, posted_ms: 0, op }).collect(),
+                        at_ms: 0,
+                        entries: calls.into_iter().map(|(call, done, op)| Entry { call, done, refused: false, op }).collect(),
                     }
                 })
                 .collect();
