@@ -248,7 +248,7 @@ impl Communicator {
         };
         let me = self.world_rank(self.rank).unwrap_or(self.rank);
         let base = format!("{}/shrink/{:x}/{epoch}", fabric.key_prefix(), self.id);
-        let store = StoreClient::connect(&fabric.store_addr, &fabric.token, me, timeout)
+        let store = StoreClient::connect(&fabric.store_addr, &fabric.token.0, me, timeout)
             .map_err(|e| Error::invalid(format!("rank {me}: shrink: cannot reach the job's store at {}: {e}", fabric.store_addr)))?;
         let key = |what: &str, w: usize| format!("{base}/{what}/{w}");
         let encode = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
@@ -301,11 +301,11 @@ impl Communicator {
         );
         // 4. A fresh world over new connections, numbered in the survivors' order.
         let server = fabric.take_server();
-        let store = StoreClient::connect(&fabric.store_addr, &fabric.token, rank, timeout)?;
+        let store = StoreClient::connect(&fabric.store_addr, &fabric.token.0, rank, timeout)?;
         Self::build(
             rank,
             decided.len(),
-            fabric.token.clone(),
+            fabric.token.0.clone(),
             fabric.store_addr.clone(),
             store,
             server,

@@ -51,6 +51,15 @@ pub(crate) struct FabricConfig {
     pub(crate) key_prefix: String,
 }
 
+/// The job's token, kept for a shrink: never shown (`Debug` prints a placeholder).
+pub(crate) struct Secret(pub(crate) String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
 /// See [`Fabric::on_fatal`].
 pub(crate) type FatalHook = Box<dyn Fn(&str) + Send + Sync>;
 
@@ -86,7 +95,7 @@ pub(crate) struct Fabric {
     /// another job, or another `init` of this one, is refused.
     pub(crate) job: u64,
     /// The job's token and the store's address: what a shrink needs to build a new fabric.
-    pub(crate) token: String,
+    pub(crate) token: Secret,
     pub(crate) store_addr: String,
     /// Numbers of this rank's one-sided requests (their owners' replies name them).
     next_req: std::sync::atomic::AtomicU64,
@@ -133,7 +142,7 @@ impl Fabric {
             peer_windows: PeerWindows::default(),
             peer_regions: PeerRegions::default(),
             job: job_id(&token, &key_prefix),
-            token,
+            token: Secret(token),
             store_addr,
             next_req: std::sync::atomic::AtomicU64::new(1),
             next_signal_slot: std::sync::atomic::AtomicU32::new(1),
