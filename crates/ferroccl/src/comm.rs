@@ -442,7 +442,10 @@ impl Communicator {
             self.flight.refused(next, &op.to_string());
         }
         match self.fabric().fatal_error(op) {
-            Some(e) => Err(e),
+            Some(e) => {
+                self.fabric().fatal_seen(&e);
+                Err(e)
+            }
             None => Ok(()),
         }
     }

@@ -357,11 +357,7 @@ impl Fabric {
 
     /// The error for the fabric's fatal state, if any, as seen by an operation.
     pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
-        let e = self.health.fatal_error(op);
-        if let Some(e) = &e {
-            self.fatal_seen(e);
-        }
-        e
+        self.health.fatal_error(op)
     }
 
     /// Sets what runs when an operation first meets the fabric's fatal state (the engine's
@@ -370,9 +366,11 @@ impl Fabric {
         let _ = self.fatal_hook.0.set(hook);
     }
 
-    /// An operation met the fatal state, with error `e`: the hook runs. Not for an abort
-    /// (this process's or a peer's): it was asked for, not a failure to explain.
-    fn fatal_seen(&self, e: &Error) {
+    /// An operation met the fatal state, with error `e`: the hook runs (from
+    /// [`Fabric::poison_in`], after the peers were told; and for a call refused on a failed
+    /// fabric). Not for an abort (this process's or a peer's): it was asked for, not a
+    /// failure to explain.
+    pub(crate) fn fatal_seen(&self, e: &Error) {
         if matches!(e, Error::Aborted { .. }) {
             return;
         }
