@@ -566,7 +566,7 @@ impl Engine {
 
     /// Writes the flight record of every communicator on this fabric (see
     /// `crate::flight`) to stderr, or to the file `FERROCCL_FLIGHT_RECORDER` names; called
-    /// whenever an operation meets the fatal state: the first time the whole records,
+    /// whenever a call fails for good (see `Fabric::fatal_seen`): the first time the whole records,
     /// later only what was added to them since (usually nothing).
     pub(crate) fn dump_flight(&self, reason: &str) {
         if self.fabric.params.flight_recorder == FlightDest::Off {

@@ -63,7 +63,7 @@ impl std::fmt::Debug for Secret {
 /// See [`Fabric::on_fatal`].
 pub(crate) type FatalHook = Box<dyn Fn(&str) + Send + Sync>;
 
-/// Runs when an operation first meets the fabric's fatal state (see [`Fabric::on_fatal`]).
+/// Runs when a call fails for good (see [`Fabric::on_fatal`]).
 #[derive(Default)]
 struct FatalHookCell(std::sync::OnceLock<FatalHook>);
 
@@ -360,7 +360,7 @@ impl Fabric {
         self.health.fatal_error(op)
     }
 
-    /// Sets what runs when an operation first meets the fabric's fatal state (the engine's
+    /// Sets what runs when a call fails for good (the engine's
     /// flight-record dump; the fabric knows no engine). Set once.
     pub(crate) fn on_fatal(&self, hook: FatalHook) {
         let _ = self.fatal_hook.0.set(hook);
