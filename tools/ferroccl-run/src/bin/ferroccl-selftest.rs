@@ -13,6 +13,8 @@
 //! ferroccl-selftest stop [--during send|allreduce]                    rank 1 SIGSTOPs itself in the middle of a 512 MiB send to rank 0
 //!                                                                      (allreduce: while every rank loops on an allreduce of 4 f32)
 //! ferroccl-selftest coll [--counts 0,1,7,1000,65537]                 every collective, f32/bf16/i32, sum/max/avg, checked
+//! ferroccl-selftest soak [--ops N]                                    N mixed calls (random collective, size, dtype; blocking, scopes, plans),
+//!                                                                      checked; RSS, fds, threads and /dev/shm entries sampled and held flat
 //! ferroccl-selftest flood                                              rank 0 floods rank 1 with messages; rank 1 never reads, then dies
 //! ferroccl-selftest engine [--runs N]                                  non-blocking collectives in flight together, plans run N times, groups, checked
 //! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
@@ -35,6 +37,140 @@ use ferroccl::TransportKind;
 use ferroccl_run::testkit::{fill, first_mismatch, flag, human, parse_size, partner, rounds};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// What a rank holds, sampled: resident memory (KiB), open file descriptors, threads, and
+/// FerroCCL's entries in /dev/shm (the whole job's).
+fn holdings() -> [u64; 4] {
+    let count = |dir: &str| std::fs::read_dir(dir).map(|d| d.count() as u64).unwrap_or(0);
+    let rss = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
+        .unwrap_or(0)
+        * 4;
+    let shm = std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains("ferroccl")).count() as u64)
+        .unwrap_or(0);
+    [rss, count("/proc/self/fd"), count("/proc/self/task"), shm]
+}
+
+/// `--ops` (default 4,000) mixed calls, the same sequence on every rank (a seeded generator):
+/// allreduce (f32, bf16, i32), allgather, broadcast (a rotating root), reduce_scatter,
+/// scopes of two non-blocking allreduces, and persistent plans run three times, of 1 to
+/// 65,536 elements; every result checked. Every 250 calls the rank samples its resident
+/// memory, file descriptors, threads and the job's /dev/shm entries; after the first 1,000
+/// calls (warm-up: caches fill) descriptors, threads and shm entries must not move and memory
+/// must not grow by more than 8 MiB.
+fn soak(comm: &Communicator, args: &[String]) -> R<()> {
+    use ferroccl::ReduceOp;
+    use ferroccl_kernels::bf16;
+    let ops: usize = flag(args, "--ops").unwrap_or("4000").parse()?;
+    let (n, me) = (comm.size(), comm.rank());
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let tri = (n * (n + 1) / 2) as f32;
+    let mut samples: Vec<(usize, [u64; 4])> = Vec::new();
+    let bad = |what: String| -> Box<dyn std::error::Error> { format!("rank {me}: soak: {what}").into() };
+    for i in 0..ops {
+        let count = 1 + (next() % 65_536) as usize;
+        match next() % 7 {
+            0 => {
+                let mut x = vec![(me + 1) as f32; count];
+                comm.allreduce(&mut x, ReduceOp::Sum)?;
+                if x.iter().any(|&v| v != tri) {
+                    return Err(bad(format!("call {i}: f32 allreduce of {count} gave {}", x[0])));
+                }
+            }
+            1 => {
+                let mut x = vec![bf16::from_f32((me + 1) as f32); count];
+                comm.allreduce(&mut x, ReduceOp::Sum)?;
+                if x.iter().any(|&v| v.to_f32() != tri) {
+                    return Err(bad(format!("call {i}: bf16 allreduce of {count} gave {}", x[0])));
+                }
+            }
+            2 => {
+                let send: Vec<i32> = (0..count).map(|k| (me * 1000 + k % 1000) as i32).collect();
+                let mut got = vec![0i32; count * n];
+                comm.allgather(&send, &mut got)?;
+                if (0..n).any(|r| got[r * count..][..count].iter().enumerate().any(|(k, &v)| v != (r * 1000 + k % 1000) as i32)) {
+                    return Err(bad(format!("call {i}: allgather of {count} is wrong")));
+                }
+            }
+            3 => {
+                let root = i % n;
+                let mut x = vec![if me == root { (i % 251) as u8 } else { 0 }; count];
+                comm.broadcast(&mut x, root)?;
+                if x.iter().any(|&v| v != (i % 251) as u8) {
+                    return Err(bad(format!("call {i}: broadcast of {count} from {root} is wrong")));
+                }
+            }
+            4 => {
+                let per = count.div_ceil(n);
+                let send = vec![(me + 1) as f32; per * n];
+                let mut got = vec![0f32; per];
+                comm.reduce_scatter(&send, &mut got, ReduceOp::Sum)?;
+                if got.iter().any(|&v| v != tri) {
+                    return Err(bad(format!("call {i}: reduce_scatter of {per} per rank gave {}", got[0])));
+                }
+            }
+            5 => {
+                let mut a = vec![(me + 1) as f32; count];
+                let mut b = vec![me as i32; 1 + count / 7];
+                comm.scope(|s| {
+                    let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
+                    let rb = s.allreduce(&mut b, ReduceOp::Max)?;
+                    rb.wait()?;
+                    ra.wait()
+                })?;
+                if a.iter().any(|&v| v != tri) || b.iter().any(|&v| v != (n - 1) as i32) {
+                    return Err(bad(format!("call {i}: a scope's allreduces of {count} are wrong")));
+                }
+            }
+            _ => {
+                let mut x = vec![0f32; count];
+                let mut plan = comm.allreduce_plan(&mut x, ReduceOp::Sum)?;
+                for run in 0..3 {
+                    plan.output_mut().fill((me + run) as f32);
+                    plan.run()?;
+                    let want: f32 = (0..n).map(|r| (r + run) as f32).sum();
+                    if plan.output().iter().any(|&v| v != want) {
+                        return Err(bad(format!("call {i}: plan run {run} of {count} is wrong")));
+                    }
+                }
+            }
+        }
+        if (i + 1) % 250 == 0 {
+            samples.push((i + 1, holdings()));
+        }
+    }
+    comm.barrier()?;
+    let after: Vec<&(usize, [u64; 4])> = samples.iter().filter(|s| s.0 > ops.min(1000)).collect();
+    let (Some(first), Some(last)) = (after.first(), after.last()) else {
+        return Err(bad(format!("{ops} calls are too few to sample after the warm-up")));
+    };
+    let show = |s: &[u64; 4]| format!("rss {} KiB, fds {}, threads {}, shm {}", s[0], s[1], s[2], s[3]);
+    for (k, name) in [(1, "file descriptors"), (2, "threads"), (3, "/dev/shm entries")] {
+        if after.iter().any(|s| s.1[k] != first.1[k]) {
+            let seen: Vec<u64> = after.iter().map(|s| s.1[k]).collect();
+            return Err(bad(format!("{name} moved after the warm-up: {seen:?}")));
+        }
+    }
+    if last.1[0] > first.1[0] + 8 * 1024 {
+        return Err(bad(format!("memory grew after the warm-up: {} -> {}", show(&first.1), show(&last.1))));
+    }
+    println!(
+        "selftest: rank {me} soak: {ops} calls checked; after call {}: {}; after call {}: {}",
+        first.0,
+        show(&first.1),
+        last.0,
+        show(&last.1)
+    );
+    Ok(())
+}
 
 /// Every rank loops on small allreduces; `--victim` kills itself 0.3 s in (SIGKILL), or
 /// with `--stop` stops itself (SIGSTOP: the others time out, and the shrink leaves it out
@@ -181,6 +317,7 @@ fn main() {
         "fault" => fault(comm, rest),
         "weights" => weights(&comm, rest),
         "shrink" => shrink(comm, rest),
+        "soak" => soak(&comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
     match result.and_then(|()| comm.finalize().map_err(Into::into)) {
