@@ -105,9 +105,17 @@ impl Communicator {
                 return a;
             }
         }
-        let link = if self.any_tcp() { TCP_LINK } else { SHM_LINK };
         let bytes = count.saturating_mul(dtype.size());
-        select::choose(coll, self.size(), bytes, dtype, op, link)
+        select::choose(coll, self.size(), bytes, dtype, op, self.link())
+    }
+
+    /// The link the cost model assumes: tcp when any member is reached over it.
+    fn link(&self) -> select::LinkCost {
+        if self.any_tcp() {
+            TCP_LINK
+        } else {
+            SHM_LINK
+        }
     }
 
     /// A call's shape, its descriptor on the wire (or in a low-latency slot) and its name in
@@ -144,11 +152,7 @@ impl Communicator {
                     None => algo::build(algo, &shape).map_err(|e| Error::invalid(format!("rank {}: {name}: {e}", self.rank())))?,
                 };
                 let prep = Prepared { name: id, desc, sched: Arc::new(sched), dtype, op, ll };
-                if crate::logging::enabled(Subsys::Coll, log::Level::Info)
-                    && self.explained.lock().unwrap_or_else(|e| e.into_inner()).insert(key)
-                {
-                    flog!(Info, Coll, "{}", self.explain(&shape, algo, &prep));
-                }
+                self.explain_once(&shape, algo, &prep.name, &prep.sched);
                 self.sched_cache.insert(key, prep.clone());
                 prep
             }
@@ -212,11 +216,11 @@ impl Communicator {
         // The low-latency path needs no schedule: nothing to look up.
         if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Coll(coll), dtype, op, count)) {
             let in_place = input.is_none();
-            let (_, desc, id) = self.identity(coll, dtype, op, count, in_place, Algo::Ll);
+            let (shape, desc, id) = self.identity(coll, dtype, op, count, in_place, Algo::Ll);
             let id = id.with_pod(pod);
             self.check_usable(&id)?;
             if logging {
-                self.explain_ll_once(coll, dtype, op, count, in_place, &id);
+                self.explain_once(&shape, Algo::Ll, &id, &Schedule::default());
             }
             if let Some(numbers) = self.begin_ll(ch, &desc) {
                 let spec = LlSpec { kind: LlKind::Coll(coll), dtype, op, count, in_place };
@@ -243,12 +247,11 @@ impl Communicator {
 
     /// How a call runs, for the `coll` log at its first occurrence: the algorithm and why,
     /// the protocol, the chunks, and what the cost model estimated for each candidate.
-    fn explain(&self, shape: &Shape, algo: Algo, prep: &Prepared) -> String {
+    fn explain(&self, shape: &Shape, algo: Algo, name: &Op, sched: &Schedule) -> String {
         let p = &self.fabric().params;
-        let link = if self.any_tcp() { TCP_LINK } else { SHM_LINK };
         let bytes = shape.count.saturating_mul(shape.dtype.size());
         let place = if shape.in_place { "in place" } else { "out of place" };
-        let mut s = format!("rank {}: {} on {} ranks, {bytes} B per rank, {place}: ", self.rank(), prep.name, shape.n);
+        let mut s = format!("rank {}: {} on {} ranks, {bytes} B per rank, {place}: ", self.rank(), name, shape.n);
         if algo == Algo::Ll {
             s += "low-latency protocol (one round through the shared slots)";
         } else {
@@ -263,11 +266,11 @@ impl Communicator {
             s += &format!(
                 "{algo} by {why}; {proto}; chunks of up to {chunk} B, {} in flight per peer; schedule of {} steps, {} B of scratch",
                 p.slots,
-                prep.sched.steps.len(),
-                prep.sched.scratch_bytes
+                sched.steps.len(),
+                sched.scratch_bytes
             );
         }
-        let est = select::estimates(shape.coll, shape.n, bytes, shape.dtype, shape.op, link);
+        let est = select::estimates(shape.coll, shape.n, bytes, shape.dtype, shape.op, self.link());
         let est: Vec<String> = est.iter().map(|(a, t)| format!("{a} {t:.1}")).collect();
         s += &format!("; estimates over {} (us): {}", if self.any_tcp() { "tcp" } else { "shm" }, est.join(", "));
         if self.ll.is_some() {
@@ -283,23 +286,18 @@ impl Communicator {
         flog!(Trace, Coll, "rank {}: {} of {} x {} ({})", self.rank(), call.name, call.count, call.dtype, call.op);
     }
 
-    /// The `coll` log of a low-latency call's first occurrence (the path looks nothing up:
-    /// this runs only when the log is enabled).
+    /// The `coll` log of a call shape's first occurrence, when it is enabled (a schedule's
+    /// when it is built, a low-latency call's on the path that looks nothing up).
     #[cold]
     #[inline(never)]
-    fn explain_ll_once(&self, coll: Collective, dtype: DType, op: ReduceOp, count: usize, in_place: bool, id: &Op) {
+    fn explain_once(&self, shape: &Shape, algo: Algo, name: &Op, sched: &Schedule) {
         if !crate::logging::enabled(Subsys::Coll, log::Level::Info) {
             return;
         }
-        let key = (coll, dtype, op, count, in_place);
-        if !self.explained.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
-            return;
+        let key = (shape.coll, shape.dtype, shape.op, shape.count, shape.in_place);
+        if self.explained.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+            flog!(Info, Coll, "{}", self.explain(shape, algo, name, sched));
         }
-        let p = &self.fabric().params;
-        let shape =
-            Shape { coll, n: self.size(), rank: self.rank(), count, dtype, op, chunk_bytes: p.chunk_bytes, in_place, slots: p.slots };
-        let prep = Prepared { name: id.clone(), desc: [0; 16], sched: Default::default(), dtype, op, ll: None };
-        flog!(Info, Coll, "{}", self.explain(&shape, Algo::Ll, &prep));
     }
 
     fn run_coll(&self, prep: Prepared, input: Option<RegionHandle>, output: RegionHandle, scratch: RegionHandle) -> Result<()> {

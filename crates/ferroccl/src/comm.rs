@@ -73,7 +73,7 @@ pub struct Communicator {
     seqs: Arc<Mutex<Streams>>,
     splits: Mutex<u32>,
     /// Shrinks of this communicator so far (see [`Communicator::shrink`]).
-    shrinks: Mutex<u32>,
+    shrinks: std::sync::atomic::AtomicU32,
     scratch: ScratchCache,
     /// Schedules of recent calls, so that a repeated call does not build its schedule again.
     pub(crate) sched_cache: SchedCache,
@@ -88,7 +88,7 @@ pub struct Communicator {
     /// The flight recorder of this communicator's calls (also held by its streams).
     pub(crate) flight: Arc<Flight>,
     /// Low-latency calls already explained in the `coll` log (touched only when it is on).
-    pub(crate) explained: Box<Mutex<HashSet<CallKey>>>,
+    pub(crate) explained: Mutex<HashSet<CallKey>>,
 }
 
 /// A call's shape as the schedule cache keys it: collective, dtype, op, count, in place.
@@ -202,12 +202,12 @@ impl Communicator {
             seqs,
             members,
             splits: Mutex::new(0),
-            shrinks: Mutex::new(0),
+            shrinks: std::sync::atomic::AtomicU32::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
             ll,
-            explained: Box::default(),
+            explained: Mutex::default(),
         })
     }
 
@@ -241,11 +241,7 @@ impl Communicator {
         let timeout = fabric.params.timeout;
         let start = Instant::now();
         let deadline = start + timeout;
-        let epoch = {
-            let mut s = self.shrinks.lock().unwrap_or_else(|e| e.into_inner());
-            *s += 1;
-            *s
-        };
+        let epoch = self.shrinks.fetch_add(1, Ordering::Relaxed) + 1;
         let me = self.world_rank(self.rank).unwrap_or(self.rank);
         let base = format!("{}/shrink/{:x}/{epoch}", fabric.key_prefix(), self.id);
         let store = StoreClient::connect(&fabric.store_addr, &fabric.token.0, me, timeout)
@@ -732,11 +728,11 @@ impl Communicator {
             seqs,
             members,
             splits: Mutex::new(0),
-            shrinks: Mutex::new(0),
+            shrinks: std::sync::atomic::AtomicU32::new(0),
             scratch: ScratchCache::default(),
             sched_cache: Default::default(),
             departed: AtomicBool::new(false),
-            explained: Box::default(),
+            explained: Mutex::default(),
         }))
     }
 

@@ -58,14 +58,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Where one communicator's ordered streams stand: the next sequence number of each
 /// (channel, direction, peer), flattened, the number of calls every member makes
 /// (collectives, barriers, splits) submitted so far, and the flight recorder of the last
-/// calls (their descriptors also answer a peer's probe). Owned by the communicator, known to
-/// the engine (which answers probes) through a weak reference.
+/// calls (it knows the communicator's id and members; the engine reaches it through a weak
+/// reference, to answer probes and to dump it). Owned by the communicator.
 #[derive(Debug)]
 pub(crate) struct Streams {
-    /// The communicator's id, its members' world ranks and this rank in it.
-    id: u32,
-    members: Arc<[usize]>,
-    rank: usize,
     next: Vec<u32>,
     calls: u32,
     /// Low-latency calls numbered so far (see `crate::ll`).
@@ -81,8 +77,8 @@ const RECENT_CALLS: usize = 16;
 impl Streams {
     fn new(id: u32, members: Arc<[usize]>, rank: usize, flight_entries: usize) -> Streams {
         let n = members.len();
-        let flight = Arc::new(Flight::new(id, rank, members.clone(), flight_entries));
-        Streams { id, members, rank, next: vec![0; CHANNELS * 2 * n], calls: 0, ll: 0, flight }
+        let flight = Arc::new(Flight::new(id, rank, members, flight_entries));
+        Streams { next: vec![0; CHANNELS * 2 * n], calls: 0, ll: 0, flight }
     }
 
     /// The communicator's flight recorder.
@@ -475,10 +471,9 @@ pub(crate) struct Engine {
     park: Arc<Park>,
     /// Driver rounds so far (the clock is read every [`CLOCK_EVERY`]).
     rounds: AtomicU32,
-    /// The stream state of every communicator on this fabric, to answer probes.
-    comms: Mutex<Vec<Weak<Mutex<Streams>>>>,
-    /// The flight recorder of every communicator on this fabric (a list of its own: a dump
-    /// may happen where the streams' locks must not be taken).
+    /// The flight recorder of every communicator on this fabric: its calls answer probes
+    /// and are dumped on failure, without the streams' locks (a dump may happen where they
+    /// must not be taken).
     flights: Mutex<Vec<Weak<Flight>>>,
     /// Set once the flight records are written (see [`Engine::dump_flight`]).
     flight_dumped: AtomicBool,
@@ -513,7 +508,6 @@ impl Engine {
             driver: Mutex::default(),
             park,
             rounds: AtomicU32::new(0),
-            comms: Mutex::default(),
             flights: Mutex::default(),
             flight_dumped: AtomicBool::new(false),
             flight_dumping: Mutex::default(),
@@ -552,16 +546,10 @@ impl Engine {
         // The ring also answers the peers' probes: it keeps the last RECENT_CALLS at least.
         let entries = entries.max(RECENT_CALLS);
         let st = Streams::new(id, members, rank, entries);
-        {
-            let mut flights = lock(&self.flights);
-            flights.retain(|w| w.strong_count() > 0);
-            flights.push(Arc::downgrade(st.flight()));
-        }
-        let st = Arc::new(Mutex::new(st));
-        let mut comms = lock(&self.comms);
-        comms.retain(|w| w.strong_count() > 0);
-        comms.push(Arc::downgrade(&st));
-        st
+        let mut flights = lock(&self.flights);
+        flights.retain(|w| w.strong_count() > 0);
+        flights.push(Arc::downgrade(st.flight()));
+        Arc::new(Mutex::new(st))
     }
 
     /// Writes the flight record of every communicator on this fabric (see
@@ -625,23 +613,21 @@ impl Engine {
         let fabric = &self.fabric;
         let probes = fabric.inbox.take_probes();
         for (peer, comm, call, theirs) in probes {
-            let st = lock(&self.comms).iter().filter_map(Weak::upgrade).find(|s| lock(s).id == comm);
-            let Some(st) = st else { continue };
-            let fault = {
-                let st = lock(&st);
-                let Some(mine) = st.flight.desc_of(call) else { continue };
-                if mine == theirs {
-                    continue;
-                }
-                let p = st.members.iter().position(|&w| w == peer).unwrap_or(peer);
-                let d = proto::describe;
-                Fault {
-                    kind: FaultKind::Mismatch,
-                    culprit: Some(peer),
-                    reporter: None,
-                    op: format!("{} call #{call}", d(&mine)),
-                    what: format!("rank {} called {} as call #{call}, rank {p} called {} as call #{call}", st.rank, d(&mine), d(&theirs)),
-                }
+            let flight = lock(&self.flights).iter().filter_map(Weak::upgrade).find(|f| f.comm().0 == comm);
+            let Some(flight) = flight else { continue };
+            let (_, me, members) = flight.comm();
+            let Some(mine) = flight.desc_of(call) else { continue };
+            if mine == theirs {
+                continue;
+            }
+            let p = members.iter().position(|&w| w == peer).unwrap_or(peer);
+            let d = proto::describe;
+            let fault = Fault {
+                kind: FaultKind::Mismatch,
+                culprit: Some(peer),
+                reporter: None,
+                op: format!("{} call #{call}", d(&mine)),
+                what: format!("rank {me} called {} as call #{call}, rank {p} called {} as call #{call}", d(&mine), d(&theirs)),
             };
             fabric.poison_fault(fault);
         }

@@ -51,6 +51,22 @@ struct Slot {
     done_call: AtomicU32,
 }
 
+impl Slot {
+    /// The call written here, its descriptor and whether it finished; `None` when empty,
+    /// or rewritten while it was read (left out rather than shown torn).
+    fn read(&self) -> Option<(u32, Desc, bool)> {
+        let call = self.call.load(Ordering::Acquire);
+        if call == 0 {
+            return None;
+        }
+        let mut desc = [0u8; 16];
+        desc[..8].copy_from_slice(&self.desc[0].load(Ordering::Relaxed).to_le_bytes());
+        desc[8..].copy_from_slice(&self.desc[1].load(Ordering::Relaxed).to_le_bytes());
+        let done = self.done_call.load(Ordering::Acquire) == call;
+        (self.call.load(Ordering::Acquire) == call).then_some((call, desc, done))
+    }
+}
+
 /// One communicator's flight recorder (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct Flight {
@@ -137,14 +153,12 @@ impl Flight {
 
     /// The descriptor call `call` was made with, if the ring still holds it.
     pub(crate) fn desc_of(&self, call: u32) -> Option<Desc> {
-        let s = self.slot(call)?;
-        if s.call.load(Ordering::Acquire) != call {
-            return None;
-        }
-        let mut desc = [0u8; 16];
-        desc[..8].copy_from_slice(&s.desc[0].load(Ordering::Relaxed).to_le_bytes());
-        desc[8..].copy_from_slice(&s.desc[1].load(Ordering::Relaxed).to_le_bytes());
-        (s.call.load(Ordering::Acquire) == call).then_some(desc)
+        self.slot(call).and_then(Slot::read).filter(|r| r.0 == call).map(|r| r.1)
+    }
+
+    /// The communicator's id, this rank in it and its members (world ranks).
+    pub(crate) fn comm(&self) -> (u32, usize, &[usize]) {
+        (self.comm, self.member, &self.members)
     }
 
     /// Call `call` finished on this rank (successfully). One store: no clock (the next
@@ -168,17 +182,8 @@ impl Flight {
         // so ordering them around any one of them orders them all.
         let later = |a: u32, b: u32| (a.wrapping_sub(b) as i32) > 0;
         let mut entries: Vec<(u32, String)> = Vec::with_capacity(self.slots.len());
-        for s in self.slots.iter() {
-            let call = s.call.load(Ordering::Acquire);
-            if call == 0 || after.is_some_and(|a| !later(call, a)) {
-                continue;
-            }
-            let mut desc = [0u8; 16];
-            desc[..8].copy_from_slice(&s.desc[0].load(Ordering::Relaxed).to_le_bytes());
-            desc[8..].copy_from_slice(&s.desc[1].load(Ordering::Relaxed).to_le_bytes());
-            let done = s.done_call.load(Ordering::Acquire) == call;
-            // A slot rewritten while it was read is left out rather than shown torn.
-            if s.call.load(Ordering::Acquire) != call {
+        for (call, desc, done) in self.slots.iter().filter_map(Slot::read) {
+            if after.is_some_and(|a| !later(call, a)) {
                 continue;
             }
             let state = if done { "done" } else { "pending" };
