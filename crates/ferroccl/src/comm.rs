@@ -433,9 +433,10 @@ impl Communicator {
     fn refuse(&self, op: &Op) -> Result<()> {
         if matches!(op, Op::Collective { .. } | Op::Barrier { .. } | Op::Split { .. }) {
             // The flight record shows that this rank got to the call (before the fatal
-            // error below writes it out).
-            let next = lock_streams(&self.seqs).calls().wrapping_add(1);
-            self.flight.refused(next, &op.to_string());
+            // error below writes it out). Not from the streams' count: `submit` checks
+            // under their lock (taking it here deadlocked a call that met a fatal error
+            // arriving between its first check and its submission).
+            self.flight.refused(&op.to_string());
         }
         match self.fabric().fatal_error(op) {
             Some(e) => {

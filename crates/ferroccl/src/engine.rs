@@ -106,11 +106,6 @@ impl Streams {
         self.calls
     }
 
-    /// Calls numbered so far (every member numbers the same calls alike).
-    pub(crate) fn calls(&self) -> u32 {
-        self.calls
-    }
-
     /// Low-latency calls numbered so far.
     pub(crate) fn ll_calls(&self) -> u64 {
         self.ll

@@ -97,12 +97,14 @@ impl Flight {
         }
     }
 
-    /// Call `call` (`what`) was not made: the fabric had failed already. Only the first
-    /// such call is kept.
-    pub(crate) fn refused(&self, call: u32, what: &str) {
+    /// The call after the last one posted (`what`) was not made: the fabric had failed
+    /// already. Only the first such call is kept. Takes no lock of the caller's: it may
+    /// hold the one that numbers calls.
+    pub(crate) fn refused(&self, what: &str) {
         if self.slots.is_empty() {
             return;
         }
+        let call = self.last().wrapping_add(1);
         let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
         if r.is_none() {
             *r = Some((call, what.to_string()));
@@ -594,8 +596,8 @@ mod tests {
         // A refusal reads back from a record.
         let f = Flight::new(0, 0, Arc::from(vec![0, 1]), 4);
         f.posted(1, &desc(1));
-        f.refused(2, "allreduce (4 x f32, sum, ll)");
-        f.refused(3, "later");
+        f.refused("allreduce (4 x f32, sum, ll)");
+        f.refused("later");
         let r = &parse(&f.lines(0, "x").join("\n"))[0];
         assert_eq!(r.entries.iter().map(|e| (e.call, e.refused)).collect::<Vec<_>>(), vec![(1, false), (2, true)]);
     }
@@ -610,7 +612,7 @@ mod tests {
         f.posted(2, &desc(2));
         let more = f.take_dump(0, "second");
         assert_eq!(more.len(), 2, "{more:?}");
-        f.refused(3, "allreduce (4 x f32, sum, ll)");
+        f.refused("allreduce (4 x f32, sum, ll)");
         let last = f.take_dump(0, "third");
         assert!(last.len() == 2 && last[1].contains("call=3 state=refused"), "{last:?}");
         text = [text, more.join("\n"), last.join("\n")].join("\n");

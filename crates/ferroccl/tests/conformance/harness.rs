@@ -2,6 +2,7 @@
 //! thread-ranks on a fresh store, and the proptest runner.
 
 use std::fmt::Debug;
+use std::io::Write;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -165,7 +166,8 @@ pub fn run_world_at<R: Send>(
     body: impl Fn(Communicator) -> RankResult<R> + Sync,
 ) -> Vec<RankResult<R>> {
     let addr = server.addr().to_string();
-    std::thread::scope(|s| {
+    let watchdog = Watchdog::start(n);
+    let out = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let (token, addr, params, body) = (token.to_string(), addr.clone(), &params, &body);
@@ -184,7 +186,46 @@ pub fn run_world_at<R: Send>(
             .enumerate()
             .map(|(r, h)| h.join().unwrap_or_else(|p| Err(format!("rank {r} panicked: {}", panic_text(&p)))))
             .collect::<Vec<_>>()
-    })
+    });
+    watchdog.stop();
+    out
+}
+
+/// The longest one world of rank threads may run. Every blocking call has a deadline, so
+/// a world that runs longer hangs (a deadlock): rank threads cannot be killed, so the
+/// test process is aborted, failing the run at once rather than at CI's limit (a
+/// self-deadlock in a rank once held a CI run until its 90 minutes were up).
+pub const WORLD_LIMIT: Duration = Duration::from_secs(300);
+
+/// Aborts the process if a world is not over within [`WORLD_LIMIT`].
+struct Watchdog {
+    done: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Watchdog {
+    fn start(n: usize) -> Watchdog {
+        let test = std::thread::current().name().unwrap_or("?").to_string();
+        let (done, rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(WORLD_LIMIT) {
+                // Straight to the process's stderr: the test harness captures `eprintln!`,
+                // and an aborted test's capture is never shown.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "conformance harness: test {test}: a world of {n} rank threads still runs after {WORLD_LIMIT:?} \
+                     (every blocking call has a deadline: this is a hang); aborting the test process"
+                );
+                std::process::abort();
+            }
+        });
+        Watchdog { done, thread }
+    }
+
+    fn stop(self) {
+        let _ = self.done.send(());
+        let _ = self.thread.join();
+    }
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
