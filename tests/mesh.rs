@@ -1385,3 +1385,65 @@ fn a_soak_of_mixed_calls_holds_memory_descriptors_and_threads_flat() {
         }
     }
 }
+
+/// Failure scope: a fault fails exactly the communicators it reaches (`selftest scope`: 4
+/// ranks, the world, pairs {0, 1} and {2, 3} split from it, and a split of each pair).
+/// Rank 3 killed or stopped: the world fails everywhere, the pair {2, 3} on rank 2, while
+/// ranks 0 and 1 carry on with 400 checked calls on their pair and its split and finalize
+/// them. Rank 0 aborts its pair: the pair and its split fail on ranks 0 and 1 (on rank 1
+/// naming rank 0), the other pair and the world carry on and finalize. A mismatch in a
+/// pair: that pair fails, its split and the world carry on. shm and tcp.
+#[test]
+fn a_failure_reaches_only_the_communicators_it_must() {
+    for transport in ["shm", "tcp"] {
+        for case in ["kill", "stop"] {
+            let ctx = format!("{transport}, rank 3 {case}");
+            let j = job_with_grace(4, transport, &["scope", "--case", case], &[("FERROCCL_TIMEOUT", "3")], "30");
+            assert_eq!(j.code, Some(137), "{ctx}\n{}", j.all());
+            for r in [0, 1] {
+                let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} scope {case}: world failed: ")));
+                let line = line.unwrap_or_else(|| panic!("{ctx}: rank {r}\n{}", j.all()));
+                assert!(line.ends_with("pair and sub carried on: 400 calls checked"), "{ctx}: {line}");
+            }
+            let line = j.stdout.lines().find(|l| l.starts_with(&format!("[2] selftest: rank 2 scope {case}: world failed: ")));
+            let line = line.unwrap_or_else(|| panic!("{ctx}: rank 2\n{}", j.all()));
+            assert!(line.contains("; pair failed: "), "{ctx}: {line}");
+            assert!(j.stderr.contains("ferroccl-run: culprit: rank 3"), "{ctx}\n{}", j.all());
+        }
+        for case in ["abort", "mismatch"] {
+            let ctx = format!("{transport}, {case}");
+            let j = job(4, transport, &["scope", "--case", case], &[]);
+            assert_eq!(j.code, Some(0), "{ctx}\n{}", j.all());
+            let has = |s: &str| j.stdout.contains(s);
+            if case == "abort" {
+                assert!(has("[0] selftest: rank 0 scope abort: pair: rank 0: "), "{ctx}\n{}", j.all());
+                assert!(has("[1] selftest: rank 1 scope abort: pair: rank 1: "), "{ctx}\n{}", j.all());
+                for r in [2, 3] {
+                    assert!(
+                        has(&format!("[{r}] selftest: rank {r} scope abort: the other pair carried on: 400 calls checked")),
+                        "{ctx}\n{}",
+                        j.all()
+                    );
+                }
+                for r in 0..4 {
+                    assert!(
+                        has(&format!("[{r}] selftest: rank {r} scope abort: world carried on: 100 calls checked")),
+                        "{ctx}\n{}",
+                        j.all()
+                    );
+                }
+            } else {
+                for r in [0, 1] {
+                    assert!(has(&format!("[{r}] selftest: rank {r} scope mismatch: pair: ")), "{ctx}\n{}", j.all());
+                }
+                for r in 0..4 {
+                    assert!(
+                        has(&format!("[{r}] selftest: rank {r} scope mismatch: sub and world carried on: 200 calls checked")),
+                        "{ctx}\n{}",
+                        j.all()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -200,7 +200,7 @@ impl Communicator {
                 self.flight.finished(call);
                 Ok(())
             }
-            Err(e) => Err(fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r))),
+            Err(e) => Err(fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r), Some(self.view()))),
         }
     }
 

@@ -19,6 +19,7 @@ use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{assign_seqs, Exec};
 use crate::fabric::{job_id, Fabric, FabricConfig};
 use crate::flight::Flight;
+use crate::inbox::{Scope, View};
 use crate::ll::{self, LlChannel};
 use crate::logging::{flog, Subsys};
 use crate::params::{LlChoice, Params, ProtoChoice};
@@ -377,6 +378,11 @@ impl Communicator {
         self.engine.fabric()
     }
 
+    /// This communicator as fault scopes see it (see `inbox::Scope`).
+    pub(crate) fn view(&self) -> View<'_> {
+        View { comm: self.id, members: &self.members }
+    }
+
     pub(crate) fn engine(&self) -> &Arc<Engine> {
         &self.engine
     }
@@ -414,8 +420,9 @@ impl Communicator {
         Ok(wpeer)
     }
 
-    /// The fabric's fatal error (or abort), or the world's finalize, as seen by a new call
-    /// `op`.
+    /// A fault that reaches this communicator (an abort of it or of an ancestor, a dead
+    /// member, its own failed call, the fabric's failure), or the world's finalize, as seen
+    /// by a new call `op`.
     pub(crate) fn check_usable(&self, op: &Op) -> Result<()> {
         if let Some(e) = self.fabric().finalized_error(self.rank, op, self.id != 0) {
             return Err(e);
@@ -431,6 +438,9 @@ impl Communicator {
     #[cold]
     #[inline(never)]
     fn refuse(&self, op: &Op) -> Result<()> {
+        // A fault elsewhere (another communicator's, a peer's that is no member) leaves
+        // this one usable.
+        let Some(e) = self.fabric().fatal_error(op, Some(self.view())) else { return Ok(()) };
         if matches!(op, Op::Collective { .. } | Op::Barrier { .. } | Op::Split { .. }) {
             // The flight record shows that this rank got to the call (before the fatal
             // error below writes it out). Not from the streams' count: `submit` checks
@@ -438,13 +448,8 @@ impl Communicator {
             // arriving between its first check and its submission).
             self.flight.refused(&op.to_string());
         }
-        match self.fabric().fatal_error(op) {
-            Some(e) => {
-                self.fabric().fatal_seen(&e);
-                Err(e)
-            }
-            None => Ok(()),
-        }
+        self.fabric().fatal_seen(&e);
+        Err(e)
     }
 
     /// A part of a job: one schedule over one set of buffers, on channel `chan`.
@@ -541,7 +546,7 @@ impl Communicator {
         let Some(ch) = &self.ll else { return Ok(()) };
         let fabric = self.fabric();
         ch.settle_last(fabric, fabric.params.timeout, &|now| self.engine().tend(now))
-            .map_err(|e| fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r)))
+            .map_err(|e| fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r), Some(self.view())))
     }
 
     /// Numbers a low-latency call to run on this thread, now: `None` when an earlier one
@@ -649,15 +654,15 @@ impl Communicator {
     }
 
     /// Aborts the communicator: every pending operation (on any thread) and every later one
-    /// fails promptly with [`Error::Aborted`], and the peers are told, so that theirs fail
+    /// fails promptly with [`Error::Aborted`], and the members are told, so that theirs fail
     /// too (naming this rank) instead of waiting for the timeout. Callable from any thread;
     /// returns at once.
     ///
-    /// Communicators made by [`Communicator::split`] share their connections with the world
-    /// communicator, and an abort of any of them aborts all of them (in this rank and, by the
-    /// message, in the peers), like any other fatal error.
+    /// The abort reaches the communicators split from this one, at any depth (here and, by
+    /// the message, in the members), not its parent or siblings: those stay usable. An
+    /// abort of the world communicator aborts everything and closes the connections.
     pub fn abort(&self) {
-        self.fabric().abort();
+        self.fabric().abort(self.view());
     }
 
     /// Splits the communicator, like `MPI_Comm_split`: members that pass the same `color`
@@ -715,6 +720,8 @@ impl Communicator {
         if Some(id) != new_id {
             return Err(Error::internal("split: the communicator's id changed during the exchange (concurrent splits?)"));
         }
+        // An abort of this communicator (or of an ancestor) reaches the new one.
+        self.fabric().split_from(id, self.id);
         let any_tcp = members.iter().any(|&w| self.fabric().transport_kind(w) == Some(TransportKind::Tcp));
         let ll = connect_ll(self.fabric(), ll_seg, id, &members, rank)?;
         let seqs = self.engine.streams(id, members.clone(), rank);
@@ -776,15 +783,15 @@ impl Communicator {
         let peers: Vec<usize> = (0..n).filter(|&p| p != self.rank).collect();
         for &p in &peers {
             let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Finalized, p));
-            let r = self.fabric().endpoint(self.members[p])?.post_send(&msg, deadline, &|| self.fabric().pump(op));
-            r.map_err(|e| self.fabric().poison(e))?;
+            let r = self.fabric().endpoint(self.members[p])?.post_send(&msg, deadline, &|| self.fabric().pump(op, Some(self.view())));
+            r.map_err(|e| self.fabric().poison_in(e, &|r| r, Some(self.view())))?;
         }
         // Every member's record (each follows everything that member sent us).
         let waiting = || -> Vec<usize> {
             let ev = self.fabric().inbox.lock();
             peers.iter().map(|&p| self.members[p]).filter(|w| !ev.left.contains_key(&(self.id, *w))).collect()
         };
-        let theirs: Vec<Leave> = self.fabric().run_until(op, deadline, &waiting, || {
+        let theirs: Vec<Leave> = self.fabric().run_until(op, Some(self.view()), deadline, &waiting, || {
             let ev = self.fabric().inbox.lock();
             let mut got = Vec::with_capacity(peers.len());
             for &p in &peers {
@@ -828,7 +835,7 @@ impl Communicator {
             };
             // Fatal, and told to every rank (ERR in place of AGREED): no member's finalize
             // may return Ok while this one fails.
-            return Err(self.fabric().poison_in(err, &|r| self.members[r]));
+            return Err(self.fabric().poison_in(err, &|r| self.members[r], Some(self.view())));
         }
         // Second round: Ok only when every member that finalized found nothing wrong either
         // (a member that found something sends ERR, which fails this wait). Members that
@@ -837,14 +844,16 @@ impl Communicator {
             peers.iter().zip(&theirs).filter(|(_, l)| l.how == Departure::Finalized).map(|(&p, _)| self.members[p]).collect();
         let agreed = proto::encode_agreed(self.id);
         for &w in &agreeing {
-            let r = self.fabric().endpoint(w)?.post_send(&agreed, deadline, &|| self.fabric().pump(op));
-            r.map_err(|e| self.fabric().poison(e))?;
+            let r = self.fabric().endpoint(w)?.post_send(&agreed, deadline, &|| self.fabric().pump(op, Some(self.view())));
+            r.map_err(|e| self.fabric().poison_in(e, &|r| r, Some(self.view())))?;
         }
         let missing = || -> Vec<usize> {
             let ev = self.fabric().inbox.lock();
             agreeing.iter().copied().filter(|w| !ev.agreed.contains(&(self.id, *w))).collect()
         };
-        let r = self.fabric().run_until(op, deadline, &missing, || Ok(if missing().is_empty() { Poll::Ready(()) } else { Poll::Idle }));
+        let r = self
+            .fabric()
+            .run_until(op, Some(self.view()), deadline, &missing, || Ok(if missing().is_empty() { Poll::Ready(()) } else { Poll::Idle }));
         forget();
         r
     }
@@ -918,23 +927,25 @@ impl Drop for Communicator {
             // Not a clean goodbye: this rank failed. Every peer is told so (as the culprit),
             // and fails at once instead of reading this as an early finalize.
             let me = self.members[self.rank];
-            self.fabric().poison_fault(Fault {
+            let fault = Fault {
                 kind: FaultKind::Failed,
                 culprit: Some(me),
                 reporter: None,
                 op: String::new(),
                 what: "panicked (its communicator was dropped while its thread unwound)".into(),
-            });
+            };
+            self.fabric().poison_fault(fault, Scope::Fabric, None);
             return;
         }
-        if self.fabric().finalized_error(self.rank, &Op::other("drop"), false).is_some() || self.fabric().inbox.has_fatal() {
+        let op = Op::other("drop");
+        if self.fabric().finalized_error(self.rank, &op, false).is_some() || self.fabric().fatal_error(&op, Some(self.view())).is_some() {
             return;
         }
         let deadline = Instant::now() + self.fabric().params.timeout.min(Duration::from_secs(1));
         for p in (0..self.size()).filter(|&p| p != self.rank) {
             let msg = proto::encode_leave(self.id, &self.leave_record(Departure::Dropped, p));
             if let Ok(ep) = self.fabric().endpoint(self.members[p]) {
-                let _ = ep.post_send(&msg, deadline, &|| self.fabric().pump(&Op::other("drop")));
+                let _ = ep.post_send(&msg, deadline, &|| self.fabric().pump(&op, Some(self.view())));
             }
         }
     }
@@ -964,7 +975,7 @@ fn connect_ll(
     }
     let deadline = Instant::now() + fabric.params.timeout;
     let ch = LlChannel::connect(fabric, own, id, members.clone(), rank, fabric.params.ll_max_bytes, fabric.local_ranks(), deadline)
-        .map_err(|e| fabric.poison(e))?;
+        .map_err(|e| fabric.poison_in(e, &|r| r, Some(View { comm: id, members })))?;
     Ok(ch.map(Arc::new))
 }
 

@@ -43,7 +43,7 @@ use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
 use crate::flight::Flight;
-use crate::inbox::Backoff;
+use crate::inbox::{Backoff, Scope, View};
 use crate::ll::LlRun;
 use crate::p2p::XferCtx;
 use crate::params::{FaultSite, FlightDest};
@@ -237,6 +237,11 @@ impl JobBody {
         self.parts.first().map(|p| p.name.numbered(p.call)).unwrap_or_else(|| Op::other("operation"))
     }
 
+    /// The job's communicator as fault scopes see it.
+    fn view(&self) -> View<'_> {
+        View { comm: self.comm, members: &self.members }
+    }
+
     /// The world rank of member `r` (`r` itself if out of range: errors only).
     fn world(&self, r: usize) -> usize {
         self.members.get(r).copied().unwrap_or(r)
@@ -259,6 +264,7 @@ impl JobBody {
             let cx = XferCtx {
                 fabric,
                 comm: *comm,
+                members,
                 chan: p.chan,
                 rank: *rank,
                 op: &p.name,
@@ -611,6 +617,7 @@ impl Engine {
             let flight = lock(&self.flights).iter().filter_map(Weak::upgrade).find(|f| f.comm().0 == comm);
             let Some(flight) = flight else { continue };
             let (_, me, members) = flight.comm();
+            let view = View { comm, members };
             let Some(mine) = flight.desc_of(call) else { continue };
             if mine == theirs {
                 continue;
@@ -624,7 +631,7 @@ impl Engine {
                 op: format!("{} call #{call}", d(&mine)),
                 what: format!("rank {me} called {} as call #{call}, rank {p} called {} as call #{call}", d(&mine), d(&theirs)),
             };
-            fabric.poison_fault(fault);
+            fabric.poison_fault(fault, Scope::Comm(comm), Some(view));
         }
     }
 
@@ -635,7 +642,7 @@ impl Engine {
         self.drain();
         self.fabric.check_health(now);
         self.answer_probes();
-        if !self.fabric.inbox.has_fatal() {
+        if !self.fabric.all_failed() {
             self.serve_rma(self.serving());
         }
     }
@@ -649,7 +656,7 @@ impl Engine {
     /// recording why) poisons the fabric.
     fn drain(&self) {
         if let Err(e) = self.fabric.progress() {
-            if !self.fabric.inbox.has_fatal() {
+            if !self.fabric.all_failed() {
                 let _ = self.fabric.poison(e);
             }
         }
@@ -880,7 +887,7 @@ impl Engine {
             self.answer_probes();
         }
         let fatal = fabric.inbox.has_fatal();
-        let mut moved = !fatal && self.serve_rma(serving);
+        let mut moved = !(fatal && fabric.all_failed()) && self.serve_rma(serving);
         moved |= self.poll_jobs(jobs, fatal, now);
         if fresh && !jobs.is_empty() {
             // What has arrived may finish them now.
@@ -899,8 +906,8 @@ impl Engine {
         while i < jobs.len() {
             let outcome = {
                 let mut body = lock(&jobs[i].body);
-                match fatal.then(|| fabric.fatal_error(&body.label())).flatten() {
-                    Some(e) => Err(fabric.poison(e)),
+                match fatal.then(|| fabric.fatal_error(&body.label(), Some(body.view()))).flatten() {
+                    Some(e) => Err(fabric.poison_in(e, &|r| r, Some(body.view()))),
                     None => match body.poll(fabric) {
                         Ok(Poll::Ready(())) => Ok(true),
                         Ok(Poll::Moved) => {
@@ -915,7 +922,7 @@ impl Engine {
                                 after: now - body.started,
                                 waiting_for: body.waiting_for().iter().map(|p| format!("rank {p}")).collect(),
                             };
-                            Err(fabric.poison(e))
+                            Err(fabric.poison_in(e, &|r| r, Some(body.view())))
                         }
                         Ok(Poll::Idle) => {
                             if let Some(now) = now {
@@ -923,9 +930,9 @@ impl Engine {
                             }
                             Ok(false)
                         }
-                        Err(e) => match fabric.cause_behind(&e, &body.label(), &|| self.drain()) {
-                            Some(cause) => Err(fabric.poison(cause)),
-                            None => Err(fabric.poison_in(e, &|r| body.world(r))),
+                        Err(e) => match fabric.cause_behind(&e, &body.label(), Some(body.view()), &|| self.drain()) {
+                            Some(cause) => Err(fabric.poison_in(cause, &|r| r, Some(body.view()))),
+                            None => Err(fabric.poison_in(e, &|r| body.world(r), Some(body.view()))),
                         },
                     },
                 }

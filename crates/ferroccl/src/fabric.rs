@@ -21,7 +21,7 @@ use ferroccl_mem::region::RegionHandle;
 use crate::bootstrap::{StoreClient, StoreServer};
 use crate::error::{Error, Fault, FaultKind, Op, Result};
 use crate::health::Health;
-use crate::inbox::{Backoff, Events, Inbox};
+use crate::inbox::{Backoff, Events, Inbox, Scope, View};
 use crate::logging::{flog, Subsys};
 use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
@@ -158,9 +158,9 @@ impl Fabric {
             setup_time: Duration::ZERO,
             local_pool: std::sync::OnceLock::new(),
         };
-        fabric.mesh.greet(deadline, &|| fabric.pump(&Op::other("connect")))?;
+        fabric.mesh.greet(deadline, &|| fabric.pump(&Op::other("connect"), None))?;
         let shm_peers = fabric.mesh.shm_peers();
-        fabric.wait_until(&Op::other("connect (waiting for shm peers)"), deadline, &shm_peers, |_| {
+        fabric.wait_until(&Op::other("connect (waiting for shm peers)"), None, deadline, &shm_peers, |_| {
             Ok(if fabric.mesh.ungreeted().is_empty() { Some(()) } else { None })
         })?;
         fabric.mesh.withdraw();
@@ -323,11 +323,11 @@ impl Fabric {
     }
 
     /// What a sender runs while it waits for room: drain our inbox, watch the peers, and
-    /// stop at once if the fabric has failed.
-    pub(crate) fn pump(&self, op: &Op) -> Result<()> {
+    /// stop at once if a fault reaches communicator `view` (`None`: any fault).
+    pub(crate) fn pump(&self, op: &Op, view: Option<View<'_>>) -> Result<()> {
         let _ = self.progress();
         self.check_health(Instant::now());
-        match self.fatal_error(op) {
+        match self.fatal_error(op, view) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -355,9 +355,25 @@ impl Fabric {
         self.health.check(now, &self.mesh);
     }
 
-    /// The error for the fabric's fatal state, if any, as seen by an operation.
-    pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
-        self.health.fatal_error(op)
+    /// The error for the fault that reaches communicator `view` (`None`: any fault), if
+    /// any, as seen by an operation `op` on it.
+    pub(crate) fn fatal_error(&self, op: &Op, view: Option<View<'_>>) -> Option<Error> {
+        if !self.inbox.has_fatal() {
+            return None;
+        }
+        self.health.fatal_error(op, view)
+    }
+
+    /// Whether the whole fabric failed or was aborted (nothing on it can run: one-sided
+    /// requests are no longer served).
+    pub(crate) fn all_failed(&self) -> bool {
+        self.inbox.has_fatal() && self.inbox.lock().all_failed()
+    }
+
+    /// Records, in this process, that communicator `child` was split from `parent` (an
+    /// abort of the parent reaches it).
+    pub(crate) fn split_from(&self, child: u32, parent: u32) {
+        self.inbox.lock().parents.insert(child, parent);
     }
 
     /// Sets what runs when a call fails for good (the engine's
@@ -386,15 +402,15 @@ impl Fabric {
     /// it follows them on the same socket). A mismatch reported by a peer changes nothing
     /// (this rank's own report of it names the same two calls). `drain` moves the
     /// transports meanwhile. `None` for other errors, or when nothing is reported in time.
-    pub(crate) fn cause_behind(&self, err: &Error, op: &Op, drain: &dyn Fn()) -> Option<Error> {
+    pub(crate) fn cause_behind(&self, err: &Error, op: &Op, view: Option<View<'_>>, drain: &dyn Fn()) -> Option<Error> {
         if !matches!(err, Error::Mismatch { .. }) {
             return None;
         }
         let until = Instant::now() + MISMATCH_GRACE;
         loop {
             drain();
-            if self.inbox.has_fatal() {
-                let cause = self.fatal_error(op);
+            if let Some(cause) = self.fatal_error(op, view) {
+                let cause = Some(cause);
                 let kind = cause.as_ref().and_then(Error::root_cause).map(|c| c.kind);
                 return cause.filter(|_| kind != Some(FaultKind::Mismatch));
             }
@@ -416,27 +432,30 @@ impl Fabric {
         self.finalized.store(true, Ordering::Release);
     }
 
-    /// Makes `err` fatal for the fabric (unless an earlier error already is), tells every
-    /// peer the root cause, and shuts the connections down so that no reader thread can keep
-    /// a registered buffer busy. Returns `err` for the caller to report. The ranks in `err`
-    /// are world ranks (see [`Fabric::poison_in`]).
+    /// Makes `err`, found outside any communicator's call (setup, a transport's own
+    /// failure), fatal for the whole fabric (unless an earlier error already is), tells
+    /// every peer the root cause, and shuts the connections down so that no reader thread
+    /// can keep a registered buffer busy. Returns `err` for the caller to report. The ranks
+    /// in `err` are world ranks.
     pub(crate) fn poison(&self, err: Error) -> Error {
-        self.poison_in(err, &|r| r)
+        self.poison_in(err, &|r| r, None)
     }
 
-    /// [`Fabric::poison`] for an error of a call on a communicator whose rank `r` is world
-    /// rank `world(r)`.
-    pub(crate) fn poison_in(&self, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
-        let err = self.health.poison_in(&self.mesh, err, world);
+    /// Makes `err` of a call on communicator `view` (whose rank `r` is world rank
+    /// `world(r)`; `None`: outside any) fatal for what it reaches (see `health`), unless a
+    /// fault reaches `view` already, and tells the peers it concerns.
+    pub(crate) fn poison_in(&self, err: Error, world: &dyn Fn(usize) -> usize, view: Option<View<'_>>) -> Error {
+        let err = self.health.poison_in(&self.mesh, err, world, view);
         if self.inbox.has_fatal() {
             self.fatal_seen(&err);
         }
         err
     }
 
-    /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.
-    pub(crate) fn poison_fault(&self, fault: Fault) {
-        self.health.poison_fault(&self.mesh, fault)
+    /// Makes `fault` (found by this rank) fatal for `scope` and tells the peers it
+    /// concerns (`view`: the communicator it was found on).
+    pub(crate) fn poison_fault(&self, fault: Fault, scope: Scope, view: Option<View<'_>>) {
+        self.health.poison_fault(&self.mesh, fault, scope, view)
     }
 
     /// Sends `msg` to world rank `peer` if that needs no waiting (a probe: best effort).
@@ -446,11 +465,12 @@ impl Fabric {
         }
     }
 
-    /// Aborts every operation on this fabric, pending and later, with [`Error::Aborted`], and
-    /// tells every peer (whose operations then fail with [`Error::Aborted`] naming this rank).
+    /// Aborts every operation on communicator `view` and those split from it (the world:
+    /// everything), pending and later, with [`Error::Aborted`], and tells its members
+    /// (whose operations on it then fail with [`Error::Aborted`] naming this rank).
     /// Returns at once; waiting threads wake within a round.
-    pub(crate) fn abort(&self) {
-        self.health.abort(&self.mesh);
+    pub(crate) fn abort(&self, view: View<'_>) {
+        self.health.abort(&self.mesh, view);
     }
 
     /// Polls until `check` yields a value, a fatal error occurs, or `deadline` passes.
@@ -459,11 +479,12 @@ impl Fabric {
     pub(crate) fn wait_until<T>(
         &self,
         op: &Op,
+        view: Option<View<'_>>,
         deadline: Instant,
         waiting_for: &[usize],
         mut check: impl FnMut(&mut Events) -> Result<Option<T>>,
     ) -> Result<T> {
-        self.run_until(op, deadline, &|| waiting_for.to_vec(), || {
+        self.run_until(op, view, deadline, &|| waiting_for.to_vec(), || {
             let mut ev = self.inbox.lock();
             Ok(match check(&mut ev)? {
                 Some(v) => Poll::Ready(v),
@@ -479,6 +500,7 @@ impl Fabric {
     pub(crate) fn run_until<T>(
         &self,
         op: &Op,
+        view: Option<View<'_>>,
         deadline: Instant,
         waiting_for: &dyn Fn() -> Vec<usize>,
         mut step: impl FnMut() -> Result<Poll<T>>,
@@ -490,18 +512,18 @@ impl Fabric {
             // bumps the bell past `seen`, which makes the futex sleep below return at once.
             let seen = self.inbox.bell_seen();
             if let Err(e) = self.progress() {
-                let e = self.fatal_error(op).unwrap_or(e);
-                return Err(self.poison(e));
+                let e = self.fatal_error(op, view).unwrap_or(e);
+                return Err(self.poison_in(e, &|r| r, view));
             }
-            // A fatal error wins over whatever else arrived: the fabric is poisoned.
-            if let Some(e) = self.fatal_error(op) {
-                return Err(self.poison(e));
+            // A fault that reaches the waiting communicator wins over whatever else arrived.
+            if let Some(e) = self.fatal_error(op, view) {
+                return Err(self.poison_in(e, &|r| r, view));
             }
             match step() {
                 Ok(Poll::Ready(v)) => return Ok(v),
                 Ok(Poll::Moved) => backoff.moved(),
                 Ok(Poll::Idle) => {}
-                Err(e) => return Err(self.poison(e)),
+                Err(e) => return Err(self.poison_in(e, &|r| r, view)),
             }
             let now = Instant::now();
             self.check_health(now);
@@ -512,7 +534,7 @@ impl Fabric {
                     after: now - start,
                     waiting_for: waiting_for().iter().map(|p| format!("rank {p}")).collect(),
                 };
-                return Err(self.poison(e));
+                return Err(self.poison_in(e, &|r| r, view));
             }
             backoff.idle(PARK_NAP, Some(deadline), |until| self.sleep_on_bell(seen, until));
         }
@@ -555,10 +577,11 @@ impl Fabric {
             return;
         }
         let deadline = Instant::now() + Duration::from_secs(2).min(self.params.timeout);
-        // After a fatal error, tell every peer why we are leaving, so that they report the
-        // root cause (the rank that died) rather than our exit.
-        self.health.tell_peers_and_cut(&self.mesh);
-        self.mesh.close(deadline, &|| self.pump(&Op::other("close")));
+        // After a fault that reached the world, tell the peers why we are leaving, so that
+        // they report the root cause (the rank that died) rather than our exit.
+        self.health.tell_at_close(&self.mesh);
+        let world: Vec<usize> = (0..self.size).collect();
+        self.mesh.close(deadline, &|| self.pump(&Op::other("close"), Some(View { comm: 0, members: &world })));
         // If this rank serves the store, keep it up until every rank has finished with it.
         let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         let store = self.store.lock().unwrap_or_else(|e| e.into_inner()).take();

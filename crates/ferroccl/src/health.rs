@@ -1,6 +1,14 @@
 //! The failure policy of one fabric: watching the peers' processes (and the launcher), the
-//! fatal state seen as errors, poisoning (the first fatal error is kept and told to every
-//! peer, and the connections are cut so that nothing stays blocked on them), and abort.
+//! fatal state seen as errors, poisoning (a fatal error is kept with its scope and told to
+//! the peers it concerns), and abort.
+//!
+//! A fault fails exactly the communicators it reaches (see `inbox::Scope`): a dead peer,
+//! every communicator with that peer (its connection is cut); a call that timed out or was
+//! made differently, its communicator (its members are told; the connections, shared with
+//! other communicators, stay up); an abort, the communicator and those split from it; this
+//! rank's own failure (a transport broken as a whole, a panic) or the launcher's exit,
+//! everything (every peer is told and every connection cut). A communicator's calls fail
+//! with the first fault that reaches it; the others go on.
 //!
 //! Connections that break without a reason are only *suspects* for a short grace (see
 //! `inbox::SUSPECT_GRACE`), so that a reported cause wins; they are promoted here, on the
@@ -11,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Fault, FaultKind, Op};
-use crate::inbox::Inbox;
+use crate::inbox::{Inbox, Scope, View};
 use crate::logging::flog;
 use crate::mesh::{Mesh, Watch};
 use crate::proto;
@@ -63,7 +71,7 @@ impl Health {
                     let first = Error::LauncherExited { rank: self.rank, pid: u32::try_from(w.pid()).unwrap_or_default() };
                     ev.set_fault_from(Fault::from_error(&first, &|r| r), Some(first));
                 }
-                Some(p) if !ev.closed.contains(p) => {
+                Some(p) if !ev.closed.contains(p) && !ev.is_dead(*p) => {
                     flog!(Warn, Health, "rank {}: rank {p} exited (pid {}) without closing its communicator", self.rank, w.pid());
                     ev.set_fatal(*p, format!("exited (pid {}) without closing its communicator (killed or crashed?)", w.pid()))
                 }
@@ -77,10 +85,10 @@ impl Health {
     /// exited peers: a live one's `ERR` comes through its ring, and a timeout of its own
     /// stays this rank's own finding.
     fn hear_last_words(&self, mesh: &Mesh) {
-        if self.inbox.has_fatal() {
+        if self.inbox.lock().all_failed() {
             return;
         }
-        let exited = |p: usize| self.watches.iter().any(|(q, w)| *q == Some(p) && w.has_exited());
+        let exited = |p: usize| self.watches.iter().any(|(q, w)| *q == Some(p) && w.has_exited()) && !self.inbox.lock().is_dead(p);
         if let Some((peer, words)) = mesh.last_words(exited) {
             self.inbox.deliver_last_words(peer, words);
         }
@@ -89,9 +97,11 @@ impl Health {
     /// The world ranks known dead or gone (see `Fabric::dead_peers`).
     pub(crate) fn dead_peers(&self) -> Vec<usize> {
         let mut v: Vec<usize> = self.watches.iter().filter(|(_, w)| w.has_exited()).filter_map(|(p, _)| *p).collect();
-        if let Some(f) = &self.inbox.lock().fatal {
-            if matches!(f.kind, crate::error::FaultKind::Failed | crate::error::FaultKind::Left) {
-                v.extend(f.culprit);
+        for s in &self.inbox.lock().faults {
+            match s.scope {
+                Scope::Peer(p) => v.push(p),
+                _ if matches!(s.fault.kind, FaultKind::Failed | FaultKind::Left) => v.extend(s.fault.culprit),
+                _ => {}
             }
         }
         v.sort_unstable();
@@ -100,26 +110,40 @@ impl Health {
         v
     }
 
-    /// The error for the fabric's fatal state, if any, as seen by an operation.
-    pub(crate) fn fatal_error(&self, op: &Op) -> Option<Error> {
+    /// The error for the fault that reaches communicator `view` (`None`: the fabric, which
+    /// every fault reaches), if any, as seen by an operation `op` on it.
+    pub(crate) fn fatal_error(&self, op: &Op, view: Option<View<'_>>) -> Option<Error> {
         let ev = self.inbox.lock();
-        if let Some(by) = ev.aborted {
-            return Some(Error::Aborted { rank: self.rank, op: op.clone(), by });
-        }
-        ev.fatal.as_ref().map(|f| f.to_error(self.rank, op, ev.first.as_ref()))
+        let s = &ev.faults[ev.fault_for(view)?];
+        Some(s.fault.to_error(self.rank, op, s.first.as_ref()))
     }
 
-    /// Makes `err` (of a call on a communicator whose rank `r` is world rank `world(r)`)
-    /// fatal for the fabric, unless an earlier error already is; tells every peer the root
-    /// cause and cuts the connections. Returns `err` for the caller to report, with its
-    /// root cause attached (in world ranks).
+    /// What a fault found by this rank on communicator `view` (`None`: outside any)
+    /// makes unusable.
+    fn scope_of(&self, fault: &Fault, view: Option<View<'_>>) -> Scope {
+        let Some(v) = view else { return Scope::Fabric };
+        match (fault.kind, fault.culprit) {
+            // A peer died, its connection broke, or it broke the protocol.
+            (FaultKind::Failed, Some(c)) if c != self.rank => Scope::Peer(c),
+            // The call could not complete; the members are alive as far as this rank knows.
+            (FaultKind::Timeout | FaultKind::Mismatch | FaultKind::Left | FaultKind::Aborted, _) => Scope::Comm(v.comm),
+            // This rank's own failure.
+            _ => Scope::Fabric,
+        }
+    }
+
+    /// Makes `err` (of a call on communicator `view`, whose rank `r` is world rank
+    /// `world(r)`; `None`: outside any) fatal for what it reaches (see
+    /// [`Health::scope_of`]), unless an earlier fault already reaches `view`; tells the
+    /// peers it concerns (see [`Health::tell`]). Returns `err` for the caller to report,
+    /// with its root cause attached (in world ranks).
     ///
     /// Callers pass only errors of operations that have started on the wire (the engine's
     /// jobs, setup and finalize waits): whatever their variant, a peer may be waiting for
     /// this rank, so it must be told. Errors found before (argument checks) are returned
     /// without coming here, and leave the communicator usable. A call refused because the
     /// world was finalized is not a fault, and passes through.
-    pub(crate) fn poison_in(&self, mesh: &Mesh, err: Error, world: &dyn Fn(usize) -> usize) -> Error {
+    pub(crate) fn poison_in(&self, mesh: &Mesh, err: Error, world: &dyn Fn(usize) -> usize, view: Option<View<'_>>) -> Error {
         // A call refused because the world was finalized is not a fault; nor is a window
         // owner's refusal of a one-sided access (an answer: nothing moved, no stream is out
         // of step).
@@ -133,43 +157,127 @@ impl Health {
             fault.culprit = Some(self.rank);
         }
         let cause = fault.root_cause(Some(self.rank));
-        self.inbox.lock().set_fault_from(fault, Some(err.duplicate()));
-        self.tell_peers_and_cut(mesh);
+        let scope = self.scope_of(&fault, view);
+        let (new, i) = {
+            let mut ev = self.inbox.lock();
+            // The first fault that reaches a communicator is the one its calls report: an
+            // error that follows from it (a cut connection, the fault itself seen again)
+            // adds nothing. Outside any communicator, only a failure of everything does.
+            let reached = match view {
+                None => ev.all_failed(),
+                Some(_) => ev.fault_for(view).is_some(),
+            };
+            let new = !reached && ev.add(scope, fault, Some(err.duplicate()));
+            let i = match view {
+                None => ev.faults.iter().position(|s| s.scope == Scope::Fabric).or_else(|| ev.fault_for(None)),
+                Some(_) => ev.fault_for(view),
+            };
+            (new, i)
+        };
         let err = err.with_cause(cause);
-        flog!(Warn, Health, "rank {}: fatal: {err}", self.rank);
+        // Said once per fault: when this rank finds it, or first meets one a peer reported.
+        let first_met = i.is_some_and(|i| self.tell_once(mesh, i, view));
+        if new || first_met {
+            flog!(Warn, Health, "rank {}: fatal ({scope:?}): {err}", self.rank);
+        }
+        self.inbox.notify();
         err
     }
 
-    /// Makes `fault` (found by this rank) fatal for the fabric and tells every peer.
-    pub(crate) fn poison_fault(&self, mesh: &Mesh, fault: Fault) {
-        flog!(Warn, Health, "rank {}: fatal: {} ({})", self.rank, fault.what, fault.op);
-        self.inbox.lock().set_fault(fault);
-        self.tell_peers_and_cut(mesh);
-        self.inbox.notify();
-    }
-
-    /// Aborts every operation on the fabric, pending and later, and tells every peer.
-    pub(crate) fn abort(&self, mesh: &Mesh) {
-        flog!(Info, Health, "rank {}: aborted by this process", self.rank);
-        let aborted = || Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
-        {
+    /// Makes `fault` (found by this rank) fatal for `scope` and tells the peers it
+    /// concerns (`view`: the communicator it was found on, whose members hear of a
+    /// communicator's fault).
+    pub(crate) fn poison_fault(&self, mesh: &Mesh, fault: Fault, scope: Scope, view: Option<View<'_>>) {
+        flog!(Warn, Health, "rank {}: fatal ({scope:?}): {} ({})", self.rank, fault.what, fault.op);
+        let i = {
             let mut ev = self.inbox.lock();
-            ev.aborted.get_or_insert(None);
-            ev.set_fault(aborted());
-        }
-        if !self.told_peers.swap(true, Ordering::AcqRel) {
-            mesh.tell_all_and_cut(&proto::encode_err(&aborted(), self.rank));
+            ev.add(scope, fault, None);
+            ev.faults.iter().position(|s| s.scope == scope)
+        };
+        if let Some(i) = i {
+            self.tell_once(mesh, i, view);
         }
         self.inbox.notify();
     }
 
-    /// Once: sends every peer an `ERR` with the fatal cause (without waiting: a full ring
-    /// or a busy socket is skipped), then cuts the connections.
-    pub(crate) fn tell_peers_and_cut(&self, mesh: &Mesh) {
-        let Some(fault) = self.inbox.lock().fatal.clone() else { return };
-        if self.told_peers.swap(true, Ordering::AcqRel) {
-            return;
+    /// Aborts communicator `view` (the world, id 0: everything) and those split from it:
+    /// every operation on them, pending and later, fails; their members are told.
+    pub(crate) fn abort(&self, mesh: &Mesh, view: View<'_>) {
+        flog!(Info, Health, "rank {}: communicator {:#x} aborted by this process", self.rank, view.comm);
+        let aborted = Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
+        let i = {
+            let mut ev = self.inbox.lock();
+            ev.add(Scope::Comm(view.comm), aborted, None);
+            ev.faults.iter().position(|s| s.scope == Scope::Comm(view.comm) && s.fault.kind == FaultKind::Aborted)
+        };
+        if let Some(i) = i {
+            self.tell_once(mesh, i, Some(view));
         }
-        mesh.tell_all_and_cut(&proto::encode_err(&fault, self.rank));
+        self.inbox.notify();
+    }
+
+    /// Tells the peers fault `i` concerns, once (see [`Health::tell`]); whether it did now.
+    fn tell_once(&self, mesh: &Mesh, i: usize, view: Option<View<'_>>) -> bool {
+        let (scope, fault) = {
+            let mut ev = self.inbox.lock();
+            let Some(s) = ev.faults.get_mut(i) else { return false };
+            if std::mem::replace(&mut s.told, true) {
+                return false;
+            }
+            (s.scope, s.fault.clone())
+        };
+        self.tell(mesh, scope, &fault, view);
+        true
+    }
+
+    /// Sends the peers a fault concerns an `ERR` with it (without waiting long: a full
+    /// ring or a busy socket is skipped): for the whole fabric, every peer, and every
+    /// connection is cut (once); for a dead peer, every other peer (news of its death
+    /// only: a peer that gave up on this rank is not news to pass on), and its connection
+    /// is cut; for a communicator, its members (`view`, when it is that communicator; an
+    /// abort of the world, every peer, and every connection is cut).
+    fn tell(&self, mesh: &Mesh, scope: Scope, fault: &Fault, view: Option<View<'_>>) {
+        match scope {
+            Scope::Fabric => {
+                if !self.told_peers.swap(true, Ordering::AcqRel) {
+                    mesh.tell_all_and_cut(&proto::encode_err(fault, self.rank, None));
+                }
+            }
+            Scope::Comm(0) if fault.kind == FaultKind::Aborted => {
+                if !self.told_peers.swap(true, Ordering::AcqRel) {
+                    mesh.tell_all_and_cut(&proto::encode_err(fault, self.rank, Some(0)));
+                }
+            }
+            Scope::Peer(p) => {
+                if fault.culprit == Some(p) {
+                    let msg = proto::encode_err(fault, self.rank, None);
+                    mesh.tell((0..mesh.size()).filter(|&q| q != p && q != self.rank), &msg);
+                }
+                mesh.cut(p);
+            }
+            Scope::Comm(c) => {
+                if let Some(v) = view.filter(|v| v.comm == c) {
+                    let msg = proto::encode_err(fault, self.rank, Some(c));
+                    mesh.tell(v.members.iter().copied().filter(|&q| q != self.rank), &msg);
+                }
+            }
+        }
+    }
+
+    /// When the fabric closes: tells the peers about every fault that reached the world
+    /// and was not told yet (so that they report the root cause, not this rank's exit):
+    /// news of a dead peer to everyone, the world's own failure to its members. A split's
+    /// own fault is not told: the world may have finalized cleanly since. The goodbyes
+    /// that follow say this rank left the rest cleanly.
+    pub(crate) fn tell_at_close(&self, mesh: &Mesh) {
+        let world: Vec<usize> = (0..mesh.size()).collect();
+        let view = View { comm: 0, members: &world };
+        let reaching: Vec<usize> = {
+            let ev = self.inbox.lock();
+            (0..ev.faults.len()).filter(|&i| ev.reaches(&ev.faults[i], Some(view))).collect()
+        };
+        for i in reaching {
+            self.tell_once(mesh, i, Some(view));
+        }
     }
 }

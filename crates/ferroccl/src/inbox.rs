@@ -36,11 +36,13 @@ pub(crate) struct Events {
     pub(crate) data: HashMap<StreamKey, VecDeque<Incoming>>,
     pub(crate) cts: HashMap<StreamKey, VecDeque<Cts>>,
     pub(crate) imms: HashSet<(usize, u32)>,
-    /// The first fatal fault. Poisons the fabric.
-    pub(crate) fatal: Option<Fault>,
-    /// The error that made `fatal`, when this rank found it (later calls keep it in
-    /// [`Error::Poisoned`]).
-    pub(crate) first: Option<Error>,
+    /// The fatal faults, in the order they became known, each with what it makes unusable
+    /// (see [`Scope`]): a communicator's calls fail with the first one that reaches it (an
+    /// abort first).
+    pub(crate) faults: Vec<Scoped>,
+    /// Each split communicator's parent (by id): an abort reaches the aborted
+    /// communicator's descendants.
+    pub(crate) parents: HashMap<u32, u32>,
     /// Peers that said goodbye.
     pub(crate) closed: HashSet<usize>,
     /// Where peers stopped on communicators they left: (communicator id, peer world
@@ -52,9 +54,8 @@ pub(crate) struct Events {
     /// Probes from peers, not yet answered: (peer world rank, communicator id, call
     /// number, descriptor). At most [`MAX_PROBES`]; more are dropped (peers probe again).
     pub(crate) probes: Vec<(usize, u32, u32, proto::Desc)>,
-    /// Set by an abort: `Some(None)` by this rank, `Some(Some(r))` by rank `r`.
-    pub(crate) aborted: Option<Option<usize>>,
-    /// Raised with `fatal`, readable without the lock (the driver looks every round).
+    /// Raised with the first of `faults`, readable without the lock (the driver looks
+    /// every round; only then does a call look for a fault that reaches it).
     pub(crate) fatal_flag: Arc<AtomicBool>,
     /// Connections that broke without a reason (peer, what, when), not yet fatal: a
     /// peer that gives up because a third rank died closes its connections right after
@@ -80,6 +81,47 @@ pub(crate) struct Events {
     pub(crate) revoked: HashSet<(usize, u32, u64)>,
 }
 
+/// What a fatal fault makes unusable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Everything on the fabric: this rank's own failure (a transport failed as a whole,
+    /// it panicked), or the launcher exited.
+    Fabric,
+    /// Every communicator with this member (a world rank): it died, its connection broke
+    /// or carried garbage, its whole fabric failed, or it gave up on this rank.
+    Peer(usize),
+    /// This communicator (by id): a call on it timed out, was made differently by its
+    /// members, or lost a member that left it; for an abort, also every communicator split
+    /// from it (from the world, id 0: everything).
+    Comm(u32),
+}
+
+/// A fatal fault and its scope.
+#[derive(Debug)]
+pub(crate) struct Scoped {
+    pub(crate) scope: Scope,
+    pub(crate) fault: Fault,
+    /// The error that made the fault, when this rank found it (later calls keep it in
+    /// [`Error::Poisoned`]).
+    pub(crate) first: Option<Error>,
+    /// Whether the peers it concerns were told (see `Health::tell`).
+    pub(crate) told: bool,
+}
+
+/// A communicator as the fault scopes see it: its id and its members' world ranks.
+/// `None` where a view is taken stands for the whole fabric (every fault reaches it).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct View<'a> {
+    pub(crate) comm: u32,
+    pub(crate) members: &'a [usize],
+}
+
+impl View<'static> {
+    /// No communicator: what the window server and other fabric-wide work see, reached
+    /// only by the fabric's own failure and an abort of the world.
+    pub(crate) const NONE: View<'static> = View { comm: u32::MAX, members: &[] };
+}
+
 /// A one-sided request from a peer (see [`ProtoMsg::Get`], [`ProtoMsg::Put`]).
 #[derive(Debug)]
 pub(crate) enum RmaRequest {
@@ -102,37 +144,101 @@ const MAX_PROBES: usize = 256;
 pub(crate) const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 
 impl Events {
-    /// `peer` (world rank) told this rank (`me`) why it gives up (an `ERR`).
-    fn peer_gave_up(&mut self, me: usize, peer: usize, mut f: Fault) {
+    /// `peer` (world rank) told this rank (`me`) why it gives up (an `ERR`) on
+    /// communicator `comm`, or (`None`) on a peer or on everything.
+    fn peer_gave_up(&mut self, me: usize, peer: usize, mut f: Fault, comm: Option<u32>) {
         // A report carries the rank that found the fault; a peer that relays one keeps
         // it. Never trust a report to speak for this rank.
         if f.reporter.is_none_or(|r| r == me) {
             f.reporter = Some(peer);
         }
-        if f.kind == FaultKind::Aborted {
-            self.aborted.get_or_insert(f.reporter);
+        let scope = match (comm, f.kind, f.culprit) {
+            (Some(c), ..) => Scope::Comm(c),
+            // News of a third rank's death or lost connection.
+            (None, FaultKind::Failed, Some(c)) if c != me => Scope::Peer(c),
+            // It gave up on this rank, or its whole fabric failed: it is gone for every
+            // communicator it is in.
+            (None, ..) => Scope::Peer(peer),
+        };
+        self.add(scope, f, None);
+    }
+
+    /// Records fault `f` with `scope` (`first`: the error of this rank's that made it),
+    /// unless a fault of that scope is known already (an abort is kept next to another
+    /// fault). Whether it was new.
+    pub(crate) fn add(&mut self, scope: Scope, f: Fault, first: Option<Error>) -> bool {
+        let aborted = f.kind == FaultKind::Aborted;
+        if self.faults.iter().any(|s| s.scope == scope && (s.fault.kind == FaultKind::Aborted) == aborted) {
+            return false;
         }
-        self.set_fault(f);
+        self.faults.push(Scoped { scope, fault: f, first, told: false });
+        self.fatal_flag.store(true, Ordering::SeqCst);
+        true
     }
 
-    /// Makes world rank `peer` the cause of a fatal failure found by this rank, unless
-    /// something is fatal already.
+    /// Makes world rank `peer` dead for every communicator it is in (a failure found by
+    /// this rank: `what`).
     pub(crate) fn set_fatal(&mut self, peer: usize, what: String) {
-        self.set_fault(Fault { kind: FaultKind::Failed, culprit: Some(peer), reporter: None, op: String::new(), what });
+        let f = Fault { kind: FaultKind::Failed, culprit: Some(peer), reporter: None, op: String::new(), what };
+        self.add(Scope::Peer(peer), f, None);
     }
 
-    /// Makes `f` the fabric's fatal fault, unless something is fatal already.
+    /// Makes `f` fatal for the whole fabric.
     pub(crate) fn set_fault(&mut self, f: Fault) {
         self.set_fault_from(f, None);
     }
 
     /// [`Events::set_fault`], keeping `first`, the error of this rank's that made `f`.
     pub(crate) fn set_fault_from(&mut self, f: Fault, first: Option<Error>) {
-        if self.fatal.is_none() {
-            self.fatal = Some(f);
-            self.first = first;
-            self.fatal_flag.store(true, Ordering::SeqCst);
+        self.add(Scope::Fabric, f, first);
+    }
+
+    /// Whether the whole fabric is failed or aborted (a fault of scope `Fabric`, or an
+    /// abort of the world).
+    pub(crate) fn all_failed(&self) -> bool {
+        self.faults.iter().any(|s| s.scope == Scope::Fabric || (s.scope == Scope::Comm(0) && s.fault.kind == FaultKind::Aborted))
+    }
+
+    /// Whether world rank `peer` is known dead or gone (a fault of scope `Peer(peer)`).
+    pub(crate) fn is_dead(&self, peer: usize) -> bool {
+        self.faults.iter().any(|s| s.scope == Scope::Peer(peer))
+    }
+
+    /// Whether communicator `comm` was split, at any depth, from `ancestor` (every one
+    /// from the world, id 0).
+    fn descends(&self, comm: u32, ancestor: u32) -> bool {
+        if ancestor == 0 {
+            return true;
         }
+        let mut id = comm;
+        // Bounded: ids are hashes, and a cycle must not hang a call.
+        for _ in 0..64 {
+            match self.parents.get(&id) {
+                Some(&p) if p == ancestor => return true,
+                Some(&p) => id = p,
+                None => return false,
+            }
+        }
+        false
+    }
+
+    /// Whether fault `s` reaches communicator `view` (`None`: the whole fabric, which
+    /// every fault reaches).
+    pub(crate) fn reaches(&self, s: &Scoped, view: Option<View<'_>>) -> bool {
+        let Some(v) = view else { return true };
+        match s.scope {
+            Scope::Fabric => true,
+            Scope::Peer(p) => v.members.contains(&p),
+            Scope::Comm(c) => c == v.comm || (s.fault.kind == FaultKind::Aborted && self.descends(v.comm, c)),
+        }
+    }
+
+    /// The index of the fault that fails calls on `view`: the first abort that reaches it,
+    /// else the first fault that does.
+    pub(crate) fn fault_for(&self, view: Option<View<'_>>) -> Option<usize> {
+        let hits = |s: &&Scoped| self.reaches(s, view);
+        let abort = self.faults.iter().position(|s| s.fault.kind == FaultKind::Aborted && hits(&s));
+        abort.or_else(|| self.faults.iter().position(|s| hits(&s)))
     }
 }
 
@@ -341,8 +447,8 @@ impl Inbox {
     /// `peer`'s last words (an shm peer's `ERR`, read from its segment): taken as that
     /// `ERR`; anything else there is ignored. Returns whether they were an `ERR`.
     pub(crate) fn deliver_last_words(&self, peer: usize, bytes: Vec<u8>) -> bool {
-        let Ok((ProtoMsg::Err(f), _)) = proto::decode_keep(bytes) else { return false };
-        self.lock().peer_gave_up(self.rank, peer, f);
+        let Ok((ProtoMsg::Err(f, comm), _)) = proto::decode_keep(bytes) else { return false };
+        self.lock().peer_gave_up(self.rank, peer, f, comm);
         self.notify();
         true
     }
@@ -367,7 +473,7 @@ impl Inbox {
             Ok(ProtoMsg::Rts { comm, chan, seq, call, desc, len }) => {
                 ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data: Vec::new(), rts: Some(len) })
             }
-            Ok(ProtoMsg::Err(f)) => ev.peer_gave_up(self.rank, peer, f),
+            Ok(ProtoMsg::Err(f, comm)) => ev.peer_gave_up(self.rank, peer, f, comm),
             Ok(ProtoMsg::Leave { comm, leave }) => {
                 ev.left.insert((comm, peer), leave);
                 self.any_left.store(true, Ordering::Release);
@@ -497,22 +603,30 @@ impl Inbox {
     /// [`Events::suspects`]).
     pub(crate) fn peer_failed(&self, peer: usize, reason: String) {
         let mut ev = self.lock();
-        if !ev.closed.contains(&peer) && ev.fatal.is_none() && !ev.suspects.iter().any(|s| s.0 == peer) {
+        if !ev.closed.contains(&peer) && !ev.all_failed() && !ev.is_dead(peer) && !ev.suspects.iter().any(|s| s.0 == peer) {
             ev.suspects.push((peer, reason, Instant::now()));
         }
         drop(ev);
         self.notify();
     }
 
-    /// Makes the earliest suspect fatal once it is [`SUSPECT_GRACE`] old (and nothing else
-    /// became fatal meanwhile).
+    /// Makes the earliest suspect dead once it is [`SUSPECT_GRACE`] old (unless a reason
+    /// for it, or the fabric's failure, came meanwhile).
     pub(crate) fn promote_suspects(&self, now: Instant) {
         let mut ev = self.lock();
-        if ev.fatal.is_some() || ev.suspects.is_empty() {
+        if ev.suspects.is_empty() {
             return;
         }
-        if let Some((peer, what, at)) = ev.suspects.iter().min_by_key(|s| s.2).cloned() {
-            if now.saturating_duration_since(at) >= SUSPECT_GRACE {
+        if ev.all_failed() {
+            ev.suspects.clear();
+            return;
+        }
+        let Some(i) = ev.suspects.iter().enumerate().min_by_key(|s| s.1 .2).map(|s| s.0) else { return };
+        if now.saturating_duration_since(ev.suspects[i].2) >= SUSPECT_GRACE {
+            let (peer, what, _) = ev.suspects.remove(i);
+            // A connection that broke because its peer gave up on this rank (it said why,
+            // or a third rank's news explains it) or closed it is no new fault.
+            if !ev.is_dead(peer) && !ev.closed.contains(&peer) {
                 ev.set_fatal(peer, what);
                 drop(ev);
                 self.notify();
@@ -529,8 +643,8 @@ impl Inbox {
             let now = Instant::now();
             self.promote_suspects(now);
             let ev = self.lock();
-            if let Some(f) = ev.fatal.as_ref().filter(|f| f.culprit.is_some() || f.reporter.is_some()) {
-                return Some(f.clone());
+            if let Some(s) = ev.faults.iter().find(|s| s.fault.culprit.is_some() || s.fault.reporter.is_some()) {
+                return Some(s.fault.clone());
             }
             let earliest = ev.suspects.iter().min_by_key(|s| s.2)?;
             if now >= until {
@@ -553,6 +667,74 @@ pub(crate) fn row_imm(imm: u32, r: u32) -> u32 {
 mod tests {
     use super::*;
 
+    fn fault(kind: FaultKind, culprit: Option<usize>) -> Fault {
+        Fault { kind, culprit, reporter: None, op: "allreduce".into(), what: "x".into() }
+    }
+
+    /// Each scope reaches exactly the communicators it must: a dead peer those with it, a
+    /// communicator's own fault that one only, an abort the communicator and those split
+    /// from it (at any depth) but not its parent, the world's abort and this rank's own
+    /// failure everything; an abort wins over an earlier fault.
+    #[test]
+    fn faults_reach_the_communicators_of_their_scope() {
+        const WORLD: [usize; 4] = [0, 1, 2, 3];
+        let world = &WORLD;
+        let view = |comm, members: &'static [usize]| Some(View { comm, members });
+        let mut ev = Events::default();
+        // 10 and 11 split from the world, 12 from 10.
+        ev.parents.extend([(10, 0), (11, 0), (12, 10)]);
+        assert_eq!(ev.fault_for(view(0, world)), None);
+        assert!(ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None));
+        assert!(!ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None), "one fault per scope");
+        assert_eq!(ev.fault_for(view(0, world)), Some(0));
+        assert_eq!(ev.fault_for(view(11, &[2, 3])), Some(0));
+        assert_eq!(ev.fault_for(view(10, &[0, 1])), None, "no member died");
+        assert!(ev.is_dead(3) && !ev.is_dead(2) && !ev.all_failed());
+        // A communicator's own fault (not an abort): that communicator only.
+        ev.add(Scope::Comm(10), fault(FaultKind::Mismatch, Some(1)), None);
+        assert_eq!(ev.fault_for(view(10, &[0, 1])), Some(1));
+        assert_eq!(ev.fault_for(view(12, &[0, 1])), None, "a mismatch in the parent leaves the child");
+        // An abort of 10: 10 and 12, not the world, not 11; and it wins over the mismatch.
+        ev.add(Scope::Comm(10), fault(FaultKind::Aborted, None), None);
+        assert_eq!(ev.fault_for(view(10, &[0, 1])), Some(2));
+        assert_eq!(ev.fault_for(view(12, &[0, 1])), Some(2));
+        assert_eq!(ev.fault_for(view(0, world)), Some(0));
+        let mut only = Events::default();
+        only.parents.extend([(10, 0), (12, 10)]);
+        only.add(Scope::Comm(12), fault(FaultKind::Aborted, None), None);
+        assert_eq!(only.fault_for(view(10, &[0, 1])), None, "a child's abort leaves its parent");
+        assert_eq!(only.fault_for(view(0, world)), None);
+        // The world's abort, or this rank's own failure: everything.
+        only.add(Scope::Comm(0), fault(FaultKind::Aborted, None), None);
+        assert!(only.all_failed());
+        assert_eq!(only.fault_for(view(10, &[0, 1])), Some(1));
+        let mut own = Events::default();
+        own.add(Scope::Fabric, fault(FaultKind::Internal, Some(0)), None);
+        assert!(own.all_failed());
+        assert_eq!(own.fault_for(view(77, &[5])), Some(0));
+        assert_eq!(own.fault_for(Some(View::NONE)), Some(0));
+        // The window server's view: only the fabric's failure or the world's abort.
+        assert_eq!(ev.fault_for(Some(View::NONE)), None);
+    }
+
+    /// An `ERR` scoped to a communicator fails that communicator; an unscoped one is news
+    /// of a third rank's death, or says its sender is gone (it gave up on this rank, or on
+    /// everything).
+    #[test]
+    fn a_peers_err_is_scoped_by_what_it_says() {
+        let mut ev = Events::default();
+        ev.peer_gave_up(0, 1, fault(FaultKind::Timeout, None), Some(9));
+        assert_eq!(ev.faults[0].scope, Scope::Comm(9));
+        assert_eq!(ev.faults[0].fault.reporter, Some(1));
+        ev.peer_gave_up(0, 1, fault(FaultKind::Failed, Some(3)), None);
+        assert_eq!(ev.faults[1].scope, Scope::Peer(3));
+        ev.peer_gave_up(0, 2, fault(FaultKind::Failed, Some(0)), None);
+        assert_eq!(ev.faults[2].scope, Scope::Peer(2), "it gave up on this rank");
+        ev.peer_gave_up(0, 1, fault(FaultKind::Timeout, None), None);
+        assert_eq!(ev.faults[3].scope, Scope::Peer(1), "its whole fabric failed");
+        assert!(!ev.all_failed());
+    }
+
     /// Last words (an shm peer's `ERR`, read from its segment) are taken as that `ERR`:
     /// the culprit it names stays the culprit and the peer is the reporter; anything else
     /// there is ignored.
@@ -561,11 +743,13 @@ mod tests {
         let fault =
             Fault { kind: FaultKind::Failed, culprit: Some(3), reporter: None, op: "weight sync".into(), what: "was killed".into() };
         let inbox = Inbox::new(1, Bell::heap());
-        assert!(inbox.deliver_last_words(0, proto::encode_err(&fault, 0)));
-        let got = inbox.lock().fatal.clone().unwrap();
-        assert_eq!((got.culprit, got.reporter, got.what.as_str()), (Some(3), Some(0), "was killed"));
+        assert!(inbox.deliver_last_words(0, proto::encode_err(&fault, 0, None)));
+        let ev = inbox.lock();
+        let got = &ev.faults[0];
+        assert_eq!(got.scope, Scope::Peer(3));
+        assert_eq!((got.fault.culprit, got.fault.reporter, got.fault.what.as_str()), (Some(3), Some(0), "was killed"));
         let other = Inbox::new(1, Bell::heap());
         assert!(!other.deliver_last_words(0, b"not a message".to_vec()));
-        assert!(other.lock().fatal.is_none());
+        assert!(other.lock().faults.is_empty());
     }
 }

@@ -87,6 +87,7 @@ use crate::algo::ll::{LlKind, LlSpec};
 use crate::algo::{select, Collective};
 use crate::error::{Error, Op, Result};
 use crate::fabric::{Fabric, PARK_NAP};
+use crate::inbox::View;
 use crate::logging::flog;
 use crate::params::FaultSite;
 use crate::poll::Poll;
@@ -209,6 +210,7 @@ impl WaitPolicy {
 /// words); `op` names the wait in an error, and is only made then.
 pub(crate) fn wait_until(
     fabric: &Fabric,
+    view: View<'_>,
     policy: WaitPolicy,
     done: &dyn Fn() -> bool,
     waiting: &dyn Fn() -> Vec<usize>,
@@ -224,7 +226,7 @@ pub(crate) fn wait_until(
             return Ok(());
         }
         if fabric.inbox.has_fatal() {
-            if let Some(e) = fabric.fatal_error(&op()) {
+            if let Some(e) = fabric.fatal_error(&op(), Some(view)) {
                 return Err(e);
             }
         }
@@ -247,7 +249,7 @@ pub(crate) fn wait_until(
         }
         // Messages (a peer's `ERR`) and the peers' processes, as every wait looks at them.
         if let Err(e) = fabric.progress() {
-            return Err(fabric.poison(fabric.fatal_error(&op()).unwrap_or(e)));
+            return Err(fabric.poison_in(fabric.fatal_error(&op(), Some(view)).unwrap_or(e), &|r| r, Some(view)));
         }
         fabric.check_health(now);
         if waited >= limit {
@@ -257,13 +259,20 @@ pub(crate) fn wait_until(
                 after: waited,
                 waiting_for: waiting().iter().map(|w| format!("rank {w}")).collect(),
             };
-            return Err(fabric.poison(e));
+            return Err(fabric.poison_in(e, &|r| r, Some(view)));
         }
         if waited < policy.spin + policy.yield_for {
             std::thread::yield_now();
         } else {
             fabric.sleep_on_bell_or(seen, (now + PARK_NAP).min(t0 + limit), done);
         }
+    }
+}
+
+impl LlChannel {
+    /// The channel's communicator as fault scopes see it.
+    fn view(&self) -> View<'_> {
+        View { comm: self.comm, members: &self.members }
     }
 }
 
@@ -434,7 +443,10 @@ impl LlChannel {
         let ready = |p: usize| segs[p].atomic_u32(READY_OFF).load(Ordering::SeqCst);
         let op = Op::other("communicator setup (low-latency slots)");
         let waiting = || members.iter().enumerate().filter(|&(p, _)| ready(p) == 0).map(|(_, &w)| w).collect::<Vec<_>>();
-        fabric.run_until(&op, deadline, &waiting, || Ok(if (0..n).all(|p| ready(p) != 0) { Poll::Ready(()) } else { Poll::Idle }))?;
+        let view = View { comm, members: &members };
+        fabric.run_until(&op, Some(view), deadline, &waiting, || {
+            Ok(if (0..n).all(|p| ready(p) != 0) { Poll::Ready(()) } else { Poll::Idle })
+        })?;
         // Everyone has looked: nobody needs to open our segment any more.
         segs[rank].withdraw();
         if let Some(p) = (0..n).find(|&p| ready(p) == READY_FAILED) {
@@ -1011,7 +1023,7 @@ impl LlChannel {
                     if let Err(e) = self.check_call(line, p, call, desc, op) {
                         // A cause a peer reports (an abort, a failure) wins over what it
                         // left in its slot.
-                        return Err(fabric.cause_behind(&e, &op(), &|| tend(Instant::now())).unwrap_or(e));
+                        return Err(fabric.cause_behind(&e, &op(), Some(self.view()), &|| tend(Instant::now())).unwrap_or(e));
                     }
                 }
                 checked |= fresh;
@@ -1020,7 +1032,7 @@ impl LlChannel {
                 return Ok(());
             }
             if fabric.inbox.has_fatal() {
-                if let Some(e) = fabric.fatal_error(&op()) {
+                if let Some(e) = fabric.fatal_error(&op(), Some(self.view())) {
                     return Err(e);
                 }
             }

@@ -350,6 +350,35 @@ impl Mesh {
         self.shm.as_ref().is_some_and(ShmNet::has_pending)
     }
 
+    /// The number of ranks (this one included).
+    pub(crate) fn size(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Sends `msg` to each of `peers` (world ranks), waiting a little (50 ms in all) for a
+    /// full ring or a busy socket, then skipping it: how a rank tells the peers a fault
+    /// concerns about it without breaking the connections other communicators share.
+    pub(crate) fn tell(&self, peers: impl Iterator<Item = usize>, msg: &[u8]) {
+        let deadline = Instant::now() + Duration::from_millis(50);
+        for p in peers {
+            let Some(e) = self.get(p) else { continue };
+            loop {
+                match e.try_post_send_now(msg, deadline) {
+                    Err(crate::error::Error::WouldBlock(_)) if Instant::now() < deadline => std::thread::yield_now(),
+                    _ => break,
+                }
+            }
+        }
+    }
+
+    /// Breaks the connection to `peer` off (it is dead or gave up on this rank), so that
+    /// nothing stays blocked on it.
+    pub(crate) fn cut(&self, peer: usize) {
+        if let Some(e) = self.get(peer) {
+            e.cut();
+        }
+    }
+
     /// Sends `msg` to every peer without waiting (a full ring or a busy socket is skipped),
     /// then breaks every connection off: how a rank that gives up tells its peers why.
     pub(crate) fn tell_all_and_cut(&self, msg: &[u8]) {

@@ -12,7 +12,7 @@ use ferroccl_mem::region::RegionHandle;
 
 use crate::error::{in_elements, Error, Op, Result};
 use crate::fabric::Fabric;
-use crate::inbox::{Events, Incoming};
+use crate::inbox::{Events, Incoming, View};
 use crate::params::FaultSite;
 use crate::proto::{self, Cts, Desc, Head, Leave, CHAN_USER};
 use crate::transport::{PendingWrite, WriteGrant, WriteReq, WriteTicket};
@@ -23,6 +23,8 @@ pub(crate) struct XferCtx<'a> {
     pub(crate) fabric: &'a Fabric,
     /// Communicator id.
     pub(crate) comm: u32,
+    /// Its members' world ranks.
+    pub(crate) members: &'a [usize],
     pub(crate) chan: u8,
     /// This rank in the communicator (for messages).
     pub(crate) rank: usize,
@@ -44,7 +46,7 @@ impl XferCtx<'_> {
     }
 
     pub(crate) fn pump(&self) -> Result<()> {
-        self.fabric.pump(self.op)
+        self.fabric.pump(self.op, Some(View { comm: self.comm, members: self.members }))
     }
 
     pub(crate) fn closed(&self, peer: usize) -> Error {

@@ -279,8 +279,9 @@ pub(crate) enum ProtoMsg {
         cts: Cts,
     },
     /// Why the sender gave up (`reporter` is filled with the sender when it found the
-    /// fault itself).
-    Err(Fault),
+    /// fault itself), on the communicator named (its id), or (`None`) on a peer or on
+    /// everything (see `inbox::Scope`).
+    Err(Fault, Option<u32>),
     /// A rendezvous sender's announcement: lets an eager receiver see the mismatch.
     Rts {
         comm: u32,
@@ -447,12 +448,14 @@ fn rank_opt(r: u32) -> Option<usize> {
     (r != NO_RANK).then_some(r as usize)
 }
 
-/// An `ERR` telling a peer why `sender` gives up. A fault this rank found itself goes out
-/// with `sender` as its reporter; a relayed one keeps the rank that found it.
-pub(crate) fn encode_err(fault: &Fault, sender: usize) -> Vec<u8> {
-    let h = Head { comm: 0, chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC };
+/// An `ERR` telling a peer why `sender` gives up on communicator `comm` (`None`: on a
+/// peer, or on everything). A fault this rank found itself goes out with `sender` as its
+/// reporter; a relayed one keeps the rank that found it.
+pub(crate) fn encode_err(fault: &Fault, sender: usize, comm: Option<u32>) -> Vec<u8> {
+    let h = Head { comm: comm.unwrap_or(0), chan: CHAN_INTERNAL, seq: 0, call: 0, desc: NO_DESC };
     let mut w = head_vec(K_ERR, &h, 64 + fault.op.len() + fault.what.len());
     w.u8(fault.kind.code())
+        .u8(u8::from(comm.is_some()))
         .u32(rank_u32(fault.culprit))
         .u32(rank_u32(Some(fault.reporter.unwrap_or(sender))))
         .str(&fault.op)
@@ -663,12 +666,17 @@ pub(crate) fn decode_keep(mut msg: Vec<u8>) -> DResult<(ProtoMsg, Option<Vec<u8>
             K_ERR => {
                 let code = r.u8()?;
                 let kind = FaultKind::from_code(code).ok_or_else(|| DecodeError(format!("unknown fault kind {code}")))?;
+                let scoped = match r.u8()? {
+                    0 => None,
+                    1 => Some(comm),
+                    f => return Err(DecodeError(format!("ERR scope flag {f}"))),
+                };
                 let culprit = rank_opt(r.u32()?);
                 let reporter = rank_opt(r.u32()?);
                 let op = r.str()?.to_string();
                 let what = r.str()?.to_string();
                 r.end()?;
-                Some(ProtoMsg::Err(Fault { kind, culprit, reporter, op, what }))
+                Some(ProtoMsg::Err(Fault { kind, culprit, reporter, op, what }, scoped))
             }
             K_LEAVE => {
                 let how = match r.u8()? {
@@ -855,14 +863,25 @@ mod tests {
             m => panic!("{m:?}"),
         }
         let f = Fault { kind: FaultKind::Mismatch, culprit: Some(2), reporter: None, op: "allreduce".into(), what: "bad".into() };
-        match decode(encode_err(&f, 1)).unwrap() {
-            ProtoMsg::Err(g) => assert_eq!(g, Fault { reporter: Some(1), ..f.clone() }),
+        match decode(encode_err(&f, 1, None)).unwrap() {
+            ProtoMsg::Err(g, None) => assert_eq!(g, Fault { reporter: Some(1), ..f.clone() }),
+            m => panic!("{m:?}"),
+        }
+        // Scoped to a communicator (the world's id, 0, included).
+        for c in [0, 7] {
+            match decode(encode_err(&f, 1, Some(c))).unwrap() {
+                ProtoMsg::Err(g, Some(got)) => assert_eq!((g.kind, got), (f.kind, c)),
+                m => panic!("{m:?}"),
+            }
+        }
+        match decode(encode_err(&f, 1, None)).unwrap() {
+            ProtoMsg::Err(_, None) => {}
             m => panic!("{m:?}"),
         }
         // A relayed fault keeps the rank that found it.
         let relayed = Fault { reporter: Some(3), culprit: None, ..f };
-        match decode(encode_err(&relayed, 1)).unwrap() {
-            ProtoMsg::Err(g) => assert_eq!(g, relayed),
+        match decode(encode_err(&relayed, 1, None)).unwrap() {
+            ProtoMsg::Err(g, None) => assert_eq!(g, relayed),
             m => panic!("{m:?}"),
         }
         match decode(encode_rts(&Head { comm: 2, chan: 1, seq: 5, call: 6, desc: [1; 16] }, 1 << 40).to_vec()).unwrap() {

@@ -48,7 +48,7 @@ use ferroccl_mem::region::RegionHandle;
 use crate::algo::{Block, Remote};
 use crate::error::{Error, Op, Refusal, Result};
 use crate::fabric::Fabric;
-use crate::inbox::{Events, RmaRequest};
+use crate::inbox::{Events, RmaRequest, View};
 use crate::p2p::XferCtx;
 use crate::proto::{self, GetShape, RegionInfo, RmaStatus, RmaTarget};
 use crate::registry::{PeerWindow, RegionLookup, SharedWindow};
@@ -764,7 +764,7 @@ impl RmaServer {
             return answered;
         }
         let deadline = Instant::now() + fabric.params.timeout;
-        let pump = || fabric.pump(&self.op);
+        let pump = || fabric.pump(&self.op, Some(View::NONE));
         while let Some((peer, req)) = queue.pop_front() {
             let Ok(ep) = fabric.endpoint(peer) else { continue };
             match req {
@@ -880,7 +880,7 @@ impl RmaServer {
             return false;
         }
         let deadline = Instant::now() + fabric.params.timeout;
-        let pump = || fabric.pump(&self.op);
+        let pump = || fabric.pump(&self.op, Some(View::NONE));
         let before = revoking.len();
         revoking.retain(|((owner, window, key), region)| {
             if region.in_flight() {

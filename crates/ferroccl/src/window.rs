@@ -477,7 +477,7 @@ impl Communicator {
         let policy = self.ll.as_ref().map_or_else(|| WaitPolicy::for_fabric(fabric), |c| c.policy);
         let waiting = || from.iter().filter(|&&s| !arrived(s)).filter_map(|&s| self.world_rank(s)).collect();
         let op = || Op::other(format!("{what} (waiting for signal {value})"));
-        crate::ll::wait_until(fabric, policy, &done, &waiting, &op)
+        crate::ll::wait_until(fabric, self.view(), policy, &done, &waiting, &op)
     }
     /// Allocates a zeroed window of `len` elements, owned by the library (no scope: it
     /// lives until dropped) and readable and writable by the ranks holding its handle.

@@ -20,6 +20,7 @@
 //! ferroccl-selftest abort                                              rank 0 aborts while rank 1 waits in an allreduce; both must fail promptly
 //! ferroccl-selftest fault --case C [--count N]                         a deliberate misuse; every rank must report an error (see `fault`)
 //! ferroccl-selftest die-in-init --victim R --after-ms D [--delay-ms L] rank R SIGKILLs itself D ms into init; the others start init L ms late
+//! ferroccl-selftest scope --case kill|stop|abort|mismatch              4 ranks: a failure reaches only the communicators it must (see `scope`)
 //! ferroccl-selftest weights [--sources M] [--versions V]               M->N weight sync: the first M ranks (default half) train, the others
 //!                   [--kill-source-at V | --kill-dest-at V]            pull and check every byte of every version; the last source (or
 //!                                                                      destination) SIGKILLs itself mid-write (before pulling) of version V
@@ -172,6 +173,16 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
     Ok(())
 }
 
+/// Stops (SIGSTOP) or kills (SIGKILL) this process 0.3 s from now, from another thread.
+fn signal_self_soon(stop: bool) {
+    use nix::sys::signal::Signal;
+    let sig = if stop { Signal::SIGSTOP } else { Signal::SIGKILL };
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = nix::sys::signal::kill(nix::unistd::getpid(), sig);
+    });
+}
+
 /// Every rank loops on small allreduces; `--victim` kills itself 0.3 s in (SIGKILL), or
 /// with `--stop` stops itself (SIGSTOP: the others time out, and the shrink leaves it out
 /// at its deadline). The survivors see the failure, shrink, check their new ranks and the
@@ -187,12 +198,7 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
         let mut pids = vec![0u32; n];
         comm.allgather(&[std::process::id()], &mut pids)?;
         if me == victim {
-            use nix::sys::signal::Signal;
-            let sig = if stop { Signal::SIGSTOP } else { Signal::SIGKILL };
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(300));
-                let _ = nix::sys::signal::kill(nix::unistd::getpid(), sig);
-            });
+            signal_self_soon(stop);
         }
         let start = Instant::now();
         let mut calls = 0u64;
@@ -263,6 +269,154 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
     }
 }
 
+/// Failure scope, on 4 ranks: the world, `pair` (split by rank / 2: {0, 1} and {2, 3}) and
+/// `sub` (split from `pair`, the same members). `--case kill`: rank 3 SIGKILLs itself (or
+/// `stop`: SIGSTOPs itself) while every rank loops on world allreduces; after the world's
+/// failure ranks 0 and 1 run 200 checked allreduces on `pair` and on `sub` and finalize
+/// them, rank 2 finds `pair` failed (naming rank 3 when killed); exit 0 (the lowest kills a
+/// stopped victim; the job's status is the victim's). `abort`: rank 0 aborts `pair`; ranks
+/// 0 and 1 find `pair` and `sub` aborted (rank 1: by rank 0); ranks 2 and 3 run 200 on
+/// their `pair`; then every rank runs 100 on the world and finalizes it. `mismatch`: ranks
+/// 0 and 1 call `pair`'s allreduce with different counts (both fail); then `sub` and the
+/// world run 100 checked allreduces each and are finalized. Each rank prints what it saw.
+fn scope(comm: Communicator, args: &[String]) -> ! {
+    let run = || -> R<()> {
+        use ferroccl::{Error, ReduceOp};
+        let case = flag(args, "--case").unwrap_or("kill").to_string();
+        let (n, me) = (comm.size(), comm.rank());
+        if n != 4 {
+            return Err("scope needs 4 ranks".into());
+        }
+        let mut pids = vec![0u32; n];
+        comm.allgather(&[std::process::id()], &mut pids)?;
+        let pair = comm.split(Some((me / 2) as u32), me as i64)?.ok_or("no pair")?;
+        let sub = pair.split(Some(0), me as i64)?.ok_or("no sub")?;
+        comm.barrier()?;
+        // `calls` checked allreduces of 4 f32 on `c`, whose members' world ranks are `ws`.
+        let sums = |c: &Communicator, ws: &[usize], calls: usize| -> ferroccl::Result<Result<(), String>> {
+            let want = ws.iter().map(|&w| (w + 1) as f32).sum::<f32>();
+            for _ in 0..calls {
+                let mut x = [(me + 1) as f32; 4];
+                c.allreduce(&mut x, ReduceOp::Sum)?;
+                if x != [want; 4] {
+                    return Ok(Err(format!("rank {me}: allreduce gave {x:?}, expected {want}")));
+                }
+            }
+            Ok(Ok(()))
+        };
+        let mine: Vec<usize> = if me < 2 { vec![0, 1] } else { vec![2, 3] };
+        let world: Vec<usize> = (0..n).collect();
+        let blame = |e: &Error| e.root_cause().and_then(|c| c.rank);
+        match case.as_str() {
+            "kill" | "stop" => {
+                let victim = 3;
+                let stop = case == "stop";
+                if me == victim {
+                    signal_self_soon(stop);
+                }
+                let start = Instant::now();
+                let err = loop {
+                    match sums(&comm, &world, 1) {
+                        Ok(Ok(())) => {}
+                        Ok(Err(bad)) => return Err(bad.into()),
+                        Err(e) => break e,
+                    }
+                    if start.elapsed() > Duration::from_secs(60) {
+                        return Err("the victim never failed".into());
+                    }
+                };
+                if !stop && blame(&err) != Some(victim) {
+                    return Err(format!("rank {me}: the world's error does not blame rank {victim}: {err}").into());
+                }
+                if me < 2 {
+                    sums(&pair, &mine, 200)?.map_err(|e| format!("pair: {e}"))?;
+                    sums(&sub, &mine, 200)?.map_err(|e| format!("sub: {e}"))?;
+                    sub.finalize()?;
+                    pair.finalize()?;
+                    println!("selftest: rank {me} scope {case}: world failed: {err}; pair and sub carried on: 400 calls checked");
+                    if stop && me == 0 {
+                        let v = nix::unistd::Pid::from_raw(pids[victim] as i32);
+                        let _ = nix::sys::signal::kill(v, nix::sys::signal::Signal::SIGKILL);
+                    }
+                } else {
+                    let perr = match sums(&pair, &mine, 1) {
+                        Ok(_) => return Err(format!("rank {me}: pair with the failed rank {victim} still worked").into()),
+                        Err(e) => e,
+                    };
+                    if !stop && blame(&perr) != Some(victim) {
+                        return Err(format!("rank {me}: the pair's error does not blame rank {victim}: {perr}").into());
+                    }
+                    println!("selftest: rank {me} scope {case}: world failed: {err}; pair failed: {perr}");
+                }
+            }
+            "abort" => {
+                if me == 0 {
+                    std::thread::sleep(Duration::from_millis(100));
+                    pair.abort();
+                }
+                if me < 2 {
+                    let by = if me == 0 { None } else { Some(0) };
+                    let start = Instant::now();
+                    let perr = loop {
+                        match sums(&pair, &mine, 1) {
+                            Ok(Ok(())) if start.elapsed() < Duration::from_secs(30) => {}
+                            Ok(r) => return Err(format!("rank {me}: the pair was never aborted ({r:?})").into()),
+                            Err(e) => break e,
+                        }
+                    };
+                    let serr = sums(&sub, &mine, 1).err().ok_or("the split of the aborted pair still works")?;
+                    for (what, e) in [("pair", &perr), ("sub", &serr)] {
+                        if !matches!(e, Error::Aborted { by: b, .. } if *b == by) {
+                            return Err(format!("rank {me}: {what}: expected aborted by {by:?}, got {e}").into());
+                        }
+                    }
+                    println!("selftest: rank {me} scope abort: pair: {perr}; sub: {serr}");
+                    drop((sub, pair));
+                } else {
+                    sums(&pair, &mine, 200)?.map_err(|e| format!("pair: {e}"))?;
+                    sums(&sub, &mine, 200)?.map_err(|e| format!("sub: {e}"))?;
+                    sub.finalize()?;
+                    pair.finalize()?;
+                    println!("selftest: rank {me} scope abort: the other pair carried on: 400 calls checked");
+                }
+                sums(&comm, &world, 100)?.map_err(|e| format!("world: {e}"))?;
+                comm.finalize()?;
+                println!("selftest: rank {me} scope abort: world carried on: 100 calls checked");
+            }
+            "mismatch" => {
+                if me < 2 {
+                    let mut x = vec![1.0f32; 8 + 4 * me];
+                    match pair.allreduce(&mut x, ReduceOp::Sum) {
+                        Err(e @ Error::Mismatch { .. }) => println!("selftest: rank {me} scope mismatch: pair: {e}"),
+                        other => return Err(format!("rank {me}: a mismatched pair allreduce gave {other:?}").into()),
+                    }
+                    if sums(&pair, &mine, 1).is_ok() {
+                        return Err(format!("rank {me}: the failed pair still works").into());
+                    }
+                    drop(pair);
+                } else {
+                    sums(&pair, &mine, 100)?.map_err(|e| format!("pair: {e}"))?;
+                    pair.finalize()?;
+                }
+                sums(&sub, &mine, 100)?.map_err(|e| format!("sub: {e}"))?;
+                sub.finalize()?;
+                sums(&comm, &world, 100)?.map_err(|e| format!("world: {e}"))?;
+                comm.finalize()?;
+                println!("selftest: rank {me} scope mismatch: sub and world carried on: 200 calls checked");
+            }
+            other => return Err(format!("unknown --case {other}").into()),
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("selftest: scope error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().cloned() else {
@@ -317,6 +471,7 @@ fn main() {
         "fault" => fault(comm, rest),
         "weights" => weights(&comm, rest),
         "shrink" => shrink(comm, rest),
+        "scope" => scope(comm, rest),
         "soak" => soak(&comm, rest),
         other => Err(format!("unknown subcommand {other:?}").into()),
     };
