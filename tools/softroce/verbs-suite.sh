@@ -10,7 +10,11 @@
 #    engine), the M->N weight sync (ferroccl-selftest weights, 2 and 3 ranks) and abort
 #    over verbs;
 # 3. a rank SIGKILLed mid-barrier and mid-transfer: every survivor must report an error
-#    naming it, and the launcher must exit with the victim's status;
+#    naming it, the launcher must exit with the victim's status and name it the culprit
+#    (the flight records' verdict); a rank that skips a collective and finalizes (every
+#    rank fails naming it; the verdict blames it); survivors of a kill shrink and carry on
+#    (ferroccl-selftest shrink); a kill fails only the communicators with the victim
+#    (ferroccl-selftest scope --case kill);
 # 4. two "hosts" in the VM (rxe0 and rxe1, two-hosts.sh): collectives over a mixed mesh
 #    (FERROCCL_TRANSPORT=auto: shm inside a host, verbs across), and a rank killed on the
 #    other host, which only verbs itself can notice (no process watch across hosts).
@@ -95,9 +99,36 @@ killed() { # killed DURING [N VICTIM]
         grep -E "^\[$r\] selftest: rank $r saw the failure after .*rank $victim" <<< "$out" >/dev/null \
             || { echo "$out" | tail -20; fail "kill during $1: rank $r did not report an error naming rank $victim"; }
     done
+    grep -q "^ferroccl-run: culprit: rank $victim " <<< "$out" \
+        || { echo "$out" | tail -20; fail "kill during $1: the launcher did not name rank $victim the culprit"; }
 }
 killed barrier
 killed transfer
+
+# A rank that skips a collective and finalizes: every rank fails, naming it; the launcher's
+# verdict blames it.
+out=$("${run[@]}" -n 2 -- "$selftest" fault --case skip --count 1000 2>&1)
+st=$?
+echo "=== skip over ${run[2]}: exit $st"
+echo "$out" | grep -E 'culprit|parted'
+[ "$st" -ne 0 ] && grep -q 'rank 1 finalized the communicator after call #1' <<< "$out" \
+    && grep -q '^ferroccl-run: culprit: rank 1 ' <<< "$out" || { echo "$out" | tail -20; fail "skip over verbs"; }
+
+# Survivors of a kill shrink and carry on (3 ranks, rank 1 killed).
+out=$("${run[@]}" --grace 30 -n 3 -- "$selftest" shrink --victim 1 2>&1)
+st=$?
+echo "=== shrink over ${run[2]}: exit $st"
+echo "$out" | grep -E 'shrank'
+[ "$st" -eq 137 ] && [ "$(grep -c 'shrank to rank' <<< "$out")" -eq 2 ] || { echo "$out" | tail -20; fail "shrink over verbs"; }
+
+# A kill fails only the communicators with the victim (4 ranks, rank 3 killed): ranks 0
+# and 1 carry on with their pair.
+out=$("${run[@]}" --grace 30 -n 4 -- "$selftest" scope --case kill 2>&1)
+st=$?
+echo "=== scope over ${run[2]}: exit $st"
+echo "$out" | grep -E 'scope kill' | cut -c1-160
+[ "$st" -eq 137 ] && [ "$(grep -c 'pair and sub carried on: 400 calls checked' <<< "$out")" -eq 2 ] \
+    && grep -q '^\[2\] selftest: rank 2 scope kill: .*; pair failed: ' <<< "$out" || { echo "$out" | tail -20; fail "scope over verbs"; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=two-hosts.sh
