@@ -1040,23 +1040,61 @@ struct Namespaces {
     forwarder: Option<std::process::Child>,
 }
 
+/// Runs `prog args`; its stderr as the error when it fails.
+fn run_cmd(prog: &str, args: &[&str]) -> Result<(), String> {
+    let o = Command::new(prog).args(args).output().map_err(|e| format!("{prog}: {e}"))?;
+    match o.status.success() {
+        true => Ok(()),
+        false => Err(format!("{prog} {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
+    }
+}
+
+/// A fresh tag for a set of namespaces (`prefix`, this process, a counter): tests run side
+/// by side in one process, and each set gets its own names.
+fn namespace_tag(prefix: &str) -> String {
+    static SETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}{}x{set}", std::process::id())
+}
+
+/// Every rank's output, how it ended and when, for a failed assertion's message.
+fn outputs_text(outs: &[(Output, Duration)]) -> String {
+    outs.iter()
+        .enumerate()
+        .map(|(r, (o, t))| {
+            format!(
+                "--- rank {r} (ended at {t:?}, {})\n{}{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .collect()
+}
+
+/// After a link went silent 1.5 s into a 2-rank job with a 4 s timeout: each rank failed,
+/// naming the other, within the timeout (each wait's own, a write's included: its partial
+/// writes must not each get the whole timeout again), plus the report.
+fn assert_silent_link_named(outs: &[(Output, Duration)], ctx: &str) {
+    let text = outputs_text(outs);
+    for (r, (o, ended)) in outs.iter().enumerate() {
+        assert!(!o.status.success(), "{ctx}: rank {r} should fail\n{text}");
+        let (secs, line) = failure_line(o).unwrap_or_else(|| panic!("{ctx}: rank {r} printed no failure\n{text}"));
+        let other = format!("rank {}", 1 - r);
+        assert!(line.contains(&other), "{ctx}: rank {r}'s error does not name {other}: {line}\n{text}");
+        assert!(*ended < Duration::from_secs(20) && secs < 9.0, "{ctx}: rank {r} ended at {ended:?} ({secs} s in the loop)\n{text}");
+        eprintln!("{ctx}: {line}");
+    }
+}
+
 impl Namespaces {
     /// `ns[i]` gets address `10.77.0.(i + 1)/24` on its end of a veth link to the others (a
     /// bridge in namespace 0 joins them) and `lo` up; `None` (with the reason) where this
     /// process cannot make namespaces (not root, no `ip`).
     fn create(count: usize) -> Result<Namespaces, String> {
-        // Tests run side by side in one process: each set gets its own names.
-        static SETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tag = format!("fcc{}x{set}", std::process::id());
+        let tag = namespace_tag("fcc");
         let ns = Namespaces { names: (0..count).map(|i| format!("{tag}-{i}")).collect(), middle: None, forwarder: None };
-        let ip = |args: &[&str]| -> Result<(), String> {
-            let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-            match o.status.success() {
-                true => Ok(()),
-                false => Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
-            }
-        };
+        let ip = |args: &[&str]| run_cmd("ip", args);
         for n in &ns.names {
             ip(&["netns", "add", n])?;
             ip(&["-n", n, "link", "set", "lo", "up"])?;
@@ -1083,30 +1121,21 @@ impl Namespaces {
     /// off on every end (frames are forwarded whole, one by one). `Err` (why) where it cannot
     /// be made (not root, no `ip`, no `python3`).
     fn lossy(loss: f64, delay_ms: u32) -> Result<Namespaces, String> {
-        static SETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tag = format!("fcl{}x{set}", std::process::id());
+        let tag = namespace_tag("fcl");
         let mid = format!("{tag}-m");
         let mut ns = Namespaces { names: vec![format!("{tag}-0"), format!("{tag}-1")], middle: Some(mid.clone()), forwarder: None };
-        let run = |prog: &str, args: &[&str]| -> Result<(), String> {
-            let o = Command::new(prog).args(args).output().map_err(|e| format!("{prog}: {e}"))?;
-            match o.status.success() {
-                true => Ok(()),
-                false => Err(format!("{prog} {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
-            }
-        };
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/support/lossy_link.py");
         for n in ns.names.iter().chain([&mid]) {
-            run("ip", &["netns", "add", n])?;
-            run("ip", &["-n", n, "link", "set", "lo", "up"])?;
+            run_cmd("ip", &["netns", "add", n])?;
+            run_cmd("ip", &["-n", n, "link", "set", "lo", "up"])?;
         }
         for (i, n) in ns.names.iter().enumerate() {
             let (m, v) = (format!("m{i}"), format!("v{i}"));
-            run("ip", &["-n", &mid, "link", "add", &m, "type", "veth", "peer", "name", &v, "netns", n])?;
-            run("ip", &["-n", n, "addr", "add", &format!("10.77.0.{}/24", i + 1), "dev", &v])?;
-            run("ip", &["-n", n, "link", "set", &v, "up"])?;
-            run("ip", &["-n", &mid, "link", "set", &m, "up"])?;
-            run("ip", &["netns", "exec", n, "python3", script, "--offloads-off", &v])?;
+            run_cmd("ip", &["-n", &mid, "link", "add", &m, "type", "veth", "peer", "name", &v, "netns", n])?;
+            run_cmd("ip", &["-n", n, "addr", "add", &format!("10.77.0.{}/24", i + 1), "dev", &v])?;
+            run_cmd("ip", &["-n", n, "link", "set", &v, "up"])?;
+            run_cmd("ip", &["-n", &mid, "link", "set", &m, "up"])?;
+            run_cmd("ip", &["netns", "exec", n, "python3", script, "--offloads-off", &v])?;
         }
         let fwd = Command::new("ip")
             .args(["netns", "exec", &mid, "python3", script, "m0", "m1", &loss.to_string(), &delay_ms.to_string(), "1"])
@@ -1263,19 +1292,6 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
             return;
         }
     };
-    let all = |outs: &[(Output, Duration)]| -> String {
-        outs.iter()
-            .enumerate()
-            .map(|(r, (o, t))| {
-                format!(
-                    "--- rank {r} (ended at {t:?}, {})\n{}{}",
-                    o.status,
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                )
-            })
-            .collect()
-    };
 
     // One socket per pair, then 3 with every write of 64 KiB or more striped over them and
     // sent zero-copy: a failure must surface on every socket of the stripe.
@@ -1285,7 +1301,7 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
         let start = Instant::now();
         let kids = spawn_in_namespaces(&ns, 2, &["kill", "--victim", "1", "--during", "transfer"], 30, "netns-kill", extra);
         let outs = collect(kids, start, start + Duration::from_secs(60));
-        let text = all(&outs);
+        let text = outputs_text(&outs);
         assert!(!outs[0].0.status.success(), "{case}, kill: rank 0 should fail\n{text}");
         let (secs, line) = failure_line(&outs[0].0).unwrap_or_else(|| panic!("{case}, kill: rank 0 printed no failure\n{text}"));
         assert!(line.contains("rank 1"), "{case}, kill: rank 0's error does not name rank 1: {line}\n{text}");
@@ -1304,20 +1320,7 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
         link("down");
         let outs = collect(kids, start, start + Duration::from_secs(60));
         link("up");
-        let text = all(&outs);
-        for (r, (o, ended)) in outs.iter().enumerate() {
-            assert!(!o.status.success(), "{case}, cut: rank {r} should fail\n{text}");
-            let (secs, line) = failure_line(o).unwrap_or_else(|| panic!("{case}, cut: rank {r} printed no failure\n{text}"));
-            let other = format!("rank {}", 1 - r);
-            assert!(line.contains(&other), "{case}, cut: rank {r}'s error does not name {other}: {line}\n{text}");
-            // The cut came 1.5 s in; the timeout is 4 s (each wait's own, a write's included:
-            // its partial writes must not each get the whole timeout again), plus the report.
-            assert!(
-                *ended < Duration::from_secs(20) && secs < 9.0,
-                "{case}, cut: rank {r} ended at {ended:?} ({secs} s in the loop)\n{text}"
-            );
-            eprintln!("{case}, cut: {line}");
-        }
+        assert_silent_link_named(&outs, &format!("{case}, cut"));
     }
 }
 
@@ -1529,19 +1532,6 @@ fn tcp_across_a_lossy_slow_link_is_exact_and_a_silent_link_is_named() {
             return;
         }
     };
-    let all = |outs: &[(Output, Duration)]| -> String {
-        outs.iter()
-            .enumerate()
-            .map(|(r, (o, t))| {
-                format!(
-                    "--- rank {r} (ended at {t:?}, {})\n{}{}",
-                    o.status,
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                )
-            })
-            .collect()
-    };
     let cases: [(usize, &[&str]); 3] = [
         (2, &["coll", "--counts", "0,1,7,1000,65537"]),
         (4, &["coll", "--counts", "0,1,7,1000,65537"]),
@@ -1551,7 +1541,7 @@ fn tcp_across_a_lossy_slow_link_is_exact_and_a_silent_link_is_named() {
         let start = Instant::now();
         let kids = spawn_in_namespaces(&ns, n, args, 60, "lossy", &[]);
         let outs = collect(kids, start, start + Duration::from_secs(240));
-        let text = all(&outs);
+        let text = outputs_text(&outs);
         for (r, (o, _)) in outs.iter().enumerate() {
             assert!(o.status.success(), "{n} ranks, {}: rank {r} failed\n{text}", args[0]);
             assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("selftest: rank {r} ok")), "{n} ranks, {}\n{text}", args[0]);
@@ -1564,15 +1554,7 @@ fn tcp_across_a_lossy_slow_link_is_exact_and_a_silent_link_is_named() {
     std::thread::sleep(Duration::from_millis(1500));
     let report = ns.cut().unwrap_or_default();
     let outs = collect(kids, start, start + Duration::from_secs(60));
-    let text = all(&outs);
-    for (r, (o, ended)) in outs.iter().enumerate() {
-        assert!(!o.status.success(), "cut: rank {r} should fail\n{text}");
-        let (secs, line) = failure_line(o).unwrap_or_else(|| panic!("cut: rank {r} printed no failure\n{text}"));
-        let other = format!("rank {}", 1 - r);
-        assert!(line.contains(&other), "cut: rank {r}'s error does not name {other}: {line}\n{text}");
-        assert!(*ended < Duration::from_secs(20) && secs < 9.0, "cut: rank {r} ended at {ended:?} ({secs} s in the loop)\n{text}");
-        eprintln!("lossy link, cut: {line}");
-    }
+    assert_silent_link_named(&outs, "lossy link, cut");
     let dropped = report.split_whitespace().collect::<Vec<_>>();
     eprintln!("lossy link: {report}");
     assert!(report.starts_with("lossy_link: ") && dropped.len() > 4 && dropped[4] != "0", "the forwarder dropped nothing: {report:?}");

@@ -410,9 +410,8 @@ impl Fabric {
         loop {
             drain();
             if let Some(cause) = self.fatal_error(op, view) {
-                let cause = Some(cause);
-                let kind = cause.as_ref().and_then(Error::root_cause).map(|c| c.kind);
-                return cause.filter(|_| kind != Some(FaultKind::Mismatch));
+                let mismatch = cause.root_cause().is_some_and(|c| c.kind == FaultKind::Mismatch);
+                return (!mismatch).then_some(cause);
             }
             if Instant::now() >= until {
                 return None;

@@ -167,7 +167,7 @@ impl Health {
                 None => ev.all_failed(),
                 Some(_) => ev.fault_for(view).is_some(),
             };
-            let new = !reached && ev.add(scope, fault, Some(err.duplicate()));
+            let new = !reached && ev.add(scope, fault, Some(err.duplicate())).1;
             let i = match view {
                 None => ev.faults.iter().position(|s| s.scope == Scope::Fabric).or_else(|| ev.fault_for(None)),
                 Some(_) => ev.fault_for(view),
@@ -189,14 +189,8 @@ impl Health {
     /// communicator's fault).
     pub(crate) fn poison_fault(&self, mesh: &Mesh, fault: Fault, scope: Scope, view: Option<View<'_>>) {
         flog!(Warn, Health, "rank {}: fatal ({scope:?}): {} ({})", self.rank, fault.what, fault.op);
-        let i = {
-            let mut ev = self.inbox.lock();
-            ev.add(scope, fault, None);
-            ev.faults.iter().position(|s| s.scope == scope)
-        };
-        if let Some(i) = i {
-            self.tell_once(mesh, i, view);
-        }
+        let (i, _) = self.inbox.lock().add(scope, fault, None);
+        self.tell_once(mesh, i, view);
         self.inbox.notify();
     }
 
@@ -205,14 +199,8 @@ impl Health {
     pub(crate) fn abort(&self, mesh: &Mesh, view: View<'_>) {
         flog!(Info, Health, "rank {}: communicator {:#x} aborted by this process", self.rank, view.comm);
         let aborted = Fault { kind: FaultKind::Aborted, culprit: None, reporter: None, op: String::new(), what: "aborted".into() };
-        let i = {
-            let mut ev = self.inbox.lock();
-            ev.add(Scope::Comm(view.comm), aborted, None);
-            ev.faults.iter().position(|s| s.scope == Scope::Comm(view.comm) && s.fault.kind == FaultKind::Aborted)
-        };
-        if let Some(i) = i {
-            self.tell_once(mesh, i, Some(view));
-        }
+        let (i, _) = self.inbox.lock().add(Scope::Comm(view.comm), aborted, None);
+        self.tell_once(mesh, i, Some(view));
         self.inbox.notify();
     }
 

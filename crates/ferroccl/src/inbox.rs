@@ -165,15 +165,15 @@ impl Events {
 
     /// Records fault `f` with `scope` (`first`: the error of this rank's that made it),
     /// unless a fault of that scope is known already (an abort is kept next to another
-    /// fault). Whether it was new.
-    pub(crate) fn add(&mut self, scope: Scope, f: Fault, first: Option<Error>) -> bool {
+    /// fault). The index of the scope's entry, and whether it is new.
+    pub(crate) fn add(&mut self, scope: Scope, f: Fault, first: Option<Error>) -> (usize, bool) {
         let aborted = f.kind == FaultKind::Aborted;
-        if self.faults.iter().any(|s| s.scope == scope && (s.fault.kind == FaultKind::Aborted) == aborted) {
-            return false;
+        if let Some(i) = self.faults.iter().position(|s| s.scope == scope && (s.fault.kind == FaultKind::Aborted) == aborted) {
+            return (i, false);
         }
         self.faults.push(Scoped { scope, fault: f, first, told: false });
         self.fatal_flag.store(true, Ordering::SeqCst);
-        true
+        (self.faults.len() - 1, true)
     }
 
     /// Makes world rank `peer` dead for every communicator it is in (a failure found by
@@ -684,8 +684,8 @@ mod tests {
         // 10 and 11 split from the world, 12 from 10.
         ev.parents.extend([(10, 0), (11, 0), (12, 10)]);
         assert_eq!(ev.fault_for(view(0, world)), None);
-        assert!(ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None));
-        assert!(!ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None), "one fault per scope");
+        assert_eq!(ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None), (0, true));
+        assert_eq!(ev.add(Scope::Peer(3), fault(FaultKind::Failed, Some(3)), None), (0, false), "one fault per scope");
         assert_eq!(ev.fault_for(view(0, world)), Some(0));
         assert_eq!(ev.fault_for(view(11, &[2, 3])), Some(0));
         assert_eq!(ev.fault_for(view(10, &[0, 1])), None, "no member died");

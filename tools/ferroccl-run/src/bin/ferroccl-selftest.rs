@@ -173,6 +173,17 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
     Ok(())
 }
 
+/// Ends a subcommand that ends the process itself: 0, or 1 saying `selftest: WHAT error: ...`.
+fn exit_with(what: &str, r: R<()>) -> ! {
+    match r {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("selftest: {what} error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// Stops (SIGSTOP) or kills (SIGKILL) this process 0.3 s from now, from another thread.
 fn signal_self_soon(stop: bool) {
     use nix::sys::signal::Signal;
@@ -260,13 +271,7 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
         }
         Ok(())
     };
-    match run() {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("selftest: shrink error: {e}");
-            std::process::exit(1);
-        }
-    }
+    exit_with("shrink", run())
 }
 
 /// Failure scope, on 4 ranks: the world, `pair` (split by rank / 2: {0, 1} and {2, 3}) and
@@ -408,13 +413,7 @@ fn scope(comm: Communicator, args: &[String]) -> ! {
         }
         Ok(())
     };
-    match run() {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("selftest: scope error: {e}");
-            std::process::exit(1);
-        }
-    }
+    exit_with("scope", run())
 }
 
 fn main() {
