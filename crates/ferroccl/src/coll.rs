@@ -180,7 +180,10 @@ impl Communicator {
 
     /// Runs low-latency call `s` (collective call number `call`) on this thread; an error
     /// is fatal for the communicator (peers may wait for this rank), as in the engine.
+    /// Inlined, the failure out of line: the fastest calls pay for nothing else (kept out
+    /// of line, this step alone cost about 4 % of a 2-rank 8 B allreduce).
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     pub(crate) fn run_ll(
         &self,
         ch: &LlChannel,
@@ -200,8 +203,15 @@ impl Communicator {
                 self.flight.finished(call);
                 Ok(())
             }
-            Err(e) => Err(fabric.poison_in(e, &|r| self.world_rank(r).unwrap_or(r), Some(self.view()))),
+            Err(e) => Err(self.ll_failed(e)),
         }
+    }
+
+    /// A low-latency call's error, made fatal for the communicator.
+    #[cold]
+    #[inline(never)]
+    fn ll_failed(&self, e: Error) -> Error {
+        self.fabric().poison_in(e, &|r| self.world_rank(r).unwrap_or(r), Some(self.view()))
     }
 
     fn collective(&self, call: Call<'_>) -> Result<()> {
