@@ -57,10 +57,10 @@ fn holdings() -> [u64; 4] {
 /// `--ops` (default 4,000) mixed calls, the same sequence on every rank (a seeded generator):
 /// allreduce (f32, bf16, i32), allgather, broadcast (a rotating root), reduce_scatter,
 /// scopes of two non-blocking allreduces, and persistent plans run three times, of 1 to
-/// 65,536 elements; every result checked. Every 250 calls the rank samples its resident
-/// memory, file descriptors, threads and the job's /dev/shm entries; after the first 1,000
-/// calls (warm-up: caches fill) descriptors, threads and shm entries must not move and memory
-/// must not grow by more than 8 MiB.
+/// 65,536 elements; every result checked. At the start and every 250 calls the rank samples
+/// its resident memory, file descriptors, threads and the job's /dev/shm entries; after the
+/// first 1,000 calls (warm-up: caches fill) descriptors, threads and shm entries must not
+/// move and memory must not grow by more than 8 MiB.
 fn soak(comm: &Communicator, args: &[String]) -> R<()> {
     use ferroccl::ReduceOp;
     use ferroccl_kernels::bf16;
@@ -75,6 +75,7 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
     };
     let tri = (n * (n + 1) / 2) as f32;
     let mut samples: Vec<(usize, [u64; 4])> = Vec::new();
+    let at_start = holdings();
     let bad = |what: String| -> Box<dyn std::error::Error> { format!("rank {me}: soak: {what}").into() };
     for i in 0..ops {
         let count = 1 + (next() % 65_536) as usize;
@@ -164,7 +165,8 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
         return Err(bad(format!("memory grew after the warm-up: {} -> {}", show(&first.1), show(&last.1))));
     }
     println!(
-        "selftest: rank {me} soak: {ops} calls checked; after call {}: {}; after call {}: {}",
+        "selftest: rank {me} soak: {ops} calls checked; at the start: {}; after call {}: {}; after call {}: {}",
+        show(&at_start),
         first.0,
         show(&first.1),
         last.0,
