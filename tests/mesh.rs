@@ -1514,6 +1514,25 @@ fn a_failure_reaches_only_the_communicators_it_must() {
     }
 }
 
+/// Shrink of a split beside the world's (`selftest scope --case shrink`, 4 ranks): rank 3,
+/// a member of the world and of the split {1, 2, 3}, is killed; ranks 1 and 2 shrink that
+/// split to 2 ranks, ranks 0-2 the world to 3, each shrunk communicator gives the right
+/// ranks and 100 checked allreduces; the pair {0, 1}, which lost nobody, carries on
+/// unshrunk. shm and tcp.
+#[test]
+fn survivors_shrink_a_split_and_the_world_and_keep_a_split_that_lost_nobody() {
+    for transport in ["shm", "tcp"] {
+        let j = job_with_grace(4, transport, &["scope", "--case", "shrink"], &[("FERROCCL_TIMEOUT", "10")], "30");
+        assert_eq!(j.code, Some(137), "{transport}\n{}", j.all());
+        for r in 0..3 {
+            let line = j.stdout.lines().find(|l| l.starts_with(&format!("[{r}] selftest: rank {r} scope shrink: world failed: ")));
+            let line = line.unwrap_or_else(|| panic!("{transport}: rank {r}\n{}", j.all()));
+            assert!(line.contains("rank 3") && line.ends_with("; shrunk and carried on"), "{transport}: {line}");
+        }
+        assert!(j.stderr.contains("ferroccl-run: culprit: rank 3"), "{transport}\n{}", j.all());
+    }
+}
+
 /// Over tcp across a lossy, slow link (two network namespaces joined through a third whose
 /// forwarder drops 1 % of the frames and delays the rest by 5 ms, each way): every
 /// collective (f32, bf16, i32; sum, max, avg; 0 to 65,537 elements) on 2 and 4 ranks (shm

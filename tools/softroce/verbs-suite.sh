@@ -14,7 +14,8 @@
 #    (the flight records' verdict); a rank that skips a collective and finalizes (every
 #    rank fails naming it; the verdict blames it); survivors of a kill shrink and carry on
 #    (ferroccl-selftest shrink); a kill fails only the communicators with the victim
-#    (ferroccl-selftest scope --case kill);
+#    (ferroccl-selftest scope --case kill), and survivors shrink a split and the world
+#    (scope --case shrink);
 # 4. two "hosts" in the VM (rxe0 and rxe1, two-hosts.sh): collectives over a mixed mesh
 #    (FERROCCL_TRANSPORT=auto: shm inside a host, verbs across), and a rank killed on the
 #    other host, which only verbs itself can notice (no process watch across hosts).
@@ -129,6 +130,15 @@ echo "=== scope over ${run[2]}: exit $st"
 echo "$out" | grep -E 'scope kill' | cut -c1-160
 [ "$st" -eq 137 ] && [ "$(grep -c 'pair and sub carried on: 400 calls checked' <<< "$out")" -eq 2 ] \
     && grep -q '^\[2\] selftest: rank 2 scope kill: .*; pair failed: ' <<< "$out" || { echo "$out" | tail -20; fail "scope over verbs"; }
+
+# Survivors shrink a split that lost the victim ({1, 2, 3} -> {1, 2}) and the world (-> {0,
+# 1, 2}), each then checked; the pair {0, 1}, which lost nobody, carries on unshrunk.
+out=$("${run[@]}" --grace 30 -n 4 -- "$selftest" scope --case shrink 2>&1)
+st=$?
+echo "=== scope shrink over ${run[2]}: exit $st"
+echo "$out" | grep -E 'scope shrink' | cut -c1-160
+[ "$st" -eq 137 ] && [ "$(grep -c 'scope shrink: world failed: .*; shrunk and carried on$' <<< "$out")" -eq 3 ] \
+    || { echo "$out" | tail -20; fail "scope shrink over verbs"; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=two-hosts.sh

@@ -285,7 +285,11 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
 /// 0 and 1 find `pair` and `sub` aborted (rank 1: by rank 0); ranks 2 and 3 run 200 on
 /// their `pair`; then every rank runs 100 on the world and finalizes it. `mismatch`: ranks
 /// 0 and 1 call `pair`'s allreduce with different counts (both fail); then `sub` and the
-/// world run 100 checked allreduces each and are finalized. Each rank prints what it saw.
+/// world run 100 checked allreduces each and are finalized. `shrink`: a split {1, 2, 3} is
+/// made, rank 3 SIGKILLs itself as in `kill`; ranks 1 and 2 shrink that split (to 2 ranks),
+/// then ranks 0-2 the world (to 3), each shrunk communicator runs 100 checked allreduces
+/// and is finalized; ranks 0 and 1 then run 100 on `pair` (never shrunk). Each rank prints
+/// what it saw.
 fn scope(comm: Communicator, args: &[String]) -> ! {
     let run = || -> R<()> {
         use ferroccl::{Error, ReduceOp};
@@ -314,24 +318,29 @@ fn scope(comm: Communicator, args: &[String]) -> ! {
         let mine: Vec<usize> = if me < 2 { vec![0, 1] } else { vec![2, 3] };
         let world: Vec<usize> = (0..n).collect();
         let blame = |e: &Error| e.root_cause().and_then(|c| c.rank);
+        let victim = 3;
+        // Rank 3 kills (or stops) itself while every rank loops on world allreduces: the
+        // world's error.
+        let world_fails = |stop: bool| -> R<Error> {
+            if me == victim {
+                signal_self_soon(stop);
+            }
+            let start = Instant::now();
+            loop {
+                match sums(&comm, &world, 1) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(bad)) => return Err(bad.into()),
+                    Err(e) => return Ok(e),
+                }
+                if start.elapsed() > Duration::from_secs(60) {
+                    return Err("the victim never failed".into());
+                }
+            }
+        };
         match case.as_str() {
             "kill" | "stop" => {
-                let victim = 3;
                 let stop = case == "stop";
-                if me == victim {
-                    signal_self_soon(stop);
-                }
-                let start = Instant::now();
-                let err = loop {
-                    match sums(&comm, &world, 1) {
-                        Ok(Ok(())) => {}
-                        Ok(Err(bad)) => return Err(bad.into()),
-                        Err(e) => break e,
-                    }
-                    if start.elapsed() > Duration::from_secs(60) {
-                        return Err("the victim never failed".into());
-                    }
-                };
+                let err = world_fails(stop)?;
                 if !stop && blame(&err) != Some(victim) {
                     return Err(format!("rank {me}: the world's error does not blame rank {victim}: {err}").into());
                 }
@@ -355,6 +364,38 @@ fn scope(comm: Communicator, args: &[String]) -> ! {
                     }
                     println!("selftest: rank {me} scope {case}: world failed: {err}; pair failed: {perr}");
                 }
+            }
+            "shrink" => {
+                // {0} and {1, 2, 3}: a split that loses a member and keeps two.
+                let trio = comm.split(Some(u32::from(me >= 1)), me as i64)?.ok_or("no trio")?;
+                comm.barrier()?;
+                let err = world_fails(false)?;
+                if blame(&err) != Some(victim) {
+                    return Err(format!("rank {me}: the world's error does not blame rank {victim}: {err}").into());
+                }
+                // The survivors of a communicator shrink it: the trio's two (ranks 1, 2),
+                // then the world's three; a communicator without the victim needs none.
+                let shrunk = |c: &Communicator, ws: &[usize]| -> R<()> {
+                    let s = c.shrink()?;
+                    let at = ws.iter().position(|&w| w == me);
+                    if s.size() != ws.len() || Some(s.rank()) != at {
+                        return Err(
+                            format!("rank {me}: shrunk to rank {} of {}, expected {at:?} of {}", s.rank(), s.size(), ws.len()).into()
+                        );
+                    }
+                    sums(&s, ws, 100)?.map_err(|e| format!("shrunk {ws:?}: {e}"))?;
+                    Ok(s.finalize()?)
+                };
+                if me >= 1 {
+                    shrunk(&trio, &[1, 2])?;
+                }
+                shrunk(&comm, &[0, 1, 2])?;
+                if me < 2 {
+                    sums(&pair, &mine, 100)?.map_err(|e| format!("pair: {e}"))?;
+                    sub.finalize()?;
+                    pair.finalize()?;
+                }
+                println!("selftest: rank {me} scope shrink: world failed: {err}; shrunk and carried on");
             }
             "abort" => {
                 if me == 0 {
