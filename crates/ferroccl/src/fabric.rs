@@ -578,9 +578,10 @@ impl Fabric {
         let deadline = Instant::now() + Duration::from_secs(2).min(self.params.timeout);
         // After a fault that reached the world, tell the peers why we are leaving, so that
         // they report the root cause (the rank that died) rather than our exit.
-        self.health.tell_at_close(&self.mesh);
-        let world: Vec<usize> = (0..self.size).collect();
-        self.mesh.close(deadline, &|| self.pump(&Op::other("close"), Some(View { comm: 0, members: &world })));
+        let members: Vec<usize> = (0..self.size).collect();
+        let world = View { comm: 0, members: &members };
+        self.health.tell_at_close(&self.mesh, world);
+        self.mesh.close(deadline, &|| self.pump(&Op::other("close"), Some(world)));
         // If this rank serves the store, keep it up until every rank has finished with it.
         let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         let store = self.store.lock().unwrap_or_else(|e| e.into_inner()).take();

@@ -85,10 +85,15 @@ impl Health {
     /// exited peers: a live one's `ERR` comes through its ring, and a timeout of its own
     /// stays this rank's own finding.
     fn hear_last_words(&self, mesh: &Mesh) {
-        if self.inbox.lock().all_failed() {
-            return;
-        }
-        let exited = |p: usize| self.watches.iter().any(|(q, w)| *q == Some(p) && w.has_exited()) && !self.inbox.lock().is_dead(p);
+        // The peers known dead already (their news is in): read once, not per peer.
+        let dead: Vec<usize> = {
+            let ev = self.inbox.lock();
+            if ev.all_failed() {
+                return;
+            }
+            ev.faults.iter().filter_map(|s| if let Scope::Peer(p) = s.scope { Some(p) } else { None }).collect()
+        };
+        let exited = |p: usize| !dead.contains(&p) && self.watches.iter().any(|(q, w)| *q == Some(p) && w.has_exited());
         if let Some((peer, words)) = mesh.last_words(exited) {
             self.inbox.deliver_last_words(peer, words);
         }
@@ -225,17 +230,15 @@ impl Health {
     /// is cut; for a communicator, its members (`view`, when it is that communicator; an
     /// abort of the world, every peer, and every connection is cut).
     fn tell(&self, mesh: &Mesh, scope: Scope, fault: &Fault, view: Option<View<'_>>) {
+        let tell_all = |comm: Option<u32>| {
+            if !self.told_peers.swap(true, Ordering::AcqRel) {
+                mesh.tell_all_and_cut(&proto::encode_err(fault, self.rank, comm));
+            }
+        };
         match scope {
-            Scope::Fabric => {
-                if !self.told_peers.swap(true, Ordering::AcqRel) {
-                    mesh.tell_all_and_cut(&proto::encode_err(fault, self.rank, None));
-                }
-            }
-            Scope::Comm(0) if fault.kind == FaultKind::Aborted => {
-                if !self.told_peers.swap(true, Ordering::AcqRel) {
-                    mesh.tell_all_and_cut(&proto::encode_err(fault, self.rank, Some(0)));
-                }
-            }
+            // Everything failed: this rank's own failure, or the world's abort.
+            Scope::Fabric => tell_all(None),
+            Scope::Comm(0) if fault.kind == FaultKind::Aborted => tell_all(Some(0)),
             Scope::Peer(p) => {
                 if fault.culprit == Some(p) {
                     let msg = proto::encode_err(fault, self.rank, None);
@@ -256,16 +259,14 @@ impl Health {
     /// and was not told yet (so that they report the root cause, not this rank's exit):
     /// news of a dead peer to everyone, the world's own failure to its members. A split's
     /// own fault is not told: the world may have finalized cleanly since. The goodbyes
-    /// that follow say this rank left the rest cleanly.
-    pub(crate) fn tell_at_close(&self, mesh: &Mesh) {
-        let world: Vec<usize> = (0..mesh.size()).collect();
-        let view = View { comm: 0, members: &world };
+    /// that follow say this rank left the rest cleanly. `world`: the world communicator.
+    pub(crate) fn tell_at_close(&self, mesh: &Mesh, world: View<'_>) {
         let reaching: Vec<usize> = {
             let ev = self.inbox.lock();
-            (0..ev.faults.len()).filter(|&i| ev.reaches(&ev.faults[i], Some(view))).collect()
+            (0..ev.faults.len()).filter(|&i| ev.reaches(&ev.faults[i], Some(world))).collect()
         };
         for i in reaching {
-            self.tell_once(mesh, i, Some(view));
+            self.tell_once(mesh, i, Some(world));
         }
     }
 }
