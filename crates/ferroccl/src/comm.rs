@@ -1,6 +1,6 @@
 //! The communicator: a group of ranks that can talk to each other.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,11 +22,12 @@ use crate::flight::Flight;
 use crate::inbox::{Scope, View};
 use crate::ll::{self, LlChannel};
 use crate::logging::{flog, Subsys};
-use crate::params::{LlChoice, Params, ProtoChoice};
+use crate::params::{FaultSite, LlChoice, Params, ProtoChoice};
 use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
 use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
 use crate::registry::RegStats;
+use crate::shrink::{Outcome, Survivors};
 use crate::transport_kind::TransportKind;
 
 /// How to reach the other ranks of a job, when not read from the environment.
@@ -159,7 +160,7 @@ impl Communicator {
         let store = StoreClient::connect(&addr, &cfg.token, cfg.rank, timeout)?;
         let gen = init_generation(&addr, &cfg.token, cfg.world_size, cfg.rank);
         let key_prefix = format!("ferroccl/{}/{gen}", cfg.world_size);
-        Self::build(cfg.rank, cfg.world_size, cfg.token, addr, store, server, params, key_prefix)
+        Self::build(cfg.rank, cfg.world_size, cfg.token, addr, store, server, params, key_prefix, (0..cfg.world_size).collect(), None)
     }
 
     /// A world communicator of `world_size` ranks over a new fabric whose store keys start
@@ -174,12 +175,15 @@ impl Communicator {
         server: Option<StoreServer>,
         params: Params,
         key_prefix: String,
+        launch: Arc<[usize]>,
+        watch: Option<&(dyn Fn() -> Result<()> + Sync)>,
     ) -> Result<Communicator> {
         // The low-latency slots exist before this rank greets anyone, so that a member that
         // has been greeted by every other finds them (see `LlChannel::connect`).
         let ll_seg =
             ll_wanted(&params, world_size).then(|| ll::create(job_id(&token, &key_prefix), 0, rank, params.ll_max_bytes).ok()).flatten();
-        let fabric = Fabric::connect(FabricConfig { rank, size: world_size, token, params, store, store_addr, server, key_prefix })?;
+        let fabric =
+            Fabric::connect(FabricConfig { rank, size: world_size, token, params, store, store_addr, server, key_prefix, launch, watch })?;
         if crate::logging::enabled(Subsys::Init, log::Level::Info) {
             for p in 0..fabric.size {
                 if p != fabric.rank {
@@ -238,77 +242,85 @@ impl Communicator {
     /// # Ok::<(), ferroccl::Error>(())
     /// ```
     pub fn shrink(&self) -> Result<Communicator> {
+        let op = Op::other("shrink");
+        if let Some(e) = self.fabric().finalized_error(self.rank, &op, self.id != 0) {
+            return Err(e);
+        }
         let fabric = self.fabric();
         let timeout = fabric.params.timeout;
         let start = Instant::now();
-        let deadline = start + timeout;
-        let epoch = self.shrinks.fetch_add(1, Ordering::Relaxed) + 1;
         let me = self.world_rank(self.rank).unwrap_or(self.rank);
-        let base = format!("{}/shrink/{:x}/{epoch}", fabric.key_prefix(), self.id);
         let store = StoreClient::connect(&fabric.store_addr, &fabric.token.0, me, timeout)
             .map_err(|e| Error::invalid(format!("rank {me}: shrink: cannot reach the job's store at {}: {e}", fabric.store_addr)))?;
-        let key = |what: &str, w: usize| format!("{base}/{what}/{w}");
-        let encode = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-        let decode = |b: &[u8]| -> Vec<usize> { String::from_utf8_lossy(b).split(',').filter_map(|s| s.parse().ok()).collect() };
-        // 1. Alive, and who this rank knows dead.
-        store.set(&key("alive", me), encode(&fabric.dead_peers()).as_bytes())?;
-        // 2. Wait until every member has said it is alive or is known dead by someone.
-        let members: Vec<usize> = self.members.to_vec();
-        let (mut alive, mut dead): (BTreeSet<usize>, BTreeSet<usize>) = Default::default();
-        loop {
-            dead.extend(fabric.dead_peers());
-            for &m in &members {
-                if alive.contains(&m) {
-                    continue;
-                }
-                if let Some(v) = store.try_get(&key("alive", m))? {
-                    alive.insert(m);
-                    dead.extend(decode(&v));
-                }
+        let root = format!("{}/shrink/{:x}", fabric.key_prefix(), self.id);
+        let survivors = Survivors::new(fabric, store, root.clone(), self.members.to_vec(), me);
+        let mut died: Vec<usize> = Vec::new();
+        // Each attempt that fails leaves out at least one more dead member.
+        for _ in 0..self.members.len() {
+            let epoch = self.shrinks.fetch_add(1, Ordering::Relaxed) + 1;
+            let deadline = Instant::now() + timeout;
+            let base = format!("{root}/{epoch}");
+            let decided = survivors.agree(&base, deadline)?;
+            let Some(rank) = decided.iter().position(|&w| w == me) else {
+                return Err(Error::invalid(format!(
+                    "rank {me}: shrink: left out of the shrunk communicator (ranks {}): the others did not hear from this rank in time",
+                    decided.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+                )));
+            };
+            if fabric.params.injects(FaultSite::Shrink, fabric.rank) {
+                std::process::abort();
             }
-            if members.iter().all(|m| alive.contains(m) || dead.contains(m)) || Instant::now() >= deadline {
-                break;
+            // A fresh world over new connections, numbered in the survivors' order; a
+            // member that dies meanwhile ends the build at once.
+            let launch: Arc<[usize]> = decided.iter().map(|&w| fabric.process(w).map_or(w, |p| p.launch_rank)).collect();
+            let watch = || survivors.check(&decided, rank);
+            let built = StoreClient::connect(&fabric.store_addr, &fabric.token.0, rank, timeout).and_then(|store| {
+                Self::build(
+                    rank,
+                    decided.len(),
+                    fabric.token.0.clone(),
+                    fabric.store_addr.clone(),
+                    store,
+                    None,
+                    fabric.params.clone(),
+                    format!("{base}/world"),
+                    launch,
+                    Some(&watch),
+                )
+            });
+            if built.is_ok() && fabric.params.injects(FaultSite::ShrinkBuilt, fabric.rank) {
+                std::process::abort();
             }
-            std::thread::sleep(Duration::from_millis(2));
+            match survivors.confirm(&base, &decided, built.as_ref().err(), deadline)? {
+                Outcome::Holds => {
+                    let comm = built?;
+                    // The store this rank serves (torchrun, Slurm) moves to the new
+                    // fabric, so that dropping this one does not take it from the survivors.
+                    if let Some(server) = fabric.take_server() {
+                        comm.fabric().adopt_server(server);
+                    }
+                    flog!(
+                        Info,
+                        Health,
+                        "rank {me}: shrink #{epoch} of communicator {:#x}: {} of {} members carry on (ranks {}), agreed in {:?}",
+                        self.id,
+                        decided.len(),
+                        self.members.len(),
+                        decided.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+                        start.elapsed()
+                    );
+                    return Ok(comm);
+                }
+                Outcome::Died(dead) => {
+                    flog!(Warn, Health, "rank {me}: shrink #{epoch}: ranks {dead:?} died during it; trying again without them");
+                    survivors.mark_dead(&dead);
+                    died.extend(dead);
+                    drop(built);
+                }
+                Outcome::Failed(e) => return Err(e),
+            }
         }
-        // 3. The first to ask decides; the others take its decision.
-        let decided = if store.add(&format!("{base}/ticket"), 1)? == 1 {
-            let v: Vec<usize> = members.iter().copied().filter(|m| alive.contains(m)).collect();
-            store.set(&format!("{base}/decided"), encode(&v).as_bytes())?;
-            v
-        } else {
-            let left = deadline.saturating_duration_since(Instant::now()) + timeout;
-            decode(&store.get(&format!("{base}/decided"), left)?)
-        };
-        let Some(rank) = decided.iter().position(|&w| w == me) else {
-            return Err(Error::invalid(format!(
-                "rank {me}: shrink: left out of the shrunk communicator (ranks {}): the others did not hear from this rank in time",
-                encode(&decided)
-            )));
-        };
-        flog!(
-            Info,
-            Health,
-            "rank {me}: shrink #{epoch} of communicator {:#x}: {} of {} members carry on (ranks {}), agreed in {:?}",
-            self.id,
-            decided.len(),
-            members.len(),
-            encode(&decided),
-            start.elapsed()
-        );
-        // 4. A fresh world over new connections, numbered in the survivors' order.
-        let server = fabric.take_server();
-        let store = StoreClient::connect(&fabric.store_addr, &fabric.token.0, rank, timeout)?;
-        Self::build(
-            rank,
-            decided.len(),
-            fabric.token.0.clone(),
-            fabric.store_addr.clone(),
-            store,
-            server,
-            fabric.params.clone(),
-            format!("{base}/world"),
-        )
+        Err(survivors.gave_up(&died))
     }
 
     /// This rank's index in the communicator.

@@ -42,7 +42,7 @@ use crate::algo::Schedule;
 use crate::error::{Departure, Error, Fault, FaultKind, Op, Result};
 use crate::exec::{Buffers, Exec, RunSpec};
 use crate::fabric::{Fabric, PARK_NAP};
-use crate::flight::Flight;
+use crate::flight::{self, Flight, Who};
 use crate::inbox::{Backoff, Scope, View};
 use crate::ll::LlRun;
 use crate::p2p::XferCtx;
@@ -564,17 +564,18 @@ impl Engine {
         // One dump at a time, so that the pieces of a record are written in order.
         let _one = lock(&self.flight_dumping);
         let flights: Vec<Arc<Flight>> = lock(&self.flights).iter().filter_map(Weak::upgrade).collect();
-        let world = self.fabric.rank;
-        let lines: Vec<String> = flights.iter().flat_map(|f| f.take_dump(world, reason)).collect();
+        let tag = self.fabric.tag();
+        let who = Who { world: self.fabric.rank, launch: &self.fabric.launch, fabric: &tag };
+        let lines: Vec<String> = flights.iter().flat_map(|f| f.take_dump(who, reason)).collect();
         if lines.is_empty() {
             return;
         }
-        let first = !self.flight_dumped.swap(true, Ordering::AcqRel);
-        self.write_flight(&lines, !first);
+        self.flight_dumped.store(true, Ordering::Release);
+        self.write_flight(&lines);
     }
 
-    fn write_flight(&self, lines: &[String], append: bool) {
-        let world = self.fabric.rank;
+    fn write_flight(&self, lines: &[String]) {
+        let launch = self.fabric.launch.get(self.fabric.rank).copied().unwrap_or(self.fabric.rank);
         let mut text = String::new();
         for l in lines {
             text.push_str(l);
@@ -583,21 +584,12 @@ impl Engine {
         match &self.fabric.params.flight_recorder {
             FlightDest::Off => {}
             FlightDest::Files(prefix) => {
-                let mut path = prefix.clone().into_os_string();
-                path.push(world.to_string());
-                let written = std::fs::OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .append(append)
-                    .truncate(!append)
-                    .open(&path)
-                    .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()));
-                if append && written.is_ok() {
-                    return;
-                }
-                let said = match written {
-                    Ok(()) => format!("ferroccl: rank {world}: flight record written to {}\n", path.to_string_lossy()),
-                    Err(e) => format!("ferroccl: rank {world}: cannot write the flight record to {}: {e}\n{text}", path.to_string_lossy()),
+                let said = match flight::write_file(prefix, launch, &text) {
+                    Ok(None) => return,
+                    Ok(Some(path)) => format!("ferroccl: rank {launch}: flight record written to {}\n", path.to_string_lossy()),
+                    Err((path, e)) => {
+                        format!("ferroccl: rank {launch}: cannot write the flight record to {}: {e}\n{text}", path.to_string_lossy())
+                    }
                 };
                 let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), said.as_bytes());
             }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::bootstrap::{StoreClient, StoreServer};
-use crate::error::{Error, Fault, FaultKind, Op, Result};
+use crate::error::{Error, Fault, FaultKind, Op, Process, Result};
 use crate::health::Health;
 use crate::inbox::{Backoff, Events, Inbox, Scope, View};
 use crate::logging::{flog, Subsys};
@@ -37,8 +37,7 @@ pub(crate) const PARK_NAP: Duration = Duration::from_millis(5);
 pub(crate) const MISMATCH_GRACE: Duration = Duration::from_millis(50);
 
 /// Everything needed to build a fabric.
-#[derive(Debug)]
-pub(crate) struct FabricConfig {
+pub(crate) struct FabricConfig<'a> {
     pub(crate) rank: usize,
     pub(crate) size: usize,
     pub(crate) token: String,
@@ -49,6 +48,12 @@ pub(crate) struct FabricConfig {
     pub(crate) server: Option<StoreServer>,
     /// Prefix of this communicator's store keys (unique per init in the job).
     pub(crate) key_prefix: String,
+    /// The launch rank of each world rank (see [`crate::Process`]): `0..size` for the world
+    /// `init` builds; after a shrink, the survivors' own.
+    pub(crate) launch: Arc<[usize]>,
+    /// Looked at while setup waits for the peers (a shrink's: fails it at once, naming the
+    /// member, when one dies meanwhile); `None`: nothing but the deadline.
+    pub(crate) watch: Option<&'a (dyn Fn() -> Result<()> + Sync)>,
 }
 
 /// The job's token, kept for a shrink: never shown (`Debug` prints a placeholder).
@@ -97,6 +102,8 @@ pub(crate) struct Fabric {
     /// The job's token and the store's address: what a shrink needs to build a new fabric.
     pub(crate) token: Secret,
     pub(crate) store_addr: String,
+    /// The launch rank of each world rank (see [`crate::Process`]).
+    pub(crate) launch: Arc<[usize]>,
     /// Numbers of this rank's one-sided requests (their owners' replies name them).
     next_req: std::sync::atomic::AtomicU64,
     /// The lowest signal slot no library object of this process has claimed (slot 0 is the
@@ -118,9 +125,9 @@ pub(crate) struct Fabric {
 impl Fabric {
     /// Builds the mesh (see `mesh`), then greets every shm peer and waits for their
     /// greetings: proof that each has mapped our segment, so that its descriptor can go.
-    pub(crate) fn connect(cfg: FabricConfig) -> Result<Fabric> {
+    pub(crate) fn connect(cfg: FabricConfig<'_>) -> Result<Fabric> {
         let t0 = Instant::now();
-        let FabricConfig { rank, size, token, params, store, store_addr, server, key_prefix } = cfg;
+        let FabricConfig { rank, size, token, params, store, store_addr, server, key_prefix, launch, watch } = cfg;
         crate::logging::install(params.debug, params.debug_subsys);
         if crate::logging::enabled(Subsys::Init, log::Level::Info) {
             // The knobs this rank's environment sets (the token is a secret: named, not shown).
@@ -132,7 +139,15 @@ impl Fabric {
             }
         }
         let deadline = t0 + params.timeout;
-        let (mesh, inbox, watches) = Mesh::connect(rank, size, &token, &params, &store, &key_prefix, deadline)?;
+        let no_watch = || Ok(());
+        let watching: &(dyn Fn() -> Result<()> + Sync) = watch.unwrap_or(&no_watch);
+        let (mesh, inbox, watches) = Mesh::connect(rank, size, &token, &params, &store, &key_prefix, deadline, watching)?;
+        let processes: Arc<[Process]> = (0..size)
+            .map(|w| {
+                let p = &mesh.peers[w];
+                Process { launch_rank: launch.get(w).copied().unwrap_or(w), host: p.hostname.clone(), pid: p.pid }
+            })
+            .collect();
         let fabric = Fabric {
             fatal_hook: FatalHookCell::default(),
             rank,
@@ -144,9 +159,10 @@ impl Fabric {
             job: job_id(&token, &key_prefix),
             token: Secret(token),
             store_addr,
+            launch,
             next_req: std::sync::atomic::AtomicU64::new(1),
             next_signal_slot: std::sync::atomic::AtomicU32::new(1),
-            health: Health::new(rank, inbox.clone(), watches),
+            health: Health::new(rank, inbox.clone(), watches, processes),
             params,
             inbox,
             mesh,
@@ -158,9 +174,13 @@ impl Fabric {
             setup_time: Duration::ZERO,
             local_pool: std::sync::OnceLock::new(),
         };
-        fabric.mesh.greet(deadline, &|| fabric.pump(&Op::other("connect"), None))?;
+        fabric.mesh.greet(deadline, &|| {
+            watching()?;
+            fabric.pump(&Op::other("connect"), None)
+        })?;
         let shm_peers = fabric.mesh.shm_peers();
         fabric.wait_until(&Op::other("connect (waiting for shm peers)"), None, deadline, &shm_peers, |_| {
+            watching()?;
             Ok(if fabric.mesh.ungreeted().is_empty() { Some(()) } else { None })
         })?;
         fabric.mesh.withdraw();
@@ -232,6 +252,17 @@ impl Fabric {
     /// The transport to world rank `peer` (`None`: itself, or out of range).
     pub(crate) fn transport_kind(&self, peer: usize) -> Option<TransportKind> {
         self.mesh.kind(peer)
+    }
+
+    /// This world's tag in flight records: it tells the world `init` built from those
+    /// shrinks built (whose communicator ids start at 0 again).
+    pub(crate) fn tag(&self) -> String {
+        format!("{:08x}", self.job as u32)
+    }
+
+    /// World rank `w`'s process: its launch rank, host and pid.
+    pub(crate) fn process(&self, w: usize) -> Option<Process> {
+        self.health.process(w)
     }
 
     /// Facts about world rank `peer` for reports.
@@ -343,6 +374,12 @@ impl Fabric {
     /// that dropping this one does not take the store away from the survivors).
     pub(crate) fn take_server(&self) -> Option<StoreServer> {
         self.server.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Takes over the store server a shrunk communicator's fabric handed over (see
+    /// [`Fabric::take_server`]).
+    pub(crate) fn adopt_server(&self, server: StoreServer) {
+        *self.server.lock().unwrap_or_else(|e| e.into_inner()) = Some(server);
     }
 
     /// The key prefix of this fabric's store keys.

@@ -16,13 +16,18 @@
 //! `ferroccl-flight ` so that the lines can be picked out of a rank's stderr:
 //!
 //! ```text
-//! ferroccl-flight rank=2 comm=0x0 member=2 size=4 members=0,1,2,3 pid=4711 entries=64 at_ms=812346 reason=allreduce (4 x f32, sum, ll) call #57 timed out ...
-//! ferroccl-flight rank=2 comm=0x0 call=56 state=done op=allreduce(count 4, f32, sum, algo ll, ...)
-//! ferroccl-flight rank=2 comm=0x0 call=57 state=pending op=allreduce(count 4, f32, sum, algo ll, ...)
+//! ferroccl-flight rank=2 world=2 fabric=5d41402a comm=0x0 member=2 size=4 members=0,1,2,3 pid=4711 host=node7 entries=64 at_ms=812346 reason=allreduce (4 x f32, sum, ll) call #57 timed out ...
+//! ferroccl-flight rank=2 fabric=5d41402a comm=0x0 call=56 state=done op=allreduce(count 4, f32, sum, algo ll, ...)
+//! ferroccl-flight rank=2 fabric=5d41402a comm=0x0 call=57 state=pending op=allreduce(count 4, f32, sum, algo ll, ...)
 //! ```
 //!
-//! `rank` is the world rank, `member` the rank in the communicator, `at_ms` when the record
-//! was written (the coarse monotonic clock, ms: comparable between the ranks of one host).
+//! Processes are named as the launcher names them: `rank` is the writer's launch rank
+//! ([`crate::Process::launch_rank`]) and `members` the members' launch ranks, whatever a
+//! shrink renumbered; `world` is the writer's rank in its world communicator, `member` its
+//! rank in the communicator; `fabric` tells apart the worlds of one job (the one `init`
+//! built, and each one a shrink built: their communicator ids start at 0 again); `at_ms`
+//! is when the record was written (the coarse monotonic clock, ms: comparable between the
+//! ranks of one host).
 //! [`parse`]
 //! reads such lines back and [`verdict`] compares the ranks' records.
 
@@ -64,6 +69,21 @@ impl Slot {
         desc[8..].copy_from_slice(&self.desc[1].load(Ordering::Relaxed).to_le_bytes());
         let done = self.done_call.load(Ordering::Acquire) == call;
         (self.call.load(Ordering::Acquire) == call).then_some((call, desc, done))
+    }
+}
+
+/// Who writes a record: this process's world rank, the launch rank of every world rank
+/// (empty: the same), and the world's tag (see the module documentation).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Who<'a> {
+    pub(crate) world: usize,
+    pub(crate) launch: &'a [usize],
+    pub(crate) fabric: &'a str,
+}
+
+impl Who<'_> {
+    fn launch_of(&self, w: usize) -> usize {
+        self.launch.get(w).copied().unwrap_or(w)
     }
 }
 
@@ -115,7 +135,7 @@ impl Flight {
     /// later, the header and whatever was made or refused since the last dump (calls can
     /// still be numbered after the fatal state is first met: [`parse`] adds such lines to
     /// the record); nothing if nothing changed.
-    pub(crate) fn take_dump(&self, world_rank: usize, reason: &str) -> Vec<String> {
+    pub(crate) fn take_dump(&self, who: Who<'_>, reason: &str) -> Vec<String> {
         let now = (self.last(), self.refused.lock().unwrap_or_else(|e| e.into_inner()).is_some());
         let mut dumped = self.dumped.lock().unwrap_or_else(|e| e.into_inner());
         if *dumped == Some(now) {
@@ -124,7 +144,7 @@ impl Flight {
         let after = dumped.map(|(last, _)| last);
         *dumped = Some(now);
         drop(dumped);
-        self.lines_after(world_rank, reason, after)
+        self.lines_after(who, reason, after)
     }
 
     /// The newest call in the ring (0: none).
@@ -174,12 +194,13 @@ impl Flight {
 
     /// The record's lines (header first), for `world_rank` and a dump for `reason`.
     #[cfg(test)]
-    pub(crate) fn lines(&self, world_rank: usize, reason: &str) -> Vec<String> {
-        self.lines_after(world_rank, reason, None)
+    pub(crate) fn lines(&self, who: Who<'_>, reason: &str) -> Vec<String> {
+        self.lines_after(who, reason, None)
     }
 
     /// [`Flight::lines`], of the calls made after call `after` only (and a refusal).
-    fn lines_after(&self, world_rank: usize, reason: &str, after: Option<u32>) -> Vec<String> {
+    fn lines_after(&self, who: Who<'_>, reason: &str, after: Option<u32>) -> Vec<String> {
+        let me = format!("{PREFIX}rank={} fabric={} comm={:#x}", who.launch_of(who.world), who.fabric, self.comm);
         // Call numbers wrap (a u32); the ring's calls lie within its length of each other,
         // so ordering them around any one of them orders them all.
         let later = |a: u32, b: u32| (a.wrapping_sub(b) as i32) > 0;
@@ -190,19 +211,22 @@ impl Flight {
             }
             let state = if done { "done" } else { "pending" };
             let op = one_line(&proto::describe(&desc));
-            entries.push((call, format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state={state} op={op}", self.comm)));
+            entries.push((call, format!("{me} call={call} state={state} op={op}")));
         }
         // Oldest first.
         let pivot = entries.first().map_or(0, |e| e.0);
         entries.sort_by_key(|e| e.0.wrapping_sub(pivot).wrapping_add(1 << 31));
         if let Some((call, what)) = self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             entries.retain(|e| e.0 != call);
-            entries
-                .push((call, format!("{PREFIX}rank={world_rank} comm={:#x} call={call} state=refused op={}", self.comm, one_line(&what))));
+            entries.push((call, format!("{me} call={call} state=refused op={}", one_line(&what))));
         }
-        let members: Vec<String> = self.members.iter().map(usize::to_string).collect();
+        let members: Vec<String> = self.members.iter().map(|&w| who.launch_of(w).to_string()).collect();
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().replace(' ', "_")).unwrap_or_default();
         let mut out = vec![format!(
-            "{PREFIX}rank={world_rank} comm={:#x} member={} size={} members={} pid={} entries={} at_ms={} reason={}",
+            "{PREFIX}rank={} world={} fabric={} comm={:#x} member={} size={} members={} pid={} host={host} entries={} at_ms={} reason={}",
+            who.launch_of(who.world),
+            who.world,
+            who.fabric,
             self.comm,
             self.member,
             self.members.len(),
@@ -214,6 +238,44 @@ impl Flight {
         )];
         out.extend(entries.into_iter().map(|e| e.1));
         out
+    }
+}
+
+/// The file this process writes its records to, once made (see [`write_file`]).
+static FILE: std::sync::Mutex<Option<(std::path::PathBuf, std::fs::File)>> = std::sync::Mutex::new(None);
+
+/// Appends `text` to this process's record file, `PREFIX<launch rank>.<pid>`: made on the
+/// first write, exclusively (an existing file or symbolic link at that path is never
+/// followed, opened or truncated: the write fails instead), readable by its owner only;
+/// later writes of the process (a shrunk world's too) go to the same open file. Returns
+/// the path when this write made the file (to be said once), `None` for a later write.
+pub(crate) fn write_file(
+    prefix: &std::path::Path,
+    launch_rank: usize,
+    text: &str,
+) -> Result<Option<std::path::PathBuf>, (std::path::PathBuf, std::io::Error)> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut path = prefix.as_os_str().to_owned();
+    path.push(format!("{launch_rank}.{}", std::process::id()));
+    let path = std::path::PathBuf::from(path);
+    let mut file = FILE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((p, f)) = file.as_mut().filter(|(p, _)| *p == path) {
+        return f.write_all(text.as_bytes()).map(|()| None).map_err(|e| (p.clone(), e));
+    }
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&path)
+        .and_then(|mut f| f.write_all(text.as_bytes()).map(|()| f));
+    match made {
+        Ok(f) => {
+            *file = Some((path.clone(), f));
+            Ok(Some(path))
+        }
+        Err(e) => Err((path, e)),
     }
 }
 
@@ -238,11 +300,14 @@ pub struct Entry {
 /// One rank's record of one communicator.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Record {
-    /// The rank's world rank.
+    /// The rank's launch rank (see [`crate::Process`]).
     pub rank: usize,
-    /// The communicator's id.
+    /// The world the communicator belongs to (`init`'s, or a shrink's; empty when the
+    /// record does not say).
+    pub fabric: String,
+    /// The communicator's id (in its world).
     pub comm: u32,
-    /// The communicator's members, by world rank.
+    /// The communicator's members, by launch rank.
     pub members: Vec<usize>,
     /// Why the rank wrote it (its error).
     pub reason: String,
@@ -277,7 +342,7 @@ fn comm_id(v: &str) -> Option<u32> {
 /// optional `[R] ` prefix of the launcher, are skipped; so are malformed ones). Records of
 /// the same rank and communicator written twice are merged, the later one winning.
 pub fn parse(text: &str) -> Vec<Record> {
-    let mut recs: BTreeMap<(usize, u32), Record> = BTreeMap::new();
+    let mut recs: BTreeMap<(String, u32, usize), Record> = BTreeMap::new();
     for line in text.lines() {
         let line = match line.strip_prefix('[').and_then(|l| l.split_once("] ")) {
             Some((_, rest)) => rest,
@@ -288,13 +353,16 @@ pub fn parse(text: &str) -> Vec<Record> {
         let (Some(rank), Some(comm)) = (field(&body, "rank").and_then(|v| v.parse().ok()), field(&body, "comm").and_then(comm_id)) else {
             continue;
         };
+        let fabric = field(&body, "fabric").unwrap_or("").to_string();
+        let key = (fabric.clone(), comm, rank);
         if let Some(reason) = field(&body, "reason") {
             let members = field(&body, "members").unwrap_or("").split(',').filter_map(|m| m.parse().ok()).collect();
             // A later header of the same record (a refusal written after the dump) keeps
             // what was read of it.
             let at_ms = field(&body, "at_ms").and_then(|v| v.parse().ok()).unwrap_or(0);
-            let rec = recs.entry((rank, comm)).or_insert_with(|| Record {
+            let rec = recs.entry(key).or_insert_with(|| Record {
                 rank,
+                fabric,
                 comm,
                 members,
                 reason: reason.to_string(),
@@ -310,7 +378,7 @@ pub fn parse(text: &str) -> Vec<Record> {
         else {
             continue;
         };
-        if let Some(r) = recs.get_mut(&(rank, comm)) {
+        if let Some(r) = recs.get_mut(&key) {
             r.entries.retain(|e| e.call != call);
             r.entries.push(Entry { call, done: state == "done", refused: state == "refused", op: op.to_string() });
         }
@@ -321,6 +389,8 @@ pub fn parse(text: &str) -> Vec<Record> {
 /// What the records of one communicator say about where its members parted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verdict {
+    /// The world the communicator belongs to (see [`Record::fabric`]).
+    pub fabric: String,
     /// The communicator.
     pub comm: u32,
     /// The first call the members did not all make alike, and what it was (on the ranks
@@ -349,7 +419,11 @@ fn list(v: &[usize]) -> String {
 
 impl std::fmt::Display for Verdict {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "communicator {:#x}: ", self.comm)?;
+        write!(f, "communicator {:#x}", self.comm)?;
+        if !self.fabric.is_empty() {
+            write!(f, " of world {}", self.fabric)?;
+        }
+        f.write_str(": ")?;
         if let Some((call, op)) = &self.call {
             write!(f, "the members parted at call #{call} ({op}): made by rank(s) {}", list(&self.reached))?;
             for (r, last) in &self.never_reached {
@@ -377,15 +451,22 @@ impl std::fmt::Display for Verdict {
 /// Compares the records of each communicator in `records` (one per rank that wrote one)
 /// and says, per communicator, the first call its members did not all make alike (a rank
 /// that stopped short of it, or made another call under its number) and who is to blame;
-/// when all that recorded agree, the members that left no record are. Communicators in
-/// id order.
+/// when all that recorded agree, the members that left no record are. Ranks are launch
+/// ranks. Worlds in the order their first record was written (a shrunk world's follow
+/// the one it was shrunk from), communicators in id order within each.
 pub fn verdict(records: &[Record]) -> Vec<Verdict> {
-    let mut by_comm: BTreeMap<u32, Vec<&Record>> = BTreeMap::new();
+    let mut first_at: BTreeMap<&str, u64> = BTreeMap::new();
     for r in records {
-        by_comm.entry(r.comm).or_default().push(r);
+        let t = first_at.entry(r.fabric.as_str()).or_insert(u64::MAX);
+        *t = (*t).min(r.at_ms);
+    }
+    let mut by_comm: BTreeMap<(u64, &str, u32), Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        by_comm.entry((first_at[r.fabric.as_str()], r.fabric.as_str(), r.comm)).or_default().push(r);
     }
     let mut out = Vec::new();
-    for (comm, recs) in by_comm {
+    for ((_, fabric, comm), recs) in by_comm {
+        let fabric = fabric.to_string();
         let members: BTreeSet<usize> = recs.iter().flat_map(|r| r.members.iter().copied()).chain(recs.iter().map(|r| r.rank)).collect();
         let recorded: BTreeSet<usize> = recs.iter().map(|r| r.rank).collect();
         let silent: Vec<usize> = members.difference(&recorded).copied().collect();
@@ -451,6 +532,7 @@ pub fn verdict(records: &[Record]) -> Vec<Verdict> {
             };
             culprits.sort_unstable();
             found = Some(Verdict {
+                fabric: fabric.clone(),
                 comm,
                 call: Some((call, op.to_string())),
                 reached,
@@ -468,6 +550,7 @@ pub fn verdict(records: &[Record]) -> Vec<Verdict> {
                 (c, made[0].1.to_string(), done)
             });
             Verdict {
+                fabric: fabric.clone(),
                 comm,
                 call: None,
                 reached: Vec::new(),
@@ -487,6 +570,10 @@ pub fn verdict(records: &[Record]) -> Vec<Verdict> {
 mod tests {
     use super::*;
 
+    fn who(world: usize) -> Who<'static> {
+        Who { world, launch: &[], fabric: "" }
+    }
+
     fn desc(tag: u8) -> Desc {
         let mut d = [0u8; 16];
         d[0] = tag;
@@ -496,6 +583,7 @@ mod tests {
     fn record(rank: usize, members: &[usize], calls: &[(u32, bool, &str)]) -> Record {
         Record {
             rank,
+            fabric: String::new(),
             comm: 0,
             members: members.to_vec(),
             reason: "timed out".into(),
@@ -513,7 +601,7 @@ mod tests {
                 f.finished(call);
             }
         }
-        let text: String = f.lines(5, "line one\nline two").iter().map(|l| format!("[5] {l}\n")).collect();
+        let text: String = f.lines(who(5), "line one\nline two").iter().map(|l| format!("[5] {l}\n")).collect();
         let recs = parse(&text);
         assert_eq!(recs.len(), 1);
         let r = &recs[0];
@@ -528,8 +616,8 @@ mod tests {
         let f = Flight::new(0, 0, Arc::from(vec![0, 1]), 0);
         f.posted(1, &desc(1));
         f.finished(1);
-        assert_eq!(f.lines(0, "x").len(), 1);
-        assert!(parse(&f.lines(0, "x").join("\n"))[0].entries.is_empty());
+        assert_eq!(f.lines(who(0), "x").len(), 1);
+        assert!(parse(&f.lines(who(0), "x").join("\n"))[0].entries.is_empty());
     }
 
     #[test]
@@ -598,7 +686,7 @@ mod tests {
         f.posted(1, &desc(1));
         f.refused("allreduce (4 x f32, sum, ll)");
         f.refused("later");
-        let r = &parse(&f.lines(0, "x").join("\n"))[0];
+        let r = &parse(&f.lines(who(0), "x").join("\n"))[0];
         assert_eq!(r.entries.iter().map(|e| (e.call, e.refused)).collect::<Vec<_>>(), vec![(1, false), (2, true)]);
     }
 
@@ -607,13 +695,13 @@ mod tests {
         let f = Flight::new(0, 0, Arc::from(vec![0, 1]), 8);
         f.posted(1, &desc(1));
         f.finished(1);
-        let mut text = f.take_dump(0, "first").join("\n");
-        assert!(f.take_dump(0, "again").is_empty(), "nothing changed");
+        let mut text = f.take_dump(who(0), "first").join("\n");
+        assert!(f.take_dump(who(0), "again").is_empty(), "nothing changed");
         f.posted(2, &desc(2));
-        let more = f.take_dump(0, "second");
+        let more = f.take_dump(who(0), "second");
         assert_eq!(more.len(), 2, "{more:?}");
         f.refused("allreduce (4 x f32, sum, ll)");
-        let last = f.take_dump(0, "third");
+        let last = f.take_dump(who(0), "third");
         assert!(last.len() == 2 && last[1].contains("call=3 state=refused"), "{last:?}");
         text = [text, more.join("\n"), last.join("\n")].join("\n");
         let r = &parse(&text)[0];
@@ -622,6 +710,40 @@ mod tests {
             vec![(1, true, false), (2, false, false), (3, false, true)]
         );
         assert_eq!(r.reason, "third");
+    }
+
+    /// After two shrinks (8 ranks; launch ranks 2, then 5, killed), each world's records
+    /// name processes by launch rank, and the worlds (their communicators all 0x0) are kept
+    /// apart: each blames its own dead, never a live rank renumbered into its place.
+    #[test]
+    fn records_of_shrunk_worlds_name_launch_ranks_and_stay_apart() {
+        let mut text = String::new();
+        // The world of 8: launch rank 2 killed; every other writes a record.
+        for w in (0..8).filter(|&w| w != 2) {
+            let f = Flight::new(0, w, Arc::from((0..8).collect::<Vec<_>>()), 8);
+            f.posted(1, &desc(1));
+            let who = Who { world: w, launch: &[], fabric: "aaaa0000" };
+            text += &f.lines(who, "rank 2 exited").join("\n");
+            text.push('\n');
+        }
+        // The world of 7 after the first shrink (world rank 4 is launch rank 5): killed.
+        let launch7 = [0, 1, 3, 4, 5, 6, 7];
+        for w in (0..7).filter(|&w| w != 4) {
+            let f = Flight::new(0, w, Arc::from((0..7).collect::<Vec<_>>()), 8);
+            f.posted(1, &desc(1));
+            f.finished(1);
+            f.posted(2, &desc(2));
+            let who = Who { world: w, launch: &launch7, fabric: "bbbb1111" };
+            text += &f.lines(who, "rank 4 exited").join("\n");
+            text.push('\n');
+        }
+        let recs = parse(&text);
+        assert_eq!(recs.len(), 13);
+        assert!(recs.iter().any(|r| r.fabric == "bbbb1111" && r.rank == 7 && r.members == launch7));
+        let v = verdict(&recs);
+        let blamed: Vec<(&str, Vec<usize>)> = v.iter().map(|v| (v.fabric.as_str(), v.culprits.clone())).collect();
+        assert_eq!(blamed, vec![("aaaa0000", vec![2]), ("bbbb1111", vec![5])]);
+        assert!(v[1].to_string().starts_with("communicator 0x0 of world bbbb1111: "), "{}", v[1]);
     }
 
     #[test]
@@ -674,6 +796,7 @@ mod tests {
                     }
                     Record {
                         rank: r,
+                        fabric: String::new(),
                         comm: 0,
                         members: m.clone(),
                         reason: String::new(),

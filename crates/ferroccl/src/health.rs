@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Fault, FaultKind, Op};
+use crate::error::{Error, Fault, FaultKind, Op, Process};
 use crate::inbox::{Inbox, Scope, View};
 use crate::logging::flog;
 use crate::mesh::{Mesh, Watch};
@@ -36,11 +36,18 @@ pub(crate) struct Health {
     watches: Vec<Watch>,
     looked_at: Mutex<Instant>,
     told_peers: AtomicBool,
+    /// Every world rank's process (launch rank, host, pid), named in the errors' root causes.
+    processes: Arc<[Process]>,
 }
 
 impl Health {
-    pub(crate) fn new(rank: usize, inbox: Arc<Inbox>, watches: Vec<Watch>) -> Health {
-        Health { rank, inbox, watches, looked_at: Mutex::new(Instant::now()), told_peers: AtomicBool::new(false) }
+    pub(crate) fn new(rank: usize, inbox: Arc<Inbox>, watches: Vec<Watch>, processes: Arc<[Process]>) -> Health {
+        Health { rank, inbox, watches, looked_at: Mutex::new(Instant::now()), told_peers: AtomicBool::new(false), processes }
+    }
+
+    /// World rank `w`'s process.
+    pub(crate) fn process(&self, w: usize) -> Option<Process> {
+        self.processes.get(w).cloned()
     }
 
     /// Looks at the peers' processes (and the launcher) at most every 2 ms; `now` is the
@@ -120,7 +127,7 @@ impl Health {
     pub(crate) fn fatal_error(&self, op: &Op, view: Option<View<'_>>) -> Option<Error> {
         let ev = self.inbox.lock();
         let s = &ev.faults[ev.fault_for(view)?];
-        Some(s.fault.to_error(self.rank, op, s.first.as_ref()))
+        Some(s.fault.to_error(self.rank, op, s.first.as_ref()).identify(&|w| self.process(w)))
     }
 
     /// What a fault found by this rank on communicator `view` (`None`: outside any)
@@ -179,7 +186,7 @@ impl Health {
             };
             (new, i)
         };
-        let err = err.with_cause(cause);
+        let err = err.with_cause(cause).identify(&|w| self.process(w));
         // Said once per fault: when this rank finds it, or first meets one a peer reported.
         let first_met = i.is_some_and(|i| self.tell_once(mesh, i, view));
         if new || first_met {

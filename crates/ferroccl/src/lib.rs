@@ -97,6 +97,7 @@ pub(crate) mod proto;
 pub(crate) mod registry;
 pub mod reshard;
 pub(crate) mod rma;
+pub(crate) mod shrink;
 pub mod tp;
 pub mod transfer;
 pub(crate) mod transport;
@@ -107,7 +108,7 @@ pub(crate) mod wire;
 
 pub use algo::{Algo, Collective};
 pub use comm::{Communicator, InitConfig};
-pub use error::{Departure, Error, FaultKind, Op, Refusal, Result, RootCause};
+pub use error::{Departure, Error, FaultKind, Op, Process, Refusal, Result, RootCause};
 /// The `half` crate that FerroCCL's [`f16`](struct@f16) and [`bf16`] come from (the same
 /// version), for its other items (e.g. `half::slice::HalfFloatSliceExt`) without a second
 /// copy to pin.

@@ -42,6 +42,10 @@ fn hostname() -> String {
 #[derive(Debug, Clone)]
 pub(crate) struct PeerInfo {
     pub(crate) hostname: String,
+    /// Its process id (meaningful on its host).
+    pub(crate) pid: u32,
+    /// Its host's identity (see [`host_identity`]): equal to ours, its pid is one we can watch.
+    pub(crate) host_id: String,
 }
 
 /// A watched process: a peer on this host (world rank), or the launcher (`None`).
@@ -68,6 +72,7 @@ struct StoreExchange<'a> {
     store: &'a StoreClient,
     key_prefix: &'a str,
     rank: usize,
+    watch: &'a (dyn Fn() -> Result<()> + Sync),
 }
 
 impl SetupExchange for StoreExchange<'_> {
@@ -76,7 +81,23 @@ impl SetupExchange for StoreExchange<'_> {
     }
     fn gather(&self, topic: &str, peers: &[usize], deadline: Instant) -> Result<Vec<Vec<u8>>> {
         let keys: Vec<String> = peers.iter().map(|p| format!("{}/{topic}/{p}", self.key_prefix)).collect();
-        self.store.multi_get(&keys, deadline.saturating_duration_since(Instant::now()))
+        multi_get_watched(self.store, &keys, deadline, self.watch)
+    }
+}
+
+/// How long one store wait of setup lasts before `watch` is looked at again.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
+
+/// The values of `keys`, waiting for them until `deadline`, with `watch` looked at every
+/// [`WATCH_EVERY`] meanwhile (its error ends the wait: a peer known dead will never set
+/// its key).
+fn multi_get_watched(store: &StoreClient, keys: &[String], deadline: Instant, watch: &dyn Fn() -> Result<()>) -> Result<Vec<Vec<u8>>> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match store.multi_get(keys, left.min(WATCH_EVERY)) {
+            Err(Error::Timeout { .. }) if left > WATCH_EVERY => watch()?,
+            r => return r,
+        }
     }
 }
 
@@ -121,7 +142,8 @@ impl Mesh {
     /// transport per peer and lets shm, verbs and tcp connect theirs. Returns the mesh, the
     /// inbox its transports deliver into, and the processes to watch. The shm greeting
     /// ([`Mesh::greet`], [`Mesh::ungreeted`]) is left to the caller, which owns the wait
-    /// loop.
+    /// loop. `watch` is looked at while waiting for the peers: its error ends the setup.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         rank: usize,
         size: usize,
@@ -130,6 +152,7 @@ impl Mesh {
         store: &StoreClient,
         key_prefix: &str,
         deadline: Instant,
+        watch: &(dyn Fn() -> Result<()> + Sync),
     ) -> Result<(Mesh, Arc<Inbox>, Vec<Watch>)> {
         let choice = params.transport;
         let open = |kind| size > 1 && may_use(choice, kind);
@@ -178,8 +201,7 @@ impl Mesh {
         };
         store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
         let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
-        let left = deadline.saturating_duration_since(Instant::now());
-        let raw = store.multi_get(&keys, left)?;
+        let raw = multi_get_watched(store, &keys, deadline, watch)?;
         let mut descs = Vec::with_capacity(size);
         for (r, b) in raw.iter().enumerate() {
             let d = Descriptor::decode(b).map_err(|e| Error::protocol(format!("rank {r}'s descriptor"), e.to_string()))?;
@@ -201,9 +223,18 @@ impl Mesh {
         let kinds = choose_transports(rank, choice, &descs)?;
         let chosen = |kind| (0..size).filter(|&p| kinds[p] == Some(kind)).collect::<Vec<usize>>();
         let handshake: Arc<dyn Handshake> = Arc::new(TokenHandshake { token: token.to_string() });
-        let exchange = StoreExchange { store, key_prefix, rank };
-        let cx =
-            SetupCx { rank, size, deadline, descs: &descs, inbox: &inbox, handshake: &handshake, mesh_id: key_prefix, exchange: &exchange };
+        let exchange = StoreExchange { store, key_prefix, rank, watch };
+        let cx = SetupCx {
+            rank,
+            size,
+            deadline,
+            descs: &descs,
+            inbox: &inbox,
+            handshake: &handshake,
+            mesh_id: key_prefix,
+            exchange: &exchange,
+            watch,
+        };
         let mut endpoints: Vec<Option<Endpoint>> = (0..size).map(|_| None).collect();
         let mut watches: Vec<Watch> = Vec::new();
         let mut take = |c: Connected| {
@@ -249,7 +280,7 @@ impl Mesh {
             }
         }
 
-        let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone() }).collect();
+        let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone(), pid: d.pid, host_id: d.host_id.clone() }).collect();
         let mesh = Mesh { rank, endpoints, shm, verbs, tcp: tcp_net, peers };
         Ok((mesh, inbox, watches))
     }

@@ -243,8 +243,9 @@ pub enum FlightDest {
 }
 
 /// Where `FERROCCL_INJECT_FAULT` makes a rank fail, as an internal error, in the middle of
-/// a transfer (after the call has started and its peers may be waiting for it). For
-/// FerroCCL's own tests: they check that such a failure reaches every rank at once.
+/// a transfer (after the call has started and its peers may be waiting for it), or die
+/// during a shrink. For FerroCCL's own tests: they check that such a failure reaches every
+/// rank at once.
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FaultSite {
@@ -256,15 +257,25 @@ pub enum FaultSite {
     ReduceStep,
     /// Copying a fused group's results back into the callers' buffers (`fused-copy`).
     FusedCopy,
+    /// In [`crate::Communicator::shrink`], right after the survivors decided the new
+    /// membership (this rank in it): the process dies (aborts), as a second failure during
+    /// recovery (`shrink`).
+    Shrink,
+    /// In [`crate::Communicator::shrink`], once this rank's connections of the shrunk
+    /// communicator are up, before the survivors confirm it: the process dies (aborts)
+    /// (`shrink-built`).
+    ShrinkBuilt,
 }
 
 impl FaultSite {
     /// The sites and their names in `FERROCCL_INJECT_FAULT`.
-    pub const ALL: [(FaultSite, &'static str); 4] = [
+    pub const ALL: [(FaultSite, &'static str); 6] = [
         (FaultSite::SendSource, "send-source"),
         (FaultSite::RecvBuffer, "recv-buffer"),
         (FaultSite::ReduceStep, "reduce-step"),
         (FaultSite::FusedCopy, "fused-copy"),
+        (FaultSite::Shrink, "shrink"),
+        (FaultSite::ShrinkBuilt, "shrink-built"),
     ];
 }
 

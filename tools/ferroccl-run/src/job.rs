@@ -81,6 +81,9 @@ pub(crate) struct Job {
     pub(crate) flight: crate::output::FlightLines,
     /// Ranks the runner stopped (still running after the grace, or at the timeout).
     pub(crate) stopped: Vec<usize>,
+    /// Ranks killed by a signal the runner did not send (SIGKILL from outside, a crash),
+    /// in the order they died.
+    pub(crate) died: Vec<usize>,
 }
 
 /// The runner's decision to stop the ranks still running.

@@ -78,6 +78,7 @@ pub(crate) fn run(opts: &Options) -> i32 {
         verbose: opts.verbose,
         flight: Default::default(),
         stopped: Vec::new(),
+        died: Vec::new(),
     };
     let code = match spawn_all(opts, &path, &token, store_addr, &mut job) {
         Ok(()) => monitor(opts, &mut job, &mut signals, started),
@@ -105,8 +106,9 @@ fn flight_verdict(job: &Job, started: Instant) {
     if let Ok(ferroccl::Params { flight_recorder: ferroccl::FlightDest::Files(prefix), .. }) = ferroccl::Params::from_env() {
         let since = std::time::SystemTime::now() - started.elapsed();
         for r in &job.ranks {
+            // A rank writes `PREFIX<launch rank>.<pid>` (see `ferroccl::flight`).
             let mut path = prefix.clone().into_os_string();
-            path.push(r.rank.to_string());
+            path.push(format!("{}.{}", r.rank, r.pid));
             let fresh = std::fs::metadata(&path).and_then(|m| m.modified()).is_ok_and(|t| t >= since);
             if let (true, Ok(s)) = (fresh, std::fs::read_to_string(&path)) {
                 text.push('\n');
@@ -122,13 +124,39 @@ fn flight_verdict(job: &Job, started: Instant) {
     for v in &verdicts {
         say!("ferroccl-run: flight recorder: {v}");
     }
-    // One culprit: where the ranks' calls diverged (the world's first), else the ranks
-    // that left no record.
-    let blamed =
-        verdicts.iter().find(|v| v.call.is_some() && !v.culprits.is_empty()).or_else(|| verdicts.iter().find(|v| !v.culprits.is_empty()));
-    if let Some(v) = blamed {
-        let how: Vec<String> = v
-            .culprits
+    // The culprits: in each world (the one the job began with, and each one a shrink
+    // built), where the ranks' calls diverged (its first communicator's), else the ranks
+    // that left no record; ranks are launch ranks, so these are the processes to blame.
+    let mut culprits: Vec<usize> = Vec::new();
+    let mut worlds: Vec<&str> = Vec::new();
+    for v in &verdicts {
+        if !worlds.contains(&v.fabric.as_str()) {
+            worlds.push(&v.fabric);
+        }
+    }
+    for w in worlds {
+        let of_world: Vec<&ferroccl::flight::Verdict> = verdicts.iter().filter(|v| v.fabric == w).collect();
+        let blamed = of_world
+            .iter()
+            .find(|v| v.call.is_some() && !v.culprits.is_empty())
+            .or_else(|| of_world.iter().find(|v| !v.culprits.is_empty()));
+        for &c in blamed.map_or(&[][..], |v| &v.culprits[..]) {
+            if !culprits.contains(&c) {
+                culprits.push(c);
+            }
+        }
+    }
+    // A process that died where no record can show it (in a shrink, between calls) is
+    // named too: a supervisor must replace it.
+    if !culprits.is_empty() {
+        for &d in &job.died {
+            if !culprits.contains(&d) {
+                culprits.push(d);
+            }
+        }
+    }
+    if !culprits.is_empty() {
+        let how: Vec<String> = culprits
             .iter()
             .map(|&c| match job.ranks.iter().find(|r| r.rank == c).and_then(|r| r.status) {
                 _ if job.stopped.contains(&c) => format!("rank {c} (still running after the others had failed: stopped by the runner)"),
@@ -163,6 +191,9 @@ fn monitor(opts: &Options, job: &mut Job, signals: &mut Signals, started: Instan
             // Once the runner is stopping the job, exits are its own doing.
             if stopping.is_none() && !st.success() {
                 say!("ferroccl-run: rank {} {}", r.rank, Describe(st));
+                if st.signal().is_some() {
+                    job.died.push(r.rank);
+                }
                 failure = Some(policy::root_cause(failure, Failure { rank: r.rank, status: st, at: Instant::now() }));
             } else if opts.verbose {
                 say!("ferroccl-run: rank {} (pid {}) {}", r.rank, r.pid, Describe(st));

@@ -26,6 +26,28 @@ pub enum FaultKind {
     Other,
 }
 
+/// A process of the job as its launcher knows it: the rank it was launched as (the rank
+/// [`crate::Communicator::init`] read from `ferroccl-run`, torchrun, Slurm or Open MPI,
+/// which a shrink does not renumber), its host and its process id. What a supervisor acts
+/// on: after a [`crate::Communicator::shrink`] the ranks of a communicator are renumbered,
+/// the process is not.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Process {
+    /// The rank the launcher gave it (`FERROCCL_RANK`, `RANK`, `SLURM_PROCID`, ...).
+    pub launch_rank: usize,
+    /// Its host's name.
+    pub host: String,
+    /// Its process id on that host.
+    pub pid: u32,
+}
+
+impl std::fmt::Display for Process {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "launch rank {}, pid {} on {}", self.launch_rank, self.pid, self.host)
+    }
+}
+
 /// Which rank is at fault and what kind of fault it is, as data: the same on every rank of
 /// the job, whichever rank found the fault and however the news travelled
 /// ([`Error::root_cause`]).
@@ -34,12 +56,19 @@ pub enum FaultKind {
 pub struct RootCause {
     /// What kind of fault.
     pub kind: FaultKind,
-    /// The rank at fault, as a world rank (its rank in the communicator
-    /// [`crate::Communicator::init`] returned); `None` when no rank is known to be
-    /// (a deadline passed, the launcher exited, this rank's own internal error).
+    /// The rank at fault, as a world rank: its rank in the world communicator of the
+    /// failing one (the communicator [`crate::Communicator::init`] returned or, after a
+    /// shrink, the one [`crate::Communicator::shrink`] returned); `None` when no rank is
+    /// known to be (a deadline passed, the launcher exited, this rank's own internal
+    /// error). To act on the process, use [`RootCause::process`].
     pub rank: Option<usize>,
+    /// The process at fault, as the launcher knows it (its launch rank, host and pid),
+    /// where the rank at fault is known.
+    pub process: Option<Process>,
     /// The world rank that found the fault, when known.
     pub found_by: Option<usize>,
+    /// The process that found the fault, when known.
+    pub found_by_process: Option<Process>,
     /// What the finding rank was doing ("allreduce (1000 x f32, sum, ring) call #3").
     pub op: String,
     /// What happened, in the finding rank's words ("exited (pid 7) without closing its
@@ -49,9 +78,23 @@ pub struct RootCause {
 
 impl std::fmt::Display for RootCause {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.rank {
-            Some(r) => write!(f, "{:?} fault of rank {r}: {}", self.kind, self.message),
-            None => write!(f, "{:?} fault: {}", self.kind, self.message),
+        match (self.rank, &self.process) {
+            (Some(r), Some(p)) => write!(f, "{:?} fault of rank {r} ({p}): {}", self.kind, self.message),
+            (Some(r), None) => write!(f, "{:?} fault of rank {r}: {}", self.kind, self.message),
+            (None, _) => write!(f, "{:?} fault: {}", self.kind, self.message),
+        }
+    }
+}
+
+impl RootCause {
+    /// Fills in the processes behind the ranks named, where not known yet (`who`: a world
+    /// rank's process).
+    pub(crate) fn identify(&mut self, who: &dyn Fn(usize) -> Option<Process>) {
+        if self.process.is_none() {
+            self.process = self.rank.and_then(who);
+        }
+        if self.found_by_process.is_none() {
+            self.found_by_process = self.found_by.and_then(who);
         }
     }
 }
@@ -146,7 +189,15 @@ impl Fault {
     /// The fault as [`RootCause`], on rank `me` (the reporter when the fault is this
     /// rank's own).
     pub(crate) fn root_cause(&self, me: Option<usize>) -> RootCause {
-        RootCause { kind: self.kind, rank: self.culprit, found_by: self.reporter.or(me), op: self.op.clone(), message: self.what.clone() }
+        RootCause {
+            kind: self.kind,
+            rank: self.culprit,
+            process: None,
+            found_by: self.reporter.or(me),
+            found_by_process: None,
+            op: self.op.clone(),
+            message: self.what.clone(),
+        }
     }
 
     /// The error an operation `op` of rank `rank` (a world rank) reports for this fault.

@@ -10,7 +10,7 @@ use std::io;
 use std::time::Duration;
 
 pub(crate) use fault::Fault;
-pub use fault::{FaultKind, RootCause};
+pub use fault::{FaultKind, Process, RootCause};
 pub(crate) use op::in_elements;
 pub use op::{Op, PodType};
 
@@ -103,7 +103,7 @@ pub enum Error {
     },
 
     /// A peer died, closed its connections, or reported a fatal error.
-    #[error("rank {rank}: {op} failed because rank {peer} {reason}")]
+    #[error("rank {rank}: {op} failed because rank {peer} {reason}{}", fmt_process(.cause))]
     PeerFailed {
         /// The rank reporting.
         rank: usize,
@@ -155,7 +155,7 @@ pub enum Error {
     },
 
     /// Two ranks called matching operations with arguments that do not match.
-    #[error("rank {rank}: {op} with rank {peer} does not match: {what}")]
+    #[error("rank {rank}: {op} with rank {peer} does not match: {what}{}", fmt_process(.cause))]
     Mismatch {
         /// The rank reporting.
         rank: usize,
@@ -198,7 +198,7 @@ pub enum Error {
     /// took part in this operation, which therefore can never complete. It says where the
     /// peer stopped: after how many calls that every member makes (collectives, barriers,
     /// splits), and for point-to-point how many messages it took from this rank.
-    #[error("rank {rank}: {op} cannot complete: rank {peer} {how} the communicator after call #{peer_calls}{}", fmt_p2p(*.p2p))]
+    #[error("rank {rank}: {op} cannot complete: rank {peer} {how} the communicator after call #{peer_calls}{}{}", fmt_p2p(*.p2p), fmt_process(.cause))]
     PeerLeft {
         /// The rank reporting (a rank of the communicator).
         rank: usize,
@@ -295,6 +295,15 @@ impl std::fmt::Display for Departure {
 
 fn fmt_p2p(p: Option<(u64, u64)>) -> String {
     p.map(|(s, r)| format!(", having sent this rank {s} and received {r} point-to-point messages on this stream")).unwrap_or_default()
+}
+
+/// The process at fault, where its launch rank is not the rank the message names (after a
+/// shrink renumbered the ranks): so that a reader acts on the right process.
+fn fmt_process(cause: &Option<Box<RootCause>>) -> String {
+    match cause.as_deref() {
+        Some(RootCause { rank: Some(r), process: Some(p), .. }) if p.launch_rank != *r => format!(" [rank {r} at fault is {p}]"),
+        _ => String::new(),
+    }
 }
 
 fn fmt_rank(rank: Option<usize>) -> String {
@@ -437,6 +446,30 @@ impl Error {
             _ => {}
         }
         self
+    }
+
+    /// `self` with the processes behind its root cause named (`who`: a world rank's
+    /// process), where the variant keeps a root cause (one is attached if it has none
+    /// yet), and in the first error of a [`Error::Poisoned`].
+    pub(crate) fn identify(self, who: &dyn Fn(usize) -> Option<Process>) -> Error {
+        match self {
+            Error::Poisoned { rank, op, first } => Error::Poisoned { rank, op, first: Box::new(first.identify(who)) },
+            e @ (Error::PeerFailed { .. } | Error::Mismatch { .. } | Error::PeerLeft { .. }) => {
+                let cause = e.root_cause();
+                let mut e = match cause {
+                    Some(c) => e.with_cause(c),
+                    None => e,
+                };
+                if let Error::PeerFailed { cause: Some(c), .. }
+                | Error::Mismatch { cause: Some(c), .. }
+                | Error::PeerLeft { cause: Some(c), .. } = &mut e
+                {
+                    c.identify(who);
+                }
+                e
+            }
+            e => e,
+        }
     }
 
     /// Shorthand for [`Error::Protocol`].

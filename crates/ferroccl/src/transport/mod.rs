@@ -95,6 +95,9 @@ pub(crate) struct SetupCx<'a> {
     /// Rounds among the peers after the descriptor exchange (verbs' ready mark).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) exchange: &'a dyn SetupExchange,
+    /// Looked at while waiting for a peer (tcp's connects and accepts): its error ends the
+    /// setup (a shrink's member died meanwhile; see `FabricConfig::watch`).
+    pub(crate) watch: &'a (dyn Fn() -> Result<()> + Sync),
 }
 
 /// What a transport's `connect` returns besides what it keeps for all its peers.

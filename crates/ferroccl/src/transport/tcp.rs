@@ -169,7 +169,8 @@ impl TcpSetup {
         let expect: Vec<(usize, usize)> = peers.iter().copied().filter(|&p| p < rank).map(|p| (p, lanes(p))).collect();
         let (listener, handshake, mesh_id, deadline) = (&self.listener, cx.handshake, cx.mesh_id, cx.deadline);
         let streams = std::thread::scope(|s| -> Result<Vec<(usize, Vec<TcpStream>)>> {
-            let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, handshake, mesh_id, deadline));
+            let watch = cx.watch;
+            let acceptor = s.spawn(|| accept_peers(listener, rank, &expect, handshake, mesh_id, deadline, watch));
             let mut out = Vec::new();
             for &p in peers.iter().filter(|&&p| p > rank) {
                 let addr = cx.descs[p].tcp.as_ref().map_or("", |t| t.addr.as_str());
@@ -228,6 +229,7 @@ fn connect_peer(cx: &SetupCx<'_>, peer: usize, addr: &str, lane: usize) -> Resul
         match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(1))) {
             Ok(s) => break s,
             Err(e) if Instant::now() < deadline && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                (cx.watch)()?;
                 std::thread::sleep(Duration::from_millis(10))
             }
             Err(e) => return Err(Error::io(format!("rank {rank}: connect to {label}"), e)),
@@ -252,6 +254,7 @@ fn accept_peers(
     handshake: &Arc<dyn Handshake>,
     mesh_id: &str,
     deadline: Instant,
+    watch: &(dyn Fn() -> Result<()> + Sync),
 ) -> Result<Vec<(usize, Vec<TcpStream>)>> {
     let mut got: HashMap<(usize, usize), TcpStream> = HashMap::new();
     let want: usize = expect.iter().map(|e| e.1).sum();
@@ -303,7 +306,10 @@ fn accept_peers(
                     let _ = tx.send(((p as usize, lane as usize), st));
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                watch()?;
+                std::thread::sleep(Duration::from_millis(1))
+            }
             Err(e) => return Err(Error::io(format!("rank {rank}: accept"), e)),
         }
     }

@@ -21,6 +21,8 @@
 //! ferroccl-selftest fault --case C [--count N]                         a deliberate misuse; every rank must report an error (see `fault`)
 //! ferroccl-selftest die-in-init --victim R --after-ms D [--delay-ms L] rank R SIGKILLs itself D ms into init; the others start init L ms late
 //! ferroccl-selftest scope --case kill|stop|abort|mismatch              4 ranks: a failure reaches only the communicators it must (see `scope`)
+//! ferroccl-selftest shrink --victim R[,R...] [--stop] [--dies-in-shrink R[,R...]]
+//!                                                                      survivors of each victim's death shrink and carry on (see `shrink`)
 //! ferroccl-selftest weights [--sources M] [--versions V]               M->N weight sync: the first M ranks (default half) train, the others
 //!                   [--kill-source-at V | --kill-dest-at V]            pull and check every byte of every version; the last source (or
 //!                                                                      destination) SIGKILLs itself mid-write (before pulling) of version V
@@ -196,79 +198,110 @@ fn signal_self_soon(stop: bool) {
     });
 }
 
-/// Every rank loops on small allreduces; `--victim` kills itself 0.3 s in (SIGKILL), or
-/// with `--stop` stops itself (SIGSTOP: the others time out, and the shrink leaves it out
-/// at its deadline). The survivors see the failure, shrink, check their new ranks and the
-/// first collectives of the shrunk communicator (small and large allreduce, barrier,
-/// allgather of the old ranks), run 200 more allreduces, finalize it, and exit 0 (the
-/// lowest then kills a stopped victim; the job's status is the victim's).
+/// Shrink after failures, in rounds: in round k every rank loops on small allreduces and
+/// the process launched as the k-th of `--victim R[,R...]` kills itself 0.3 s in (SIGKILL),
+/// or with `--stop` stops itself (SIGSTOP: the others time out, and the shrink leaves it
+/// out at its deadline; one victim only). The survivors see the failure (after a kill its
+/// root cause must name the victim's process: launch rank and pid, whatever the shrunk
+/// numbering), shrink, check their new ranks and the first collectives of the shrunk
+/// communicator (small and large allreduce, barrier, allgather of the launch ranks), run
+/// 200 more allreduces, and go on to the next round on it. `--dies-in-shrink R[,R...]`:
+/// launch ranks that die inside the first shrink (the test sets `FERROCCL_INJECT_FAULT`),
+/// which the survivors must leave out. At the end the survivors finalize and exit 0 (the
+/// lowest then kills a stopped victim; the job's status is the victims').
 fn shrink(comm: Communicator, args: &[String]) -> ! {
     let run = || -> R<()> {
         use ferroccl::ReduceOp;
-        let victim: usize = flag(args, "--victim").and_then(|s| s.parse().ok()).ok_or("--victim R required")?;
-        let stop = args.iter().any(|a| a == "--stop");
-        let (n, me) = (comm.size(), comm.rank());
-        let mut pids = vec![0u32; n];
-        comm.allgather(&[std::process::id()], &mut pids)?;
-        if me == victim {
-            signal_self_soon(stop);
-        }
-        let start = Instant::now();
-        let mut calls = 0u64;
-        let want = (n * (n + 1) / 2) as f32;
-        let err = loop {
-            let mut x = [(me + 1) as f32; 4];
-            match comm.allreduce(&mut x, ReduceOp::Sum) {
-                Ok(()) if x == [want; 4] => calls += 1,
-                Ok(()) => return Err(format!("rank {me}: allreduce gave {x:?}, expected {want}").into()),
-                Err(e) => break e,
-            }
-            if start.elapsed() > Duration::from_secs(60) {
-                return Err("the victim never died".into());
-            }
+        let list = |name: &str| -> R<Vec<usize>> {
+            flag(args, name)
+                .map_or(Ok(Vec::new()), |s| s.split(',').map(|v| v.parse().map_err(|_| format!("{name}: {v:?}").into())).collect())
         };
-        println!("selftest: rank {me} saw the failure after {:.3}s and {calls} calls: {err}", start.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let small = comm.shrink()?;
-        let took = t.elapsed();
-        drop(comm);
-        let (n2, r2) = (small.size(), small.rank());
-        let survivors: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
-        if n2 != n - 1 || survivors[r2] != me {
-            return Err(format!(
-                "rank {me}: shrunk to rank {r2} of {n2}, expected rank {} of {}",
-                survivors.iter().position(|&r| r == me).unwrap_or(usize::MAX),
-                n - 1
-            )
-            .into());
+        let victims = list("--victim")?;
+        if victims.is_empty() {
+            return Err("--victim R[,R...] required".into());
         }
-        // The first collectives, checked: old ranks gathered, sums of old rank + 1.
-        let mut olds = vec![0u32; n2];
-        small.allgather(&[me as u32], &mut olds)?;
-        if olds.iter().map(|&o| o as usize).collect::<Vec<_>>() != survivors {
-            return Err(format!("rank {me}: the shrunk communicator gathered old ranks {olds:?}, expected {survivors:?}").into());
-        }
-        let want2 = survivors.iter().map(|&r| (r + 1) as f32).sum::<f32>();
-        for len in [4usize, 300_000] {
-            let mut x = vec![(me + 1) as f32; len];
-            small.allreduce(&mut x, ReduceOp::Sum)?;
-            if x.iter().any(|&v| v != want2) {
-                return Err(format!("rank {me}: shrunk allreduce of {len} gave {} (expected {want2})", x[0]).into());
+        let in_shrink = list("--dies-in-shrink")?;
+        let stop = args.iter().any(|a| a == "--stop");
+        let (n0, me) = (comm.size(), comm.rank());
+        let mut pids = vec![0u32; n0];
+        comm.allgather(&[std::process::id()], &mut pids)?;
+        let mut alive: Vec<usize> = (0..n0).collect();
+        let mut comm = comm;
+        for (round, &victim) in victims.iter().enumerate() {
+            if me == victim {
+                signal_self_soon(stop);
             }
-        }
-        small.barrier()?;
-        for _ in 0..200 {
-            let mut x = [(me + 1) as f32; 4];
-            small.allreduce(&mut x, ReduceOp::Sum)?;
-            if x != [want2; 4] {
-                return Err(format!("rank {me}: shrunk allreduce gave {x:?}").into());
+            let start = Instant::now();
+            let mut calls = 0u64;
+            let want: f32 = alive.iter().map(|&r| (r + 1) as f32).sum();
+            let err = loop {
+                let mut x = [(me + 1) as f32; 4];
+                match comm.allreduce(&mut x, ReduceOp::Sum) {
+                    Ok(()) if x == [want; 4] => calls += 1,
+                    Ok(()) => return Err(format!("rank {me}: allreduce gave {x:?}, expected {want}").into()),
+                    Err(e) => break e,
+                }
+                if start.elapsed() > Duration::from_secs(60) {
+                    return Err("the victim never died".into());
+                }
+            };
+            println!("selftest: rank {me} saw the failure after {:.3}s and {calls} calls: {err}", start.elapsed().as_secs_f64());
+            if !stop {
+                let cause = err.root_cause().ok_or("no root cause")?;
+                let process = cause.process.as_ref().ok_or_else(|| format!("rank {me}: the root cause names no process: {cause}"))?;
+                if (process.launch_rank, process.pid) != (victim, pids[victim]) {
+                    return Err(format!(
+                        "rank {me}: round {round}: the root cause names {process}, not launch rank {victim} (pid {})",
+                        pids[victim]
+                    )
+                    .into());
+                }
+                println!("selftest: rank {me} round {round}: root cause: {cause}");
             }
+            let t = Instant::now();
+            let small = comm.shrink()?;
+            let took = t.elapsed();
+            drop(comm);
+            alive.retain(|&r| r != victim && (round > 0 || !in_shrink.contains(&r)));
+            let (n2, r2) = (small.size(), small.rank());
+            if n2 != alive.len() || alive.get(r2) != Some(&me) {
+                return Err(format!(
+                    "rank {me}: shrunk to rank {r2} of {n2}, expected rank {} of {}",
+                    alive.iter().position(|&r| r == me).unwrap_or(usize::MAX),
+                    alive.len()
+                )
+                .into());
+            }
+            // The first collectives, checked: launch ranks gathered, sums of launch rank + 1.
+            let mut olds = vec![0u32; n2];
+            small.allgather(&[me as u32], &mut olds)?;
+            if olds.iter().map(|&o| o as usize).collect::<Vec<_>>() != alive {
+                return Err(format!("rank {me}: the shrunk communicator gathered launch ranks {olds:?}, expected {alive:?}").into());
+            }
+            let want2 = alive.iter().map(|&r| (r + 1) as f32).sum::<f32>();
+            for len in [4usize, 300_000] {
+                let mut x = vec![(me + 1) as f32; len];
+                small.allreduce(&mut x, ReduceOp::Sum)?;
+                if x.iter().any(|&v| v != want2) {
+                    return Err(format!("rank {me}: shrunk allreduce of {len} gave {} (expected {want2})", x[0]).into());
+                }
+            }
+            small.barrier()?;
+            for _ in 0..200 {
+                let mut x = [(me + 1) as f32; 4];
+                small.allreduce(&mut x, ReduceOp::Sum)?;
+                if x != [want2; 4] {
+                    return Err(format!("rank {me}: shrunk allreduce gave {x:?}").into());
+                }
+            }
+            println!("selftest: rank {me} shrank to rank {r2} of {n2} in {:.3}s; 203 calls after it ok", took.as_secs_f64());
+            comm = small;
         }
-        small.finalize()?;
-        println!("selftest: rank {me} shrank to rank {r2} of {n2} in {:.3}s; 203 calls after it ok", took.as_secs_f64());
-        if stop && r2 == 0 {
+        let lowest = comm.rank() == 0;
+        comm.finalize()?;
+        if stop && lowest {
             // Nobody else would end the stopped rank.
-            let victim = nix::unistd::Pid::from_raw(pids[victim] as i32);
+            let victim = nix::unistd::Pid::from_raw(pids[victims[0]] as i32);
             let _ = nix::sys::signal::kill(victim, nix::sys::signal::Signal::SIGKILL);
         }
         Ok(())
