@@ -839,7 +839,7 @@ fn calls_after_the_world_finalized_fail_every_time() {
             for (r, l) in lines.iter().enumerate() {
                 let l = l.as_deref().unwrap_or_default();
                 assert!(l.contains("the world communicator was finalized"), "{transport}: rank {r}: {l}\n{}", j.all());
-                assert!(j.stdout.contains(&format!("[{r}] selftest: rank {r} fault after-finalize: refused 3 of 3 calls")), "{}", j.all());
+                assert!(j.stdout.contains(&format!("[{r}] selftest: rank {r} fault after-finalize: refused 4 of 4 calls")), "{}", j.all());
             }
         }
     }
@@ -1325,17 +1325,28 @@ fn tcp_across_namespaces_names_a_killed_peer_and_a_cut_link() {
 }
 
 /// The flight recorder's destinations: `FERROCCL_FLIGHT_RECORDER=PREFIX` writes each
-/// survivor's record to `PREFIX<rank>` (the launcher reads the files and gives the same
-/// verdict), `off` records nothing (no verdict); with `-v` the launcher shows the records
-/// themselves.
+/// survivor's record to `PREFIX<rank>.<pid>`, made afresh (mode 0600; a symbolic link
+/// planted in the directory is not followed) (the launcher reads the files and gives the
+/// same verdict), `off` records nothing (no verdict); with `-v` the launcher shows the
+/// records themselves.
 #[test]
 fn flight_records_go_where_the_knob_says() {
     let dir = std::env::temp_dir().join(format!("ferroccl-flight-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let prefix = format!("{}/rec.", dir.display());
+    // A link planted where the old naming wrote (PREFIX<rank>) is left alone.
+    std::fs::write(dir.join("victim"), "not yours").unwrap();
+    std::os::unix::fs::symlink(dir.join("victim"), format!("{prefix}0")).unwrap();
     let j = job(3, "shm", &["kill", "--victim", "1", "--during", "allreduce"], &[("FERROCCL_FLIGHT_RECORDER", &prefix)]);
+    assert_eq!(std::fs::read_to_string(dir.join("victim")).unwrap(), "not yours");
+    let files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     for r in [0, 2] {
-        let text = std::fs::read_to_string(format!("{prefix}{r}")).unwrap_or_else(|e| panic!("rank {r}'s record: {e}\n{}", j.all()));
+        // PREFIX<launch rank>.<pid>, the owner's only.
+        let name = files.iter().find(|f| f.starts_with(&format!("rec.{r}."))).unwrap_or_else(|| panic!("rank {r}: {files:?}\n{}", j.all()));
+        let path = dir.join(name);
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::symlink_metadata(&path).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o600, "{}", path.display());
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("rank {r}'s record: {e}\n{}", j.all()));
         let recs = ferroccl::flight::parse(&text);
         assert_eq!(recs.len(), 1, "{text}");
         assert_eq!((recs[0].rank, recs[0].members.clone()), (r, vec![0, 1, 2]));
@@ -1345,9 +1356,9 @@ fn flight_records_go_where_the_knob_says() {
         let pending = last.op.starts_with("allreduce(count 4, f32") && !last.done;
         let refused = last.refused && last.op.starts_with("allreduce (4 x f32");
         assert!(pending || refused, "rank {r}: {last:?}");
-        assert!(j.stderr.contains(&format!("[{r}] ferroccl: rank {r}: flight record written to {prefix}{r}")), "{}", j.all());
+        assert!(j.stderr.contains(&format!("[{r}] ferroccl: rank {r}: flight record written to {}\n", path.display())), "{}", j.all());
     }
-    assert!(!std::path::Path::new(&format!("{prefix}1")).exists(), "the killed rank wrote a record");
+    assert!(!files.iter().any(|f| f.starts_with("rec.1.")), "the killed rank wrote a record: {files:?}");
     assert!(j.stderr.contains("ferroccl-run: culprit: rank 1 (was killed by signal SIGKILL (9))"), "{}", j.all());
     std::fs::remove_dir_all(&dir).unwrap();
 
@@ -1359,7 +1370,8 @@ fn flight_records_go_where_the_knob_says() {
     c.args(["-n", "2", "-v", "--transport", "tcp", "--timeout", "120", "--", SELFTEST, "fault", "--case", "skip", "--count", "4"]);
     let out = c.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("[0] ferroccl-flight rank=0 comm=0x0 member=0 size=2 members=0,1 "), "{err}");
+    let header = err.lines().find(|l| l.starts_with("[0] ferroccl-flight rank=0 world=0 fabric=")).unwrap_or_else(|| panic!("{err}"));
+    assert!(header.contains(" comm=0x0 member=0 size=2 members=0,1 pid="), "{header}");
     assert!(err.contains("ferroccl-run: culprit: rank 1 ("), "{err}");
 }
 
@@ -1436,6 +1448,54 @@ fn survivors_shrink_and_carry_on() {
         let line = j.stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("stopped: rank {r}\n{}", j.all()));
         let took: f64 = line[head.len()..].split('s').next().unwrap().parse().unwrap();
         assert!((1.5..6.0).contains(&took), "stopped: rank {r} shrank in {took} s, expected about the 2 s deadline: {line}");
+    }
+}
+
+/// A second failure during recovery: after rank 1's kill, another rank dies inside the
+/// shrink (`FERROCCL_INJECT_FAULT`: right after the membership is decided, or once its new
+/// connections are up). The survivors do not wait for it until the timeout (20 s here):
+/// they see it die, try again without it, and carry on (every later collective checked);
+/// the launcher names both dead processes. shm and tcp, 4 and 8 ranks.
+#[test]
+fn a_death_during_shrink_is_survived_and_named() {
+    for transport in ["shm", "tcp"] {
+        for (n, second, site) in [(4, 2, "shrink"), (8, 5, "shrink"), (4, 3, "shrink-built"), (8, 2, "shrink-built")] {
+            let ctx = format!("{transport}, {n} ranks, rank 1 killed, rank {second} dies in the shrink ({site})");
+            let inject = format!("{site}@{second}");
+            let args = ["shrink", "--victim", "1", "--dies-in-shrink", &second.to_string()];
+            let j = job_with_grace(n, transport, &args, &[("FERROCCL_TIMEOUT", "20"), ("FERROCCL_INJECT_FAULT", &inject)], "30");
+            assert!(matches!(j.code, Some(134 | 137)), "{ctx}\n{}", j.all());
+            let survivors: Vec<usize> = (0..n).filter(|&r| r != 1 && r != second).collect();
+            for (r2, &r) in survivors.iter().enumerate() {
+                let head = format!("[{r}] selftest: rank {r} shrank to rank {r2} of {} in ", n - 2);
+                let line = j.stdout.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("{ctx}: rank {r}\n{}", j.all()));
+                let took: f64 = line[head.len()..].split('s').next().unwrap().parse().unwrap();
+                assert!(took < 3.0, "{ctx}: rank {r} took {took} s to shrink: {line}");
+            }
+            let culprit = format!(
+                "ferroccl-run: culprit: rank 1 (was killed by signal SIGKILL (9)), rank {second} (was killed by signal SIGABRT (6))"
+            );
+            assert!(j.stderr.contains(&culprit), "{ctx}\n{}", j.all());
+        }
+    }
+}
+
+/// Two shrinks in a row (8 ranks: the processes launched as ranks 2, then 5, killed): after
+/// the second kill every survivor's error names the victim's process (launch rank 5 and its
+/// pid; in the shrunk numbering it is rank 4), and the launcher blames exactly the two
+/// killed processes, never a live rank renumbered into a dead one's place.
+#[test]
+fn after_shrinks_errors_and_the_verdict_name_the_killed_processes() {
+    for transport in ["shm", "tcp"] {
+        let j = job_with_grace(8, transport, &["shrink", "--victim", "2,5"], &[("FERROCCL_TIMEOUT", "20")], "30");
+        assert_eq!(j.code, Some(137), "{transport}\n{}", j.all());
+        for r in [0, 1, 3, 4, 6, 7] {
+            let named = format!("[{r}] selftest: rank {r} round 1: root cause: Failed fault of rank 4 (launch rank 5, pid ");
+            assert!(j.stdout.contains(&named), "{transport}: rank {r}\n{}", j.all());
+            assert!(j.stdout.contains(&format!("[{r}] selftest: rank {r} shrank to rank ")), "{transport}: rank {r}\n{}", j.all());
+        }
+        let culprit = "ferroccl-run: culprit: rank 2 (was killed by signal SIGKILL (9)), rank 5 (was killed by signal SIGKILL (9))\n";
+        assert!(j.stderr.contains(culprit), "{transport}\n{}", j.all());
     }
 }
 

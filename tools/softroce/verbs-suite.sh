@@ -15,7 +15,8 @@
 #    rank fails naming it; the verdict blames it); survivors of a kill shrink and carry on
 #    (ferroccl-selftest shrink); a kill fails only the communicators with the victim
 #    (ferroccl-selftest scope --case kill), and survivors shrink a split and the world
-#    (scope --case shrink);
+#    (scope --case shrink); a rank dying inside a shrink, and two shrinks in a row, with
+#    the killed processes named by launch rank;
 # 4. two "hosts" in the VM (rxe0 and rxe1, two-hosts.sh): collectives over a mixed mesh
 #    (FERROCCL_TRANSPORT=auto: shm inside a host, verbs across), and a rank killed on the
 #    other host, which only verbs itself can notice (no process watch across hosts).
@@ -121,6 +122,22 @@ st=$?
 echo "=== shrink over ${run[2]}: exit $st"
 echo "$out" | grep -E 'shrank'
 [ "$st" -eq 137 ] && [ "$(grep -c 'shrank to rank' <<< "$out")" -eq 2 ] || { echo "$out" | tail -20; fail "shrink over verbs"; }
+
+# Faults during recovery (4 ranks): rank 2 dies inside the shrink after rank 1's kill
+# (the survivors try again without it), then two shrinks in a row (ranks 1, then 3
+# killed): the verdict names both killed processes by launch rank.
+out=$(FERROCCL_INJECT_FAULT=shrink@2 "${run[@]}" --grace 30 -n 4 -- "$selftest" shrink --victim 1 --dies-in-shrink 2 2>&1)
+st=$?
+echo "=== death during shrink over ${run[2]}: exit $st"
+echo "$out" | grep -E 'shrank'
+[ "$st" -ne 0 ] && [ "$(grep -c 'shrank to rank . of 2 ' <<< "$out")" -eq 2 ] \
+    && grep -q '^ferroccl-run: culprit: rank 1 (.*), rank 2 (' <<< "$out" || { echo "$out" | tail -20; fail "death during shrink over verbs"; }
+out=$("${run[@]}" --grace 30 -n 4 -- "$selftest" shrink --victim 1,3 2>&1)
+st=$?
+echo "=== two shrinks over ${run[2]}: exit $st"
+echo "$out" | grep -E 'shrank|culprit'
+[ "$st" -eq 137 ] && [ "$(grep -c 'shrank to rank . of 2 ' <<< "$out")" -eq 2 ] \
+    && grep -q '^ferroccl-run: culprit: rank 1 (.*), rank 3 (' <<< "$out" || { echo "$out" | tail -20; fail "two shrinks over verbs"; }
 
 # A kill fails only the communicators with the victim (4 ranks, rank 3 killed): ranks 0
 # and 1 carry on with their pair.

@@ -746,6 +746,31 @@ mod tests {
         assert!(v[1].to_string().starts_with("communicator 0x0 of world bbbb1111: "), "{}", v[1]);
     }
 
+    /// A record file is made afresh, the owner's only: a symbolic link or a file already at
+    /// its path (planted in a shared directory) is refused, never followed or truncated.
+    #[test]
+    fn record_files_are_made_exclusively_and_never_follow_links() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("ferroccl-flight-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let own = |prefix: &str, rank: usize| dir.join(format!("{prefix}{rank}.{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, own("link.", 3)).unwrap();
+        let e = write_file(&dir.join("link."), 3, "record\n").expect_err("a planted link is refused");
+        assert_eq!(e.1.kind(), std::io::ErrorKind::AlreadyExists, "{e:?}");
+        std::fs::write(own("file.", 3), "someone else's").unwrap();
+        assert!(write_file(&dir.join("file."), 3, "record\n").is_err(), "an existing file is refused");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(std::fs::read_to_string(own("file.", 3)).unwrap(), "someone else's");
+        let made = write_file(&dir.join("fresh."), 3, "one\n").expect("a fresh file").expect("made now");
+        assert_eq!(made, own("fresh.", 3));
+        assert_eq!(std::fs::metadata(&made).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(write_file(&dir.join("fresh."), 3, "two\n").expect("appended"), None);
+        assert_eq!(std::fs::read_to_string(&made).unwrap(), "one\ntwo\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn when_the_recorders_agree_the_silent_members_are_blamed() {
         let m = [0, 1, 2];

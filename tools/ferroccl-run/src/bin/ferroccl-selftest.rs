@@ -1177,8 +1177,8 @@ fn abort(comm: Communicator) -> ! {
 /// * `reduce-root`: every rank calls reduce with itself as the root (nobody sends);
 /// * `mid-transfer`: send 0 -> 1, allreduce, a fused group of two allreduces, with a
 ///   barrier after each (run with `FERROCCL_INJECT_FAULT` to fail one rank mid-transfer);
-/// * `after-finalize`: every rank finalizes the world, then calls allreduce three times on
-///   a communicator split from it (each call must fail, saying so);
+/// * `after-finalize`: every rank finalizes the world, then calls allreduce three times and
+///   shrink once on a communicator split from it (each call must fail, saying so);
 /// * `ll-coll-mismatch`: rank 0 calls allreduce of N elements, the others allgather of N
 ///   (both low-latency calls over shm when N is small);
 /// * `ll-vs-mesh`: rank 0 calls allreduce of 4 elements (low-latency over shm), the others
@@ -1268,7 +1268,13 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
                     Ok(()) => report(t, Ok(())),
                 }
             }
-            println!("selftest: rank {r} fault {case}: refused {} of 3 calls", refused.len());
+            // A shrink too: there is nothing left to recover.
+            match sub.shrink() {
+                Err(e @ ferroccl::Error::Finalized { .. }) => refused.push(e),
+                Err(e) => report(t, Err(e)),
+                Ok(_) => report(t, Ok(())),
+            }
+            println!("selftest: rank {r} fault {case}: refused {} of 4 calls", refused.len());
             report(t, Err(refused.remove(0)))
         }
         "ll-coll-mismatch" => {
