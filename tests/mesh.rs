@@ -768,6 +768,51 @@ fn unmatched_and_mismatched_point_to_point_fail_every_rank() {
     }
 }
 
+/// A point-to-point transfer left behind by a collective: rank 0 waits in a send to rank 1
+/// (or rank 1 in a receive from rank 0) while the peer has moved on to an allreduce. Both
+/// sides, and every other rank, fail at once with a `Mismatch` naming the transfer and the
+/// call that met it (an eager send, already gone, at the latest in finalize), not at the
+/// timeout (60 s here). The legal mix, a transfer left running in a scope across a
+/// collective that both sides make first, still succeeds. shm and tcp, 2 and 4 ranks,
+/// eager (1,000 f32) and rendezvous (1 MiB).
+#[test]
+fn a_transfer_left_behind_by_a_collective_fails_both_sides_as_a_mismatch() {
+    for transport in ["shm", "tcp"] {
+        for n in [2, 4] {
+            for count in [1000, 262_144] {
+                for case in ["send-then-coll", "recv-then-coll"] {
+                    let ctx = format!("{case} on {n} ranks, {transport}, {count} f32");
+                    let (j, lines) = fault(n, transport, case, count);
+                    let all: Vec<usize> = (0..n).collect();
+                    assert_fails(&j, &lines, &all, &ctx);
+                    for (r, l) in lines.iter().enumerate() {
+                        let l = l.as_deref().unwrap_or_default();
+                        assert!(l.contains("does not match"), "{ctx}: rank {r}: {l}\n{}", j.all());
+                        assert!(secs(l) < 1.0, "{ctx}: rank {r} took {} s: {l}", secs(l));
+                    }
+                    if count > 1000 || case == "recv-then-coll" {
+                        // Named as what it is: the waiting transfer and the peer's call.
+                        let (waits, peer) = if case == "send-then-coll" {
+                            ("rank 0 waits in send to rank 1", 1)
+                        } else {
+                            ("rank 1 waits in recv from rank 0", 0)
+                        };
+                        let named = format!("{waits} (after call #1) while rank {peer} called allreduce(count {count}, f32");
+                        for (r, l) in lines.iter().enumerate() {
+                            assert!(l.as_deref().unwrap_or_default().contains(&named), "{ctx}: rank {r}: {l:?}\n{}", j.all());
+                        }
+                    }
+                }
+                let ctx = format!("p2p-across-coll on {n} ranks, {transport}, {count} f32");
+                let (j, lines) = fault(n, transport, "p2p-across-coll", count);
+                for (r, l) in lines.iter().enumerate() {
+                    assert!(l.as_deref().is_some_and(|l| l.starts_with("no error")), "{ctx}: rank {r}: {l:?}\n{}", j.all());
+                }
+            }
+        }
+    }
+}
+
 /// A rank that fails in the middle of a transfer (an internal error injected with
 /// `FERROCCL_INJECT_FAULT`: reading an eager send's source, copying an eager message into
 /// the receive buffer, a local reduction step, copying a fused group's results back) has

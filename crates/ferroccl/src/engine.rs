@@ -354,6 +354,9 @@ impl JobBody {
 pub(crate) struct Job {
     body: Mutex<JobBody>,
     done: AtomicBool,
+    /// Whether a thread has waited for it (a blocking call, or a scope's wait): that
+    /// thread makes no other call until it is done.
+    waited: AtomicBool,
     /// Whether a caller has seen the outcome (a scope reports errors nobody saw).
     observed: AtomicBool,
     error: Mutex<Option<Error>>,
@@ -365,6 +368,7 @@ impl Job {
         Arc::new(Job {
             body: Mutex::new(body),
             done: AtomicBool::new(false),
+            waited: AtomicBool::new(false),
             observed: AtomicBool::new(false),
             error: Mutex::new(None),
             waker: Mutex::new(None),
@@ -602,7 +606,10 @@ impl Engine {
     /// Answers the peers' probes: a peer in call `k` of a communicator whose call `k` here
     /// had another descriptor is a mismatch, fatal at once, even if neither side ever sends
     /// the other data (both only receive, as in a reduce where each thinks itself the root).
-    fn answer_probes(&self) {
+    /// So is a peer in a call this rank has not made while a thread of this rank waits for
+    /// a point-to-point transfer with that peer (see [`Engine::p2p_left_behind`]; `jobs`:
+    /// the driver's jobs, `None` outside a round).
+    fn answer_probes(&self, jobs: Option<&[Arc<Job>]>) {
         let fabric = &self.fabric;
         let probes = fabric.inbox.take_probes();
         for (peer, comm, call, theirs) in probes {
@@ -610,7 +617,12 @@ impl Engine {
             let Some(flight) = flight else { continue };
             let (_, me, members) = flight.comm();
             let view = View { comm, members };
-            let Some(mine) = flight.desc_of(call) else { continue };
+            let Some(mine) = flight.desc_of(call) else {
+                if let Some(jobs) = jobs {
+                    self.p2p_left_behind(jobs, &flight, peer, call, &theirs);
+                }
+                continue;
+            };
             if mine == theirs {
                 continue;
             }
@@ -627,13 +639,53 @@ impl Engine {
         }
     }
 
+    /// A peer (world rank `peer`) waits in collective call `call` (descriptor `theirs`) of
+    /// `flight`'s communicator, which this rank has not made, while a thread of this rank
+    /// waits for a point-to-point transfer with that peer on it (a blocking `send` or
+    /// `recv`, or a scope's wait, with nothing but point-to-point transfers in it): neither
+    /// can go on (this thread makes no call before the transfer ends, and the peer matches
+    /// none before its call ends), so the calls do not match. Fails the communicator at once
+    /// with a mismatch naming both calls, on both sides (the peer is told), instead of both
+    /// waiting until the timeout.
+    fn p2p_left_behind(&self, jobs: &[Arc<Job>], flight: &Flight, peer: usize, call: u32, theirs: &Desc) {
+        let (comm, me, members) = flight.comm();
+        let last = flight.last_call();
+        // Only a call later than every call made here (a peer behind is not waiting for us).
+        if (call.wrapping_sub(last) as i32) <= 0 {
+            return;
+        }
+        for job in jobs.iter().filter(|j| !j.is_done() && j.waited.load(Ordering::Acquire)) {
+            let body = lock(&job.body);
+            if body.comm != comm || body.parts.iter().any(|p| p.call != 0 || p.ll.is_some()) {
+                continue;
+            }
+            let Some(part) = body.parts.iter().find(|p| !p.finished && p.waiting_for().contains(&peer)) else { continue };
+            let p = members.iter().position(|&w| w == peer).unwrap_or(peer);
+            let after = if last == 0 { String::from("before any collective") } else { format!("after call #{last}") };
+            let fault = Fault {
+                kind: FaultKind::Mismatch,
+                culprit: Some(peer),
+                reporter: None,
+                op: part.name.to_string(),
+                what: format!(
+                    "rank {me} waits in {} ({after}) while rank {p} called {} as call #{call}: the point-to-point transfer is never matched",
+                    part.name,
+                    proto::describe(theirs)
+                ),
+            };
+            drop(body);
+            self.fabric.poison_fault(fault, Scope::Comm(comm), Some(View { comm, members }));
+            return;
+        }
+    }
+
     /// What a thread waiting outside the engine (a low-latency call) does every so often:
     /// drain the transports, watch the peers (`now`: the caller's clock reading), answer
     /// probes.
     pub(crate) fn tend(&self, now: Instant) {
         self.drain();
         self.fabric.check_health(now);
-        self.answer_probes();
+        self.answer_probes(None);
         if !self.fabric.all_failed() {
             self.serve_rma(self.serving());
         }
@@ -792,6 +844,7 @@ impl Engine {
     /// engine whenever no other thread does.
     pub(crate) fn wait(&self, job: &Job, until: Option<Instant>) -> bool {
         let fabric = &self.fabric;
+        job.waited.store(true, Ordering::Release);
         self.park.waiters.fetch_add(1, Ordering::SeqCst);
         // A background driver asleep on the doorbell gives the role up when it wakes.
         fabric.inbox.notify();
@@ -876,7 +929,7 @@ impl Engine {
         let now = (slow || tick.is_multiple_of(CLOCK_EVERY)).then(Instant::now);
         if let Some(now) = now {
             fabric.check_health(now);
-            self.answer_probes();
+            self.answer_probes(Some(jobs));
         }
         let fatal = fabric.inbox.has_fatal();
         let mut moved = !(fatal && fabric.all_failed()) && self.serve_rma(serving);

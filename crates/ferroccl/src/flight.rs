@@ -147,6 +147,11 @@ impl Flight {
         self.lines_after(who, reason, after)
     }
 
+    /// The newest call made (0: none; also when nothing is recorded).
+    pub(crate) fn last_call(&self) -> u32 {
+        self.last()
+    }
+
     /// The newest call in the ring (0: none).
     fn last(&self) -> u32 {
         let calls: Vec<u32> = self.slots.iter().map(|s| s.call.load(Ordering::Acquire)).filter(|&c| c != 0).collect();

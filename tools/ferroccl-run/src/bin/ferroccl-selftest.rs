@@ -1171,6 +1171,13 @@ fn abort(comm: Communicator) -> ! {
 /// Cases (`--count N` elements of f32, default 1000: eager; 100000: rendezvous):
 /// * `bcast-root`: rank 0 broadcasts from root 0, every other rank from root 1;
 /// * `unmatched-send`: rank 0 sends rank 1 a message rank 1 never receives;
+/// * `send-then-coll`: rank 0 sends rank 1 a message, then allreduces; the others only
+///   allreduce (rank 1 never receives it);
+/// * `recv-then-coll`: rank 1 receives from rank 0, then allreduces; the others only
+///   allreduce (rank 0 never sends);
+/// * `p2p-across-coll` (no misuse: every rank must succeed): rank 0 sends rank 1 a
+///   message in a scope and, before waiting for it, allreduces; rank 1 allreduces, then
+///   receives it; then the same the other way round (rank 1's receive in a scope);
 /// * `extra-call`: rank 0 makes a broadcast the others do not, then all allreduce;
 /// * `skip`: the last rank skips an allreduce and goes on to finalize;
 /// * `p2p-len`: rank 0 sends N elements, rank 1 receives N + 1, then both barrier;
@@ -1203,6 +1210,49 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             0 => comm.send(&buf, 1),
             _ => Ok(()),
         },
+        // A point-to-point transfer left behind by a collective: rank 0 sends rank 1 a
+        // message, then allreduces; rank 1 (and everyone else) only allreduces. Or rank 1
+        // waits to receive a message rank 0 never sends.
+        "send-then-coll" => match r {
+            0 => comm.send(&buf, 1).and_then(|()| comm.allreduce(&mut buf, ReduceOp::Sum)),
+            _ => comm.allreduce(&mut buf, ReduceOp::Sum),
+        },
+        "recv-then-coll" => match r {
+            1 => comm.recv(&mut buf, 0).and_then(|()| comm.allreduce(&mut buf, ReduceOp::Sum)),
+            _ => comm.allreduce(&mut buf, ReduceOp::Sum),
+        },
+        // Not a misuse: a send (or receive) left running in a scope while its thread makes
+        // a collective first (after 200 ms of other work), the peer taking part in the
+        // collective before it receives (or sends). Every rank must succeed.
+        "p2p-across-coll" => {
+            let mut x = vec![1f32; 4];
+            let mut got = vec![0f32; count];
+            let res = match r {
+                0 => comm.scope(|s| {
+                    let q = s.send(&buf, 1)?;
+                    std::thread::sleep(Duration::from_millis(200));
+                    comm.allreduce(&mut x, ReduceOp::Sum)?;
+                    q.wait()
+                }),
+                1 => comm.allreduce(&mut x, ReduceOp::Sum).and_then(|()| comm.recv(&mut got, 0)),
+                _ => comm.allreduce(&mut x, ReduceOp::Sum),
+            };
+            let res = res.and_then(|()| match r {
+                0 => comm.allreduce(&mut x, ReduceOp::Sum).and_then(|()| comm.send(&buf, 1)),
+                1 => comm.scope(|s| {
+                    let q = s.recv(&mut got, 0)?;
+                    std::thread::sleep(Duration::from_millis(200));
+                    comm.allreduce(&mut x, ReduceOp::Sum)?;
+                    q.wait()
+                }),
+                _ => comm.allreduce(&mut x, ReduceOp::Sum),
+            });
+            match res {
+                Ok(()) if r == 1 && got.iter().any(|&v| v != 0.0) => Err(ferroccl::Error::InvalidArgument(format!("received {}", got[0]))),
+                Ok(()) if x != [(n * n) as f32; 4] => Err(ferroccl::Error::InvalidArgument(format!("allreduce gave {x:?}"))),
+                other => other,
+            }
+        }
         "extra-call" => {
             let first = if r == 0 { comm.broadcast(&mut buf, 0) } else { Ok(()) };
             first.and_then(|()| comm.allreduce(&mut buf, ReduceOp::Sum))
