@@ -831,6 +831,8 @@ impl Communicator {
             // This communicator's traffic is over: forget what is left of it.
             let mut ev = self.fabric().inbox.lock();
             let id = self.id;
+            let gone: usize = ev.data.iter().filter(|(k, _)| k.0 == id && k.1 == CHAN_COLL).map(|(_, q)| q.len()).sum();
+            self.fabric().inbox.count_coll(CHAN_COLL, -(gone as isize));
             ev.data.retain(|k, _| k.0 != id);
             ev.cts.retain(|k, _| k.0 != id);
             ev.left.retain(|k, _| k.0 != id);

@@ -298,6 +298,10 @@ impl JobBody {
                             .and_then(|r| r)
                             .map_err(|e| Error::internal(format!("{}: copying a fused result out: {e}", p.name)))?;
                     }
+                    if p.chan == proto::CHAN_COLL && p.ll.is_none() {
+                        // Nothing a member sent for this call (or an earlier one) is left.
+                        cx.left_over(&|c| flight.as_ref().is_some_and(|f| f.is_done(c)))?;
+                    }
                     p.finished = true;
                     if p.chan == proto::CHAN_COLL && p.call != 0 {
                         if let Some(f) = flight {
@@ -656,7 +660,11 @@ impl Engine {
         }
         for job in jobs.iter().filter(|j| !j.is_done() && j.waited.load(Ordering::Acquire)) {
             let body = lock(&job.body);
-            if body.comm != comm || body.parts.iter().any(|p| p.call != 0 || p.ll.is_some()) {
+            // Two-sided transfers only: one-sided reads and writes are served by the owner
+            // whatever call it is in.
+            let two_sided =
+                |p: &Part| p.chan == proto::CHAN_USER && matches!(p.name, Op::Send { .. } | Op::Recv { .. } | Op::SendRecv { .. });
+            if body.comm != comm || !body.parts.iter().all(two_sided) {
                 continue;
             }
             let Some(part) = body.parts.iter().find(|p| !p.finished && p.waiting_for().contains(&peer)) else { continue };

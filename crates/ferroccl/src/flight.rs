@@ -178,6 +178,11 @@ impl Flight {
         s.call.store(call, Ordering::Release);
     }
 
+    /// Whether call `call` finished on this rank, as far as the ring still holds it.
+    pub(crate) fn is_done(&self, call: u32) -> bool {
+        self.slot(call).and_then(Slot::read).is_some_and(|(c, _, done)| c == call && done)
+    }
+
     /// The descriptor call `call` was made with, if the ring still holds it.
     pub(crate) fn desc_of(&self, call: u32) -> Option<Desc> {
         self.slot(call).and_then(Slot::read).filter(|r| r.0 == call).map(|r| r.1)

@@ -6,7 +6,7 @@
 //! one [`Backoff`] every wait loop uses, and the pool of message buffers.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -351,6 +351,10 @@ pub(crate) struct Inbox {
     any_probe: AtomicBool,
     /// Raised when a one-sided request arrives (the window server looks every round).
     any_rma: AtomicBool,
+    /// Collective-channel messages (data and ready-to-sends) waiting in [`Events::data`]:
+    /// while none wait, a collective that finishes has left nothing of its peers' behind
+    /// (see `XferCtx::left_over`).
+    coll_backlog: AtomicUsize,
     /// Message buffers for reuse, so that receiving an eager message allocates nothing once
     /// the pool is warm.
     bufs: Mutex<Vec<Vec<u8>>>,
@@ -376,6 +380,7 @@ impl Inbox {
             any_left: AtomicBool::new(false),
             any_probe: AtomicBool::new(false),
             any_rma: AtomicBool::new(false),
+            coll_backlog: AtomicUsize::new(0),
             regions: RwLock::new(HashMap::new()),
             bell,
             bufs: Mutex::new((0..BUF_POOL_START).map(|_| Vec::with_capacity(BUF_MIN_BYTES)).collect()),
@@ -453,6 +458,23 @@ impl Inbox {
         true
     }
 
+    /// `n` messages on channel `chan` arrived (`n > 0`) or were taken (`n < 0`): counted
+    /// for the collective channel (see [`Inbox::coll_backlog`]). Called under the event lock.
+    pub(crate) fn count_coll(&self, chan: u8, n: isize) {
+        if chan == proto::CHAN_COLL {
+            if n >= 0 {
+                self.coll_backlog.fetch_add(n.unsigned_abs(), Ordering::Relaxed);
+            } else {
+                self.coll_backlog.fetch_sub(n.unsigned_abs(), Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Collective-channel messages waiting to be matched (any communicator).
+    pub(crate) fn coll_backlog(&self) -> usize {
+        self.coll_backlog.load(Ordering::Relaxed)
+    }
+
     /// A two-sided message arrived from `peer`.
     pub(crate) fn deliver_msg(&self, peer: usize, bytes: Vec<u8>) {
         let decoded = match proto::decode_keep(bytes) {
@@ -467,10 +489,12 @@ impl Inbox {
         let mut ev = self.lock();
         match decoded {
             Ok(ProtoMsg::Eager { comm, chan, seq, call, desc, data }) => {
+                self.count_coll(chan, 1);
                 ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data, rts: None })
             }
             Ok(ProtoMsg::Cts { comm, chan, cts }) => ev.cts.entry((comm, chan, peer)).or_default().push_back(cts),
             Ok(ProtoMsg::Rts { comm, chan, seq, call, desc, len }) => {
+                self.count_coll(chan, 1);
                 ev.data.entry((comm, chan, peer)).or_default().push_back(Incoming { seq, call, desc, data: Vec::new(), rts: Some(len) })
             }
             Ok(ProtoMsg::Err(f, comm)) => ev.peer_gave_up(self.rank, peer, f, comm),

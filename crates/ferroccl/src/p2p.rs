@@ -106,6 +106,34 @@ impl XferCtx<'_> {
         Err(Error::Mismatch { rank: self.rank, peer, op: self.op_named(), what, cause: None })
     }
 
+    /// After this collective call finished here: a message a member sent this rank for it,
+    /// or for an earlier call that has finished here too (`done`: calls still in flight, a
+    /// scope's, may finish later), that nothing took is a mismatch (the member made the
+    /// call otherwise: as a broadcast's root where this rank took another root, say; both
+    /// sides returned, and the message would otherwise sit until finalize while later calls
+    /// run on top of it). Free while no collective message waits anywhere (one load).
+    pub(crate) fn left_over(&self, done: &dyn Fn(u32) -> bool) -> Result<()> {
+        if self.call == 0 || self.fabric.inbox.coll_backlog() == 0 {
+            return Ok(());
+        }
+        let ev = self.fabric.inbox.lock();
+        for (p, &w) in self.members.iter().enumerate().filter(|&(p, _)| p != self.rank) {
+            let Some(q) = ev.data.get(&(self.comm, proto::CHAN_COLL, w)) else { continue };
+            // Calls at or before this one (numbers wrap: compared as a difference).
+            let stale = |c: u32| c != 0 && (c == self.call || ((self.call.wrapping_sub(c) as i32) > 0 && done(c)));
+            let Some(m) = q.iter().find(|m| stale(m.call)) else { continue };
+            let me = self.rank;
+            let made = if m.call == self.call { format!(" made as {} and", proto::describe(&self.desc)) } else { String::new() };
+            let what = format!(
+                "rank {p} sent rank {me} a message for {} as call #{}, which rank {me}{made} finished without it",
+                proto::describe(&m.desc),
+                m.call
+            );
+            return Err(Error::Mismatch { rank: self.rank, peer: p, op: self.op_named(), what, cause: None });
+        }
+        Ok(())
+    }
+
     /// A message or clear-to-send from `wpeer` for this very call whose descriptor
     /// differs: the peer called something else, and whatever we wait for will never come.
     /// Looks only while waiting; collective calls only.
@@ -368,7 +396,10 @@ impl RecvOp {
                     let closed = ev.closed.contains(&self.wpeer);
                     let q = ev.data.entry(key).or_default();
                     match q.iter().position(|m| m.seq == self.seq) {
-                        Some(i) => q.remove(i),
+                        Some(i) => {
+                            cx.fabric.inbox.count_coll(cx.chan, -1);
+                            q.remove(i)
+                        }
                         None => {
                             cx.conflict(&ev, self.peer, self.wpeer)?;
                             cx.left_before_sending(&ev, self.peer, self.wpeer, self.seq)?;
@@ -414,6 +445,7 @@ impl RecvOp {
                         match rts {
                             Some(sent) if sent == self.len as u64 => {
                                 q.remove(i);
+                                cx.fabric.inbox.count_coll(cx.chan, -1);
                                 announced = true;
                                 moved = true;
                             }

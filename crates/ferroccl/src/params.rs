@@ -58,7 +58,7 @@ pub const PARAMS: &[Param] = &[
     Param { name: "FERROCCL_REG_CACHE_ENTRIES", default: "256", doc: "Registrations the registration cache keeps (keyed by address range; least recently used are evicted first, never one in use). Repeated calls on the same buffer reuse its registration." },
     Param { name: "FERROCCL_DEBUG", default: "0", doc: "Logs, as NCCL_DEBUG: 0 (none), WARN (failures and their culprits, paths given up), INFO (also setup: transports, addresses, knobs set; and each call's first occurrence: algorithm, protocol, chunks, the cost model's estimates), TRACE (also every call and registration); 1 means INFO. Records go through the `log` crate (targets ferroccl::init, ::transport, ::coll, ::plan, ::reg, ::health) to the application's logger; where it installed none, the first communicator installs one that writes them to stderr as `ferroccl LEVEL subsys: message`." },
     Param { name: "FERROCCL_DEBUG_SUBSYS", default: "all", doc: "Subsystems whose records FerroCCL's stderr logger writes, as NCCL_DEBUG_SUBSYS: comma-separated names among init, transport, coll, plan, reg, health (or all); a leading ^ excludes the list (^reg,plan)." },
-    Param { name: "FERROCCL_FLIGHT_RECORDER", default: "stderr", doc: "Where a rank writes its flight record (each communicator's last FERROCCL_FLIGHT_ENTRIES calls: number, collective, dtype, count, algorithm, done or pending) when a call fails for good (a fatal error, a timeout): stderr, a path prefix (the record goes to PREFIX<world rank>, and one line on stderr says so), or off (none written; the last 16 calls are still kept, as they answer the peers' probes). ferroccl-run reads the records and names the first call the ranks parted at and who never reached it." },
+    Param { name: "FERROCCL_FLIGHT_RECORDER", default: "stderr", doc: "Where a rank writes its flight record (each communicator's last FERROCCL_FLIGHT_ENTRIES calls: number, collective, dtype, count, algorithm, done or pending) when a call fails for good (a fatal error, a timeout): stderr, a path prefix (the record goes to PREFIX<launch rank>.<pid>, made exclusively with mode 0600: a file or symbolic link already there is never followed or overwritten; one line on stderr says so), or off (none written; the last 16 calls are still kept, as they answer the peers' probes). ferroccl-run reads the records and names the first call the ranks parted at and who never reached it." },
     Param { name: "FERROCCL_FLIGHT_ENTRIES", default: "64", doc: "Calls each communicator's flight recorder keeps, rounded up to a power of two, at least 16 (up to 65536). Recording is a few stores per call into memory of its own (no clock)." },
 ];
 
@@ -238,7 +238,7 @@ pub enum FlightDest {
     Off,
     /// To stderr (the default).
     Stderr,
-    /// To the file `PREFIX<world rank>` (a path prefix).
+    /// To the file `PREFIX<launch rank>.<pid>` (a path prefix), made exclusively.
     Files(std::path::PathBuf),
 }
 

@@ -70,6 +70,22 @@ pub(crate) struct Survivors<'a> {
     watches: Vec<(usize, ProcessWatch)>,
     /// Members known dead so far, and when liveness was last looked at.
     known: Mutex<(BTreeSet<usize>, Option<Instant>)>,
+    /// The attempt under way (see [`Attempt`]).
+    attempt: Mutex<Attempt>,
+}
+
+/// What one attempt knows of deaths *during* it. Only fresh evidence counts against a
+/// member that said it is alive in this attempt: its watched process exited, or the old
+/// fabric learned of its death since the attempt began (its health may still blame a rank
+/// that is alive, say one that gave up on a dead one), or a survivor published such
+/// evidence under `<base>/died/<w>`.
+#[derive(Debug, Default)]
+struct Attempt {
+    base: String,
+    /// The old fabric's dead peers when the attempt began.
+    stale: BTreeSet<usize>,
+    died: BTreeSet<usize>,
+    looked: Option<Instant>,
 }
 
 impl<'a> Survivors<'a> {
@@ -92,7 +108,7 @@ impl<'a> Survivors<'a> {
                 Err(_) => {}
             }
         }
-        Survivors { fabric, store, root, members, me, watches, known: Mutex::new((known, None)) }
+        Survivors { fabric, store, root, members, me, watches, known: Mutex::new((known, None)), attempt: Mutex::default() }
     }
 
     fn dead_key(&self, w: usize) -> String {
@@ -130,6 +146,34 @@ impl<'a> Survivors<'a> {
         k.0.clone()
     }
 
+    /// The members known to have died during the attempt under way (looked at again at most
+    /// every [`LOOK_EVERY`]; see [`Attempt`]); what this rank finds is published.
+    fn died(&self) -> BTreeSet<usize> {
+        let mut a = self.attempt.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if a.looked.is_some_and(|t| now.saturating_duration_since(t) < LOOK_EVERY) {
+            return a.died.clone();
+        }
+        a.looked = Some(now);
+        self.fabric.check_health(now);
+        let mut found: Vec<usize> = self.watches.iter().filter(|(_, w)| w.has_exited()).map(|(m, _)| *m).collect();
+        found.extend(self.fabric.dead_peers().into_iter().filter(|p| self.members.contains(p) && !a.stale.contains(p)));
+        for m in found {
+            if m != self.me && a.died.insert(m) {
+                let _ = self.store.set(&format!("{}/died/{m}", a.base), b"1");
+            }
+        }
+        for &m in &self.members {
+            if m == self.me || a.died.contains(&m) || self.watches.iter().any(|(w, _)| *w == m) {
+                continue;
+            }
+            if matches!(self.store.try_get(&format!("{}/died/{m}", a.base)), Ok(Some(_))) {
+                a.died.insert(m);
+            }
+        }
+        a.died.clone()
+    }
+
     /// Takes `dead` as dead from now on (they died during an attempt).
     pub(crate) fn mark_dead(&self, dead: &[usize]) {
         let mut k = self.known.lock().unwrap_or_else(|e| e.into_inner());
@@ -149,6 +193,9 @@ impl<'a> Survivors<'a> {
     /// fabric, in order).
     pub(crate) fn agree(&self, base: &str, deadline: Instant) -> Result<Vec<usize>> {
         let key = |what: &str, w: usize| format!("{base}/{what}/{w}");
+        self.fabric.check_health(Instant::now());
+        *self.attempt.lock().unwrap_or_else(|e| e.into_inner()) =
+            Attempt { base: base.to_string(), stale: self.fabric.dead_peers().into_iter().collect(), ..Attempt::default() };
         let dead_now: Vec<usize> = self.dead().into_iter().collect();
         self.store.set(&key("alive", self.me), encode(&dead_now).as_bytes())?;
         let (mut alive, mut said_dead): (BTreeSet<usize>, BTreeSet<usize>) = Default::default();
@@ -179,10 +226,10 @@ impl<'a> Survivors<'a> {
         Ok(decode(&self.store.get(&format!("{base}/decided"), left)?))
     }
 
-    /// For the build of attempt `decided` (step 4): an error naming a member of it known
-    /// dead (`rank`: this rank in the new communicator), if one is.
+    /// For the build of attempt `decided` (step 4): an error naming a member of it that
+    /// died during the attempt (`rank`: this rank in the new communicator), if one did.
     pub(crate) fn check(&self, decided: &[usize], rank: usize) -> Result<()> {
-        let dead = self.dead();
+        let dead = self.died();
         match decided.iter().position(|m| dead.contains(m)) {
             None => Ok(()),
             Some(r) => Err(self.died_error(decided[r], Some(r), rank, decided.len())),
@@ -216,7 +263,7 @@ impl<'a> Survivors<'a> {
         let mine = match built {
             None => "ok".to_string(),
             Some(e) => {
-                let dead: Vec<usize> = self.dead().into_iter().filter(|m| decided.contains(m)).collect();
+                let dead: Vec<usize> = self.died().into_iter().filter(|m| decided.contains(m)).collect();
                 if dead.is_empty() {
                     format!("error:{e}")
                 } else {
@@ -234,7 +281,7 @@ impl<'a> Survivors<'a> {
                 Err(e) => return Err(e),
             }
             // A member dead before it said a word never will: its silence is final.
-            let dead = self.dead();
+            let dead = self.died();
             let mut words = Vec::with_capacity(decided.len());
             let mut all_known = true;
             for &m in decided {

@@ -1132,11 +1132,20 @@ fn engine(comm: &Communicator, args: &[String]) -> R<()> {
     Ok(())
 }
 
-/// Rank 0 aborts (from another thread) while both ranks sit in an allreduce rank 1 never
-/// completes: rank 0's call fails with Aborted, rank 1's names rank 0. Prints the times.
+/// Rank 0 aborts (from another thread) while it sits in an allreduce rank 1 never joins,
+/// and rank 1 waits to receive, on a communicator split from the world (so that neither
+/// is a transfer left behind by the other's collective), a message rank 0 never sends:
+/// rank 0's call fails with Aborted, rank 1's names rank 0. Prints the times.
 fn abort(comm: Communicator) -> ! {
     let r = comm.rank();
     let mut buf = vec![1.0f32; 1000];
+    let sub = match comm.split(Some(0), r as i64) {
+        Ok(Some(s)) => s,
+        other => {
+            eprintln!("selftest: rank {r} error: split: {other:?}");
+            std::process::exit(1)
+        }
+    };
     let t = Instant::now();
     let res = std::thread::scope(|s| {
         if r == 0 {
@@ -1147,7 +1156,7 @@ fn abort(comm: Communicator) -> ! {
             comm.allreduce(&mut buf, ferroccl::ReduceOp::Sum)
         } else {
             // Rank 1 waits for a message that never comes.
-            comm.recv(&mut buf[..1], 0)
+            sub.recv(&mut buf[..1], 0)
         }
     });
     match res {
@@ -1170,6 +1179,7 @@ fn abort(comm: Communicator) -> ! {
 ///
 /// Cases (`--count N` elements of f32, default 1000: eager; 100000: rendezvous):
 /// * `bcast-root`: rank 0 broadcasts from root 0, every other rank from root 1;
+/// * `bcast-root-next`: the same, then every rank allreduces (none may complete it);
 /// * `unmatched-send`: rank 0 sends rank 1 a message rank 1 never receives;
 /// * `send-then-coll`: rank 0 sends rank 1 a message, then allreduces; the others only
 ///   allreduce (rank 1 never receives it);
@@ -1206,6 +1216,16 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
     let t = Instant::now();
     let res: ferroccl::Result<()> = match case.as_str() {
         "bcast-root" => comm.broadcast(&mut buf, usize::from(r != 0).min(n - 1)),
+        // The same, then an allreduce: no rank may complete it on top of the broadcast that
+        // did not match (a rank whose broadcast returned may learn of it only now).
+        "bcast-root-next" => comm.broadcast(&mut buf, usize::from(r != 0).min(n - 1)).and_then(|()| {
+            let mut x = [1f32; 4];
+            let res = comm.allreduce(&mut x, ReduceOp::Sum);
+            if res.is_ok() {
+                println!("selftest: rank {r} fault {case}: completed the next allreduce on top of it");
+            }
+            res
+        }),
         "unmatched-send" => match r {
             0 => comm.send(&buf, 1),
             _ => Ok(()),
