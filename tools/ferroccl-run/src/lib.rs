@@ -68,8 +68,11 @@
 //!    Once every rank has ended, the runner reads the ranks' flight records (the
 //!    `ferroccl-flight` lines they write to stderr when a call fails for good, kept out of
 //!    the output unless `-v`; or the files `FERROCCL_FLIGHT_RECORDER` names) and prints,
-//!    per communicator, where the ranks' calls parted, then one line
-//!    `ferroccl-run: culprit: rank 3 (exited with status 1)` (see `ferroccl::flight`).
+//!    per communicator, where the ranks' calls parted, then one line naming the culprits
+//!    by the rank it launched them as (whatever a shrink renumbered): each world's, then
+//!    any rank killed by a signal the runner did not send that no record names (one that
+//!    died inside a shrink), e.g. `ferroccl-run: culprit: rank 3 (exited with status 1)`
+//!    (see `ferroccl::flight`).
 //! 5. **Timeout.** When `--timeout` passes with ranks still running it prints
 //!    `ferroccl-run: timeout after S s; ranks still running: 0, 2`, then sends `SIGTERM`
 //!    and, one second later, `SIGKILL` to them.
