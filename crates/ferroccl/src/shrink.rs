@@ -9,9 +9,10 @@
 //!    (what it said, or a death it published under `<root>/dead/<w>`). A member silent
 //!    until the deadline (stopped) is left out.
 //! 3. **Decide.** The first survivor to ask decides the membership; the others take it.
-//! 4. **Build** the new communicator, watching the members meanwhile: a member that dies
-//!    ends the build at once, naming it (instead of leaving the others waiting for its
-//!    store keys or connections until the timeout).
+//! 4. **Build** the new communicator, watching the members meanwhile: a member that dies,
+//!    or one that already said its build failed (step 5), ends the build at once, naming
+//!    it (instead of leaving the others waiting for its store keys or connections until
+//!    the timeout).
 //! 5. **Confirm.** Each says whether its build succeeded (`ok`), failed because members
 //!    died (`dead:<w>,...`), or failed otherwise (`error:<what>`). The attempt holds when
 //!    every member said `ok`; it is tried again (without the dead) when a member died
@@ -85,6 +86,9 @@ struct Attempt {
     /// The old fabric's dead peers when the attempt began.
     stale: BTreeSet<usize>,
     died: BTreeSet<usize>,
+    /// A member whose build already failed (its word in step 5 is not `ok`): the others
+    /// need not wait for it to connect.
+    gave_up: Option<usize>,
     looked: Option<Instant>,
 }
 
@@ -171,6 +175,14 @@ impl<'a> Survivors<'a> {
                 a.died.insert(m);
             }
         }
+        if a.gave_up.is_none() {
+            a.gave_up = self
+                .members
+                .iter()
+                .copied()
+                .filter(|&m| m != self.me)
+                .find(|m| matches!(self.store.try_get(&format!("{}/built/{m}", a.base)), Ok(Some(w)) if w != b"ok"));
+        }
         a.died.clone()
     }
 
@@ -230,9 +242,20 @@ impl<'a> Survivors<'a> {
     /// died during the attempt (`rank`: this rank in the new communicator), if one did.
     pub(crate) fn check(&self, decided: &[usize], rank: usize) -> Result<()> {
         let dead = self.died();
-        match decided.iter().position(|m| dead.contains(m)) {
+        if let Some(r) = decided.iter().position(|m| dead.contains(m)) {
+            return Err(self.died_error(decided[r], Some(r), rank, decided.len()));
+        }
+        // A member that gave up on its build will not connect: stop waiting for it.
+        let gave_up = self.attempt.lock().unwrap_or_else(|e| e.into_inner()).gave_up;
+        match gave_up.and_then(|w| decided.iter().position(|&m| m == w)) {
             None => Ok(()),
-            Some(r) => Err(self.died_error(decided[r], Some(r), rank, decided.len())),
+            Some(r) => Err(Error::PeerFailed {
+                rank,
+                peer: r,
+                op: Op::other("shrink"),
+                reason: "could not build the shrunk communicator".into(),
+                cause: None,
+            }),
         }
     }
 
