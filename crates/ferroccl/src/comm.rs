@@ -291,7 +291,9 @@ impl Communicator {
             if built.is_ok() && fabric.params.injects(FaultSite::ShrinkBuilt, fabric.rank) {
                 std::process::abort();
             }
-            match survivors.confirm(&base, &decided, built.as_ref().err(), deadline)? {
+            // A deadline of its own: waiting for a silent member may have used up the
+            // agreement's (a stopped rank is left out only when it passes).
+            match survivors.confirm(&base, &decided, built.as_ref().err(), Instant::now() + timeout)? {
                 Outcome::Holds => {
                     let comm = built?;
                     // The store this rank serves (torchrun, Slurm) moves to the new
