@@ -27,7 +27,7 @@ use crate::poll::Poll;
 use crate::prepared::{SchedCache, ScratchCache};
 use crate::proto::{self, Desc, Leave, BARRIER_DESC, CHANNELS, CHAN_COLL, CHAN_USER, NO_DESC, SPLIT_DESC};
 use crate::registry::RegStats;
-use crate::shrink::{Outcome, Survivors};
+use crate::shrink::{self, Outcome, Survivors};
 use crate::transport_kind::TransportKind;
 
 /// How to reach the other ranks of a job, when not read from the environment.
@@ -264,7 +264,7 @@ impl Communicator {
             let Some(rank) = decided.iter().position(|&w| w == me) else {
                 return Err(Error::invalid(format!(
                     "rank {me}: shrink: left out of the shrunk communicator (ranks {}): the others did not hear from this rank in time",
-                    decided.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+                    shrink::encode(&decided)
                 )));
             };
             if fabric.params.injects(FaultSite::Shrink, fabric.rank) {
@@ -272,7 +272,7 @@ impl Communicator {
             }
             // A fresh world over new connections, numbered in the survivors' order; a
             // member that dies meanwhile ends the build at once.
-            let launch: Arc<[usize]> = decided.iter().map(|&w| fabric.process(w).map_or(w, |p| p.launch_rank)).collect();
+            let launch: Arc<[usize]> = decided.iter().map(|&w| fabric.launch_rank(w)).collect();
             let watch = || survivors.check(&decided, rank);
             let built = StoreClient::connect(&fabric.store_addr, &fabric.token.0, rank, timeout).and_then(|store| {
                 Self::build(
@@ -308,7 +308,7 @@ impl Communicator {
                         self.id,
                         decided.len(),
                         self.members.len(),
-                        decided.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+                        shrink::encode(&decided),
                         start.elapsed()
                     );
                     return Ok(comm);

@@ -573,7 +573,8 @@ impl Engine {
         let _one = lock(&self.flight_dumping);
         let flights: Vec<Arc<Flight>> = lock(&self.flights).iter().filter_map(Weak::upgrade).collect();
         let tag = self.fabric.tag();
-        let who = Who { world: self.fabric.rank, launch: &self.fabric.launch, fabric: &tag };
+        let launch: Vec<usize> = (0..self.fabric.size).map(|w| self.fabric.launch_rank(w)).collect();
+        let who = Who { world: self.fabric.rank, launch: &launch, fabric: &tag };
         let lines: Vec<String> = flights.iter().flat_map(|f| f.take_dump(who, reason)).collect();
         if lines.is_empty() {
             return;
@@ -583,7 +584,7 @@ impl Engine {
     }
 
     fn write_flight(&self, lines: &[String]) {
-        let launch = self.fabric.launch.get(self.fabric.rank).copied().unwrap_or(self.fabric.rank);
+        let launch = self.fabric.launch_rank(self.fabric.rank);
         let mut text = String::new();
         for l in lines {
             text.push_str(l);

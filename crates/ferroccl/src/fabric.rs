@@ -102,8 +102,6 @@ pub(crate) struct Fabric {
     /// The job's token and the store's address: what a shrink needs to build a new fabric.
     pub(crate) token: Secret,
     pub(crate) store_addr: String,
-    /// The launch rank of each world rank (see [`crate::Process`]).
-    pub(crate) launch: Arc<[usize]>,
     /// Numbers of this rank's one-sided requests (their owners' replies name them).
     next_req: std::sync::atomic::AtomicU64,
     /// The lowest signal slot no library object of this process has claimed (slot 0 is the
@@ -159,7 +157,6 @@ impl Fabric {
             job: job_id(&token, &key_prefix),
             token: Secret(token),
             store_addr,
-            launch,
             next_req: std::sync::atomic::AtomicU64::new(1),
             next_signal_slot: std::sync::atomic::AtomicU32::new(1),
             health: Health::new(rank, inbox.clone(), watches, processes),
@@ -258,6 +255,11 @@ impl Fabric {
     /// shrinks built (whose communicator ids start at 0 again).
     pub(crate) fn tag(&self) -> String {
         format!("{:08x}", self.job as u32)
+    }
+
+    /// The launch rank of world rank `w` (see [`crate::Process`]).
+    pub(crate) fn launch_rank(&self, w: usize) -> usize {
+        self.process(w).map_or(w, |p| p.launch_rank)
     }
 
     /// World rank `w`'s process: its launch rank, host and pid.

@@ -124,7 +124,7 @@ impl Flight {
         if self.slots.is_empty() {
             return;
         }
-        let call = self.last().wrapping_add(1);
+        let call = self.last_call().wrapping_add(1);
         let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
         if r.is_none() {
             *r = Some((call, what.to_string()));
@@ -136,7 +136,7 @@ impl Flight {
     /// still be numbered after the fatal state is first met: [`parse`] adds such lines to
     /// the record); nothing if nothing changed.
     pub(crate) fn take_dump(&self, who: Who<'_>, reason: &str) -> Vec<String> {
-        let now = (self.last(), self.refused.lock().unwrap_or_else(|e| e.into_inner()).is_some());
+        let now = (self.last_call(), self.refused.lock().unwrap_or_else(|e| e.into_inner()).is_some());
         let mut dumped = self.dumped.lock().unwrap_or_else(|e| e.into_inner());
         if *dumped == Some(now) {
             return Vec::new();
@@ -147,13 +147,8 @@ impl Flight {
         self.lines_after(who, reason, after)
     }
 
-    /// The newest call made (0: none; also when nothing is recorded).
+    /// The newest call in the ring (0: none; also when nothing is recorded).
     pub(crate) fn last_call(&self) -> u32 {
-        self.last()
-    }
-
-    /// The newest call in the ring (0: none).
-    fn last(&self) -> u32 {
         let calls: Vec<u32> = self.slots.iter().map(|s| s.call.load(Ordering::Acquire)).filter(|&c| c != 0).collect();
         let pivot = calls.first().copied().unwrap_or(0);
         calls.into_iter().max_by_key(|c| c.wrapping_sub(pivot).wrapping_add(1 << 31)).unwrap_or(0)

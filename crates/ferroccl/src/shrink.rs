@@ -37,7 +37,8 @@ const LOOK_EVERY: Duration = Duration::from_millis(10);
 /// How long one wait on the store lasts before liveness is looked at again.
 const WAIT_SLICE: Duration = Duration::from_millis(20);
 
-fn encode(v: &[usize]) -> String {
+/// A list of ranks as the store keeps it ("0,2,3").
+pub(crate) fn encode(v: &[usize]) -> String {
     v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
 }
 
@@ -119,62 +120,57 @@ impl<'a> Survivors<'a> {
         format!("{}/dead/{w}", self.root)
     }
 
-    /// The members known dead now (looked at again at most every [`LOOK_EVERY`]): watched
-    /// processes that exited, the old fabric's dead peers, and deaths other survivors
-    /// published. Deaths this rank finds are published for the others (members on other
-    /// hosts may have no other way to learn of them).
-    pub(crate) fn dead(&self) -> BTreeSet<usize> {
-        let mut k = self.known.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        if k.1.is_some_and(|t| now.saturating_duration_since(t) < LOOK_EVERY) {
-            return k.0.clone();
-        }
-        k.1 = Some(now);
-        self.fabric.check_health(now);
+    /// Adds to `into` the members found dead now: watched processes that exited, the old
+    /// fabric's dead peers not in `stale`, and deaths other survivors published under
+    /// `key(w)` (looked up only for members this rank cannot watch itself). What this rank
+    /// finds it publishes there (members on other hosts may have no other way to learn).
+    fn look(&self, into: &mut BTreeSet<usize>, stale: &BTreeSet<usize>, key: &dyn Fn(usize) -> String) {
+        self.fabric.check_health(Instant::now());
         let mut found: Vec<usize> = self.watches.iter().filter(|(_, w)| w.has_exited()).map(|(m, _)| *m).collect();
-        found.extend(self.fabric.dead_peers().into_iter().filter(|p| self.members.contains(p)));
+        found.extend(self.fabric.dead_peers().into_iter().filter(|p| self.members.contains(p) && !stale.contains(p)));
         for m in found {
-            if m != self.me && k.0.insert(m) {
-                let _ = self.store.set(&self.dead_key(m), b"1");
+            if m != self.me && into.insert(m) {
+                let _ = self.store.set(&key(m), b"1");
             }
         }
-        // Published by others: only members this rank cannot watch itself.
         for &m in &self.members {
-            if m == self.me || k.0.contains(&m) || self.watches.iter().any(|(w, _)| *w == m) {
+            if m == self.me || into.contains(&m) || self.watches.iter().any(|(w, _)| *w == m) {
                 continue;
             }
-            if matches!(self.store.try_get(&self.dead_key(m)), Ok(Some(_))) {
-                k.0.insert(m);
+            if matches!(self.store.try_get(&key(m)), Ok(Some(_))) {
+                into.insert(m);
             }
         }
-        k.0.clone()
     }
 
-    /// The members known to have died during the attempt under way (looked at again at most
-    /// every [`LOOK_EVERY`]; see [`Attempt`]); what this rank finds is published.
+    /// Whether a throttled look is due (at most every [`LOOK_EVERY`]); marks it done.
+    fn due(looked: &mut Option<Instant>) -> bool {
+        let now = Instant::now();
+        if looked.is_some_and(|t| now.saturating_duration_since(t) < LOOK_EVERY) {
+            return false;
+        }
+        *looked = Some(now);
+        true
+    }
+
+    /// The members known dead now, whenever they died (see [`Survivors::look`]).
+    pub(crate) fn dead(&self) -> BTreeSet<usize> {
+        let mut k = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        let (known, looked) = &mut *k;
+        if Self::due(looked) {
+            self.look(known, &BTreeSet::new(), &|w| self.dead_key(w));
+        }
+        known.clone()
+    }
+
+    /// The members known to have died during the attempt under way (see [`Attempt`]).
     fn died(&self) -> BTreeSet<usize> {
         let mut a = self.attempt.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        if a.looked.is_some_and(|t| now.saturating_duration_since(t) < LOOK_EVERY) {
+        if !Self::due(&mut a.looked) {
             return a.died.clone();
         }
-        a.looked = Some(now);
-        self.fabric.check_health(now);
-        let mut found: Vec<usize> = self.watches.iter().filter(|(_, w)| w.has_exited()).map(|(m, _)| *m).collect();
-        found.extend(self.fabric.dead_peers().into_iter().filter(|p| self.members.contains(p) && !a.stale.contains(p)));
-        for m in found {
-            if m != self.me && a.died.insert(m) {
-                let _ = self.store.set(&format!("{}/died/{m}", a.base), b"1");
-            }
-        }
-        for &m in &self.members {
-            if m == self.me || a.died.contains(&m) || self.watches.iter().any(|(w, _)| *w == m) {
-                continue;
-            }
-            if matches!(self.store.try_get(&format!("{}/died/{m}", a.base)), Ok(Some(_))) {
-                a.died.insert(m);
-            }
-        }
+        let Attempt { base, stale, died, .. } = &mut *a;
+        self.look(died, stale, &|w| format!("{base}/died/{w}"));
         if a.gave_up.is_none() {
             a.gave_up = self
                 .members
