@@ -35,9 +35,9 @@ fn run() -> Res<()> {
     let mut grads = vec![(rank + 1) as f32; 1 << 18];
     let mut steps = [1u32];
     let local_work = comm.scope(|s| {
-        let g = s.allreduce(&mut grads, ReduceOp::Sum)?;
-        drop(s.allreduce(&mut steps, ReduceOp::Sum)?); // not waited for here: the scope does
-                                                       // ... computation that does not touch the buffers runs while both are in flight ...
+        let g = s.start(ferroccl::op::allreduce(&mut grads, ReduceOp::Sum))?;
+        drop(s.start(ferroccl::op::allreduce(&mut steps, ReduceOp::Sum))?); // not waited for here: the scope does
+                                                                            // ... computation that does not touch the buffers runs while both are in flight ...
         let work: u64 = (0..100_000u64).map(|i| i % 7).sum();
         g.wait()?;
         Ok(work)
@@ -49,8 +49,8 @@ fn run() -> Res<()> {
     // 2. A group: several operations submitted as one unit, completed together.
     let (mut a, mut b) = (vec![rank as i32; 16], vec![rank as f64; 16]);
     comm.group(|g| {
-        g.allreduce(&mut a, ReduceOp::Min)?;
-        g.allreduce(&mut b, ReduceOp::Max)
+        g.add(ferroccl::op::allreduce(&mut a, ReduceOp::Min))?;
+        g.add(ferroccl::op::allreduce(&mut b, ReduceOp::Max))
     })?;
     if a.iter().any(|&x| x != 0) || b.iter().any(|&x| x != (n - 1) as f64) {
         return Err(format!("rank {rank}: a grouped allreduce gave a wrong result").into());
@@ -60,7 +60,7 @@ fn run() -> Res<()> {
     //    moves data. The plan owns the buffer while it lives: write inputs and read results
     //    through it.
     let mut buf = vec![0f32; 1 << 16];
-    let mut plan = comm.allreduce_plan(&mut buf, ReduceOp::Sum)?;
+    let mut plan = comm.plan(ferroccl::op::allreduce(&mut buf, ReduceOp::Sum))?;
     for step in 0..10 {
         plan.output_mut().fill((rank + step) as f32); // this step's input
         plan.run()?;

@@ -53,7 +53,7 @@ fn run() -> Res<()> {
         // Everyone's handles, to everyone.
         let mine: Vec<u8> = windows.iter().flat_map(|w| w.handle().to_bytes()).collect();
         let mut all = vec![0u8; mine.len() * n];
-        comm.allgather(&mine, &mut all)?;
+        comm.allgather_into(&mine, &mut all)?;
         let theirs: Vec<RemoteHandle> = all[left * mine.len()..(left + 1) * mine.len()]
             .chunks(RemoteHandle::BYTES)
             .map(RemoteHandle::from_bytes)

@@ -90,7 +90,7 @@ pub struct Communicator {
     /// The flight recorder of this communicator's calls (also held by its streams).
     pub(crate) flight: Arc<Flight>,
     /// Low-latency calls already explained in the `coll` log (touched only when it is on).
-    pub(crate) explained: Mutex<HashSet<CallKey>>,
+    pub(crate) explained: Mutex<HashSet<(CallKey, Option<Arc<String>>)>>,
 }
 
 /// A call's shape as the schedule cache keys it: collective, dtype, op, count, in place.
@@ -499,6 +499,11 @@ impl Communicator {
 
     /// A job of `parts`, with the call deadline (`FERROCCL_TIMEOUT` from now).
     pub(crate) fn job_body(&self, parts: Vec<Part>) -> JobBody {
+        self.job_body_within(parts, None)
+    }
+
+    /// A job of `parts` whose deadline is `timeout` from now (`None`: `FERROCCL_TIMEOUT`).
+    pub(crate) fn job_body_within(&self, parts: Vec<Part>, timeout: Option<Duration>) -> JobBody {
         let now = Instant::now();
         let mut body = JobBody {
             comm: self.id,
@@ -506,13 +511,14 @@ impl Communicator {
             members: self.members.clone(),
             parts,
             deadline: now,
+            timeout: Duration::ZERO,
             started: now,
             probe_at: now,
             probe_gap: Duration::ZERO,
             signal: 0,
             flight: Some(self.flight.clone()),
         };
-        body.start_clock(now, self.fabric().params.timeout);
+        body.start_clock(now, timeout.unwrap_or(self.fabric().params.timeout));
         body
     }
 
@@ -525,7 +531,8 @@ impl Communicator {
         {
             let mut body = job.body();
             if restart {
-                body.start_clock(Instant::now(), self.fabric().params.timeout);
+                let timeout = body.timeout;
+                body.start_clock(Instant::now(), timeout);
                 let n = self.size();
                 for p in &mut body.parts {
                     p.reset(n);
@@ -582,7 +589,13 @@ impl Communicator {
 
     /// Submits a one-part job and waits for it: the blocking calls.
     pub(crate) fn run_part(&self, part: Part) -> Result<()> {
-        let job = Job::new(self.job_body(vec![part]));
+        self.run_part_within(part, None)
+    }
+
+    /// [`Communicator::run_part`] with the operation's own timeout (`None`:
+    /// `FERROCCL_TIMEOUT`).
+    pub(crate) fn run_part_within(&self, part: Part, timeout: Option<Duration>) -> Result<()> {
+        let job = Job::new(self.job_body_within(vec![part], timeout));
         self.submit(&job, true, false)?;
         self.wait_job(&job)
     }
@@ -593,22 +606,27 @@ impl Communicator {
     /// [`Group`](crate::Group) with the matching receive, or use [`Communicator::sendrecv`].
     /// `T` may be any plain-old-data type (see the [crate documentation](crate#plain-old-data)).
     pub fn send<T: Pod>(&self, data: &[T], peer: usize) -> Result<()> {
-        let w = self.wire::<T>("send")?;
-        let data: &[u8] = bytemuck::cast_slice(data);
-        let op = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
-        self.check_peer(peer, &op)?;
-        with_region_ro(data, |src| self.run_part(self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone())))
+        self.run(crate::op::send(data, peer))
     }
 
     /// Receives into `buf` from member `peer`; the sender's length must equal `buf.len()`.
     /// `T` may be any plain-old-data type.
     pub fn recv<T: Pod>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let w = self.wire::<T>("recv")?;
-        let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        let op = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
+        self.run(crate::op::recv(buf, peer))
+    }
+
+    /// Runs a checked send (see [`Communicator::run`]).
+    pub(crate) fn run_send(&self, op: Op, peer: usize, data: &[u8], timeout: Option<Duration>) -> Result<()> {
+        self.check_peer(peer, &op)?;
+        let part = |src: &RegionHandle| self.p2p_part(op, CHAN_USER, control::send(peer, data.len()), None, src.clone());
+        with_region_ro(data, |src| self.run_part_within(part(src), timeout))
+    }
+
+    /// Runs a checked receive.
+    pub(crate) fn run_recv(&self, op: Op, peer: usize, buf: &mut [u8], timeout: Option<Duration>) -> Result<()> {
         self.check_peer(peer, &op)?;
         let len = buf.len();
-        with_region(buf, |dst| self.run_part(self.p2p_part(op, CHAN_USER, control::recv(peer, len), None, dst.clone())))
+        with_region(buf, |dst| self.run_part_within(self.p2p_part(op, CHAN_USER, control::recv(peer, len), None, dst.clone()), timeout))
     }
 
     /// A point-to-point part: `output` is the buffer its steps address as `Output`, `input`
@@ -627,23 +645,40 @@ impl Communicator {
     /// `from` may both be this rank itself (then `data` is copied into `buf`). `T` may be any
     /// plain-old-data type.
     pub fn sendrecv<T: Pod>(&self, data: &[T], to: usize, buf: &mut [T], from: usize) -> Result<()> {
-        let w = self.wire::<T>("sendrecv")?;
-        let (d, b): (&[u8], &mut [u8]) = (bytemuck::cast_slice(data), bytemuck::cast_slice_mut(buf));
-        let op = Op::SendRecv { to, from, send: d.len(), recv: b.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
+        self.run(crate::op::sendrecv(data, to, buf, from))
+    }
+
+    /// Runs a checked sendrecv.
+    pub(crate) fn run_sendrecv(
+        &self,
+        op: Op,
+        (to, d): (usize, &[u8]),
+        (from, b): (usize, &mut [u8]),
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let Some(sched) = self.sendrecv_sched(&op, (to, d.len()), (from, b.len()))? else {
+            b.copy_from_slice(d);
+            return Ok(());
+        };
+        with_region_ro(d, |src| {
+            with_region(b, |dst| self.run_part_within(self.p2p_part(op, CHAN_USER, sched, Some(src.clone()), dst.clone()), timeout))
+        })
+    }
+
+    /// A sendrecv's checks and schedule (`None`: to and from this rank itself, a copy of
+    /// the send buffer into the receive buffer, which have the same length).
+    pub(crate) fn sendrecv_sched(&self, op: &Op, (to, sent): (usize, usize), (from, got): (usize, usize)) -> Result<Option<Schedule>> {
         match (to == self.rank, from == self.rank) {
-            (true, true) if d.len() == b.len() => {
-                b.copy_from_slice(d);
-                Ok(())
+            (true, true) if sent == got => {
+                self.check_usable(op)?;
+                Ok(None)
             }
-            (true, true) => Err(Error::invalid(format!("{op}: sends {} bytes to itself but receives {}", d.len(), b.len()))),
+            (true, true) => Err(Error::invalid(format!("{op}: sends {sent} bytes to itself but receives {got}"))),
             (true, false) | (false, true) => Err(Error::invalid(format!("{op}: only one side is this rank itself"))),
             (false, false) => {
-                self.check_peer(to, &op)?;
-                self.check_peer(from, &op)?;
-                let sched = control::sendrecv(to, d.len(), from, b.len());
-                with_region_ro(d, |src| {
-                    with_region(b, |dst| self.run_part(self.p2p_part(op, CHAN_USER, sched, Some(src.clone()), dst.clone())))
-                })
+                self.check_peer(to, op)?;
+                self.check_peer(from, op)?;
+                Ok(Some(control::sendrecv(to, sent, from, got)))
             }
         }
     }
@@ -651,20 +686,30 @@ impl Communicator {
     /// Waits until every member has entered the barrier (dissemination: ⌈log2 n⌉ rounds of
     /// empty messages).
     pub fn barrier(&self) -> Result<()> {
+        self.run(crate::op::barrier())
+    }
+
+    /// Runs a barrier.
+    pub(crate) fn run_barrier(&self, timeout: Option<Duration>) -> Result<()> {
         let op = Op::Barrier { call: None };
         self.check_usable(&op)?;
-        if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Barrier, DType::U8, ReduceOp::Sum, 0)) {
+        if let Some(ch) = self.ll.as_ref().filter(|_| self.takes_ll(LlKind::Barrier, DType::U8, ReduceOp::Sum, 0, None)) {
             if let Some(numbers) = self.begin_ll(ch, &BARRIER_DESC) {
                 let spec = LlSpec { kind: LlKind::Barrier, dtype: DType::U8, op: ReduceOp::Sum, count: 0, in_place: true };
-                return self.run_ll(ch, numbers, &BARRIER_DESC, &spec, &op, None, None);
+                return self.run_ll(ch, numbers, &BARRIER_DESC, &spec, &op, None, None, timeout);
             }
         }
+        self.run_part_within(self.barrier_part(op), timeout)
+    }
+
+    /// A barrier's part (dissemination over the engine).
+    pub(crate) fn barrier_part(&self, op: Op) -> Part {
         let empty = self.scratch.empty();
         let sched = control::barrier(self.rank, self.size());
         let mut part = self.part(op, CHAN_COLL, BARRIER_DESC, Arc::new(sched), self.bytes_part(None, empty));
         // Empty messages: eager whatever FERROCCL_PROTO says for collectives' data.
         part.eager_max = self.fabric().params.eager_max;
-        self.run_part(part)
+        part
     }
 
     /// Aborts the communicator: every pending operation (on any thread) and every later one

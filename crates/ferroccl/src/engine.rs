@@ -190,6 +190,8 @@ pub(crate) struct JobBody {
     pub(crate) members: Arc<[usize]>,
     pub(crate) parts: Vec<Part>,
     pub(crate) deadline: Instant,
+    /// From a start to the deadline: `FERROCCL_TIMEOUT`, or the operation's own.
+    pub(crate) timeout: Duration,
     pub(crate) started: Instant,
     /// When to probe the peers this job waits for next (see [`ProtoMsg::Probe`]), and the
     /// gap before the one after.
@@ -211,6 +213,7 @@ const PROBE_GAP_MAX: Duration = Duration::from_secs(1);
 impl JobBody {
     /// Starts the job's clocks at `now`, with `timeout` to its deadline.
     pub(crate) fn start_clock(&mut self, now: Instant, timeout: Duration) {
+        self.timeout = timeout;
         self.started = now;
         self.deadline = now + timeout;
         self.probe_at = now + PROBE_AFTER;

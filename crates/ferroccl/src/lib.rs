@@ -73,6 +73,7 @@
 
 pub(crate) mod algo;
 pub mod bootstrap;
+pub(crate) mod checks;
 pub(crate) mod coll;
 pub mod comm;
 pub(crate) mod engine;
@@ -87,6 +88,7 @@ pub mod logging;
 pub(crate) mod mesh;
 pub mod moe;
 pub mod nonblocking;
+pub mod op;
 pub(crate) mod p2p;
 pub mod params;
 pub mod persistent;
@@ -119,6 +121,7 @@ pub use ferroccl_kernels::{bf16, f16};
 pub use ferroccl_kernels::{DType, Element, ReduceOp};
 pub use moe::{Dispatched, Moe, MoeConfig, MoeFloat, MoeHandle, MoeMode, PendingCombine, PendingDispatch};
 pub use nonblocking::{Group, Request, Scope};
+pub use op::Operation;
 pub use params::{FaultSite, FlightDest, InjectedFault, LlChoice, Params, ProtoChoice, TransportChoice};
 pub use persistent::Plan;
 pub use registry::RegStats;

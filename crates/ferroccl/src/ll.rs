@@ -725,7 +725,9 @@ impl LlChannel {
                 | Collective::Gather { .. }
                 | Collective::Scatter { .. }
                 | Collective::GatherV { .. }
-                | Collective::ScatterV { .. }),
+                | Collective::ScatterV { .. }
+                | Collective::AllGatherV
+                | Collective::ReduceScatterV),
             ) => return Err(Error::internal(format!("{} does not run on the low-latency slots", c.name()))),
             LlKind::Coll(Collective::Broadcast { root }) => {
                 if root != r {

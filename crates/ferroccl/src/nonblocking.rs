@@ -48,15 +48,16 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
-use ferroccl_kernels::{as_bytes_mut, DType, Element, ReduceOp};
+use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::{region_scope_with, RegionHandle, RegionScope};
 
-use crate::algo::Collective;
-use crate::coll::Call;
+use crate::algo::{control, Collective};
+use crate::checks::{Call, Work};
 use crate::comm::Communicator;
 use crate::engine::Engine;
 use crate::engine::{Job, Part};
 use crate::error::{Error, Op, Result};
+use crate::op::{Input, Operation, Options};
 use crate::proto::CHAN_USER;
 
 /// What a scope keeps: its jobs, the scratch memory they borrowed from the
@@ -233,11 +234,12 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     /// Registers a call's buffers in the scope and makes its part.
-    fn call_part(&self, call: Call<'s>) -> Result<Part> {
+    fn call_part(&self, call: Call<'s>, opts: &Options) -> Result<Part> {
         let out_len = call.output_len();
         let spec = call.spec();
         let Call { input, output, .. } = call;
-        let prep = self.comm.prepare_call(spec, input.is_none())?;
+        let input = input.into_bytes();
+        let prep = self.comm.prepare_call(spec, input.is_none(), opts)?;
         let scratch = self.comm.scratch().get(prep.sched.scratch_bytes);
         self.state.scratch.lock().unwrap_or_else(|e| e.into_inner()).push(scratch.clone());
         let output = match output {
@@ -249,137 +251,65 @@ impl<'s, 'env> Scope<'s, 'env> {
     }
 
     pub(crate) fn submit(&self, parts: Vec<Part>) -> Result<Request<'s>> {
-        let job = Job::new(self.comm.job_body(parts));
+        self.submit_within(parts, None)
+    }
+
+    /// Submits `parts` as one job whose deadline is `timeout` from now (`None`:
+    /// `FERROCCL_TIMEOUT`).
+    fn submit_within(&self, parts: Vec<Part>, timeout: Option<Duration>) -> Result<Request<'s>> {
+        let job = Job::new(self.comm.job_body_within(parts, timeout));
         self.comm.submit(&job, false, false)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
         Ok(Request { job, engine: self.comm.engine().clone(), _scope: PhantomData })
     }
 
-    fn start_call(&self, call: Result<Call<'s>>) -> Result<Request<'s>> {
-        let part = self.call_part(call?)?;
-        self.submit(vec![part])
+    /// Starts `op` in the background and returns at once: the non-blocking runner (see
+    /// [`crate::op`]). Its buffers stay borrowed until the scope ends.
+    pub fn start<T: Pod>(&self, op: Operation<'s, T>) -> Result<Request<'s>> {
+        let Operation { body, opts, .. } = op;
+        let work = self.comm.check(body, &opts)?;
+        let parts = self.work_part(work, &opts)?.into_iter().collect();
+        self.submit_within(parts, opts.timeout)
     }
 
     /// Starts one run of a persistent [`Plan`](crate::Plan) (non-blocking
     /// [`Plan::run`](crate::Plan::run)); the plan stays borrowed until the scope ends.
-    pub fn start<T: Pod>(&self, plan: &'s mut crate::persistent::Plan<'_, T>) -> Result<Request<'s>> {
+    pub fn start_plan<T: Pod>(&self, plan: &'s mut crate::persistent::Plan<'_, T>) -> Result<Request<'s>> {
         let job = plan.start_in(self.regions)?;
         self.state.jobs.lock().unwrap_or_else(|e| e.into_inner()).push(job.clone());
         Ok(Request { job, engine: self.comm.engine().clone(), _scope: PhantomData })
     }
 
-    /// Non-blocking [`Communicator::allreduce`].
-    pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start_call(Ok(self.comm.allreduce_call(buf, op)))
-    }
-
-    /// Non-blocking [`Communicator::allreduce_into`].
-    pub fn allreduce_into<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start_call(self.comm.allreduce_into_call(send, recv, op))
-    }
-
-    /// Non-blocking [`Communicator::allgather`].
-    pub fn allgather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
-        self.start_call(self.comm.allgather_call(send, recv))
-    }
-
-    /// Non-blocking [`Communicator::allgather_in_place`].
-    pub fn allgather_in_place<T: Pod>(&self, buf: &'s mut [T]) -> Result<Request<'s>> {
-        self.start_call(self.comm.allgather_in_place_call(buf))
-    }
-
-    /// Non-blocking [`Communicator::reduce_scatter`].
-    pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start_call(self.comm.reduce_scatter_call(send, recv, op))
-    }
-
-    /// Non-blocking [`Communicator::reduce_scatter_in_place`].
-    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<Request<'s>> {
-        self.start_call(self.comm.reduce_scatter_in_place_call(buf, op))
-    }
-
-    /// Non-blocking [`Communicator::broadcast`].
-    pub fn broadcast<T: Pod>(&self, buf: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        self.start_call(self.comm.broadcast_call(buf, root))
-    }
-
-    /// Non-blocking [`Communicator::reduce`].
-    pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
-        self.start_call(self.comm.reduce_call(send, recv, op, root))
-    }
-
-    /// Non-blocking [`Communicator::reduce_in_place`].
-    pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<Request<'s>> {
-        self.start_call(self.comm.reduce_in_place_call(buf, op, root))
-    }
-
-    /// Non-blocking [`Communicator::alltoall`].
-    pub fn alltoall<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<Request<'s>> {
-        self.start_call(self.comm.alltoall_call(send, recv))
-    }
-
-    /// Non-blocking [`Communicator::alltoallv`] (the same checks, before anything starts).
-    pub fn alltoallv<T: Pod>(
-        &self,
-        send: &'s [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'s mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-    ) -> Result<Request<'s>> {
-        let prep = self.comm.alltoallv_prepare(
-            self.comm.wire::<T>("alltoallv")?,
-            (send.len(), send_counts, send_displs),
-            (recv.len(), recv_counts, recv_displs),
-        )?;
-        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Non-blocking [`Communicator::gather`].
-    pub fn gather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        let prep = self.comm.gather_prepare(self.comm.wire::<T>("gather")?, send.len(), recv.len(), root)?;
-        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Non-blocking [`Communicator::scatter`].
-    pub fn scatter<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<Request<'s>> {
-        let prep = self.comm.scatter_prepare(self.comm.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
-        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Non-blocking [`Communicator::gatherv`].
-    pub fn gatherv<T: Pod>(
-        &self,
-        send: &'s [T],
-        recv: &'s mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-        root: usize,
-    ) -> Result<Request<'s>> {
-        let prep = self.comm.gatherv_prepare(self.comm.wire::<T>("gatherv")?, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
-        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Non-blocking [`Communicator::scatterv`].
-    pub fn scatterv<T: Pod>(
-        &self,
-        send: &'s [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'s mut [T],
-        root: usize,
-    ) -> Result<Request<'s>> {
-        let prep =
-            self.comm.scatterv_prepare(self.comm.wire::<T>("scatterv")?, (send.len(), send_counts, send_displs), recv.len(), root)?;
-        self.start_prepared(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
-    }
-
-    /// Registers a per-call collective's buffers (alltoallv, gather, scatter) in the scope
-    /// and starts it.
-    fn start_prepared(&self, prep: crate::prepared::Prepared, send: &'s [u8], recv: &'s mut [u8]) -> Result<Request<'s>> {
-        let part = self.prepared_part(prep, send, recv);
-        self.submit(vec![part])
+    /// The part of checked work, its buffers registered in the scope (`None`: nothing to
+    /// run, a sendrecv to and from this rank itself, done here).
+    fn work_part(&self, work: Work<'s>, opts: &Options) -> Result<Option<Part>> {
+        let c = self.comm;
+        Ok(Some(match work {
+            Work::Coll(call) => self.call_part(call, opts)?,
+            Work::V { prep, input, output } => self.prepared_part(prep, input.into_bytes().unwrap_or_default(), output),
+            Work::Send { name, peer, data } => {
+                c.check_peer(peer, &name)?;
+                let data = data.into_bytes().unwrap_or_default();
+                c.p2p_part(name, CHAN_USER, control::send(peer, data.len()), None, self.regions.register_ro(data))
+            }
+            Work::Recv { name, peer, buf } => {
+                c.check_peer(peer, &name)?;
+                c.p2p_part(name, CHAN_USER, control::recv(peer, buf.len()), None, self.regions.register(buf))
+            }
+            Work::SendRecv { name, to, from, data, buf } => {
+                let data = data.into_bytes().unwrap_or_default();
+                let Some(sched) = c.sendrecv_sched(&name, (to, data.len()), (from, buf.len()))? else {
+                    buf.copy_from_slice(data);
+                    return Ok(None);
+                };
+                c.p2p_part(name, CHAN_USER, sched, Some(self.regions.register_ro(data)), self.regions.register(buf))
+            }
+            Work::Barrier => {
+                let name = Op::Barrier { call: None };
+                c.check_usable(&name)?;
+                c.barrier_part(name)
+            }
+        }))
     }
 
     /// The part of a per-call collective (alltoallv, gather, scatter), its buffers
@@ -392,50 +322,24 @@ impl<'s, 'env> Scope<'s, 'env> {
         self.comm.coll_part(prep, Some(input), output, scratch)
     }
 
-    /// Non-blocking [`Communicator::send`]. `peer` may not be this rank itself: a send to
-    /// itself goes in a group with its receive (see [`Group::send`]).
-    pub fn send<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<Request<'s>> {
-        let part = self.send_part(data, peer)?;
-        self.submit(vec![part])
-    }
-
-    /// Non-blocking [`Communicator::recv`].
-    pub fn recv<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<Request<'s>> {
-        let part = self.recv_part(buf, peer)?;
-        self.submit(vec![part])
-    }
-
-    fn send_part<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<Part> {
-        let w = self.comm.wire::<T>("send")?;
-        let data: &[u8] = bytemuck::cast_slice(data);
-        let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
-        self.comm.check_peer(peer, &name)?;
-        let sched = crate::algo::control::send(peer, data.len());
-        Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register_ro(data)))
-    }
-
-    fn recv_part<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<Part> {
-        let w = self.comm.wire::<T>("recv")?;
-        let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
-        self.comm.check_peer(peer, &name)?;
-        let sched = crate::algo::control::recv(peer, buf.len());
-        Ok(self.comm.p2p_part(name, CHAN_USER, sched, None, self.regions.register(buf)))
-    }
-
     /// Starts the operations `f` adds to a [`Group`] as one unit: one submission, one
     /// request; their transfers are in flight together and progress in the same rounds.
     /// Nothing is started if `f` fails (then nothing went on the wire either).
     pub fn group(&self, f: impl for<'g> FnOnce(&'g Group<'s, 'env>) -> Result<()>) -> Result<Request<'s>> {
-        let g =
-            Group { scope: *self, parts: Mutex::new(Vec::new()), fusable: Mutex::new(Vec::new()), selfs: Mutex::new(SelfP2p::default()) };
+        let g = Group {
+            scope: *self,
+            parts: Mutex::new(Vec::new()),
+            fusable: Mutex::new(Vec::new()),
+            selfs: Mutex::new(SelfP2p::default()),
+            timeout: Mutex::new(None),
+        };
         f(&g)?;
         let mut parts = g.parts.into_inner().unwrap_or_else(|e| e.into_inner());
         let fusable = g.fusable.into_inner().unwrap_or_else(|e| e.into_inner());
         let copies = self.self_copies(g.selfs.into_inner().unwrap_or_else(|e| e.into_inner()))?;
         parts.extend(self.fuse(fusable)?);
         parts.extend(copies);
-        self.submit(parts)
+        self.submit_within(parts, g.timeout.into_inner().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The local copies of a group's sends to this rank itself (NCCL's self send/receive in
@@ -498,15 +402,23 @@ impl<'s, 'env> Scope<'s, 'env> {
             let count = total / dtype.size();
             if bufs.len() == 1 {
                 let buf = bufs.into_iter().next().unwrap_or_default();
-                let call =
-                    Call { name: "allreduce", coll: Collective::AllReduce, dtype, op, count, pod: None, input: None, output: Some(buf) };
-                parts.push(self.call_part(call)?);
+                let call = Call {
+                    name: "allreduce",
+                    coll: Collective::AllReduce,
+                    dtype,
+                    op,
+                    count,
+                    pod: None,
+                    input: Input::None,
+                    output: Some(buf),
+                };
+                parts.push(self.call_part(call, &Options::default())?);
                 continue;
             }
             let k = bufs.len();
-            let mut prep = self.comm.prepare("allreduce", Collective::AllReduce, dtype, op, count, true)?;
+            let mut prep = self.comm.prepare("allreduce", Collective::AllReduce, dtype, op, count, true, &Options::default())?;
             if let Op::Collective { fused, .. } = &mut prep.name {
-                *fused = k;
+                *fused = u32::try_from(k).unwrap_or(u32::MAX);
             }
             let staging = RegionHandle::owned(total);
             let mut unpack = Vec::with_capacity(k);
@@ -541,6 +453,8 @@ pub struct Group<'s, 'env> {
     fusable: Mutex<Vec<Fusable<'s>>>,
     /// Sends to this rank itself and receives from it, matched when the group ends.
     selfs: Mutex<SelfP2p>,
+    /// The shortest of the operations' own timeouts.
+    timeout: Mutex<Option<Duration>>,
 }
 
 /// A group's sends to this rank itself and receives from it, in the order they were added
@@ -559,164 +473,48 @@ impl std::fmt::Debug for Group<'_, '_> {
 }
 
 impl<'s> Group<'s, '_> {
-    fn add(&self, part: Result<Part>) -> Result<()> {
-        let part = part?;
-        self.parts.lock().unwrap_or_else(|e| e.into_inner()).push(part);
-        Ok(())
-    }
-
-    fn add_call(&self, call: Result<Call<'s>>) -> Result<()> {
-        self.add(call.and_then(|c| self.scope.call_part(c)))
-    }
-
-    /// Adds an [`Communicator::allreduce`]. Small ones (up to `FERROCCL_EAGER_MAX` bytes)
-    /// with the same element type and op are fused: packed into one buffer and reduced by
-    /// one allreduce, so a group of many small reductions costs about one.
-    pub fn allreduce<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
-        let bytes = std::mem::size_of_val(buf);
-        if bytes == 0 || bytes > self.scope.comm.fabric().params.eager_max {
-            return self.add_call(Ok(self.scope.comm.allreduce_call(buf, op)));
-        }
-        self.fusable.lock().unwrap_or_else(|e| e.into_inner()).push(Fusable { dtype: T::DTYPE, op, buf: as_bytes_mut(buf) });
-        Ok(())
-    }
-
-    /// Adds an [`Communicator::allreduce_into`].
-    pub fn allreduce_into<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
-        self.add_call(self.scope.comm.allreduce_into_call(send, recv, op))
-    }
-
-    /// Adds an [`Communicator::allgather`].
-    pub fn allgather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
-        self.add_call(self.scope.comm.allgather_call(send, recv))
-    }
-
-    /// Adds an [`Communicator::allgather_in_place`].
-    pub fn allgather_in_place<T: Pod>(&self, buf: &'s mut [T]) -> Result<()> {
-        self.add_call(self.scope.comm.allgather_in_place_call(buf))
-    }
-
-    /// Adds an [`Communicator::reduce_scatter`].
-    pub fn reduce_scatter<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp) -> Result<()> {
-        self.add_call(self.scope.comm.reduce_scatter_call(send, recv, op))
-    }
-
-    /// Adds an [`Communicator::reduce_scatter_in_place`].
-    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp) -> Result<()> {
-        self.add_call(self.scope.comm.reduce_scatter_in_place_call(buf, op))
-    }
-
-    /// Adds a [`Communicator::broadcast`].
-    pub fn broadcast<T: Pod>(&self, buf: &'s mut [T], root: usize) -> Result<()> {
-        self.add_call(self.scope.comm.broadcast_call(buf, root))
-    }
-
-    /// Adds a [`Communicator::reduce`].
-    pub fn reduce<T: Element>(&self, send: &'s [T], recv: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.add_call(self.scope.comm.reduce_call(send, recv, op, root))
-    }
-
-    /// Adds a [`Communicator::reduce_in_place`].
-    pub fn reduce_in_place<T: Element>(&self, buf: &'s mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.add_call(self.scope.comm.reduce_in_place_call(buf, op, root))
-    }
-
-    /// Adds an [`Communicator::alltoall`].
-    pub fn alltoall<T: Pod>(&self, send: &'s [T], recv: &'s mut [T]) -> Result<()> {
-        self.add_call(self.scope.comm.alltoall_call(send, recv))
-    }
-
-    /// Adds an [`Communicator::alltoallv`] (checked at once, as there).
-    pub fn alltoallv<T: Pod>(
-        &self,
-        send: &'s [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'s mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-    ) -> Result<()> {
-        let c = self.scope.comm;
-        let prep =
-            c.alltoallv_prepare(c.wire::<T>("alltoallv")?, (send.len(), send_counts, send_displs), (recv.len(), recv_counts, recv_displs))?;
-        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
-    }
-
-    /// Adds a [`Communicator::gather`].
-    pub fn gather<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
-        let prep = self.scope.comm.gather_prepare(self.scope.comm.wire::<T>("gather")?, send.len(), recv.len(), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
-    }
-
-    /// Adds a [`Communicator::scatter`].
-    pub fn scatter<T: Pod>(&self, send: &'s [T], recv: &'s mut [T], root: usize) -> Result<()> {
-        let prep = self.scope.comm.scatter_prepare(self.scope.comm.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
-        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
-    }
-
-    /// Adds a [`Communicator::gatherv`].
-    pub fn gatherv<T: Pod>(
-        &self,
-        send: &'s [T],
-        recv: &'s mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-        root: usize,
-    ) -> Result<()> {
-        let prep = self.scope.comm.gatherv_prepare(
-            self.scope.comm.wire::<T>("gatherv")?,
-            send.len(),
-            (recv.len(), recv_counts, recv_displs),
-            root,
-        )?;
-        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
-    }
-
-    /// Adds a [`Communicator::scatterv`].
-    pub fn scatterv<T: Pod>(
-        &self,
-        send: &'s [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'s mut [T],
-        root: usize,
-    ) -> Result<()> {
-        let prep = self.scope.comm.scatterv_prepare(
-            self.scope.comm.wire::<T>("scatterv")?,
-            (send.len(), send_counts, send_displs),
-            recv.len(),
-            root,
-        )?;
-        self.add(Ok(self.scope.prepared_part(prep, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))))
-    }
-
-    /// Adds a [`Communicator::send`] (a group of sends and receives cannot deadlock,
-    /// whatever order they are added in: every receive is posted in the first round).
+    /// Adds `op` to the group: checked at once, started with the others when the group is
+    /// complete (see [`crate::op`]).
     ///
-    /// `peer` may be this rank itself, as in NCCL: the group must then also have a
-    /// [`Group::recv`] from this rank of the same length, and the data is copied into it
-    /// (the k-th send to itself into the k-th receive from itself). A send to itself left
-    /// without its receive, or of another length, fails the group when it ends, before
-    /// anything starts.
-    pub fn send<T: Pod>(&self, data: &'s [T], peer: usize) -> Result<()> {
-        if peer == self.scope.comm.rank() {
-            let w = self.scope.comm.wire::<T>("send")?;
-            let data: &[u8] = bytemuck::cast_slice(data);
-            let name = Op::Send { peer, count: data.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
-            return self.add_self(true, name, self.scope.regions.register_ro(data));
+    /// Small in-place allreduces (up to `FERROCCL_EAGER_MAX` bytes, without options) with
+    /// the same element type and op are fused: packed into one buffer and reduced by one
+    /// allreduce, so a group of many small reductions costs about one.
+    ///
+    /// A group of sends and receives cannot deadlock, whatever order they are added in
+    /// (every receive is posted in the first round). As in NCCL, a send's `peer` may be this
+    /// rank itself: the group must then also have a receive from this rank of the same
+    /// length, and the data is copied into it (the k-th send to itself into the k-th receive
+    /// from itself). A send to itself left without its receive, or of another length, fails
+    /// the group when it ends, before anything starts.
+    ///
+    /// An operation's own timeout bounds the whole group (the shortest one wins).
+    pub fn add<T: Pod>(&self, op: Operation<'s, T>) -> Result<()> {
+        let Operation { body, opts, .. } = op;
+        let c = self.scope.comm;
+        let me = c.rank();
+        let work = c.check(body, &opts)?;
+        if let Some(t) = opts.timeout {
+            let mut g = self.timeout.lock().unwrap_or_else(|e| e.into_inner());
+            *g = Some(g.map_or(t, |g| g.min(t)));
         }
-        self.add(self.scope.send_part(data, peer))
-    }
-
-    /// Adds a [`Communicator::recv`]. `peer` may be this rank itself: see [`Group::send`].
-    pub fn recv<T: Pod>(&self, buf: &'s mut [T], peer: usize) -> Result<()> {
-        if peer == self.scope.comm.rank() {
-            let w = self.scope.comm.wire::<T>("recv")?;
-            let buf: &mut [u8] = bytemuck::cast_slice_mut(buf);
-            let name = Op::Recv { peer, count: buf.len(), dtype: DType::U8, pod: None }.per_element(w.size, w.dtype, w.pod);
-            return self.add_self(false, name, self.scope.regions.register(buf));
+        match work {
+            Work::Coll(Call { coll: Collective::AllReduce, dtype, op, input: Input::None, output: Some(buf), .. })
+                if !buf.is_empty() && buf.len() <= c.fabric().params.eager_max && opts == Options::default() =>
+            {
+                self.fusable.lock().unwrap_or_else(|e| e.into_inner()).push(Fusable { dtype, op, buf });
+                Ok(())
+            }
+            Work::Send { name, peer, data } if peer == me => {
+                self.add_self(true, name, self.scope.regions.register_ro(data.into_bytes().unwrap_or_default()))
+            }
+            Work::Recv { name, peer, buf } if peer == me => self.add_self(false, name, self.scope.regions.register(buf)),
+            work => {
+                if let Some(part) = self.scope.work_part(work, &opts)? {
+                    self.parts.lock().unwrap_or_else(|e| e.into_inner()).push(part);
+                }
+                Ok(())
+            }
         }
-        self.add(self.scope.recv_part(buf, peer))
     }
 
     /// Notes a send to this rank itself (`send`) or a receive from it, to be matched when

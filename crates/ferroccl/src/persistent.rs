@@ -38,17 +38,18 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytemuck::Pod;
-use ferroccl_kernels::{Element, ReduceOp};
 use ferroccl_mem::region::{RegionHandle, RegionScope, Registration};
 
 use crate::algo::ll::LlSpec;
-use crate::coll::CallSpec;
+use crate::checks::{Call, Work};
 use crate::comm::Communicator;
 use crate::engine::Job;
 use crate::error::{Error, Op, Result};
 use crate::logging::flog;
+use crate::op::{Input, Operation};
 use crate::prepared::Prepared;
 use crate::proto::Desc;
 
@@ -62,6 +63,8 @@ pub struct Plan<'a, T: Pod> {
     runs: u64,
     /// A low-latency plan (see `crate::ll`): what its runs on the caller's thread need.
     ll: Option<(LlSpec, Desc, Op)>,
+    /// The operation's own timeout.
+    timeout: Option<Duration>,
     _t: PhantomData<T>,
 }
 
@@ -73,20 +76,23 @@ impl<T: Pod> std::fmt::Debug for Plan<'_, T> {
 }
 
 impl<'a, T: Pod> Plan<'a, T> {
-    /// `call` was checked on temporary borrows of `input` / `output`, which the plan then
-    /// holds for its life.
-    fn build(comm: &'a Communicator, call: CallSpec, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
-        let prep = comm.prepare_call(call, input.is_none())?;
-        Self::build_prepared(comm, prep, input, output)
-    }
-
     /// A plan of the prepared call `prep` (checked against `input` / `output`).
-    fn build_prepared(comm: &'a Communicator, prep: Prepared, input: Option<&'a mut [T]>, output: &'a mut [T]) -> Result<Plan<'a, T>> {
+    fn build(
+        comm: &'a Communicator,
+        prep: Prepared,
+        input: Input<'a>,
+        output: &'a mut [u8],
+        timeout: Option<Duration>,
+    ) -> Result<Plan<'a, T>> {
         let scratch = RegionHandle::owned(prep.sched.scratch_bytes);
-        let out = Registration::new(bytemuck::cast_slice_mut(output));
-        // Writable, so that the owner can refill it between runs; the schedules never
-        // write into an input.
-        let inp = input.map(|i| Registration::new(bytemuck::cast_slice_mut(i)));
+        let out = Registration::new(output);
+        // Lent mutably, writable, so that the owner can refill it between runs; the
+        // schedules never write into an input.
+        let inp = match input {
+            Input::None => None,
+            Input::Shared(i) => Some(Registration::new_ro(i)),
+            Input::Unique(i) => Some(Registration::new(i)),
+        };
         let fabric = comm.fabric();
         fabric.register_cached(out.handle());
         fabric.register_cached(&scratch);
@@ -106,8 +112,8 @@ impl<'a, T: Pod> Plan<'a, T> {
             prep.sched.scratch_bytes
         );
         let part = comm.coll_part(prep, inp.as_ref().map(|r| r.handle().clone()), out.handle().clone(), scratch.clone());
-        let job = Job::new(comm.job_body(vec![part]));
-        Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, ll, _t: PhantomData })
+        let job = Job::new(comm.job_body_within(vec![part], timeout));
+        Ok(Plan { comm, job, output: out, input: inp, scratch, runs: 0, ll, timeout, _t: PhantomData })
     }
 
     /// Runs the collective once and waits for it. Moves data only: no allocation, no
@@ -118,9 +124,9 @@ impl<'a, T: Pod> Plan<'a, T> {
             // still in the engine.
             if let Some(numbers) = self.comm.begin_ll(ch, desc) {
                 self.runs += 1;
-                let Plan { comm, output, input, .. } = self;
+                let Plan { comm, output, input, timeout, .. } = self;
                 let out = output.bytes_mut().map_err(|e| Error::internal(format!("{name}: the plan's output: {e}")))?;
-                return comm.run_ll(ch, numbers, desc, spec, name, input.as_ref().map(Registration::bytes), Some(out));
+                return comm.run_ll(ch, numbers, desc, spec, name, input.as_ref().map(Registration::bytes), Some(out), *timeout);
             }
         }
         let Plan { comm, job, output, input, .. } = self;
@@ -167,8 +173,9 @@ impl<'a, T: Pod> Plan<'a, T> {
         }
     }
 
-    /// The separate input buffer of an out-of-place plan (`None` for in-place ones), to
-    /// write the next run's input into.
+    /// The separate input buffer of an out-of-place plan, to write the next run's input
+    /// into: `None` for in-place plans, and for inputs lent shared (`&[T]`) rather than
+    /// mutably (see [`Src`](crate::op::Src)).
     pub fn input_mut(&mut self) -> Option<&mut [T]> {
         self.input.as_mut().and_then(|r| r.bytes_mut().ok()).map(bytemuck::cast_slice_mut)
     }
@@ -183,95 +190,38 @@ impl<T: Pod> Drop for Plan<'_, T> {
 }
 
 impl Communicator {
-    /// A persistent in-place allreduce of `buf`; see [`Plan`].
-    pub fn allreduce_plan<'a, T: Element>(&'a self, buf: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
-        let call = self.allreduce_call(&mut *buf, op).spec();
-        Plan::build(self, call, None, buf)
-    }
-
-    /// A persistent out-of-place allreduce of `send` into `recv` (see
-    /// [`Communicator::allreduce_into`]); refill `send` through [`Plan::input_mut`].
-    pub fn allreduce_into_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
-        let call = self.allreduce_into_call(&*send, &mut *recv, op)?.spec();
-        Plan::build(self, call, Some(send), recv)
-    }
-
-    /// A persistent allgather of `send` into `recv` (see [`Communicator::allgather`]).
-    pub fn allgather_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T]) -> Result<Plan<'a, T>> {
-        let call = self.allgather_call(&*send, &mut *recv)?.spec();
-        Plan::build(self, call, Some(send), recv)
-    }
-
-    /// A persistent reduce-scatter of `send` into `recv` (see
-    /// [`Communicator::reduce_scatter`]).
-    pub fn reduce_scatter_plan<'a, T: Element>(&'a self, send: &'a mut [T], recv: &'a mut [T], op: ReduceOp) -> Result<Plan<'a, T>> {
-        let call = self.reduce_scatter_call(&*send, &mut *recv, op)?.spec();
-        Plan::build(self, call, Some(send), recv)
-    }
-
-    /// A persistent alltoallv (see [`Communicator::alltoallv`]): the counts and
-    /// displacements are checked and the schedule is built once, for every run; refill
-    /// `send` through [`Plan::input_mut`].
-    pub fn alltoallv_plan<'a, T: Pod>(
-        &'a self,
-        send: &'a mut [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'a mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-    ) -> Result<Plan<'a, T>> {
-        let prep = self.alltoallv_prepare(
-            self.wire::<T>("alltoallv")?,
-            (send.len(), send_counts, send_displs),
-            (recv.len(), recv_counts, recv_displs),
-        )?;
-        Plan::build_prepared(self, prep, Some(send), recv)
-    }
-
-    /// A persistent gather (see [`Communicator::gather`]); refill `send` through
-    /// [`Plan::input_mut`].
-    pub fn gather_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
-        let prep = self.gather_prepare(self.wire::<T>("gather")?, send.len(), recv.len(), root)?;
-        Plan::build_prepared(self, prep, Some(send), recv)
-    }
-
-    /// A persistent scatter (see [`Communicator::scatter`]); refill `send` (on the root)
-    /// through [`Plan::input_mut`].
-    pub fn scatter_plan<'a, T: Pod>(&'a self, send: &'a mut [T], recv: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
-        let prep = self.scatter_prepare(self.wire::<T>("scatter")?, send.len(), recv.len(), root)?;
-        Plan::build_prepared(self, prep, Some(send), recv)
-    }
-
-    /// A persistent gatherv (see [`Communicator::gatherv`]), checked and built once.
-    pub fn gatherv_plan<'a, T: Pod>(
-        &'a self,
-        send: &'a mut [T],
-        recv: &'a mut [T],
-        recv_counts: &[usize],
-        recv_displs: &[usize],
-        root: usize,
-    ) -> Result<Plan<'a, T>> {
-        let prep = self.gatherv_prepare(self.wire::<T>("gatherv")?, send.len(), (recv.len(), recv_counts, recv_displs), root)?;
-        Plan::build_prepared(self, prep, Some(send), recv)
-    }
-
-    /// A persistent scatterv (see [`Communicator::scatterv`]), checked and built once.
-    pub fn scatterv_plan<'a, T: Pod>(
-        &'a self,
-        send: &'a mut [T],
-        send_counts: &[usize],
-        send_displs: &[usize],
-        recv: &'a mut [T],
-        root: usize,
-    ) -> Result<Plan<'a, T>> {
-        let prep = self.scatterv_prepare(self.wire::<T>("scatterv")?, (send.len(), send_counts, send_displs), recv.len(), root)?;
-        Plan::build_prepared(self, prep, Some(send), recv)
-    }
-
-    /// A persistent broadcast of `root`'s `buf` (see [`Communicator::broadcast`]).
-    pub fn broadcast_plan<'a, T: Pod>(&'a self, buf: &'a mut [T], root: usize) -> Result<Plan<'a, T>> {
-        let call = self.broadcast_call(&mut *buf, root)?.spec();
-        Plan::build(self, call, None, buf)
+    /// Builds `op` once as a persistent plan, run many times with [`Plan::run`] (or started
+    /// in a scope): the persistent runner (see [`crate::op`]). Collectives only; the plan
+    /// holds the operation's buffers for its life.
+    ///
+    /// # Errors
+    ///
+    /// The operation's argument errors, as when it is run; a plan of a point-to-point
+    /// operation or a barrier is refused (for repeated one-sided transfers, see
+    /// [`TransferPlan`](crate::TransferPlan)).
+    pub fn plan<'a, T: Pod>(&'a self, op: Operation<'a, T>) -> Result<Plan<'a, T>> {
+        let Operation { body, opts, .. } = op;
+        let name = body.kind.name();
+        match self.check(body, &opts)? {
+            Work::Coll(call) => {
+                let (spec, in_place) = (call.spec(), matches!(call.input, Input::None));
+                let Call { input, output, .. } = call;
+                let Some(output) = output else {
+                    return Err(Error::invalid(format!(
+                        "rank {}: plan of {name}: off the root a reduce_into has no output to hold; plan the in-place reduce \
+                         (op::reduce) or pass the output on every rank",
+                        self.rank()
+                    )));
+                };
+                let prep = self.prepare_call(spec, in_place, &opts)?;
+                Plan::build(self, prep, input, output, opts.timeout)
+            }
+            Work::V { prep, input, output } => Plan::build(self, prep, input, output, opts.timeout),
+            Work::Send { .. } | Work::Recv { .. } | Work::SendRecv { .. } | Work::Barrier => Err(Error::invalid(format!(
+                "rank {}: plan of {name}: plans are built for collectives; run it with Communicator::run, or plan repeated \
+                 one-sided transfers with a TransferPlan",
+                self.rank()
+            ))),
+        }
     }
 }

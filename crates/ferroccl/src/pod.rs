@@ -32,18 +32,19 @@ impl Wire {
     /// refused (there is nothing to move, and element offsets and counts would mean
     /// nothing).
     pub(crate) fn of<T: Pod>(rank: usize, call: &str) -> Result<Wire> {
+        Wire::of_type::<T>().ok_or_else(|| zero_sized(rank, call, std::any::type_name::<T>()))
+    }
+
+    /// The wire description of `T`; `None` for a zero-sized `T`.
+    pub(crate) fn of_type<T: Pod>() -> Option<Wire> {
         let size = std::mem::size_of::<T>();
-        let name = std::any::type_name::<T>();
         if size == 0 {
-            return Err(Error::invalid(format!(
-                "rank {rank}: {call}: {name} is a zero-sized type (a data-movement call takes a plain-old-data type of at least \
-                 one byte)"
-            )));
+            return None;
         }
         let id = TypeId::of::<T>();
-        Ok(match DType::ALL.into_iter().find(|&d| type_id(d) == id) {
+        Some(match DType::ALL.into_iter().find(|&d| type_id(d) == id) {
             Some(dtype) => Wire { dtype, size, per: 1, pod: None },
-            None => Wire { dtype: DType::U8, size, per: size, pod: Some(PodType::of(id, name, size)) },
+            None => Wire { dtype: DType::U8, size, per: size, pod: Some(PodType::of(id, std::any::type_name::<T>(), size)) },
         })
     }
 
@@ -51,6 +52,14 @@ impl Wire {
     pub(crate) fn count(&self, n: usize) -> usize {
         n.saturating_mul(self.per)
     }
+}
+
+/// The error for a zero-sized type `name` in call `call` of rank `rank`: there is nothing to
+/// move, and element offsets and counts would mean nothing.
+pub(crate) fn zero_sized(rank: usize, call: &str, name: &str) -> Error {
+    Error::invalid(format!(
+        "rank {rank}: {call}: {name} is a zero-sized type (a data-movement call takes a plain-old-data type of at least one byte)"
+    ))
 }
 
 /// The Rust type of `d`.

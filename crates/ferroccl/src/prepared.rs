@@ -9,7 +9,7 @@ use ferroccl_kernels::{DType, ReduceOp};
 use ferroccl_mem::region::RegionHandle;
 
 use crate::algo::ll::LlSpec;
-use crate::algo::{Collective, Schedule};
+use crate::algo::{Algo, Collective, Schedule};
 use crate::error::Op;
 use crate::proto::Desc;
 
@@ -47,8 +47,9 @@ impl SchedCache {
     }
 }
 
-/// What determines a prepared call: collective (with its root), dtype, op, count, in place.
-pub(crate) type SchedKey = (Collective, DType, ReduceOp, usize, bool);
+/// What determines a prepared call: collective (with its root), dtype, op, count, in place,
+/// the algorithm the call asked for.
+pub(crate) type SchedKey = (Collective, DType, ReduceOp, usize, bool, Option<Algo>);
 
 /// Prepared calls a communicator keeps at most.
 const SCHED_CACHE: usize = 64;

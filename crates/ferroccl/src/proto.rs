@@ -78,10 +78,12 @@ fn coll_code(c: Collective) -> u8 {
         Collective::Scatter { .. } => 11,
         Collective::GatherV { .. } => 12,
         Collective::ScatterV { .. } => 13,
+        Collective::AllGatherV => 14,
+        Collective::ReduceScatterV => 15,
     }
 }
 
-const COLL_NAMES: [&str; 14] = [
+const COLL_NAMES: [&str; 16] = [
     "?",
     "allreduce",
     "allgather",
@@ -96,6 +98,8 @@ const COLL_NAMES: [&str; 14] = [
     "scatter",
     "gatherv",
     "scatterv",
+    "allgatherv",
+    "reduce_scatterv",
 ];
 
 /// The descriptor of a barrier (a call every member makes, on the collective channel).
@@ -148,9 +152,13 @@ pub(crate) fn describe(d: &Desc) -> String {
     c[..6].copy_from_slice(&d[8..14]);
     let count = u64::from_le_bytes(c);
     let rooted = matches!(d[0], 4 | 5 | 10..=13);
-    let reduces = matches!(d[0], 1 | 3 | 5);
-    if d[0] == 9 {
-        // alltoallv: the counts are per rank and pair, checked transfer by transfer.
+    let reduces = matches!(d[0], 1 | 3 | 5 | 15);
+    if d[0] == 15 {
+        // reduce_scatterv: every rank's counts, as a fingerprint, and their total.
+        return format!("{coll}(total {count}, {dtype}, {op}, counts #{root:08x}, algo {algo}, proto {proto})");
+    }
+    if matches!(d[0], 9 | 14) {
+        // alltoallv, allgatherv: the counts are per rank and pair, checked transfer by transfer.
         return format!("{coll}({dtype}, algo {algo}, proto {proto})");
     }
     if matches!(d[0], 12 | 13) {

@@ -148,7 +148,7 @@ impl<'c> TensorParallel<'c> {
     /// caller builds (next to other calls of the layer).
     pub fn add_row_parallel_reduces<'s, T: Element>(&self, g: &Group<'s, '_>, outs: &'s mut [&mut [T]]) -> Result<()> {
         for out in outs.iter_mut() {
-            g.allreduce(out, ReduceOp::Sum)?;
+            g.add(crate::op::allreduce(out, ReduceOp::Sum))?;
         }
         Ok(())
     }
@@ -157,7 +157,7 @@ impl<'c> TensorParallel<'c> {
     /// `out` stays borrowed until the scope ends; wait for the [`Request`] before using it.
     pub fn row_parallel_reduce_start<'s, T: Element>(&self, s: &Scope<'s, '_>, out: &'s mut [T], shape: [usize; 2]) -> Result<Request<'s>> {
         self.check("row_parallel_reduce", "out", out.len(), shape)?;
-        s.allreduce(out, ReduceOp::Sum)
+        s.start(crate::op::allreduce(out, ReduceOp::Sum))
     }
 
     /// Column-parallel linear with gathered output: every rank's column block `local`
@@ -174,7 +174,7 @@ impl<'c> TensorParallel<'c> {
         let c = self.shard("cols", cols).map_err(|e| rename(e, CALL))?;
         self.check(CALL, "local", local.len(), [rows, c])?;
         self.check(CALL, "out", out.len(), shape)?;
-        self.comm.allgather(local, out)?;
+        self.comm.allgather_into(local, out)?;
         blocks_to_columns(out, rows, c, self.degree());
         Ok(())
     }
@@ -187,7 +187,7 @@ impl<'c> TensorParallel<'c> {
     /// sequence to a multiple of `tp`) or a buffer's length does not match the shape.
     pub fn sequence_reduce_scatter<T: Element>(&self, partial: &[T], out: &mut [T], shape: [usize; 2]) -> Result<()> {
         self.sequence_shapes("sequence_reduce_scatter", partial.len(), out.len(), shape)?;
-        self.comm.reduce_scatter(partial, out, ReduceOp::Sum)
+        self.comm.reduce_scatter_into(partial, out, ReduceOp::Sum)
     }
 
     /// Non-blocking [`sequence_reduce_scatter`](Self::sequence_reduce_scatter) in a
@@ -200,7 +200,7 @@ impl<'c> TensorParallel<'c> {
         shape: [usize; 2],
     ) -> Result<Request<'s>> {
         self.sequence_shapes("sequence_reduce_scatter", partial.len(), out.len(), shape)?;
-        s.reduce_scatter(partial, out, ReduceOp::Sum)
+        s.start(crate::op::reduce_scatter_into(partial, out, ReduceOp::Sum))
     }
 
     /// Sequence parallelism, entering a column-parallel layer: every rank's rows `local`
@@ -211,7 +211,7 @@ impl<'c> TensorParallel<'c> {
     /// does not match the shape.
     pub fn sequence_allgather<T: Element>(&self, local: &[T], out: &mut [T], shape: [usize; 2]) -> Result<()> {
         self.sequence_shapes("sequence_allgather", out.len(), local.len(), shape)?;
-        self.comm.allgather(local, out)
+        self.comm.allgather_into(local, out)
     }
 
     /// Non-blocking [`sequence_allgather`](Self::sequence_allgather) in a [`Scope`].
@@ -223,7 +223,7 @@ impl<'c> TensorParallel<'c> {
         shape: [usize; 2],
     ) -> Result<Request<'s>> {
         self.sequence_shapes("sequence_allgather", out.len(), local.len(), shape)?;
-        s.allgather(local, out)
+        s.start(crate::op::allgather_into(local, out))
     }
 
     /// Checks a sequence-parallel pair: `full` elements of `[rows, cols]` and `part` of

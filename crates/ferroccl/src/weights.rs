@@ -310,7 +310,7 @@ impl Communicator {
             mine[0] = 3;
         }
         let mut all = vec![0u8; SETUP_BYTES * size];
-        self.allgather(&mine, &mut all)?;
+        self.allgather_into(&mine, &mut all)?;
         let table = match (table, rejected) {
             (Some(t), None) => t,
             (_, Some(e)) => return Err(e),

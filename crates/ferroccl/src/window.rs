@@ -686,7 +686,7 @@ impl Communicator {
     pub(crate) fn agree_signal_slots(&self, n: u32) -> Result<u32> {
         let mine = [self.fabric().free_signal_slot()];
         let mut all = vec![0u32; self.size()];
-        self.allgather(&mine, &mut all)?;
+        self.allgather_into(&mine, &mut all)?;
         let first = all.iter().copied().max().unwrap_or(mine[0]);
         self.fabric().claim_signal_slots(first, n);
         Ok(first)

@@ -35,10 +35,10 @@ fn plan_runs_allocate_and_register_nothing() {
                     let mut large = vec![0.0f32; 100_000]; // rendezvous, chunked
                     let mut ag_send = vec![0u32; 64];
                     let mut ag_recv = vec![0u32; 64 * N];
-                    let mut p1 = comm.allreduce_plan(&mut tiny, ReduceOp::Sum).unwrap();
-                    let mut p2 = comm.allreduce_plan(&mut small, ReduceOp::Sum).unwrap();
-                    let mut p3 = comm.allreduce_plan(&mut large, ReduceOp::Max).unwrap();
-                    let mut p4 = comm.allgather_plan(&mut ag_send, &mut ag_recv).unwrap();
+                    let mut p1 = comm.plan(ferroccl::op::allreduce(&mut tiny, ReduceOp::Sum)).unwrap();
+                    let mut p2 = comm.plan(ferroccl::op::allreduce(&mut small, ReduceOp::Sum)).unwrap();
+                    let mut p3 = comm.plan(ferroccl::op::allreduce(&mut large, ReduceOp::Max)).unwrap();
+                    let mut p4 = comm.plan(ferroccl::op::allgather_into(&mut ag_send, &mut ag_recv)).unwrap();
                     let mut run_all = |k: usize| {
                         p1.output_mut().fill(k as f32);
                         p1.run().unwrap();

@@ -44,7 +44,7 @@ fn transfer_plan_runs_allocate_and_register_nothing() {
                         shared.write(0, &vec![rank as f32; 2000])?;
                         let mine: Vec<u8> = [&wa, &wb, &wc, &wi, &shared].iter().flat_map(|w| w.handle().to_bytes()).collect();
                         let mut all = vec![0u8; mine.len() * N];
-                        comm.allgather(&mine, &mut all)?;
+                        comm.allgather_into(&mine, &mut all)?;
                         let peer = 1 - rank;
                         let h = |k: usize| RemoteHandle::from_bytes(&all[(5 * peer + k) * 40..(5 * peer + k + 1) * 40]);
                         let mut plan = comm

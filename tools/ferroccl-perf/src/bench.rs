@@ -37,9 +37,9 @@ fn call_oop<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, 
     let (r, n) = (comm.rank(), comm.size());
     match coll {
         Coll::AllReduce => comm.allreduce_into(send, recv, op),
-        Coll::AllGather => comm.allgather(send, recv),
-        Coll::ReduceScatter => comm.reduce_scatter(send, recv, op),
-        Coll::Reduce => comm.reduce(send, recv, op, root),
+        Coll::AllGather => comm.allgather_into(send, recv),
+        Coll::ReduceScatter => comm.reduce_scatter_into(send, recv, op),
+        Coll::Reduce => comm.reduce_into(send, recv, op, root),
         Coll::AllToAll => comm.alltoall(send, recv),
         Coll::AllToAllV => {
             // Uniform counts: one block to and from every rank, in rank order.
@@ -58,10 +58,10 @@ fn call_oop<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, 
 fn call_ip<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, buf: &mut [T]) -> ferroccl::Result<()> {
     match coll {
         Coll::AllReduce => comm.allreduce(buf, op),
-        Coll::AllGather => comm.allgather_in_place(buf),
-        Coll::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
+        Coll::AllGather => comm.allgather(buf),
+        Coll::ReduceScatter => comm.reduce_scatter(buf, op),
         Coll::Broadcast => comm.broadcast(buf, root),
-        Coll::Reduce => comm.reduce_in_place(buf, op, root),
+        Coll::Reduce => comm.reduce(buf, op, root),
         // No in-place form; never called (see Coll::has_in_place).
         Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv => Ok(()),
     }
@@ -189,8 +189,8 @@ impl<T: Val> Ctx<'_, T> {
         self.fill_oop(send, recv);
         // Only the collectives of Coll::plan_out_of_place get here.
         let mut plan = match coll {
-            Coll::ReduceScatter => comm.reduce_scatter_plan(send, recv, op),
-            _ => comm.allgather_plan(send, recv),
+            Coll::ReduceScatter => comm.plan(ferroccl::op::reduce_scatter_into(send, recv, op)),
+            _ => comm.plan(ferroccl::op::allgather_into(send, recv)),
         }
         .map_err(err)?;
         let time_us = self.time(|| plan.run()).map_err(err)?;
@@ -214,8 +214,8 @@ impl<T: Val> Ctx<'_, T> {
         self.fill_ip(coll, l, buf);
         // Only the collectives of Coll::plan_in_place get here.
         let mut plan = match coll {
-            Coll::Broadcast => comm.broadcast_plan(buf, root),
-            _ => comm.allreduce_plan(buf, op),
+            Coll::Broadcast => comm.plan(ferroccl::op::broadcast(buf, root)),
+            _ => comm.plan(ferroccl::op::allreduce(buf, op)),
         }
         .map_err(err)?;
         let time_us = self.time(|| plan.run()).map_err(err)?;

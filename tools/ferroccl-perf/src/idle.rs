@@ -143,16 +143,16 @@ fn exercise(comm: &Communicator) -> ferroccl::Result<()> {
     let mut a = vec![1.0f32; 1 << 16];
     let mut b = vec![1.0f32; 1 << 10];
     comm.scope(|s| {
-        let r = s.allreduce(&mut a, ReduceOp::Sum)?;
+        let r = s.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
         // Dropped without a wait: the background progress thread drives it.
-        drop(s.allreduce(&mut b, ReduceOp::Sum)?);
+        drop(s.start(ferroccl::op::allreduce(&mut b, ReduceOp::Sum))?);
         while !r.test()? {
             std::thread::yield_now();
         }
         r.wait()
     })?;
     let mut p = vec![1.0f32; 1024];
-    let mut plan = comm.allreduce_plan(&mut p, ReduceOp::Sum)?;
+    let mut plan = comm.plan(ferroccl::op::allreduce(&mut p, ReduceOp::Sum))?;
     for _ in 0..3 {
         plan.run()?;
     }

@@ -245,19 +245,19 @@ pub fn run(o: &LatencyOptions) -> Result<(), Failure> {
 fn blocking<T: Val>(comm: &Communicator, coll: LatColl, input: &[T], output: &mut [T]) -> ferroccl::Result<()> {
     match coll {
         LatColl::AllReduce => comm.allreduce(output, ReduceOp::Sum),
-        LatColl::AllGather => comm.allgather(input, output),
+        LatColl::AllGather => comm.allgather_into(input, output),
         LatColl::Broadcast => comm.broadcast(output, 0),
-        LatColl::ReduceScatter => comm.reduce_scatter(input, output, ReduceOp::Sum),
+        LatColl::ReduceScatter => comm.reduce_scatter_into(input, output, ReduceOp::Sum),
     }
 }
 
 /// The plan of `coll` over `input` (unused by the in-place ones) and `output`.
 fn plan<'a, T: Val>(comm: &'a Communicator, coll: LatColl, input: &'a mut [T], output: &'a mut [T]) -> ferroccl::Result<Plan<'a, T>> {
     match coll {
-        LatColl::AllReduce => comm.allreduce_plan(output, ReduceOp::Sum),
-        LatColl::AllGather => comm.allgather_plan(input, output),
-        LatColl::Broadcast => comm.broadcast_plan(output, 0),
-        LatColl::ReduceScatter => comm.reduce_scatter_plan(input, output, ReduceOp::Sum),
+        LatColl::AllReduce => comm.plan(ferroccl::op::allreduce(output, ReduceOp::Sum)),
+        LatColl::AllGather => comm.plan(ferroccl::op::allgather_into(input, output)),
+        LatColl::Broadcast => comm.plan(ferroccl::op::broadcast(output, 0)),
+        LatColl::ReduceScatter => comm.plan(ferroccl::op::reduce_scatter_into(input, output, ReduceOp::Sum)),
     }
 }
 

@@ -129,7 +129,7 @@ fn iteration(comm: &Communicator, form: Form, grads: &mut [f32], work: &mut [f32
             comm.allreduce(grads, ReduceOp::Sum)
         }
         Form::Overlapped => comm.scope(|s| {
-            let r = s.allreduce(grads, ReduceOp::Sum)?;
+            let r = s.start(ferroccl::op::allreduce(grads, ReduceOp::Sum))?;
             compute(work, passes);
             r.wait()
         }),

@@ -139,7 +139,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
         let mine: Vec<u8> =
             [wcontig.handle(), wshared.handle()].into_iter().chain(wts.iter().map(|w| w.handle())).flat_map(|h| h.to_bytes()).collect();
         let mut all = vec![0u8; mine.len() * 2];
-        comm.allgather(&mine, &mut all)?;
+        comm.allgather_into(&mine, &mut all)?;
         let theirs: Vec<RemoteHandle> =
             all[mine.len()..].chunks(RemoteHandle::BYTES).map(RemoteHandle::from_bytes).collect::<ferroccl::Result<_>>()?;
         let mut shared_plan = if me == 0 { Some(comm.transfer_plan().read::<f32>(&theirs[1], 0, &wdst, 0, total).build()?) } else { None };
@@ -199,7 +199,7 @@ fn one_case(comm: &Communicator, o: &RmaOptions, name: &str, sizes: &[usize]) ->
                             let mut all = vec![0u8; 2 * n];
                             let pad = vec![0u8; n - bytes.len()];
                             let mine: Vec<u8> = bytes.iter().chain(&pad).copied().collect();
-                            comm.allgather(&mine, &mut all)?;
+                            comm.allgather_into(&mine, &mut all)?;
                             if me == 0 {
                                 let mut at = 0;
                                 for (k, c) in all[n..].chunks(RemoteHandle::BYTES).enumerate() {

@@ -122,7 +122,7 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
     let mut times: [Vec<(f64, f64)>; 2] = [Vec::with_capacity(o.iters), Vec::with_capacity(o.iters)];
     let mut wrong = 0usize;
     for warm in 0..10 {
-        comm.allgather(&send, &mut recv).map_err(sub::fail(&comm, format!("warm-up allgather {warm}")))?;
+        comm.allgather_into(&send, &mut recv).map_err(sub::fail(&comm, format!("warm-up allgather {warm}")))?;
     }
     comm.barrier().map_err(sub::fail(&comm, "barrier"))?;
     for i in 0..o.iters {
@@ -133,7 +133,7 @@ pub fn run(o: &SkewOptions) -> Result<(), Failure> {
                 std::thread::sleep(Duration::from_secs_f64(o.work_ms / 1e3));
             }
             let a = now_us();
-            comm.allgather(&send, &mut recv).map_err(|e| sub::fail(&comm, format!("allgather {i}"))(e))?;
+            comm.allgather_into(&send, &mut recv).map_err(|e| sub::fail(&comm, format!("allgather {i}"))(e))?;
             times[m].push((a, now_us()));
             wrong += (0..n).filter(|&q| recv[q * count..(q + 1) * count].iter().any(|&x| x != q as f32)).count();
         }

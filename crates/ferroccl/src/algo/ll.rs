@@ -58,7 +58,9 @@ impl LlSpec {
                 | Collective::Gather { .. }
                 | Collective::Scatter { .. }
                 | Collective::GatherV { .. }
-                | Collective::ScatterV { .. },
+                | Collective::ScatterV { .. }
+                | Collective::AllGatherV
+                | Collective::ReduceScatterV,
             ) => (from_output, 0, b),
             LlKind::Coll(Collective::AllGather) => (from_output, if self.in_place { rank * b } else { 0 }, b),
             LlKind::Coll(Collective::ReduceScatter | Collective::AllToAll) => (from_output, 0, b * n),

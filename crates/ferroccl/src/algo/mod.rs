@@ -235,6 +235,14 @@ pub enum Collective {
         /// The rank that sends.
         root: usize,
     },
+    /// Allgather with per-rank counts and displacements
+    /// ([`Communicator::allgatherv`](crate::Communicator::allgatherv)); `count` is this
+    /// rank's.
+    AllGatherV,
+    /// Reduce-scatter with per-rank counts
+    /// ([`Communicator::reduce_scatterv`](crate::Communicator::reduce_scatterv)); `count` is
+    /// this rank's block of the result.
+    ReduceScatterV,
 }
 
 /// The collective algorithms (not every one implements every collective: see
@@ -311,6 +319,8 @@ impl Collective {
             Collective::Scatter { .. } => "scatter",
             Collective::GatherV { .. } => "gatherv",
             Collective::ScatterV { .. } => "scatterv",
+            Collective::AllGatherV => "allgatherv",
+            Collective::ReduceScatterV => "reduce_scatterv",
         }
     }
 
@@ -325,12 +335,14 @@ impl Collective {
                 | Collective::Scatter { .. }
                 | Collective::GatherV { .. }
                 | Collective::ScatterV { .. }
+                | Collective::AllGatherV
+                | Collective::ReduceScatterV
         )
     }
 
     /// Whether the collective combines values with a [`ReduceOp`].
     pub const fn reduces(self) -> bool {
-        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. })
+        matches!(self, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce { .. } | Collective::ReduceScatterV)
     }
 
     /// The root, for rooted collectives.
@@ -355,7 +367,11 @@ impl Collective {
             Collective::AllGather => (count, all),
             Collective::ReduceScatter => (all, count),
             Collective::AllToAll => (all, all),
-            Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. } => (count, count),
+            Collective::AllToAllV
+            | Collective::GatherV { .. }
+            | Collective::ScatterV { .. }
+            | Collective::AllGatherV
+            | Collective::ReduceScatterV => (count, count),
             Collective::Gather { .. } => (count, all),
             Collective::Scatter { .. } => (all, count),
         })
@@ -474,6 +490,12 @@ pub(crate) fn build_gather(n: usize, rank: usize, root: usize, send: (usize, usi
 /// where this rank's block lands in `Output`, with `send[root].1 == recv.1` on the root.
 pub(crate) fn build_scatter(n: usize, rank: usize, root: usize, send: &[(usize, usize)], recv: (usize, usize)) -> Schedule {
     mesh::rooted::scatter(n, rank, root, send, recv)
+}
+
+/// Builds rank `shape.rank`'s schedule of a reduce-scatter with per-rank blocks of `lens`
+/// bytes (always [`Algo::Mesh`]; `shape.count` is this rank's block, in elements).
+pub(crate) fn build_reduce_scatterv(shape: &Shape, lens: &[usize]) -> Schedule {
+    mesh::reduce_scatter::build_v(shape, lens)
 }
 
 /// Builds `shape.rank`'s schedule of one call of `shape.coll` with `algo`.

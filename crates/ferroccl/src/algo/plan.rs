@@ -119,6 +119,18 @@ pub(super) struct Blocks {
 }
 
 impl Blocks {
+    /// Consecutive blocks of `lens` bytes.
+    pub(super) fn from_lens(lens: &[usize]) -> Blocks {
+        let mut starts = Vec::with_capacity(lens.len() + 1);
+        let mut at = 0;
+        starts.push(0);
+        for l in lens {
+            at += l;
+            starts.push(at);
+        }
+        Blocks { starts }
+    }
+
     pub(super) fn off(&self, j: usize) -> usize {
         self.starts[j]
     }

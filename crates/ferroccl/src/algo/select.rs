@@ -129,7 +129,9 @@ pub(crate) fn estimate(algo: Algo, coll: Collective, n: usize, bytes: usize, lin
         (Algo::Mesh, Collective::Gather { .. } | Collective::Scatter { .. } | Collective::GatherV { .. } | Collective::ScatterV { .. }) => {
             (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0)
         }
-        (Algo::Mesh, Collective::ReduceScatter) => (1.0, nf - 2.0, frac * total, contention, total),
+        (Algo::Mesh, Collective::ReduceScatter | Collective::ReduceScatterV) => (1.0, nf - 2.0, frac * total, contention, total),
+        // `bytes`: this rank's block, to every peer.
+        (Algo::Mesh, Collective::AllGatherV) => (1.0, nf - 2.0, (nf - 1.0) * total, contention, 0.0),
         // The root receives (sends) n - 1 messages.
         (Algo::Mesh, Collective::Reduce { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, nf * total),
         (Algo::Mesh, Collective::Broadcast { .. }) => (1.0, nf - 2.0, (nf - 1.0) * total, 1.0, 0.0),
@@ -217,7 +219,9 @@ pub(crate) fn ll_estimate(coll: Collective, n: usize, bytes: usize) -> f64 {
         | Collective::Gather { .. }
         | Collective::Scatter { .. }
         | Collective::GatherV { .. }
-        | Collective::ScatterV { .. } => 3.0 * s,
+        | Collective::ScatterV { .. }
+        | Collective::AllGatherV
+        | Collective::ReduceScatterV => 3.0 * s,
         Collective::Broadcast { .. } => 3.0 * s,
     };
     LL_LATENCY_US + copied * 1e-3 / LL_COPY_GBPS

@@ -4,7 +4,7 @@
 use std::any::TypeId;
 use std::fmt;
 use std::num::NonZeroU32;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use ferroccl_kernels::{DType, ReduceOp};
 
@@ -37,19 +37,21 @@ pub enum Op {
         /// The algorithm that ran it.
         algo: Algo,
         /// How many calls of a group were packed into this one (1: not fused).
-        fused: usize,
+        fused: u32,
         /// Its number among the calls every member makes, once started.
-        call: Option<u64>,
+        call: Option<u32>,
+        /// The caller's name for the call ([`Operation::tag`](crate::op::Operation::tag)).
+        tag: Option<Arc<String>>,
     },
     /// [`crate::Communicator::barrier`].
     Barrier {
         /// Its number among the calls every member makes, once started.
-        call: Option<u64>,
+        call: Option<u32>,
     },
     /// [`crate::Communicator::split`].
     Split {
         /// Its number among the calls every member makes, once started.
-        call: Option<u64>,
+        call: Option<u32>,
     },
     /// [`crate::Communicator::send`] of `count` elements of `dtype` to `peer`.
     Send {
@@ -141,7 +143,16 @@ impl Op {
 
     /// The collective calls' identity, before it has a call number.
     pub(crate) fn collective(coll: Collective, dtype: DType, count: usize, op: ReduceOp, algo: Algo) -> Op {
-        Op::Collective { coll, dtype, count, reduce: coll.reduces().then_some(op), algo, fused: 1, call: None, pod: None }
+        Op::Collective { coll, dtype, count, reduce: coll.reduces().then_some(op), algo, fused: 1, call: None, pod: None, tag: None }
+    }
+
+    /// This operation with the caller's tag, or none (collectives; others are left as they
+    /// are).
+    pub(crate) fn tagged(mut self, t: Option<&Arc<String>>) -> Op {
+        if let Op::Collective { tag, .. } = &mut self {
+            *tag = t.cloned();
+        }
+        self
     }
 
     /// This operation on elements of the plain-old-data type `pod` (`None`: a [`DType`]
@@ -186,7 +197,7 @@ impl Op {
     /// The call's number among the calls every member makes, if it has one.
     pub fn call(&self) -> Option<u64> {
         match self {
-            Op::Collective { call, .. } | Op::Barrier { call } | Op::Split { call } => *call,
+            Op::Collective { call, .. } | Op::Barrier { call } | Op::Split { call } => call.map(u64::from),
             _ => None,
         }
     }
@@ -196,7 +207,7 @@ impl Op {
         let mut op = self.clone();
         if call != 0 {
             match &mut op {
-                Op::Collective { call: c, .. } | Op::Barrier { call: c } | Op::Split { call: c } => *c = Some(u64::from(call)),
+                Op::Collective { call: c, .. } | Op::Barrier { call: c } | Op::Split { call: c } => *c = Some(call),
                 _ => {}
             }
         }
@@ -210,7 +221,10 @@ impl Op {
             Op::Send { dtype, pod, .. } | Op::Recv { dtype, pod, .. } | Op::SendRecv { dtype, pod, .. } => (dtype, pod),
             // One whole block per transfer: its length is a count the caller passed.
             Op::Collective {
-                coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. }, dtype, pod, ..
+                coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. } | Collective::AllGatherV,
+                dtype,
+                pod,
+                ..
             } => (dtype, pod),
             _ => return None,
         };
@@ -221,7 +235,7 @@ impl Op {
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Op::Collective { coll, dtype, count, reduce, algo, fused, pod, .. } => {
+            Op::Collective { coll, dtype, count, reduce, algo, fused, pod, tag, .. } => {
                 write!(f, "{} ({count} x {}", coll.name(), elem_of(*dtype, *pod).1)?;
                 if let Some(r) = reduce {
                     write!(f, ", {r}")?;
@@ -229,6 +243,9 @@ impl fmt::Display for Op {
                 write!(f, ", {algo})")?;
                 if *fused > 1 {
                     write!(f, " fused from {fused} calls")?;
+                }
+                if let Some(t) = tag {
+                    write!(f, " [{t}]")?;
                 }
             }
             Op::Barrier { .. } => f.write_str("barrier")?,

@@ -303,7 +303,7 @@ impl Communicator {
             mine[0] = 1;
         }
         let mut all = vec![0u8; SETUP_BYTES * size];
-        self.allgather(&mine, &mut all)?;
+        self.allgather_into(&mine, &mut all)?;
         let rows: Vec<&[u8]> = all.chunks(SETUP_BYTES).collect();
         let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let prints: Vec<u64> = rows.iter().map(|c| le(&c[1..9])).collect();

@@ -76,7 +76,7 @@ impl Signals {
             }
         }
         let mut all = vec![0u8; 8 * n];
-        comm.allgather(&mask.to_le_bytes(), &mut all)?;
+        comm.allgather_into(&mask.to_le_bytes(), &mut all)?;
         let writes_me = |s: usize| {
             let m = u64::from_le_bytes(all[8 * s..8 * s + 8].try_into().unwrap_or([0; 8]));
             me < 64 && m & (1 << me) != 0

@@ -153,8 +153,8 @@ fn check_dtype<X: V>(comm: &Communicator, k: &Case, k2: &Case, seed: u64) -> Res
     let mut recv2 = vec![sentinel; rl2.len];
     let mut recv1 = vec![sentinel; rl.len];
     comm.scope(|s| {
-        let a = s.alltoallv(&send, &sl.counts, &sl.displs, &mut recv1, &rl.counts, &rl.displs)?;
-        let b = s.alltoallv(&send2, &sl2.counts, &sl2.displs, &mut recv2, &rl2.counts, &rl2.displs)?;
+        let a = s.start(ferroccl::op::alltoallv(&send, &sl.counts, &sl.displs, &mut recv1, &rl.counts, &rl.displs))?;
+        let b = s.start(ferroccl::op::alltoallv(&send2, &sl2.counts, &sl2.displs, &mut recv2, &rl2.counts, &rl2.displs))?;
         b.wait()?;
         a.wait()
     })
@@ -171,9 +171,9 @@ fn check_dtype<X: V>(comm: &Communicator, k: &Case, k2: &Case, seed: u64) -> Res
     let (mut g1, mut g2) = (vec![sentinel; rl.len], vec![sentinel; rl2.len]);
     let mut sum = [1u32; 3];
     comm.group(|g| {
-        g.alltoallv(&send, &sl.counts, &sl.displs, &mut g1, &rl.counts, &rl.displs)?;
-        g.allreduce(&mut sum, ferroccl::ReduceOp::Sum)?;
-        g.alltoallv(&send2, &sl2.counts, &sl2.displs, &mut g2, &rl2.counts, &rl2.displs)
+        g.add(ferroccl::op::alltoallv(&send, &sl.counts, &sl.displs, &mut g1, &rl.counts, &rl.displs))?;
+        g.add(ferroccl::op::allreduce(&mut sum, ferroccl::ReduceOp::Sum))?;
+        g.add(ferroccl::op::alltoallv(&send2, &sl2.counts, &sl2.displs, &mut g2, &rl2.counts, &rl2.displs))
     })
     .map_err(|e| format!("{}: {e}", ctx("group")))?;
     if g1 != want || g2 != want2 || sum != [comm.size() as u32; 3] {
@@ -276,7 +276,7 @@ pub fn alltoallv_plans_run_many_times(s: &Suite) {
                 let mut send = vec![0u32; sl.len];
                 let mut recv = vec![sentinel; rl.len];
                 let mut plan = comm
-                    .alltoallv_plan(&mut send, &sl.counts, &sl.displs, &mut recv, &rl.counts, &rl.displs)
+                    .plan(ferroccl::op::alltoallv(&mut send, &sl.counts, &sl.displs, &mut recv, &rl.counts, &rl.displs))
                     .map_err(|e| format!("rank {r}: plan: {e}"))?;
                 let runs = s.plan_runs.min(50) as u64;
                 for run in 0..runs {
@@ -284,7 +284,7 @@ pub fn alltoallv_plans_run_many_times(s: &Suite) {
                     let data = send_data::<u32>(r, sl.len, seed);
                     plan.input_mut().ok_or("no input")?.copy_from_slice(&data);
                     if run % 5 == 4 {
-                        comm.scope(|sc| sc.start(&mut plan)?.wait()).map_err(|e| format!("rank {r}: run {run} in a scope: {e}"))?;
+                        comm.scope(|sc| sc.start_plan(&mut plan)?.wait()).map_err(|e| format!("rank {r}: run {run} in a scope: {e}"))?;
                     } else {
                         plan.run().map_err(|e| format!("rank {r}: run {run}: {e}"))?;
                     }
@@ -318,8 +318,9 @@ pub fn rooted_plans_run_many_times(s: &Suite) {
                     let mut send = vec![0u32; k.c[r][root]];
                     let mut recv = vec![sentinel; if r == root { rl.len } else { 0 }];
                     let (rc, rd) = if r == root { (&rl.counts[..], &rl.displs[..]) } else { (&[][..], &[][..]) };
-                    let mut plan =
-                        comm.gatherv_plan(&mut send, &mut recv, rc, rd, root).map_err(|e| format!("rank {r}: gatherv plan: {e}"))?;
+                    let mut plan = comm
+                        .plan(ferroccl::op::gatherv(&mut send, &mut recv, rc, rd, root))
+                        .map_err(|e| format!("rank {r}: gatherv plan: {e}"))?;
                     for run in 0..runs {
                         let seed = seed.wrapping_mul(1000).wrapping_add(run);
                         plan.input_mut().ok_or("no input")?.copy_from_slice(&send_data::<u32>(r, k.c[r][root], seed));
@@ -338,7 +339,8 @@ pub fn rooted_plans_run_many_times(s: &Suite) {
                     let c = 1 + seed as usize % 7;
                     let mut send = vec![0u32; if r == root { n * c } else { 0 }];
                     let mut recv = vec![sentinel; c];
-                    let mut plan = comm.scatter_plan(&mut send, &mut recv, root).map_err(|e| format!("rank {r}: scatter plan: {e}"))?;
+                    let mut plan =
+                        comm.plan(ferroccl::op::scatter(&mut send, &mut recv, root)).map_err(|e| format!("rank {r}: scatter plan: {e}"))?;
                     for run in 0..runs {
                         let all = send_data::<u32>(root, n * c, run);
                         if r == root {
@@ -552,10 +554,10 @@ fn rooted<X: V>(comm: &Communicator, root: usize, seed: u64) -> Result<(), Strin
     let mut gv_recv = vec![sentinel; if r == root { rl.len } else { 0 }];
     let mut sv_recv = vec![sentinel; k.c[root][r]];
     comm.scope(|scope| {
-        let a = scope.gather(&g_send, &mut g_recv, root)?;
-        let b = scope.scatter(&s_send, &mut s_recv, root)?;
-        let c = scope.gatherv(&gv_send, &mut gv_recv, rc, rd, root)?;
-        let d = scope.scatterv(&send, sc, sd, &mut sv_recv, root)?;
+        let a = scope.start(ferroccl::op::gather(&g_send, &mut g_recv, root))?;
+        let b = scope.start(ferroccl::op::scatter(&s_send, &mut s_recv, root))?;
+        let c = scope.start(ferroccl::op::gatherv(&gv_send, &mut gv_recv, rc, rd, root))?;
+        let d = scope.start(ferroccl::op::scatterv(&send, sc, sd, &mut sv_recv, root))?;
         d.wait()?;
         c.wait()?;
         b.wait()?;
@@ -585,10 +587,10 @@ fn rooted<X: V>(comm: &Communicator, root: usize, seed: u64) -> Result<(), Strin
     let mut gv_recv2 = vec![sentinel; gv_recv.len()];
     let mut sv_recv2 = vec![sentinel; sv_recv.len()];
     comm.group(|g| {
-        g.gather(&g_send, &mut g_recv2, root)?;
-        g.scatter(&s_send, &mut s_recv2, root)?;
-        g.gatherv(&gv_send, &mut gv_recv2, rc, rd, root)?;
-        g.scatterv(&send, sc, sd, &mut sv_recv2, root)
+        g.add(ferroccl::op::gather(&g_send, &mut g_recv2, root))?;
+        g.add(ferroccl::op::scatter(&s_send, &mut s_recv2, root))?;
+        g.add(ferroccl::op::gatherv(&gv_send, &mut gv_recv2, rc, rd, root))?;
+        g.add(ferroccl::op::scatterv(&send, sc, sd, &mut sv_recv2, root))
     })
     .map_err(|e| format!("{}: {e}", ctx("group")))?;
     if g_recv2 != g_recv || s_recv2 != s_recv || gv_recv2 != gv_recv || sv_recv2 != sv_recv {

@@ -137,19 +137,19 @@ fn check_all<X: T>(comm: &Communicator, count: usize, op: ReduceOp, seed: u64, e
     // allgather
     let cat: Vec<X> = ins.iter().flatten().copied().collect();
     let mut out = vec![X::exact(0, false); count * n];
-    comm.allgather(&ins[r], &mut out).map_err(e("allgather"))?;
+    comm.allgather_into(&ins[r], &mut out).map_err(e("allgather"))?;
     expect("allgather", &out, &cat)?;
     let mut buf = vec![X::exact(1, false); count * n];
     buf[r * count..(r + 1) * count].copy_from_slice(&ins[r]);
-    comm.allgather_in_place(&mut buf).map_err(e("allgather_in_place"))?;
+    comm.allgather(&mut buf).map_err(e("allgather_in_place"))?;
     expect("allgather_in_place", &buf, &cat)?;
 
     // reduce_scatter
     let mut out = vec![X::exact(0, false); count];
-    comm.reduce_scatter(&wide[r], &mut out, op).map_err(e("reduce_scatter"))?;
+    comm.reduce_scatter_into(&wide[r], &mut out, op).map_err(e("reduce_scatter"))?;
     expect("reduce_scatter", &out, &red_wide[r * count..(r + 1) * count])?;
     let mut buf = wide[r].clone();
-    comm.reduce_scatter_in_place(&mut buf, op).map_err(e("reduce_scatter_in_place"))?;
+    comm.reduce_scatter(&mut buf, op).map_err(e("reduce_scatter_in_place"))?;
     expect("reduce_scatter_in_place", &buf[r * count..(r + 1) * count], &red_wide[r * count..(r + 1) * count])?;
 
     // broadcast and reduce from every root
@@ -158,12 +158,12 @@ fn check_all<X: T>(comm: &Communicator, count: usize, op: ReduceOp, seed: u64, e
         comm.broadcast(&mut buf, root).map_err(e(&format!("broadcast root {root}")))?;
         expect("broadcast", &buf, &ins[root])?;
         let mut out = vec![X::exact(0, false); if r == root { count } else { 0 }];
-        comm.reduce(&ins[r], &mut out, op, root).map_err(e(&format!("reduce root {root}")))?;
+        comm.reduce_into(&ins[r], &mut out, op, root).map_err(e(&format!("reduce root {root}")))?;
         if r == root {
             expect("reduce", &out, &red)?;
         }
         let mut buf = ins[r].clone();
-        comm.reduce_in_place(&mut buf, op, root).map_err(e(&format!("reduce_in_place root {root}")))?;
+        comm.reduce(&mut buf, op, root).map_err(e(&format!("reduce_in_place root {root}")))?;
         expect("reduce_in_place", &buf, if r == root { &red } else { &ins[r] })?;
     }
 
@@ -344,12 +344,12 @@ pub fn bad_arguments_are_errors_not_panics(s: &Suite) {
             let mut a = vec![0f32; 10];
             let msgs = [
                 comm.allreduce_into(&[1f32; 9], &mut a, ReduceOp::Sum).unwrap_err().to_string(),
-                comm.allgather(&[1f32; 4], &mut a).unwrap_err().to_string(),
-                comm.reduce_scatter(&[1f32; 10], &mut a[..4], ReduceOp::Sum).unwrap_err().to_string(),
+                comm.allgather_into(&[1f32; 4], &mut a).unwrap_err().to_string(),
+                comm.reduce_scatter_into(&[1f32; 10], &mut a[..4], ReduceOp::Sum).unwrap_err().to_string(),
                 comm.broadcast(&mut a, 3).unwrap_err().to_string(),
-                comm.reduce(&[1f32; 10], &mut a, ReduceOp::Max, 7).unwrap_err().to_string(),
+                comm.reduce_into(&[1f32; 10], &mut a, ReduceOp::Max, 7).unwrap_err().to_string(),
                 comm.alltoall(&[1f32; 10], &mut a).unwrap_err().to_string(),
-                comm.allgather_in_place(&mut a).unwrap_err().to_string(),
+                comm.allgather(&mut a).unwrap_err().to_string(),
             ];
             for (m, want) in
                 msgs.iter().zip(["expected 9", "expected 12", "expected 12", "root 3", "root 7", "3 equal blocks", "3 equal blocks"])
@@ -479,7 +479,7 @@ pub fn forced_ll_on_split_communicators_next_to_the_world(s: &Suite) {
             let mut a = vec![r as u64; 9];
             let mut b = vec![1i8; 5];
             sub.scope(|sc| {
-                let req = sc.allreduce(&mut a, ReduceOp::Sum)?;
+                let req = sc.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
                 comm.allreduce(&mut b, ReduceOp::Sum)?;
                 req.wait()
             })
@@ -511,7 +511,7 @@ pub fn forced_ll_mismatched_calls_fail_on_every_rank(s: &Suite) {
                 let t = std::time::Instant::now();
                 let mut b = vec![r as f32 + 1.0; if case.starts_with('4') && r == 1 { 1_000_000 } else { 4 }];
                 let res = match (case, r) {
-                    ("allreduce vs allgather", 1) => comm.allgather(&b.clone(), &mut [0f32; 8]),
+                    ("allreduce vs allgather", 1) => comm.allgather_into(&b.clone(), &mut [0f32; 8]),
                     _ => comm.allreduce(&mut b, ReduceOp::Sum),
                 };
                 match res {
@@ -561,8 +561,11 @@ pub fn forced_ll_is_on_in_every_thread_rank_world(s: &Suite) {
                     // Every rank through its init first (a mismatch found early would fail
                     // a slow rank's init instead).
                     comm.barrier().map_err(|e| format!("rank {r}: barrier: {e}"))?;
-                    let res =
-                        if r == 0 { comm.allreduce(&mut [1f32; 4], ReduceOp::Sum) } else { comm.allgather(&[1f32], &mut vec![0f32; n]) };
+                    let res = if r == 0 {
+                        comm.allreduce(&mut [1f32; 4], ReduceOp::Sum)
+                    } else {
+                        comm.allgather_into(&[1f32], &mut vec![0f32; n])
+                    };
                     match res {
                         Err(ferroccl::Error::Mismatch { op: ferroccl::Op::Collective { algo, .. }, .. }) => Ok(algo),
                         other => Err(format!("rank {r}: {other:?}")),
@@ -616,7 +619,7 @@ pub fn forced_ll_runs_ahead_and_stays_correct(s: &Suite) {
                         3 => {
                             let mut out = vec![0f32; len];
                             let b: Vec<f32> = (0..len).map(|k| val(i, r, k)).collect();
-                            comm.reduce(&b, &mut out, ReduceOp::Sum, root).map_err(|err| e("reduce", err))?;
+                            comm.reduce_into(&b, &mut out, ReduceOp::Sum, root).map_err(|err| e("reduce", err))?;
                             let want: Vec<f32> = (0..len).map(|k| (0..n).map(|p| val(i, p, k)).sum()).collect();
                             if r == root && out != want {
                                 return Err(format!("rank {r}: step {i}: reduce to {root}: {out:?}, want {want:?}"));
@@ -673,7 +676,7 @@ pub fn forced_ll_two_roots_fail_at_the_next_operation(s: &Suite) {
                 let mut b = [comm.rank() as f32; 2];
                 comm.broadcast(&mut b, usize::from(comm.rank() != 0)).and_then(|()| match next {
                     "allreduce" => comm.allreduce(&mut b, ReduceOp::Sum),
-                    "allgather" => comm.allgather(&vec![1f32; LL_SLOT], &mut vec![0f32; LL_SLOT * n]),
+                    "allgather" => comm.allgather_into(&vec![1f32; LL_SLOT], &mut vec![0f32; LL_SLOT * n]),
                     _ => comm.finalize(),
                 })
             });

@@ -45,8 +45,8 @@ pub fn groups_send_and_receive_to_self(s: &Suite) {
             let data: Vec<u32> = (0..5).map(|i| val(0, r, i) as u32).collect();
             let mut got = vec![0u32; 5];
             comm.group(|g| {
-                g.recv(&mut got, r)?;
-                g.send(&data, r)
+                g.add(ferroccl::op::recv(&mut got, r))?;
+                g.add(ferroccl::op::send(&data, r))
             })
             .map_err(e)?;
             if got != data {
@@ -64,16 +64,16 @@ pub fn groups_send_and_receive_to_self(s: &Suite) {
             let mut sum = vec![r as i32 + 1; 4];
             comm.group(|g| {
                 for (p, b) in blocks.iter().enumerate() {
-                    g.send(b, p)?;
+                    g.add(ferroccl::op::send(b, p))?;
                 }
-                g.send(&big, r)?;
-                g.allreduce(&mut sum, ReduceOp::Sum)?;
-                g.send(&empty, r)?;
+                g.add(ferroccl::op::send(&big, r))?;
+                g.add(ferroccl::op::allreduce(&mut sum, ReduceOp::Sum))?;
+                g.add(ferroccl::op::send(&empty, r))?;
                 for (p, b) in inbox.iter_mut().enumerate() {
-                    g.recv(b, p)?;
+                    g.add(ferroccl::op::recv(b, p))?;
                 }
-                g.recv(&mut big_back, r)?;
-                g.recv(&mut empty_back, r)
+                g.add(ferroccl::op::recv(&mut big_back, r))?;
+                g.add(ferroccl::op::recv(&mut empty_back, r))
             })
             .map_err(e)?;
             for (p, b) in inbox.iter().enumerate() {
@@ -90,10 +90,10 @@ pub fn groups_send_and_receive_to_self(s: &Suite) {
             // A group started in a scope, next to a non-blocking allreduce.
             let (mut a, x, mut y) = (vec![1u64; 3], vec![f16::from_f32(r as f32 + 0.5); 7], vec![f16::ZERO; 7]);
             comm.scope(|sc| {
-                let ra = sc.allreduce(&mut a, ReduceOp::Sum)?;
+                let ra = sc.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
                 let rg = sc.group(|g| {
-                    g.send(&x, r)?;
-                    g.recv(&mut y, r)
+                    g.add(ferroccl::op::send(&x, r))?;
+                    g.add(ferroccl::op::recv(&mut y, r))
                 })?;
                 rg.wait()?;
                 ra.wait()
@@ -109,30 +109,30 @@ pub fn groups_send_and_receive_to_self(s: &Suite) {
             let mut peer_buf = [0u8; 2];
             let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
             let lengths = comm.group(|g| {
-                g.send(&[1u32; 4], r)?;
-                g.recv(&mut three, r)
+                g.add(ferroccl::op::send(&[1u32; 4], r))?;
+                g.add(ferroccl::op::recv(&mut three, r))
             });
             expect_invalid(r, "self send and receive of other lengths", lengths, "differ in length")?;
             let order = comm.group(|g| {
-                g.send(&[1u32; 4], r)?;
-                g.send(&[2u32; 9], r)?;
-                g.recv(&mut nine, r)?;
-                g.recv(&mut four, r)
+                g.add(ferroccl::op::send(&[1u32; 4], r))?;
+                g.add(ferroccl::op::send(&[2u32; 9], r))?;
+                g.add(ferroccl::op::recv(&mut nine, r))?;
+                g.add(ferroccl::op::recv(&mut four, r))
             });
             expect_invalid(r, "self pairs matched in order", order, "differ in length")?;
             let mut lone = vec![1.0f32; 8];
             let unmatched_send = comm.group(|g| {
-                g.send(&[1u8; 2], next)?;
-                g.allreduce(&mut lone, ReduceOp::Sum)?;
-                g.send(&[5u32; 3], r)?;
-                g.recv(&mut peer_buf, prev)
+                g.add(ferroccl::op::send(&[1u8; 2], next))?;
+                g.add(ferroccl::op::allreduce(&mut lone, ReduceOp::Sum))?;
+                g.add(ferroccl::op::send(&[5u32; 3], r))?;
+                g.add(ferroccl::op::recv(&mut peer_buf, prev))
             });
             expect_invalid(r, "self send without a receive", unmatched_send, "no matching receive")?;
-            let unmatched_recv = comm.group(|g| g.recv(&mut four, r));
+            let unmatched_recv = comm.group(|g| g.add(ferroccl::op::recv(&mut four, r)));
             expect_invalid(r, "self receive without a send", unmatched_recv, "no matching send")?;
             expect_invalid(r, "blocking send to itself", comm.send(&[1u8, 2], r), "group")?;
             expect_invalid(r, "blocking recv from itself", comm.recv(&mut peer_buf, r), "sendrecv")?;
-            let lone_send = comm.scope(|sc| sc.send(&[1u8; 2], r).map(drop));
+            let lone_send = comm.scope(|sc| sc.start(ferroccl::op::send(&[1u8; 2], r)).map(drop));
             expect_invalid(r, "non-blocking send to itself", lone_send, "group")?;
             if lone != [1.0; 8] {
                 return Err(format!("rank {r}: a refused group ran its allreduce: {lone:?}"));
@@ -183,13 +183,13 @@ pub fn groups_take_every_scope_call(s: &Suite) {
                     let send_i: Vec<i64> = (0..c).map(|i| val(k + 5, r, i)).collect();
                     let mut recv_i = vec![0i64; c];
                     comm.group(|g| {
-                        g.alltoall(&send_a, &mut recv_a)?;
-                        g.reduce(&send_r, &mut recv_r, ReduceOp::Sum, root)?;
-                        g.allreduce(&mut small, ReduceOp::Sum)?;
-                        g.reduce_in_place(&mut rip, ReduceOp::Max, root2)?;
-                        g.allgather_in_place(&mut agip)?;
-                        g.allreduce_into(&send_i, &mut recv_i, ReduceOp::Min)?;
-                        g.reduce_scatter_in_place(&mut rsip, ReduceOp::Sum)
+                        g.add(ferroccl::op::alltoall(&send_a, &mut recv_a))?;
+                        g.add(ferroccl::op::reduce_into(&send_r, &mut recv_r, ReduceOp::Sum, root))?;
+                        g.add(ferroccl::op::allreduce(&mut small, ReduceOp::Sum))?;
+                        g.add(ferroccl::op::reduce(&mut rip, ReduceOp::Max, root2))?;
+                        g.add(ferroccl::op::allgather(&mut agip))?;
+                        g.add(ferroccl::op::allreduce_into(&send_i, &mut recv_i, ReduceOp::Min))?;
+                        g.add(ferroccl::op::reduce_scatter(&mut rsip, ReduceOp::Sum))
                     })
                     .map_err(e)?;
                     let at = |what: &str| format!("rank {r} (forced ll: {forced_ll}), count {c}: {what}");

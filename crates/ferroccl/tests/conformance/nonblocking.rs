@@ -139,11 +139,11 @@ fn run_sequence(comm: &Communicator, specs: &[OpSpec], order: &[usize], drop_som
         let mut reqs: Vec<Option<Request<'_>>> = Vec::new();
         for b in bufs.iter_mut() {
             reqs.push(Some(match b {
-                Bufs::F32(v, op) => s.allreduce(v, *op)?,
-                Bufs::Bf16(v) => s.allreduce(v, ReduceOp::Sum)?,
-                Bufs::I32(send, recv) => s.allgather(send, recv)?,
-                Bufs::F64(send, recv) => s.reduce_scatter(send, recv, ReduceOp::Sum)?,
-                Bufs::U8(v, root) => s.broadcast(v, *root)?,
+                Bufs::F32(v, op) => s.start(ferroccl::op::allreduce(v, *op))?,
+                Bufs::Bf16(v) => s.start(ferroccl::op::allreduce(v, ReduceOp::Sum))?,
+                Bufs::I32(send, recv) => s.start(ferroccl::op::allgather_into(send, recv))?,
+                Bufs::F64(send, recv) => s.start(ferroccl::op::reduce_scatter_into(send, recv, ReduceOp::Sum))?,
+                Bufs::U8(v, root) => s.start(ferroccl::op::broadcast(v, *root))?,
             }));
         }
         for (j, &i) in order.iter().enumerate() {
@@ -224,11 +224,11 @@ pub fn plans_run_many_times_with_rewritten_buffers(s: &Suite) {
             let mut rs_recv = vec![0i32; 4];
             let mut bc = vec![0u8; 33];
             {
-                let mut p_small = comm.allreduce_plan(&mut small, ReduceOp::Sum).map_err(e)?;
-                let mut p_big = comm.allreduce_plan(&mut big, ReduceOp::Max).map_err(e)?;
-                let mut p_ag = comm.allgather_plan(&mut ag_send, &mut ag_recv).map_err(e)?;
-                let mut p_rs = comm.reduce_scatter_plan(&mut rs_send, &mut rs_recv, ReduceOp::Sum).map_err(e)?;
-                let mut p_bc = comm.broadcast_plan(&mut bc, 1).map_err(e)?;
+                let mut p_small = comm.plan(ferroccl::op::allreduce(&mut small, ReduceOp::Sum)).map_err(e)?;
+                let mut p_big = comm.plan(ferroccl::op::allreduce(&mut big, ReduceOp::Max)).map_err(e)?;
+                let mut p_ag = comm.plan(ferroccl::op::allgather_into(&mut ag_send, &mut ag_recv)).map_err(e)?;
+                let mut p_rs = comm.plan(ferroccl::op::reduce_scatter_into(&mut rs_send, &mut rs_recv, ReduceOp::Sum)).map_err(e)?;
+                let mut p_bc = comm.plan(ferroccl::op::broadcast(&mut bc, 1)).map_err(e)?;
                 let runs = s.plan_runs;
                 for k in 0..runs {
                     p_small.output_mut().copy_from_slice(&[k as i64, r as i64, 1]);
@@ -293,10 +293,10 @@ pub fn groups_run_as_one_unit(s: &Suite) {
         let (to, from) = ((r + 1) % n, (r + n - 1) % n);
         comm.group(|g| {
             // A receive added after the send: a group cannot deadlock on it.
-            g.send(&send, to)?;
-            g.allreduce(&mut a, ReduceOp::Sum)?;
-            g.recv(&mut got, from)?;
-            g.allreduce(&mut b, ReduceOp::Sum)?;
+            g.add(ferroccl::op::send(&send, to))?;
+            g.add(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+            g.add(ferroccl::op::recv(&mut got, from))?;
+            g.add(ferroccl::op::allreduce(&mut b, ReduceOp::Sum))?;
             Ok(())
         })
         .map_err(|e| e.to_string())?;
@@ -310,12 +310,12 @@ pub fn groups_run_as_one_unit(s: &Suite) {
         let mut lone = vec![1u8; 5];
         comm.group(|g| {
             for v in smalls.iter_mut() {
-                g.allreduce(v, ReduceOp::Sum)?;
+                g.add(ferroccl::op::allreduce(v, ReduceOp::Sum))?;
             }
             for v in maxes.iter_mut() {
-                g.allreduce(v, ReduceOp::Max)?;
+                g.add(ferroccl::op::allreduce(v, ReduceOp::Max))?;
             }
-            g.allreduce(&mut lone, ReduceOp::Sum)
+            g.add(ferroccl::op::allreduce(&mut lone, ReduceOp::Sum))
         })
         .map_err(|e| e.to_string())?;
         let rsum: usize = (0..n).sum();
@@ -335,8 +335,8 @@ pub fn groups_run_as_one_unit(s: &Suite) {
         // A failed argument check starts nothing, and the communicator stays usable.
         let mut short = vec![0u8; 3];
         let err = comm.group(|g| {
-            g.allreduce(&mut a, ReduceOp::Sum)?;
-            g.allgather(&send, &mut short)
+            g.add(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+            g.add(ferroccl::op::allgather_into(&send, &mut short))
         });
         if !matches!(err, Err(Error::InvalidArgument(_))) {
             return Err(format!("rank {r}: bad group gave {err:?}"));
@@ -375,8 +375,8 @@ pub fn requests_are_futures_and_progress_without_a_waiter(s: &Suite) {
         let mut a = vec![2.0f32; 200_000];
         let mut b = vec![1i64; 5];
         comm.scope(|s| {
-            let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
-            let rb = s.allreduce(&mut b, ReduceOp::Sum)?;
+            let ra = s.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+            let rb = s.start(ferroccl::op::allreduce(&mut b, ReduceOp::Sum))?;
             // Nobody waits: the engine's thread completes them.
             let t0 = Instant::now();
             while !(rb.wait_timeout(Duration::ZERO)? && ra.wait_timeout(Duration::ZERO)?) {
@@ -395,7 +395,7 @@ pub fn requests_are_futures_and_progress_without_a_waiter(s: &Suite) {
             return Err("wrong result".into());
         }
         let mut c = vec![1u8; 3];
-        comm.scope(|s| block_on(s.allreduce(&mut c, ReduceOp::Sum)?)).map_err(|e| e.to_string())?;
+        comm.scope(|s| block_on(s.start(ferroccl::op::allreduce(&mut c, ReduceOp::Sum))?)).map_err(|e| e.to_string())?;
         if c != [n as u8; 3] {
             return Err("async allreduce".into());
         }
@@ -531,16 +531,16 @@ pub fn plans_start_in_scopes_next_to_other_operations(s: &Suite) {
         let e = |e: Error| e.to_string();
         let mut a = vec![0i32; 100];
         let mut b = vec![0.0f32; 50_000];
-        let mut pa = comm.allreduce_plan(&mut a, ReduceOp::Sum).map_err(e)?;
-        let mut pb = comm.broadcast_plan(&mut b, 2).map_err(e)?;
+        let mut pa = comm.plan(ferroccl::op::allreduce(&mut a, ReduceOp::Sum)).map_err(e)?;
+        let mut pb = comm.plan(ferroccl::op::broadcast(&mut b, 2)).map_err(e)?;
         for k in 0..20 {
             pa.output_mut().fill((r + k) as i32);
             pb.output_mut().fill(if r == 2 { k as f32 } else { -1.0 });
             let mut other = vec![1u64; 7];
             comm.scope(|s| {
-                let ra = s.start(&mut pa)?;
-                let ro = s.allreduce(&mut other, ReduceOp::Sum)?;
-                let rb = s.start(&mut pb)?;
+                let ra = s.start_plan(&mut pa)?;
+                let ro = s.start(ferroccl::op::allreduce(&mut other, ReduceOp::Sum))?;
+                let rb = s.start_plan(&mut pb)?;
                 rb.wait()?;
                 ro.wait()?;
                 ra.wait()
@@ -556,7 +556,7 @@ pub fn plans_start_in_scopes_next_to_other_operations(s: &Suite) {
         }
         let mut send = vec![0u32; 40];
         let mut recv = vec![0u32; 40];
-        let mut po = comm.allreduce_into_plan(&mut send, &mut recv, ReduceOp::Sum).map_err(e)?;
+        let mut po = comm.plan(ferroccl::op::allreduce_into(&mut send, &mut recv, ReduceOp::Sum)).map_err(e)?;
         for k in 0..10u32 {
             po.input_mut().ok_or("input")?.fill(k + r as u32);
             po.run().map_err(e)?;
@@ -584,7 +584,7 @@ pub fn eight_ranks_on_two_cores_make_progress_without_waiters(s: &Suite) {
         let mut bufs: Vec<Vec<f32>> = (0..6).map(|k| vec![k as f32; 1 << (6 + 2 * k)]).collect();
         comm.scope(|s| {
             for b in bufs.iter_mut() {
-                drop(s.allreduce(b, ReduceOp::Sum)?);
+                drop(s.start(ferroccl::op::allreduce(b, ReduceOp::Sum))?);
             }
             Ok(())
         })
@@ -642,14 +642,14 @@ pub fn forced_ll_groups_equal_the_reference(s: &Suite) {
                 let mut big: Vec<f32> = (0..2000).map(|i| val(k, r, i) as f32).collect(); // past the slots
                 comm.group(|g| {
                     for v in smalls.iter_mut() {
-                        g.allreduce(v, ReduceOp::Sum)?;
+                        g.add(ferroccl::op::allreduce(v, ReduceOp::Sum))?;
                     }
-                    g.allgather(&send, &mut gathered)?;
+                    g.add(ferroccl::op::allgather_into(&send, &mut gathered))?;
                     for v in maxes.iter_mut() {
-                        g.allreduce(v, ReduceOp::Max)?;
+                        g.add(ferroccl::op::allreduce(v, ReduceOp::Max))?;
                     }
-                    g.allreduce(&mut big, ReduceOp::Sum)?;
-                    g.broadcast(&mut bc, k % n)
+                    g.add(ferroccl::op::allreduce(&mut big, ReduceOp::Sum))?;
+                    g.add(ferroccl::op::broadcast(&mut bc, k % n))
                 })
                 .map_err(e)?;
                 let sum = |kk: usize, i: usize| (0..n).map(|q| val(kk, q, i)).sum::<i64>();
@@ -676,10 +676,10 @@ pub fn forced_ll_groups_equal_the_reference(s: &Suite) {
             // A group in a scope, next to a non-blocking allreduce (both ll).
             let (mut a, mut b, mut c) = (vec![r as i32; 5], vec![1.0f64; 3], vec![2u32; 4]);
             comm.scope(|sc| {
-                let ra = sc.allreduce(&mut a, ReduceOp::Sum)?;
+                let ra = sc.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
                 let rg = sc.group(|g| {
-                    g.allreduce(&mut b, ReduceOp::Sum)?;
-                    g.allreduce(&mut c, ReduceOp::Sum)
+                    g.add(ferroccl::op::allreduce(&mut b, ReduceOp::Sum))?;
+                    g.add(ferroccl::op::allreduce(&mut c, ReduceOp::Sum))
                 })?;
                 rg.wait()?;
                 ra.wait()
@@ -714,12 +714,12 @@ pub fn forced_ll_plans_run_many_times_and_in_scopes(s: &Suite) {
             let (mut rs_send, mut rs_recv) = (vec![0i32; 4 * n], vec![0i32; 4]);
             let mut bc = vec![0u8; 33];
             let mut big = vec![0.0f32; 1500]; // 6000 B: past the slots
-            let mut p_ar = comm.allreduce_plan(&mut ar, ReduceOp::Sum).map_err(e)?;
-            let mut p_ai = comm.allreduce_into_plan(&mut ai, &mut ao, ReduceOp::Max).map_err(e)?;
-            let mut p_ag = comm.allgather_plan(&mut ag_send, &mut ag_recv).map_err(e)?;
-            let mut p_rs = comm.reduce_scatter_plan(&mut rs_send, &mut rs_recv, ReduceOp::Sum).map_err(e)?;
-            let mut p_bc = comm.broadcast_plan(&mut bc, 1).map_err(e)?;
-            let mut p_big = comm.allreduce_plan(&mut big, ReduceOp::Sum).map_err(e)?;
+            let mut p_ar = comm.plan(ferroccl::op::allreduce(&mut ar, ReduceOp::Sum)).map_err(e)?;
+            let mut p_ai = comm.plan(ferroccl::op::allreduce_into(&mut ai, &mut ao, ReduceOp::Max)).map_err(e)?;
+            let mut p_ag = comm.plan(ferroccl::op::allgather_into(&mut ag_send, &mut ag_recv)).map_err(e)?;
+            let mut p_rs = comm.plan(ferroccl::op::reduce_scatter_into(&mut rs_send, &mut rs_recv, ReduceOp::Sum)).map_err(e)?;
+            let mut p_bc = comm.plan(ferroccl::op::broadcast(&mut bc, 1)).map_err(e)?;
+            let mut p_big = comm.plan(ferroccl::op::allreduce(&mut big, ReduceOp::Sum)).map_err(e)?;
             let runs = s.plan_runs.max(20);
             for k in 0..runs {
                 p_ar.output_mut().copy_from_slice(&[k as i64, r as i64, 1]);
@@ -731,13 +731,13 @@ pub fn forced_ll_plans_run_many_times_and_in_scopes(s: &Suite) {
                 let mut other = vec![(k + r) as u64; 7];
                 if k % 5 == 0 {
                     comm.scope(|sc| {
-                        let ra = sc.start(&mut p_ar)?;
-                        let ro = sc.allreduce(&mut other, ReduceOp::Sum)?;
-                        let rb = sc.start(&mut p_big)?;
-                        let rai = sc.start(&mut p_ai)?;
-                        let rag = sc.start(&mut p_ag)?;
-                        let rrs = sc.start(&mut p_rs)?;
-                        let rbc = sc.start(&mut p_bc)?;
+                        let ra = sc.start_plan(&mut p_ar)?;
+                        let ro = sc.start(ferroccl::op::allreduce(&mut other, ReduceOp::Sum))?;
+                        let rb = sc.start_plan(&mut p_big)?;
+                        let rai = sc.start_plan(&mut p_ai)?;
+                        let rag = sc.start_plan(&mut p_ag)?;
+                        let rrs = sc.start_plan(&mut p_rs)?;
+                        let rbc = sc.start_plan(&mut p_bc)?;
                         // Waited in another order than started.
                         rbc.wait()?;
                         rb.wait()?;

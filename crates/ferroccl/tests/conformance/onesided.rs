@@ -24,7 +24,7 @@ fn params(s: &Suite, rank: usize) -> Params {
 fn gather_handles(comm: &Communicator, mine: &RemoteHandle) -> RankResult<Vec<RemoteHandle>> {
     let n = comm.size();
     let mut all = vec![0u8; RemoteHandle::BYTES * n];
-    comm.allgather(&mine.to_bytes(), &mut all).map_err(|e| format!("rank {}: allgather handles: {e}", comm.rank()))?;
+    comm.allgather_into(&mine.to_bytes(), &mut all).map_err(|e| format!("rank {}: allgather handles: {e}", comm.rank()))?;
     all.chunks(RemoteHandle::BYTES).map(|c| RemoteHandle::from_bytes(c).map_err(|e| e.to_string())).collect()
 }
 
@@ -347,7 +347,7 @@ pub fn transfer_plans_run_many_times_with_rewritten_sources(s: &Suite) {
                     mine.push(wi.handle());
                     let mut all = vec![0u8; RemoteHandle::BYTES * 4 * n];
                     let bytes: Vec<u8> = mine.iter().flat_map(|h| h.to_bytes()).collect();
-                    comm.allgather(&bytes, &mut all)?;
+                    comm.allgather_into(&bytes, &mut all)?;
                     let hs: Vec<RemoteHandle> =
                         all.chunks(RemoteHandle::BYTES).map(RemoteHandle::from_bytes).collect::<ferroccl::Result<_>>()?;
                     let theirs = &hs[4 * from..4 * from + 4];
@@ -430,7 +430,7 @@ pub fn transfer_plans_refuse_bad_entries(s: &Suite) {
                     let rw = sc.register_mut(&mut dst)?;
                     let mut all = vec![0u8; RemoteHandle::BYTES * 4];
                     let mine: Vec<u8> = [ro.handle(), rw.handle()].iter().flat_map(|h| h.to_bytes()).collect();
-                    comm.allgather(&mine, &mut all)?;
+                    comm.allgather_into(&mine, &mut all)?;
                     let peer = 1 - me;
                     let h_ro = RemoteHandle::from_bytes(&all[(2 * peer) * 40..(2 * peer + 1) * 40])?;
                     let h_rw = RemoteHandle::from_bytes(&all[(2 * peer + 1) * 40..(2 * peer + 2) * 40])?;
@@ -503,7 +503,7 @@ pub fn put_signal_lands_the_data_before_the_signal(s: &Suite) {
                 comm.scope(|sc| {
                     let w = sc.register_mut(&mut slots)?;
                     let mut all = vec![0u8; RemoteHandle::BYTES * 2];
-                    comm.allgather(&w.handle().to_bytes(), &mut all)?;
+                    comm.allgather_into(&w.handle().to_bytes(), &mut all)?;
                     let h1 = RemoteHandle::from_bytes(&all[40..80])?;
                     if me == 0 {
                         for k in 1..=rounds {
@@ -564,7 +564,7 @@ pub fn a_refused_plan_entry_fails_the_run_after_the_others_land(s: &Suite) {
                     let d = sc.register_mut(&mut dst)?;
                     let mine: Vec<u8> = [w.handle(), g.handle()].iter().flat_map(|h| h.to_bytes()).collect();
                     let mut all = vec![0u8; mine.len() * 2];
-                    comm.allgather(&mine, &mut all)?;
+                    comm.allgather_into(&mine, &mut all)?;
                     let hw = RemoteHandle::from_bytes(&all[peer * 80..peer * 80 + 40])?;
                     let hg = RemoteHandle::from_bytes(&all[peer * 80 + 40..peer * 80 + 80])?;
                     let mut plan = comm
@@ -623,7 +623,7 @@ pub fn strided_blocks_move_column_shards(s: &Suite) {
                     let w = sc.register_mut(&mut mat)?;
                     let d = sc.register_mut(&mut dst)?;
                     let mut all = vec![0u8; RemoteHandle::BYTES * 2];
-                    comm.allgather(&w.handle().to_bytes(), &mut all)?;
+                    comm.allgather_into(&w.handle().to_bytes(), &mut all)?;
                     let h = RemoteHandle::from_bytes(&all[peer * 40..peer * 40 + 40])?;
                     let g = GUARD; // elements of guard before the destination matrix
                                    // The peer's columns 16..40 into my columns 0..24, its columns 0..24 into
@@ -725,7 +725,7 @@ pub fn transfer_plan_signals_follow_their_writes(s: &Suite) {
                     }
                     let wi = sc.register_mut(&mut inbox)?;
                     let mut all = vec![0u8; RemoteHandle::BYTES * 2];
-                    comm.allgather(&wi.handle().to_bytes(), &mut all)?;
+                    comm.allgather_into(&wi.handle().to_bytes(), &mut all)?;
                     let h1 = RemoteHandle::from_bytes(&all[40..80])?;
                     if me == 0 {
                         let mut b = comm.transfer_plan();

@@ -123,11 +123,11 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     // allgather, out of place and in place.
     let all: Vec<Route> = (0..n).flat_map(|p| routes(p, len, 3, seed)).collect();
     let mut got = vec![SENTINEL; n * len];
-    comm.allgather(&routes(r, len, 3, seed), &mut got).map_err(e("allgather"))?;
+    comm.allgather_into(&routes(r, len, 3, seed), &mut got).map_err(e("allgather"))?;
     same(&format!("rank {r}: allgather"), &got, &all)?;
     let mut buf = vec![SENTINEL; n * len];
     buf[r * len..(r + 1) * len].copy_from_slice(&routes(r, len, 3, seed));
-    comm.allgather_in_place(&mut buf).map_err(e("allgather_in_place"))?;
+    comm.allgather(&mut buf).map_err(e("allgather_in_place"))?;
     same(&format!("rank {r}: allgather_in_place"), &buf, &all)?;
 
     // broadcast from every root.
@@ -179,12 +179,12 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     let mut ag_got = vec![SENTINEL; n * len];
     let ag_send = routes(r, len, 60, seed);
     comm.group(|g| {
-        g.recv(&mut self_got, r)?;
-        g.recv(&mut ring_got, from)?;
-        g.alltoallv(&send, &sc, &displs(&sc), &mut v_got, &rc, &displs(&rc))?;
-        g.send(&ring_send, to)?;
-        g.allgather(&ag_send, &mut ag_got)?;
-        g.send(&mine, r)
+        g.add(ferroccl::op::recv(&mut self_got, r))?;
+        g.add(ferroccl::op::recv(&mut ring_got, from))?;
+        g.add(ferroccl::op::alltoallv(&send, &sc, &displs(&sc), &mut v_got, &rc, &displs(&rc)))?;
+        g.add(ferroccl::op::send(&ring_send, to))?;
+        g.add(ferroccl::op::allgather_into(&ag_send, &mut ag_got))?;
+        g.add(ferroccl::op::send(&mine, r))
     })
     .map_err(e("group"))?;
     same(&format!("rank {r}: group self send/recv"), &self_got, &mine)?;
@@ -206,9 +206,9 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     let a2a_send: Vec<Route> = (0..n).flat_map(|q| routes(r, len, 92 + q as u64, seed)).collect();
     let mut a2a_got = vec![SENTINEL; n * len];
     comm.scope(|sc| {
-        let a = sc.gatherv(&gv_send, &mut gv_got, &gc, &gd, 0)?;
-        let b = sc.scatter(&sc_send, &mut sc_got, 0)?;
-        let x = sc.alltoall(&a2a_send, &mut a2a_got)?;
+        let a = sc.start(ferroccl::op::gatherv(&gv_send, &mut gv_got, &gc, &gd, 0))?;
+        let b = sc.start(ferroccl::op::scatter(&sc_send, &mut sc_got, 0))?;
+        let x = sc.start(ferroccl::op::alltoall(&a2a_send, &mut a2a_got))?;
         x.wait()?;
         b.wait()?;
         a.wait()
@@ -226,7 +226,7 @@ fn every_call(comm: Communicator, seed: u64) -> Result<(), String> {
     let mut send = vec![SENTINEL; len];
     let mut recv = vec![SENTINEL; n * len];
     {
-        let mut plan = comm.allgather_plan(&mut send, &mut recv).map_err(e("allgather_plan"))?;
+        let mut plan = comm.plan(ferroccl::op::allgather_into(&mut send, &mut recv)).map_err(e("allgather_plan"))?;
         for k in 70..72u64 {
             plan.input_mut().unwrap_or_default().copy_from_slice(&routes(r, len, k, seed));
             plan.run().map_err(e("allgather plan run"))?;
@@ -265,15 +265,15 @@ pub fn pod_zero_sized_types_are_refused(s: &Suite) {
                 ("send", comm.send(&[Nothing; 2], peer)),
                 ("recv", comm.recv(&mut buf, peer)),
                 ("sendrecv", comm.sendrecv(&[Nothing; 2], peer, &mut [Nothing; 2], peer)),
-                ("allgather", comm.allgather(&[Nothing; 2], &mut buf)),
-                ("allgather_in_place", comm.allgather_in_place(&mut buf)),
+                ("allgather", comm.allgather_into(&[Nothing; 2], &mut buf)),
+                ("allgather_in_place", comm.allgather(&mut buf)),
                 ("broadcast", comm.broadcast(&mut buf, 0)),
                 ("alltoall", comm.alltoall(&[Nothing; 4], &mut buf)),
                 ("alltoallv", comm.alltoallv(&[Nothing; 2], &one, &at, &mut [Nothing; 2], &one, &at)),
                 ("gather", comm.gather(&[Nothing; 2], &mut buf, 0)),
                 ("scatterv", comm.scatterv(&[Nothing; 2], &one, &at, &mut [Nothing; 1], 0)),
-                ("group send", comm.group(|g| g.send(&[Nothing; 2], peer))),
-                ("scope recv", comm.scope(|sc| sc.recv(&mut buf, peer)?.wait())),
+                ("group send", comm.group(|g| g.add(ferroccl::op::send(&[Nothing; 2], peer)))),
+                ("scope recv", comm.scope(|sc| sc.start(ferroccl::op::recv(&mut buf, peer))?.wait())),
                 ("alloc_window", comm.alloc_window::<Nothing>(4).map(drop)),
             ];
             for (what, res) in calls {

@@ -99,7 +99,7 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
             2 => {
                 let send: Vec<i32> = (0..count).map(|k| (me * 1000 + k % 1000) as i32).collect();
                 let mut got = vec![0i32; count * n];
-                comm.allgather(&send, &mut got)?;
+                comm.allgather_into(&send, &mut got)?;
                 if (0..n).any(|r| got[r * count..][..count].iter().enumerate().any(|(k, &v)| v != (r * 1000 + k % 1000) as i32)) {
                     return Err(bad(format!("call {i}: allgather of {count} is wrong")));
                 }
@@ -116,7 +116,7 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
                 let per = count.div_ceil(n);
                 let send = vec![(me + 1) as f32; per * n];
                 let mut got = vec![0f32; per];
-                comm.reduce_scatter(&send, &mut got, ReduceOp::Sum)?;
+                comm.reduce_scatter_into(&send, &mut got, ReduceOp::Sum)?;
                 if got.iter().any(|&v| v != tri) {
                     return Err(bad(format!("call {i}: reduce_scatter of {per} per rank gave {}", got[0])));
                 }
@@ -125,8 +125,8 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
                 let mut a = vec![(me + 1) as f32; count];
                 let mut b = vec![me as i32; 1 + count / 7];
                 comm.scope(|s| {
-                    let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
-                    let rb = s.allreduce(&mut b, ReduceOp::Max)?;
+                    let ra = s.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+                    let rb = s.start(ferroccl::op::allreduce(&mut b, ReduceOp::Max))?;
                     rb.wait()?;
                     ra.wait()
                 })?;
@@ -136,7 +136,7 @@ fn soak(comm: &Communicator, args: &[String]) -> R<()> {
             }
             _ => {
                 let mut x = vec![0f32; count];
-                let mut plan = comm.allreduce_plan(&mut x, ReduceOp::Sum)?;
+                let mut plan = comm.plan(ferroccl::op::allreduce(&mut x, ReduceOp::Sum))?;
                 for run in 0..3 {
                     plan.output_mut().fill((me + run) as f32);
                     plan.run()?;
@@ -224,7 +224,7 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
         let stop = args.iter().any(|a| a == "--stop");
         let (n0, me) = (comm.size(), comm.rank());
         let mut pids = vec![0u32; n0];
-        comm.allgather(&[std::process::id()], &mut pids)?;
+        comm.allgather_into(&[std::process::id()], &mut pids)?;
         let mut alive: Vec<usize> = (0..n0).collect();
         let mut comm = comm;
         for (round, &victim) in victims.iter().enumerate() {
@@ -274,7 +274,7 @@ fn shrink(comm: Communicator, args: &[String]) -> ! {
             }
             // The first collectives, checked: launch ranks gathered, sums of launch rank + 1.
             let mut olds = vec![0u32; n2];
-            small.allgather(&[me as u32], &mut olds)?;
+            small.allgather_into(&[me as u32], &mut olds)?;
             if olds.iter().map(|&o| o as usize).collect::<Vec<_>>() != alive {
                 return Err(format!("rank {me}: the shrunk communicator gathered launch ranks {olds:?}, expected {alive:?}").into());
             }
@@ -332,7 +332,7 @@ fn scope(comm: Communicator, args: &[String]) -> ! {
             return Err("scope needs 4 ranks".into());
         }
         let mut pids = vec![0u32; n];
-        comm.allgather(&[std::process::id()], &mut pids)?;
+        comm.allgather_into(&[std::process::id()], &mut pids)?;
         let pair = comm.split(Some((me / 2) as u32), me as i64)?.ok_or("no pair")?;
         let sub = pair.split(Some(0), me as i64)?.ok_or("no sub")?;
         comm.barrier()?;
@@ -745,7 +745,7 @@ fn kill(comm: &Communicator, args: &[String]) -> R<()> {
     // of four 2 MiB reads), then a barrier.
     let window = comm.alloc_window::<u8>(8 << 20)?;
     let mut all = vec![0u8; ferroccl::RemoteHandle::BYTES * n];
-    comm.allgather(&window.handle().to_bytes(), &mut all)?;
+    comm.allgather_into(&window.handle().to_bytes(), &mut all)?;
     let next = ferroccl::RemoteHandle::from_bytes(&all[(me + 1) % n * 40..][..40])?;
     let landing = comm.alloc_window::<u8>(8 << 20)?;
     let mut plan = (0..4).fold(comm.transfer_plan(), |b, k| b.read::<u8>(&next, k << 21, &landing, k << 21, 1 << 21)).build()?;
@@ -995,12 +995,12 @@ fn coll_one<X: Exact>(comm: &Communicator, count: usize, op: ferroccl::ReduceOp)
         return Err(bad("allreduce in place").into());
     }
     let mut out = vec![X::exact(0); count * n];
-    comm.allgather(&ins[r], &mut out)?;
+    comm.allgather_into(&ins[r], &mut out)?;
     if out != ins.concat() {
         return Err(bad("allgather").into());
     }
     let mut out = vec![X::exact(0); count];
-    comm.reduce_scatter(&wide[r], &mut out, op)?;
+    comm.reduce_scatter_into(&wide[r], &mut out, op)?;
     if out[..] != want_wide[r * count..(r + 1) * count] {
         return Err(bad("reduce_scatter").into());
     }
@@ -1011,7 +1011,7 @@ fn coll_one<X: Exact>(comm: &Communicator, count: usize, op: ferroccl::ReduceOp)
         return Err(bad("broadcast").into());
     }
     let mut out = vec![X::exact(0); count];
-    comm.reduce(&ins[r], &mut out, op, root)?;
+    comm.reduce_into(&ins[r], &mut out, op, root)?;
     if r == root && out != want {
         return Err(bad("reduce").into());
     }
@@ -1059,10 +1059,10 @@ fn engine(comm: &Communicator, args: &[String]) -> R<()> {
         let mut gathered = vec![0u32; 4097 * n];
         let mut c = vec![1u8; 3];
         comm.scope(|s| {
-            let ra = s.allreduce(&mut a, ReduceOp::Sum)?;
-            let rb = s.allreduce(&mut b, ReduceOp::Max)?;
-            let rg = s.allgather(&send, &mut gathered)?;
-            drop(s.allreduce(&mut c, ReduceOp::Sum)?);
+            let ra = s.start(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+            let rb = s.start(ferroccl::op::allreduce(&mut b, ReduceOp::Max))?;
+            let rg = s.start(ferroccl::op::allgather_into(&send, &mut gathered))?;
+            drop(s.start(ferroccl::op::allreduce(&mut c, ReduceOp::Sum))?);
             // Every rank waits in another order.
             match (r + round) % 3 {
                 0 => {
@@ -1097,8 +1097,8 @@ fn engine(comm: &Communicator, args: &[String]) -> R<()> {
     let mut small = vec![0.0f32; 16];
     let mut large = vec![0.0f32; 200_000];
     {
-        let mut ps = comm.allreduce_plan(&mut small, ReduceOp::Sum)?;
-        let mut pl = comm.allreduce_plan(&mut large, ReduceOp::Sum)?;
+        let mut ps = comm.plan(ferroccl::op::allreduce(&mut small, ReduceOp::Sum))?;
+        let mut pl = comm.plan(ferroccl::op::allreduce(&mut large, ReduceOp::Sum))?;
         for k in 0..runs {
             ps.output_mut().fill((r + k) as f32);
             ps.run()?;
@@ -1118,7 +1118,7 @@ fn engine(comm: &Communicator, args: &[String]) -> R<()> {
     let mut parts: Vec<Vec<i32>> = (1..8).map(|k| vec![r as i32 * k; k as usize]).collect();
     comm.group(|g| {
         for p in parts.iter_mut() {
-            g.allreduce(p, ReduceOp::Sum)?;
+            g.add(ferroccl::op::allreduce(p, ReduceOp::Sum))?;
         }
         Ok(())
     })?;
@@ -1249,7 +1249,7 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             let mut got = vec![0f32; count];
             let res = match r {
                 0 => comm.scope(|s| {
-                    let q = s.send(&buf, 1)?;
+                    let q = s.start(ferroccl::op::send(&buf, 1))?;
                     std::thread::sleep(Duration::from_millis(200));
                     comm.allreduce(&mut x, ReduceOp::Sum)?;
                     q.wait()
@@ -1260,7 +1260,7 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             let res = res.and_then(|()| match r {
                 0 => comm.allreduce(&mut x, ReduceOp::Sum).and_then(|()| comm.send(&buf, 1)),
                 1 => comm.scope(|s| {
-                    let q = s.recv(&mut got, 0)?;
+                    let q = s.start(ferroccl::op::recv(&mut got, 0))?;
                     std::thread::sleep(Duration::from_millis(200));
                     comm.allreduce(&mut x, ReduceOp::Sum)?;
                     q.wait()
@@ -1291,7 +1291,7 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
         },
         "reduce-root" => {
             let mut out = vec![0f32; count];
-            comm.reduce(&buf, &mut out, ReduceOp::Sum, r)
+            comm.reduce_into(&buf, &mut out, ReduceOp::Sum, r)
         }
         // The last rank panics instead of joining the allreduce (its communicator drops
         // while the thread unwinds): the others must fail at once, naming it.
@@ -1315,8 +1315,8 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             comm.barrier()?;
             let (mut a, mut b) = (vec![1f32; 16], vec![2f32; 16]);
             comm.group(|g| {
-                g.allreduce(&mut a, ReduceOp::Sum)?;
-                g.allreduce(&mut b, ReduceOp::Sum)
+                g.add(ferroccl::op::allreduce(&mut a, ReduceOp::Sum))?;
+                g.add(ferroccl::op::allreduce(&mut b, ReduceOp::Sum))
             })?;
             comm.barrier()
         })(),
@@ -1351,7 +1351,7 @@ fn fault(comm: Communicator, args: &[String]) -> ! {
             if r == 0 {
                 comm.allreduce(&mut buf, ReduceOp::Sum)
             } else {
-                comm.allgather(&buf, &mut vec![0f32; count * n])
+                comm.allgather_into(&buf, &mut vec![0f32; count * n])
             }
         }
         "ll-vs-mesh" => {

@@ -25,6 +25,24 @@ pub(in crate::algo) fn build(shape: &Shape) -> Schedule {
     em.finish(ph.scratch_bytes)
 }
 
+/// Rank `shape.rank`'s schedule of a reduce-scatter with per-rank blocks (MPI's
+/// `Reduce_scatter`, out of place): block `p` of the input is `lens[p]` bytes, the blocks
+/// consecutive; this rank's block of the reduction lands at the start of `Output`. The same
+/// chunked, windowed exchange as the equal-block form.
+pub(in crate::algo) fn build_v(shape: &Shape, lens: &[usize]) -> Schedule {
+    let cx = Geometry::new(shape);
+    let blocks = Blocks::from_lens(lens);
+    let mut em = Emitter::new(LOOKAHEAD);
+    if cx.n == 1 {
+        if blocks.len(0) > 0 {
+            em.now(Action::Copy { dst: cx.output(0, blocks.len(0)), src: cx.input(0, blocks.len(0)) }, vec![]);
+        }
+        return em.finish(0);
+    }
+    let ph = phase(&cx, &blocks, 0, &mut em);
+    em.finish(ph.scratch_bytes)
+}
+
 /// What [`phase`] leaves for the steps after it.
 pub(super) struct Phase {
     /// Index of the send of chunk `c` of block `p` to rank `p`: `sends[p][c]`.
