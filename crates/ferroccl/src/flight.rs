@@ -8,7 +8,7 @@
 //! Calls carry no time (reading even the coarse clock on every eighth call cost 4-6 % of an
 //! 8 B low-latency allreduce); a record says when it was written (`at_ms`), and the reason
 //! (the error) how long a failed call waited. Nothing is formatted until a dump. Measured at
-//! 8 B in the README (*Flight recorder and logs*).
+//! 8 B in docs/performance.md (*Fault detection and overhead*).
 //!
 //! ## The record
 //!
