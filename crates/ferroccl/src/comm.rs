@@ -411,7 +411,7 @@ impl Communicator {
             // Alone, a send to itself would wait for a receive that can only come after it.
             return Err(Error::invalid(format!(
                 "rank {}: {op}: peer is this rank itself (put the send to itself and the receive from itself in one \
-                 group, `comm.group(|g| {{ g.send(..)?; g.recv(..) }})`, or use `sendrecv`, which copies)",
+                 group, `comm.group(|g| {{ g.add(op::send(..))?; g.add(op::recv(..)) }})`, or use `sendrecv`, which copies)",
                 self.rank
             )));
         }

@@ -24,10 +24,10 @@
 //!
 //! # Plain-old-data
 //!
-//! The reductions (allreduce, reduce_scatter, reduce, their in-place forms and plans) take
+//! The reductions (allreduce, reduce_scatter, reduce_scatterv, reduce, in every runner) take
 //! the [`Element`] types, whose arithmetic they know. The data-movement calls (send, recv,
-//! sendrecv, allgather, broadcast, alltoall, alltoallv, gather, scatter, gatherv, scatterv,
-//! their [`Scope`], [`Group`] and [`Plan`] forms, and the one-sided [`Window`] accesses)
+//! sendrecv, allgather, allgatherv, broadcast, alltoall, alltoallv, gather, scatter,
+//! gatherv, scatterv, in every runner: see [`op`], and the one-sided [`Window`] accesses)
 //! take any plain-old-data type (`T: bytemuck::Pod`), such as a `#[repr(C)]` struct of
 //! routing metadata. An [`Element`] type is described on the wire as always (its
 //! [`DType`] and count, compared between ranks); any other type crosses as bytes, and
@@ -52,7 +52,7 @@
 //!
 //! let mine = [Route { token: 7, expert: 3, slot: 0, gate: 0.5 }];
 //! let mut all = vec![Route { token: 0, expert: 0, slot: 0, gate: 0.0 }; comm.size()];
-//! comm.allgather(&mine, &mut all)?;
+//! comm.allgather_into(&mine, &mut all)?;
 //! assert_eq!(all[comm.rank()], mine[0]);
 //! # Ok::<(), ferroccl::Error>(())
 //! ```

@@ -719,21 +719,14 @@ impl LlChannel {
                     seg.read(data + r * b, &mut out[p * b..(p + 1) * b]);
                 }
             }
-            // Per-peer counts do not fit the slots' layout: never taken (`takes_ll`).
-            LlKind::Coll(
-                c @ (Collective::AllToAllV
-                | Collective::Gather { .. }
-                | Collective::Scatter { .. }
-                | Collective::GatherV { .. }
-                | Collective::ScatterV { .. }
-                | Collective::AllGatherV
-                | Collective::ReduceScatterV),
-            ) => return Err(Error::internal(format!("{} does not run on the low-latency slots", c.name()))),
             LlKind::Coll(Collective::Broadcast { root }) => {
                 if root != r {
                     read_small(&self.segs[root], data, &mut out[..b]);
                 }
             }
+            // Per-peer counts do not fit the slots' layout (`Collective::per_call`): never
+            // taken (`takes_ll`).
+            LlKind::Coll(c) => return Err(Error::internal(format!("{} does not run on the low-latency slots", c.name()))),
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 //!
 //! ```
 //! # use ferroccl::bootstrap::{env::StoreRole, new_token, StoreServer};
-//! # use ferroccl::{Communicator, InitConfig, Params, ReduceOp};
+//! # use ferroccl::{op, Communicator, InitConfig, Params, ReduceOp};
 //! # let token = new_token();
 //! # let store = StoreServer::start("127.0.0.1:0".parse().unwrap(), &token, 1 << 20)?;
 //! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
@@ -17,8 +17,8 @@
 //! let mut grads = vec![1.0f32; 1 << 16];
 //! let mut stats = vec![2u64; 4];
 //! comm.scope(|s| {
-//!     let g = s.allreduce(&mut grads, ReduceOp::Sum)?; // starts, returns at once
-//!     drop(s.allreduce(&mut stats, ReduceOp::Max)?); // not waited for: the scope waits
+//!     let g = s.start(op::allreduce(&mut grads, ReduceOp::Sum))?; // starts, returns at once
+//!     drop(s.start(op::allreduce(&mut stats, ReduceOp::Max))?); // not waited for: the scope waits
 //!     // ... compute something that touches neither buffer ...
 //!     g.wait()
 //! })?;
@@ -445,7 +445,7 @@ impl<'s, 'env> Scope<'s, 'env> {
 ///
 /// It takes the collective and point-to-point calls a [`Scope`] takes, and one more: as in
 /// NCCL, a send to this rank itself, copied into a receive from itself added to the same
-/// group (see [`Group::send`]).
+/// group (see [`Group::add`]).
 pub struct Group<'s, 'env> {
     scope: Scope<'s, 'env>,
     parts: Mutex<Vec<Part>>,

@@ -52,6 +52,16 @@
 //! An input (`send`) is any of `&[T]`, `&mut [T]`, `&Vec<T>`, `&mut Vec<T>`, `&[T; N]` or
 //! `&mut [T; N]` ([`Src`]). Lent mutably, a [`Plan`](crate::Plan) of the operation may
 //! refill it between runs ([`Plan::input_mut`](crate::Plan::input_mut)).
+//!
+//! The buffers of an operation cannot alias: the borrow checker refuses it, in every
+//! runner, so a plan can never read an input that its output overwrites:
+//!
+//! ```compile_fail
+//! # fn f(comm: &ferroccl::Communicator) -> ferroccl::Result<()> {
+//! let mut buf = vec![0f32; 8];
+//! let mut plan = comm.plan(ferroccl::op::allreduce_into(&buf, &mut buf, ferroccl::ReduceOp::Sum))?;
+//! # Ok(()) }
+//! ```
 
 use std::marker::PhantomData;
 use std::sync::Arc;

@@ -15,7 +15,7 @@
 //! # let cfg = InitConfig { rank: 0, world_size: 1, store: StoreRole::Connect(store.addr().to_string()), token };
 //! # let comm = Communicator::init_with(cfg, Params::default())?;
 //! let mut grads = vec![0.0f32; 1024];
-//! let mut plan = comm.allreduce_plan(&mut grads, ReduceOp::Sum)?;
+//! let mut plan = comm.plan(ferroccl::op::allreduce(&mut grads, ReduceOp::Sum))?;
 //! for step in 0..10 {
 //!     plan.output_mut().fill(step as f32); // this step's gradients
 //!     plan.run()?;
@@ -24,10 +24,10 @@
 //! # Ok::<(), ferroccl::Error>(())
 //! ```
 //!
-//! The plans of the data-movement calls (allgather, broadcast, alltoallv, gather, scatter,
-//! gatherv, scatterv) take any plain-old-data type, as the calls do (see the
-//! [crate documentation](crate#plain-old-data)); the reductions' plans take the
-//! [`Element`] types.
+//! A plan is made of any collective operation ([`Communicator::plan`] of an
+//! [`op`](crate::op) value); the data-movement calls' plans take any plain-old-data type, as
+//! the calls do (see the [crate documentation](crate#plain-old-data)); the reductions'
+//! plans take the [`Element`](crate::Element) types.
 //!
 //! Every rank must run its plans in the same order as its other operations on the
 //! communicator (a plan's run is an operation like any other).

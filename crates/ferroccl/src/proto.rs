@@ -44,7 +44,7 @@
 
 use ferroccl_kernels::{DType, ReduceOp};
 
-use crate::algo::{Algo, Collective, Shape};
+use crate::algo::{Algo, Collective, Counts, Shape};
 use crate::error::{Departure, Fault, FaultKind};
 use crate::params::ProtoChoice;
 use crate::wire::{DResult, DecodeError, Reader, RemoteBuf, Writer};
@@ -64,43 +64,6 @@ pub(crate) type Desc = [u8; 16];
 pub(crate) const NO_DESC: Desc = [0; 16];
 
 // Call descriptors: what a call is, packed into the 16 bytes every message carries.
-
-fn coll_code(c: Collective) -> u8 {
-    match c {
-        Collective::AllReduce => 1,
-        Collective::AllGather => 2,
-        Collective::ReduceScatter => 3,
-        Collective::Broadcast { .. } => 4,
-        Collective::Reduce { .. } => 5,
-        Collective::AllToAll => 6,
-        Collective::AllToAllV => 9,
-        Collective::Gather { .. } => 10,
-        Collective::Scatter { .. } => 11,
-        Collective::GatherV { .. } => 12,
-        Collective::ScatterV { .. } => 13,
-        Collective::AllGatherV => 14,
-        Collective::ReduceScatterV => 15,
-    }
-}
-
-const COLL_NAMES: [&str; 16] = [
-    "?",
-    "allreduce",
-    "allgather",
-    "reduce_scatter",
-    "broadcast",
-    "reduce",
-    "alltoall",
-    "barrier",
-    "split",
-    "alltoallv",
-    "gather",
-    "scatter",
-    "gatherv",
-    "scatterv",
-    "allgatherv",
-    "reduce_scatterv",
-];
 
 /// The descriptor of a barrier (a call every member makes, on the collective channel).
 pub(crate) const BARRIER_DESC: Desc = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
@@ -123,7 +86,7 @@ fn proto_code(p: ProtoChoice) -> u8 {
 pub(crate) fn encode_desc(shape: &Shape, algo: Algo, proto: ProtoChoice) -> Desc {
     let Shape { coll, dtype, op, count, chunk_bytes: chunk, slots, .. } = *shape;
     let mut d = [0u8; 16];
-    d[0] = coll_code(coll);
+    d[0] = coll.code();
     d[1] = dtype as u8;
     d[2] = OPS.iter().position(|&o| o == op).unwrap_or(0) as u8;
     d[3] = Algo::ALL.iter().position(|&a| a == algo).unwrap_or(0) as u8 | (proto_code(proto) << 4);
@@ -139,31 +102,33 @@ pub(crate) fn describe(d: &Desc) -> String {
     if *d == NO_DESC {
         return "point-to-point send/recv".into();
     }
-    if *d == BARRIER_DESC || *d == SPLIT_DESC {
-        return COLL_NAMES[usize::from(d[0])].into();
+    if *d == BARRIER_DESC {
+        return "barrier".into();
     }
-    let coll = COLL_NAMES.get(usize::from(d[0])).copied().unwrap_or("?");
+    if *d == SPLIT_DESC {
+        return "split".into();
+    }
+    let root = u32::from_le_bytes([d[4], d[5], d[6], d[7]]);
+    let c = Collective::from_code(d[0], root as usize);
+    let coll = c.map_or("?", Collective::name);
     let dtype = DType::from_tag(d[1]).map(|t| t.name()).unwrap_or("?");
     let op = OPS.get(usize::from(d[2])).map(|o| o.name()).unwrap_or("?");
     let algo = Algo::ALL.get(usize::from(d[3] & 0xf)).map(|a| a.name()).unwrap_or("?");
     let proto = PROTOS.get(usize::from(d[3] >> 4)).copied().unwrap_or("?");
-    let root = u32::from_le_bytes([d[4], d[5], d[6], d[7]]);
-    let mut c = [0u8; 8];
-    c[..6].copy_from_slice(&d[8..14]);
-    let count = u64::from_le_bytes(c);
-    let rooted = matches!(d[0], 4 | 5 | 10..=13);
-    let reduces = matches!(d[0], 1 | 3 | 5 | 15);
-    if d[0] == 15 {
-        // reduce_scatterv: every rank's counts, as a fingerprint, and their total.
-        return format!("{coll}(total {count}, {dtype}, {op}, counts #{root:08x}, algo {algo}, proto {proto})");
-    }
-    if matches!(d[0], 9 | 14) {
-        // alltoallv, allgatherv: the counts are per rank and pair, checked transfer by transfer.
-        return format!("{coll}({dtype}, algo {algo}, proto {proto})");
-    }
-    if matches!(d[0], 12 | 13) {
-        // gatherv, scatterv: likewise, per rank.
-        return format!("{coll}({dtype}, root {root}, algo {algo}, proto {proto})");
+    let mut b = [0u8; 8];
+    b[..6].copy_from_slice(&d[8..14]);
+    let count = u64::from_le_bytes(b);
+    let rooted = c.and_then(Collective::root).is_some();
+    let reduces = c.is_some_and(Collective::reduces);
+    match c.map(Collective::counts) {
+        // Every rank's counts, as a fingerprint (in the root's place), and their total.
+        Some(Counts::Fingerprint) => {
+            return format!("{coll}(total {count}, {dtype}, {op}, counts #{root:08x}, algo {algo}, proto {proto})");
+        }
+        // The counts are per rank and pair, checked transfer by transfer.
+        Some(Counts::PerTransfer) if rooted => return format!("{coll}({dtype}, root {root}, algo {algo}, proto {proto})"),
+        Some(Counts::PerTransfer) => return format!("{coll}({dtype}, algo {algo}, proto {proto})"),
+        _ => {}
     }
     format!(
         "{coll}(count {count}, {dtype}{}{}, algo {algo}, proto {proto}, chunk {} B, slots {})",

@@ -51,20 +51,11 @@ impl LlSpec {
         let from_output = self.in_place;
         match self.kind {
             LlKind::Barrier => (false, 0, 0),
-            LlKind::Coll(
-                Collective::AllReduce
-                | Collective::Reduce { .. }
-                | Collective::AllToAllV
-                | Collective::Gather { .. }
-                | Collective::Scatter { .. }
-                | Collective::GatherV { .. }
-                | Collective::ScatterV { .. }
-                | Collective::AllGatherV
-                | Collective::ReduceScatterV,
-            ) => (from_output, 0, b),
             LlKind::Coll(Collective::AllGather) => (from_output, if self.in_place { rank * b } else { 0 }, b),
             LlKind::Coll(Collective::ReduceScatter | Collective::AllToAll) => (from_output, 0, b * n),
             LlKind::Coll(Collective::Broadcast { root }) => (true, 0, if rank == root { b } else { 0 }),
+            // AllReduce and Reduce; the per-call collectives never run on the slots.
+            LlKind::Coll(_) => (from_output, 0, b),
         }
     }
 }

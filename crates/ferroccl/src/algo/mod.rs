@@ -245,6 +245,18 @@ pub enum Collective {
     ReduceScatterV,
 }
 
+/// How the ranks of a collective find that their counts differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Counts {
+    /// The count is the same on every rank and in the call's descriptor.
+    InDescriptor,
+    /// Counts are per rank (or pair of ranks): each transfer carries one whole block, whose
+    /// length the receiver compares with its count.
+    PerTransfer,
+    /// Every rank passes every rank's count: their fingerprint is in the descriptor.
+    Fingerprint,
+}
+
 /// The collective algorithms (not every one implements every collective: see
 /// [`Algo::supports`]). `FERROCCL_ALGO` / [`crate::Params::algo`] names one; docs/algorithms.md
 /// describes each.
@@ -338,6 +350,57 @@ impl Collective {
                 | Collective::AllGatherV
                 | Collective::ReduceScatterV
         )
+    }
+
+    /// Its code in call descriptors (7 and 8 are the barrier's and the split's).
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            Collective::AllReduce => 1,
+            Collective::AllGather => 2,
+            Collective::ReduceScatter => 3,
+            Collective::Broadcast { .. } => 4,
+            Collective::Reduce { .. } => 5,
+            Collective::AllToAll => 6,
+            Collective::AllToAllV => 9,
+            Collective::Gather { .. } => 10,
+            Collective::Scatter { .. } => 11,
+            Collective::GatherV { .. } => 12,
+            Collective::ScatterV { .. } => 13,
+            Collective::AllGatherV => 14,
+            Collective::ReduceScatterV => 15,
+        }
+    }
+
+    /// The collective of descriptor code `code` ([`Collective::code`]), with `root` where
+    /// it has one.
+    pub(crate) fn from_code(code: u8, root: usize) -> Option<Collective> {
+        let all = [
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::Broadcast { root },
+            Collective::Reduce { root },
+            Collective::AllToAll,
+            Collective::AllToAllV,
+            Collective::Gather { root },
+            Collective::Scatter { root },
+            Collective::GatherV { root },
+            Collective::ScatterV { root },
+            Collective::AllGatherV,
+            Collective::ReduceScatterV,
+        ];
+        all.into_iter().find(|c| c.code() == code)
+    }
+
+    /// How ranks' counts are compared: see [`Counts`].
+    pub(crate) const fn counts(self) -> Counts {
+        match self {
+            Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. } | Collective::AllGatherV => {
+                Counts::PerTransfer
+            }
+            Collective::ReduceScatterV => Counts::Fingerprint,
+            _ => Counts::InDescriptor,
+        }
     }
 
     /// Whether the collective combines values with a [`ReduceOp`].

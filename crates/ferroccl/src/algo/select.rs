@@ -215,14 +215,8 @@ pub(crate) fn ll_estimate(coll: Collective, n: usize, bytes: usize) -> f64 {
         Collective::AllGather => s + 2.0 * nf * s,
         Collective::ReduceScatter => nf * s + nf * s + s,
         Collective::AllToAll => nf * s + 2.0 * nf * s,
-        Collective::AllToAllV
-        | Collective::Gather { .. }
-        | Collective::Scatter { .. }
-        | Collective::GatherV { .. }
-        | Collective::ScatterV { .. }
-        | Collective::AllGatherV
-        | Collective::ReduceScatterV => 3.0 * s,
-        Collective::Broadcast { .. } => 3.0 * s,
+        // Broadcast, and the per-call collectives (never on the slots).
+        _ => 3.0 * s,
     };
     LL_LATENCY_US + copied * 1e-3 / LL_COPY_GBPS
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use ferroccl_kernels::{DType, ReduceOp};
 
-use crate::algo::{Algo, Collective};
+use crate::algo::{Algo, Collective, Counts};
 
 /// The operation an error is about, as data. `Display` gives the words errors use
 /// ("allreduce (1000 x f32, sum, ring) call #3", "send to rank 2", "finalize").
@@ -220,12 +220,7 @@ impl Op {
         let (dtype, pod) = match self {
             Op::Send { dtype, pod, .. } | Op::Recv { dtype, pod, .. } | Op::SendRecv { dtype, pod, .. } => (dtype, pod),
             // One whole block per transfer: its length is a count the caller passed.
-            Op::Collective {
-                coll: Collective::AllToAllV | Collective::GatherV { .. } | Collective::ScatterV { .. } | Collective::AllGatherV,
-                dtype,
-                pod,
-                ..
-            } => (dtype, pod),
+            Op::Collective { coll, dtype, pod, .. } if coll.counts() == Counts::PerTransfer => (dtype, pod),
             _ => return None,
         };
         Some(elem_of(*dtype, *pod))

@@ -472,6 +472,29 @@ impl RoutingTable {
     /// contiguous)`), then each sender's and each receiver's totals. `src` and `dst` must be
     /// the layouts the table was computed from (names and shapes come from `dst`).
     pub fn explain(&self, src: &ModelLayout, dst: &ModelLayout) -> String {
+        self.explain_as(src, dst, &|r| format!("rank {r}"), &|r| format!("rank {r}"))
+    }
+
+    /// [`RoutingTable::explain`] with each rank named by its rank in its group and in the
+    /// world (`rank 1 (world 5)`): `src_ranks[r]` and `dst_ranks[r]` are the world ranks of
+    /// the groups' ranks, as given to
+    /// [`Communicator::weight_sync`](crate::Communicator::weight_sync). A rank past the end of
+    /// its list is named by its group rank alone.
+    pub fn explain_world(&self, src: &ModelLayout, dst: &ModelLayout, src_ranks: &[usize], dst_ranks: &[usize]) -> String {
+        let name = |ranks: &[usize], r: usize| match ranks.get(r) {
+            Some(w) => format!("rank {r} (world {w})"),
+            None => format!("rank {r}"),
+        };
+        self.explain_as(src, dst, &|r| name(src_ranks, r), &|r| name(dst_ranks, r))
+    }
+
+    fn explain_as(
+        &self,
+        src: &ModelLayout,
+        dst: &ModelLayout,
+        src_name: &dyn Fn(usize) -> String,
+        dst_name: &dyn Fn(usize) -> String,
+    ) -> String {
         let mut out = String::new();
         let mut order: Vec<&Piece> = self.pieces.iter().collect();
         order.sort_by_key(|p| (p.tensor, p.dst_rank, p.region.row0, p.region.col0, p.src_rank));
@@ -481,7 +504,7 @@ impl RoutingTable {
             let _ = writeln!(out, "{} [{rows} x {cols}] {}:", t.name(), t.dtype());
             for p in same {
                 let g = &p.region;
-                let _ = write!(out, "  rank {} -> rank {} rows {}..{}", p.src_rank, p.dst_rank, g.row0, g.row_end());
+                let _ = write!(out, "  {} -> {} rows {}..{}", src_name(p.src_rank), dst_name(p.dst_rank), g.row0, g.row_end());
                 if g.cols != cols {
                     let _ = write!(out, " cols {}..{}", g.col0, g.col_end());
                 }
@@ -494,11 +517,11 @@ impl RoutingTable {
         }
         let _ = writeln!(out, "per sender ({} source ranks):", src.ranks());
         for s in 0..self.src_ranks() {
-            let _ = writeln!(out, "  rank {s} sends {} in {} pieces", human(self.sent[s]), self.sent_pieces[s]);
+            let _ = writeln!(out, "  {} sends {} in {} pieces", src_name(s), human(self.sent[s]), self.sent_pieces[s]);
         }
         let _ = writeln!(out, "per receiver ({} destination ranks):", dst.ranks());
         for d in 0..self.dst_ranks() {
-            let _ = writeln!(out, "  rank {d} receives {} in {} pieces", human(self.bytes_to(d)), self.pieces_to(d).len());
+            let _ = writeln!(out, "  {} receives {} in {} pieces", dst_name(d), human(self.bytes_to(d)), self.pieces_to(d).len());
         }
         out
     }

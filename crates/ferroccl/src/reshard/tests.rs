@@ -224,6 +224,15 @@ fn explain_names_tensors_ranks_and_shapes() {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
     assert!(t.to_string().contains("4 source ranks") || t.to_string().contains("2 source ranks"));
+    // With the groups' world ranks: both names.
+    let text = t.explain_world(&src, &dst, &[0, 1], &[2, 3]);
+    for want in [
+        "rank 0 (world 0) -> rank 1 (world 3) rows 0..2048 cols 2048..4096",
+        "rank 1 (world 1) sends 16 MiB",
+        "rank 1 (world 3) receives 16 MiB",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
 }
 
 #[test]

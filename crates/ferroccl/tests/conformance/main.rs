@@ -5,7 +5,7 @@
 //!
 //! Every test of the suite is a function of a [`Suite`] (the transport and the sizes of the
 //! work) in `p2p.rs`, `collectives.rs`, `alltoallv.rs`, `nonblocking.rs`, `groups.rs`,
-//! `onesided.rs`, `pod.rs`, `weights.rs` or `tp.rs`; `conformance_suite!` makes one
+//! `onesided.rs`, `pod.rs`, `weights.rs`, `tp.rs` or `vcoll.rs`; `conformance_suite!` makes one
 //! `#[test]` of each in the module of an instantiation, so a test is named
 //! `<transport>::<property>`:
 //!
@@ -34,6 +34,7 @@ mod onesided;
 mod p2p;
 mod pod;
 mod tp;
+mod vcoll;
 mod weights;
 
 use harness::{Suite, Wire};
@@ -75,6 +76,9 @@ macro_rules! conformance_suite {
             collectives::forced_ll_two_roots_fail_at_the_next_operation,
             collectives::forced_ll_a_mismatch_deep_in_a_run_ahead_names_its_call,
             collectives::forced_ll_ring_and_sync_calls_mismatch_on_every_rank,
+            vcoll::allgatherv_and_reduce_scatterv_equal_the_reference,
+            vcoll::bad_operations_fail_on_every_rank,
+            vcoll::a_per_call_timeout_overrides_the_communicators,
             alltoallv::alltoallv_equals_the_reference,
             alltoallv::alltoallv_pairwise_equals_the_reference,
             alltoallv::alltoallv_plans_run_many_times,
