@@ -65,6 +65,8 @@
 
 use std::collections::BTreeSet;
 
+use ferroccl_kernels::{DType, Element};
+
 use crate::comm::Communicator;
 use crate::error::{Error, Op, Result};
 use crate::reshard::{Fingerprint, ModelLayout, RoutingTable};
@@ -82,8 +84,8 @@ pub enum WeightRole {
     None,
 }
 
-/// Where a tensor lies in a rank's local buffer: (name, first byte, bytes).
-type TensorSpan = (String, usize, usize);
+/// Where a tensor lies in a rank's local buffer: (name, first byte, bytes, element type).
+type TensorSpan = (String, usize, usize, DType);
 
 /// A member's side of an M->N weight sync; see the [module documentation](self).
 #[derive(Debug)]
@@ -167,7 +169,13 @@ fn fingerprint(src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ra
 
 /// The members whose fingerprint differs from the one most members have (ties: the one of
 /// the lowest member), as an error naming them; `None` when all agree.
+#[cfg(test)]
 fn disagreement(me: usize, prints: &[u64]) -> Option<Error> {
+    disagreeing(prints).map(|(which, _, _)| invalid(me, which))
+}
+
+/// What [`disagreement`] says, the reference member and the odd ones.
+fn disagreeing(prints: &[u64]) -> Option<(String, usize, Vec<usize>)> {
     let count = |f: u64| prints.iter().filter(|&&g| g == f).count();
     // The first member holding the most common fingerprint (the first one wins ties).
     let mut reference = 0;
@@ -197,7 +205,51 @@ fn disagreement(me: usize, prints: &[u64]) -> Option<Error> {
             )
         }
     };
-    Some(invalid(me, which))
+    Some((which, reference, odd))
+}
+
+/// A weight sync's arguments as `key\tvalue` lines, in a fixed order: both groups, and per
+/// layout its ranks, alignment, tensor names, and each tensor's dtype, shape and every
+/// rank's resolved block (what [`fingerprint`] hashes), so that members whose fingerprints
+/// differ can say what differs.
+fn describe(src: &ModelLayout, src_ranks: &[usize], dst: &ModelLayout, dst_ranks: &[usize]) -> String {
+    use std::fmt::Write as _;
+    let mut d = String::new();
+    for (side, layout, ranks) in [("source", src, src_ranks), ("destination", dst, dst_ranks)] {
+        let _ = writeln!(d, "{side} group (members)\t{ranks:?}");
+        let _ = writeln!(d, "{side} layout's ranks\t{}", layout.ranks());
+        let _ = writeln!(d, "{side} layout's alignment\t{}", layout.align());
+        let names: Vec<String> = layout.tensors().iter().map(|t| format!("`{}`", t.name())).collect();
+        let _ = writeln!(d, "{side} layout's tensors\t{}", names.join(", "));
+        for (i, t) in layout.tensors().iter().enumerate() {
+            let _ = writeln!(d, "{side} tensor `{}`'s dtype\t{}", t.name(), t.dtype());
+            let _ = writeln!(d, "{side} tensor `{}`'s shape\t{:?}", t.name(), t.shape());
+            let blocks: Vec<String> =
+                (0..layout.ranks()).map(|r| format!("rank {r} {}", layout.block(r, i).map_or("?".into(), |b| b.to_string()))).collect();
+            let _ = writeln!(d, "{side} tensor `{}`'s sharding\t{}", t.name(), blocks.join(", "));
+        }
+    }
+    d
+}
+
+/// The lines of two [`describe`]s that differ, by key (a key only one has: "none" for the
+/// other), at most `max`: "member 3's destination tensor `w`'s sharding is ..., member 0's ...".
+fn describe_differences(m: usize, mine: &str, r: usize, theirs: &str, max: usize) -> Vec<String> {
+    let lines = |d: &str| -> Vec<(String, String)> {
+        d.lines().filter_map(|l| l.split_once('\t')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    };
+    let (a, b) = (lines(mine), lines(theirs));
+    let get = |l: &[(String, String)], k: &str| l.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+    let mut keys: Vec<&String> = b.iter().map(|(k, _)| k).collect();
+    keys.extend(a.iter().map(|(k, _)| k).filter(|k| !b.iter().any(|(key, _)| key == *k)));
+    keys.into_iter()
+        .filter_map(|k| {
+            let (x, y) = (get(&a, k), get(&b, k));
+            (x != y)
+                .then(|| format!("member {m}'s {k} is {}, member {r}'s {}", x.as_deref().unwrap_or("none"), y.as_deref().unwrap_or("none")))
+        })
+        .take(max)
+        .collect()
 }
 
 fn invalid(me: usize, what: String) -> Error {
@@ -213,7 +265,7 @@ fn spans(layout: &ModelLayout, rank: usize) -> Vec<TensorSpan> {
         .map(|(t, tl)| {
             let off = layout.offset(rank, t).unwrap_or(0);
             let len = layout.block(rank, t).map_or(0, |b| b.rows * b.cols * tl.dtype().size());
-            (tl.name().to_string(), off, len)
+            (tl.name().to_string(), off, len, tl.dtype())
         })
         .collect()
 }
@@ -311,15 +363,24 @@ impl Communicator {
         }
         let mut all = vec![0u8; SETUP_BYTES * size];
         self.allgather_into(&mine, &mut all)?;
+        let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let prints: Vec<u64> = all.chunks(SETUP_BYTES).map(|c| le(&c[9..HANDLE_AT])).collect();
+        // Members whose arguments differ: every member (a rejected one too, so that nobody
+        // waits for it) takes part in telling what differs.
+        let mismatch = match disagreeing(&prints) {
+            Some((which, reference, odd)) => {
+                let mine = describe(src, src_ranks, dst, dst_ranks);
+                Some(format!("{which}: {}", self.argument_differences(&mine, reference, &odd)?))
+            }
+            None => None,
+        };
         let table = match (table, rejected) {
             (Some(t), None) => t,
             (_, Some(e)) => return Err(e),
             (None, None) => return Err(Error::internal(format!("rank {me}: weight_sync: no routing table and no error"))),
         };
-        let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
-        let prints: Vec<u64> = all.chunks(SETUP_BYTES).map(|c| le(&c[9..HANDLE_AT])).collect();
-        if let Some(e) = disagreement(me, &prints) {
-            return Err(e);
+        if let Some(which) = mismatch {
+            return Err(invalid(me, which));
         }
         if let Some(r) = all.chunks(SETUP_BYTES).position(|c| c[0] == 3) {
             return Err(invalid(me, format!("member {r} rejected the arguments (its error says why)")));
@@ -397,6 +458,34 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// What differs between the arguments of the `odd` members and of the `reference`
+    /// member (their [`describe`]s, `mine` being this member's): the reference and each of
+    /// the first few odd members broadcast theirs (collective, on every member alike).
+    fn argument_differences(&self, mine: &str, reference: usize, odd: &[usize]) -> Result<String> {
+        const SHOWN: usize = 3;
+        let share = |root: usize| -> Result<String> {
+            let mut len = [if self.rank() == root { mine.len() as u64 } else { 0 }];
+            self.broadcast(&mut len, root)?;
+            let len =
+                usize::try_from(len[0]).map_err(|_| Error::internal(format!("weight_sync: member {root}'s description is too long")))?;
+            let mut bytes = if self.rank() == root { mine.as_bytes().to_vec() } else { vec![0u8; len] };
+            self.broadcast(&mut bytes, root)?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        let theirs = share(reference)?;
+        let mut said = Vec::new();
+        for &m in odd.iter().take(SHOWN) {
+            let d = describe_differences(m, &share(m)?, reference, &theirs, SHOWN);
+            match d.is_empty() {
+                true => said.push(format!("member {m}'s arguments describe alike, yet hash otherwise")),
+                false => said.extend(d),
+            }
+        }
+        Ok(said.join("; "))
+    }
+}
+
 impl WeightSync<'_> {
     /// This member's role.
     pub fn role(&self) -> WeightRole {
@@ -445,6 +534,55 @@ impl WeightSync<'_> {
     /// As [`WeightSync::with_buffer_mut`], and for a name the layout does not list.
     pub fn with_tensor_mut<R>(&mut self, name: &str, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         self.buffer_mut("with_tensor_mut", Some(name), f)
+    }
+
+    /// [`WeightSync::with_buffer_mut`] with the buffer as elements of `T`: every tensor
+    /// of the layout must be of `T`'s dtype.
+    ///
+    /// # Errors
+    ///
+    /// As [`WeightSync::with_buffer_mut`], and, naming the tensor, when one is of another
+    /// dtype than `T` (or the buffer does not start at a multiple of `T`'s alignment).
+    pub fn with_buffer_mut_as<T: Element, R>(&mut self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        self.typed::<T>("with_buffer_mut_as", None)?;
+        let me = self.me();
+        self.buffer_mut("with_buffer_mut_as", None, |b| cast_mut(me, "with_buffer_mut_as", None, b).map(f))?
+    }
+
+    /// [`WeightSync::with_tensor_mut`] with the block as elements of `T`, the tensor's dtype
+    /// (`bf16` for a [`DType::Bf16`] tensor, `f32` for [`DType::F32`], ...).
+    ///
+    /// # Errors
+    ///
+    /// As [`WeightSync::with_tensor_mut`], and, naming the tensor and both dtypes, when `T`
+    /// is not of the tensor's dtype.
+    pub fn with_tensor_mut_as<T: Element, R>(&mut self, name: &str, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        self.typed::<T>("with_tensor_mut_as", Some(name))?;
+        let me = self.me();
+        self.buffer_mut("with_tensor_mut_as", Some(name), |b| cast_mut(me, "with_tensor_mut_as", Some(name), b).map(f))?
+    }
+
+    /// Checks that the tensor `name` (or every tensor) of this member's side is of `T`'s
+    /// dtype; the error names the tensor and both dtypes.
+    fn typed<T: Element>(&self, call: &str, name: Option<&str>) -> Result<()> {
+        let tensors = match &self.role {
+            Role::Source(s) => &s.tensors,
+            Role::Destination(d) => &d.tensors,
+            Role::None => return Ok(()), // the untyped call says what is wrong
+        };
+        let me = self.me();
+        for t in tensors.iter().filter(|t| name.is_none_or(|n| n == t.0)) {
+            if t.3 != T::DTYPE {
+                return Err(Error::invalid(format!(
+                    "rank {me}: WeightSync::{call}::<{}>: tensor `{}` is {}, not {}",
+                    T::DTYPE,
+                    t.0,
+                    t.3,
+                    T::DTYPE
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn buffer_mut<R>(&mut self, call: &str, name: Option<&str>, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
@@ -609,6 +747,32 @@ impl WeightSync<'_> {
         self.front("with_tensor", Some(name), f)
     }
 
+    /// [`WeightSync::with_current`] with the buffer as elements of `T`: every tensor of the
+    /// layout must be of `T`'s dtype.
+    ///
+    /// # Errors
+    ///
+    /// As [`WeightSync::with_current`], and, naming the tensor, when one is of another dtype
+    /// than `T`.
+    pub fn with_current_as<T: Element, R>(&self, f: impl FnOnce(u64, &[T]) -> R) -> Result<R> {
+        self.typed::<T>("with_current_as", None)?;
+        let me = self.me();
+        self.front("with_current_as", None, |v, b| cast(me, "with_current_as", None, b).map(|t| f(v, t)))?
+    }
+
+    /// [`WeightSync::with_tensor`] with the block as elements of `T`, the tensor's dtype:
+    /// `ws.with_tensor_as::<bf16, _>("layer0.weight", |v, w| ...)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`WeightSync::with_tensor`], and, naming the tensor and both dtypes, when `T` is
+    /// not of the tensor's dtype.
+    pub fn with_tensor_as<T: Element, R>(&self, name: &str, f: impl FnOnce(u64, &[T]) -> R) -> Result<R> {
+        self.typed::<T>("with_tensor_as", Some(name))?;
+        let me = self.me();
+        self.front("with_tensor_as", Some(name), |v, b| cast(me, "with_tensor_as", Some(name), b).map(|t| f(v, t)))?
+    }
+
     fn front<R>(&self, call: &str, name: Option<&str>, f: impl FnOnce(u64, &[u8]) -> R) -> Result<R> {
         let me = self.me();
         let Role::Destination(d) = &self.role else {
@@ -621,6 +785,21 @@ impl WeightSync<'_> {
             .with_slice(off, len, |b| f(v, b))
             .map_err(|e| Error::invalid(format!("rank {me}: WeightSync::{call}: {e}")))
     }
+}
+
+/// The error of a block that cannot be seen as elements of `T` (its length or alignment).
+fn cast_error<T: Element>(me: usize, call: &str, name: Option<&str>, len: usize, e: bytemuck::PodCastError) -> Error {
+    let what = name.map_or_else(|| "the buffer".to_string(), |n| format!("tensor `{n}`"));
+    Error::invalid(format!("rank {me}: WeightSync::{call}::<{}>: {what} ({len} bytes) cannot be seen as {}: {e:?}", T::DTYPE, T::DTYPE))
+}
+
+fn cast<'b, T: Element>(me: usize, call: &str, name: Option<&str>, b: &'b [u8]) -> Result<&'b [T]> {
+    bytemuck::try_cast_slice(b).map_err(|e| cast_error::<T>(me, call, name, b.len(), e))
+}
+
+fn cast_mut<'b, T: Element>(me: usize, call: &str, name: Option<&str>, b: &'b mut [u8]) -> Result<&'b mut [T]> {
+    let len = b.len();
+    bytemuck::try_cast_slice_mut(b).map_err(|e| cast_error::<T>(me, call, name, len, e))
 }
 
 /// The byte range of tensor `name` (or the whole buffer) in a local buffer.

@@ -8,11 +8,13 @@
 use std::path::PathBuf;
 
 use clap::error::ErrorKind;
-use clap::{Command, CommandFactory, Parser};
+use clap::{Command, CommandFactory, FromArgMatches, Parser, Subcommand};
 use ferroccl::{DType, ReduceOp, TransportChoice};
 use ferroccl_run::cli::{self, Problem};
 
 use crate::colls::Coll;
+use crate::sub::Common;
+use crate::{idle, latency, moe, overlap, rma, skew, weights, Failure};
 
 /// The one-line usage printed with every command-line error.
 pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatter|broadcast|reduce|alltoall|alltoallv|sendrecv|all> \
@@ -24,13 +26,8 @@ pub const USAGE: &str = "usage: ferroccl-perf <allreduce|allgather|reduce_scatte
 const HELP_USAGE: &str = "\
 ferroccl-perf COLLECTIVE [OPTIONS]
        ferroccl-run -n N -- ferroccl-perf COLLECTIVE [OPTIONS]
-       ferroccl-perf plot OUT.svg RESULTS.json [MORE.json ...]
-       ferroccl-perf latency [OPTIONS]   small-message latency, blocking call vs plan
-       ferroccl-perf idle [OPTIONS]      CPU time an idle communicator uses
-       ferroccl-perf overlap [OPTIONS]   compute + allreduce, sequential vs non-blocking
-       ferroccl-perf rma [OPTIONS]       one-sided reads of a scattered model: register every step, once, plan
-       ferroccl-perf weights [OPTIONS]   M->N weight sync vs the memcpy bound vs broadcasting every tensor
-       (ferroccl-perf latency|idle|overlap|rma|skew|weights --help for theirs)";
+       ferroccl-perf COMMAND [OPTIONS]   (the commands below; ferroccl-perf COMMAND --help for theirs)
+       ferroccl-perf plot OUT.svg RESULTS.json [MORE.json ...]";
 
 /// The end of `--help`, after the options.
 const AFTER_HELP: &str = "\
@@ -44,8 +41,11 @@ exit status: 0 success; 1 a collective failed or #wrong > 0; 2 bad arguments.";
 /// The template of every `--help` of this tool: about, usage, options, the rest.
 pub(crate) const HELP_TEMPLATE: &str = "{about}\n\nusage: {usage}\n\n{before-help}{all-args}{after-help}";
 
-/// The benchmark's command line as clap sees it; [`parse`] checks it and makes the
-/// [`Options`] (whose `Default` holds the defaults).
+/// The whole command line as clap sees it: a subcommand ([`Sub`]), or else the collective
+/// benchmark (a collective and its options, which [`parse`] checks and makes the
+/// [`Options`] of; their `Default` holds the defaults). The options every subcommand shares
+/// ([`Common`]) are declared once, here, global to every subcommand. [`command`] gives every
+/// subcommand the same help template and option rules.
 #[derive(Debug, Parser)]
 #[command(
     name = "ferroccl-perf",
@@ -54,9 +54,18 @@ pub(crate) const HELP_TEMPLATE: &str = "{about}\n\nusage: {usage}\n\n{before-hel
     help_template = HELP_TEMPLATE,
     after_help = AFTER_HELP,
     args_override_self = true,
-    max_term_width = 100
+    max_term_width = 100,
+    // A subcommand is the first argument; after an option, a word is a collective.
+    args_conflicts_with_subcommands = true,
+    disable_help_subcommand = true
 )]
 struct Cli {
+    /// A measurement subcommand instead of the collective benchmark.
+    #[command(subcommand)]
+    sub: Option<Sub>,
+    /// `--ranks`, `--transport`, `--no-bind`: shared by every subcommand.
+    #[command(flatten)]
+    common: Common,
     /// allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, alltoallv, sendrecv or all
     // Several are taken (and each checked, in order) so that an unknown name is reported
     // before a second one; [`parse`] refuses the second.
@@ -100,12 +109,6 @@ struct Cli {
     /// auto, ring, mesh, oneshot, chain, bruck, binomial, pairwise (FERROCCL_ALGO for this run)
     #[arg(long, value_name = "A", allow_hyphen_values = true, value_parser = algo)]
     algo: Option<String>,
-    /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
-    #[arg(long, value_name = "T", allow_hyphen_values = true, value_parser = transport)]
-    transport: Option<TransportChoice>,
-    /// Start N local ranks (no launcher needed)
-    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = ranks)]
-    ranks: Option<usize>,
     /// Write every row and the run's metadata as JSON
     #[arg(long, value_name = "FILE", allow_hyphen_values = true, value_parser = path)]
     json: Option<PathBuf>,
@@ -133,9 +136,119 @@ struct Cli {
 #[derive(Clone, Debug)]
 struct Colls(Vec<Coll>, String);
 
+/// The subcommands: each is `ferroccl-perf NAME [OPTIONS]`, with its own `--help`, and the
+/// shared options ([`Common`]) copied into its options' `common` by [`parse`].
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Subcommand)]
+pub enum Sub {
+    /// `latency`.
+    #[command(about = latency::ABOUT, override_usage = usage(latency::USAGE), before_help = latency::ABOUT_MORE, after_help = latency::AFTER_HELP)]
+    Latency(latency::LatencyOptions),
+    /// `idle`.
+    #[command(about = idle::ABOUT, override_usage = usage(idle::USAGE), before_help = idle::ABOUT_MORE, after_help = idle::AFTER_HELP)]
+    Idle(idle::IdleOptions),
+    /// `overlap`.
+    #[command(about = overlap::ABOUT, override_usage = usage(overlap::USAGE), before_help = overlap::ABOUT_MORE, after_help = overlap::AFTER_HELP)]
+    Overlap(overlap::OverlapOptions),
+    /// `rma`.
+    #[command(about = rma::ABOUT, override_usage = usage(rma::USAGE), before_help = rma::ABOUT_MORE, after_help = rma::AFTER_HELP)]
+    Rma(rma::RmaOptions),
+    /// `skew`.
+    #[command(about = skew::ABOUT, override_usage = usage(skew::USAGE), before_help = skew::ABOUT_MORE, after_help = skew::AFTER_HELP)]
+    Skew(skew::SkewOptions),
+    /// `weights`.
+    #[command(about = weights::ABOUT, override_usage = usage(weights::USAGE), before_help = weights::ABOUT_MORE, after_help = weights::AFTER_HELP)]
+    Weights(weights::WeightsOptions),
+    /// `moe`.
+    #[command(about = moe::ABOUT, override_usage = usage(moe::USAGE), before_help = moe::ABOUT_MORE, after_help = moe::AFTER_HELP)]
+    Moe(moe::MoeOptions),
+    /// `plot`.
+    #[command(about = PLOT_ABOUT, override_usage = usage(PLOT_USAGE))]
+    Plot(PlotArgs),
+}
+
+/// `ferroccl-perf plot`'s usage, printed with every command-line error.
+pub const PLOT_USAGE: &str = "usage: ferroccl-perf plot OUT.svg RESULTS.json [MORE.json ...]";
+
+const PLOT_ABOUT: &str = "ferroccl-perf plot: draw results files (--json of this tool, or benches/peers' MPI program's) in one \
+picture, without running anything; files not written by ferroccl-perf are drawn dashed, as baselines";
+
+/// `ferroccl-perf plot`'s arguments.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct PlotArgs {
+    /// OUT.svg, then one or more results files
+    #[arg(value_name = "FILE", allow_hyphen_values = true)]
+    pub files: Vec<String>,
+}
+
+/// A usage line without its `usage: ` (the help template adds it).
+fn usage(u: &'static str) -> &'static str {
+    u.strip_prefix("usage: ").unwrap_or(u)
+}
+
+impl Sub {
+    /// The usage line of the subcommand named `name` (for its command-line errors).
+    pub fn usage_of(name: &str) -> Option<&'static str> {
+        let u = match name {
+            "latency" => latency::USAGE,
+            "idle" => idle::USAGE,
+            "overlap" => overlap::USAGE,
+            "rma" => rma::USAGE,
+            "skew" => skew::USAGE,
+            "weights" => weights::USAGE,
+            "moe" => moe::USAGE,
+            "plot" => PLOT_USAGE,
+            _ => return None,
+        };
+        Some(u.lines().next().unwrap_or(u))
+    }
+
+    /// The subcommand's options that [`Common`] sets (`None`: `plot`, which runs nothing).
+    fn common_mut(&mut self) -> Option<&mut Common> {
+        match self {
+            Sub::Latency(o) => Some(&mut o.common),
+            Sub::Idle(o) => Some(&mut o.common),
+            Sub::Overlap(o) => Some(&mut o.common),
+            Sub::Rma(o) => Some(&mut o.common),
+            Sub::Skew(o) => Some(&mut o.common),
+            Sub::Weights(o) => Some(&mut o.common),
+            Sub::Moe(o) => Some(&mut o.common),
+            Sub::Plot(_) => None,
+        }
+    }
+
+    /// The shared options given to the subcommand.
+    pub fn common(&self) -> Common {
+        self.clone().common_mut().map(|c| *c).unwrap_or_default()
+    }
+
+    /// Runs the subcommand on this rank (or, for `plot`, runs it).
+    pub fn run(&self) -> Result<(), Failure> {
+        match self {
+            Sub::Latency(o) => latency::run(o),
+            Sub::Idle(o) => idle::run(o),
+            Sub::Overlap(o) => overlap::run(o),
+            Sub::Rma(o) => rma::run(o),
+            Sub::Skew(o) => skew::run(o),
+            Sub::Weights(o) => weights::run(o),
+            Sub::Moe(o) => moe::run(o),
+            Sub::Plot(p) => crate::plot_files(&p.files),
+        }
+    }
+}
+
+/// The command line's clap command: [`Cli`]'s, every subcommand with the same help
+/// template, option rules (the last of a repeated option wins) and width.
+fn command() -> Command {
+    Cli::command().mut_subcommands(|s| {
+        let name = format!("ferroccl-perf {}", s.get_name());
+        s.help_template(HELP_TEMPLATE).args_override_self(true).max_term_width(100).bin_name(name)
+    })
+}
+
 /// `--help`.
 pub fn help() -> String {
-    Cli::command().render_help().to_string()
+    command().render_help().to_string()
 }
 
 /// Which variants to run.
@@ -178,6 +291,8 @@ pub struct Options {
     pub transport: Option<TransportChoice>,
     /// `--ranks`.
     pub ranks: Option<usize>,
+    /// With `--ranks`: pin the ranks to CPUs as ferroccl-run does (`false`: `--no-bind`).
+    pub bind: bool,
     /// `--root`.
     pub root: usize,
     /// `--json`.
@@ -209,6 +324,7 @@ impl Default for Options {
             algo: None,
             transport: None,
             ranks: None,
+            bind: true,
             root: 0,
             json: None,
             plot: None,
@@ -222,10 +338,12 @@ impl Default for Options {
 /// What the command line asks for.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Cmd {
-    /// `--help`.
-    Help,
+    /// `--help` (of the tool or of a subcommand): the text to print.
+    Help(String),
     /// A benchmark.
     Run(Box<Options>),
+    /// A subcommand, its shared options filled in.
+    Sub(Box<Sub>),
 }
 
 /// A bad command line; the message names the argument.
@@ -301,9 +419,27 @@ pub fn format_size(b: usize) -> String {
 
 /// Parses the arguments after the program name.
 pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
-    let Some(cli) = parse_with::<Cli, _>("ferroccl-perf", args)? else {
-        return Ok(Cmd::Help);
+    let mut cmd = command();
+    let matches = cmd.try_get_matches_from_mut(std::iter::once("ferroccl-perf").chain(args.iter().map(AsRef::as_ref)));
+    let cli = match matches.and_then(|m| Cli::from_arg_matches(&m)) {
+        Ok(cli) => cli,
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => return Ok(Cmd::Help(e.render().to_string())),
+        Err(e) => {
+            // A subcommand's error names its options: look them up in its command.
+            let sub = args.first().and_then(|a| cmd.find_subcommand(a.as_ref())).cloned();
+            return Err(ArgError::from_clap(&e, sub.as_ref().unwrap_or(&cmd), args));
+        }
     };
+    if let Some(mut sub) = cli.sub {
+        match sub.common_mut() {
+            Some(c) => *c = cli.common,
+            None if cli.common != Common::default() => {
+                return Err(ArgError::Other("plot runs no ranks: --ranks, --transport and --no-bind do not apply".into()))
+            }
+            None => {}
+        }
+        return Ok(Cmd::Sub(Box::new(sub)));
+    }
     let mut named = cli.colls.into_iter();
     let colls = named.next().ok_or(ArgError::MissingCollective)?.0;
     if let Some(Colls(_, second)) = named.next() {
@@ -326,8 +462,9 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
             _ => d.variants,
         },
         algo: cli.algo,
-        transport: cli.transport,
-        ranks: cli.ranks,
+        transport: cli.common.transport,
+        ranks: cli.common.ranks,
+        bind: !cli.common.no_bind,
         root: cli.root.unwrap_or(d.root),
         json: cli.json,
         plot: cli.plot,
@@ -358,13 +495,13 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Cmd, ArgError> {
     Ok(Cmd::Run(Box::new(o)))
 }
 
-/// Parses `args` (after the program's or subcommand's name, which is `name`) with the clap
-/// parser `P`; `Ok(None)` for `-h` / `--help`.
-pub(crate) fn parse_with<P: Parser, S: AsRef<str>>(name: &str, args: &[S]) -> Result<Option<P>, ArgError> {
-    match P::try_parse_from(std::iter::once(name).chain(args.iter().map(AsRef::as_ref))) {
-        Ok(p) => Ok(Some(p)),
-        Err(e) if e.kind() == ErrorKind::DisplayHelp => Ok(None),
-        Err(e) => Err(ArgError::from_clap(&e, &P::command(), args)),
+/// Parses `ferroccl-perf NAME ARGS`, a subcommand's command line; `Ok(None)` for `--help`.
+pub fn parse_sub<S: AsRef<str>>(name: &str, args: &[S]) -> Result<Option<Sub>, ArgError> {
+    let all: Vec<&str> = std::iter::once(name).chain(args.iter().map(AsRef::as_ref)).collect();
+    match parse(&all)? {
+        Cmd::Sub(s) => Ok(Some(*s)),
+        Cmd::Help(_) => Ok(None),
+        Cmd::Run(_) => Err(ArgError::Other(format!("{name:?} is not a subcommand"))),
     }
 }
 
@@ -576,7 +713,7 @@ mod tests {
         assert_eq!(run(&["all"]).colls, Coll::ALL.to_vec());
         assert_eq!(run(&["broadcast"]).variants, Variants::Both);
         assert_eq!(run(&["--no-inplace", "alltoall"]).variants, Variants::OutOfPlaceOnly);
-        assert_eq!(parse(&["--help"]), Ok(Cmd::Help));
+        assert!(matches!(parse(&["--help"]), Ok(Cmd::Help(h)) if h.contains("--minbytes")));
     }
 
     #[test]
@@ -682,6 +819,24 @@ mod tests {
             assert!(h.contains(option), "{option}: {h}");
         }
         assert!(!h.contains("corrupt"), "--corrupt-rank is hidden: {h}");
+    }
+
+    #[test]
+    fn subcommands_share_the_common_options() {
+        let Ok(Some(Sub::Idle(o))) = parse_sub("idle", &["--no-bind", "--ranks", "3", "--transport", "tcp", "--seconds", "1"]) else {
+            panic!("idle parses")
+        };
+        assert_eq!((o.common.ranks, o.common.transport, o.common.no_bind), (Some(3), Some(TransportChoice::Tcp), true));
+        assert_eq!(parse_sub("moe", &["--help"]), Ok(None));
+        assert!(matches!(parse(&["latency", "--help"]), Ok(Cmd::Help(h)) if h.contains("allreduce_plan") && h.contains("--no-bind")));
+        assert!(!run(&["allreduce", "--ranks", "2", "--no-bind"]).bind);
+        assert!(run(&["allreduce", "--ranks", "2"]).bind);
+        // A subcommand's bad value is named as given; a subcommand after an option is a collective.
+        assert!(err(&["latency", "--ranks", "0"]).contains("--ranks \"0\""));
+        assert!(err(&["rma", "-n", "1"]).contains("unknown option \"-n\""));
+        assert!(err(&["-b", "8", "latency"]).contains("unknown collective \"latency\""));
+        assert!(err(&["--ranks", "2", "plot", "a.svg"]).contains("collective"));
+        assert_eq!(Sub::usage_of("plot"), Some(PLOT_USAGE));
     }
 
     #[test]

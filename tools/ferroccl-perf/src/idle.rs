@@ -1,12 +1,11 @@
 //! `ferroccl-perf idle`: the CPU time a communicator uses while the program does nothing
-//! with it (see [`help`]).
+//! with it (see its `--help`).
 
 use std::time::{Duration, Instant};
 
-use clap::CommandFactory;
 use ferroccl::{Communicator, ReduceOp, TransportKind};
 
-use crate::args::{self, ArgError};
+use crate::args::{self};
 use crate::sub::{self, Common};
 use crate::Failure;
 
@@ -14,7 +13,7 @@ use crate::Failure;
 pub const USAGE: &str = "usage: ferroccl-perf idle [--seconds S] [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
 /// What `--help` says before the options.
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 Each rank joins the job and uses the communicator the ways a program does, so that every
 thread it has is running: blocking allreduces (8 B to 1 MiB), non-blocking ones in a scope
 (one waited for after test() polls, one dropped, which the background progress thread
@@ -33,35 +32,22 @@ Every thread is listed on stderr with its own numbers, by name. The main thread'
 includes reading /proc at the end of the period (a fraction of a millisecond). Expect cpu_%
 near 0: the progress thread parks when nothing is in flight.";
 
-/// `ferroccl-perf idle`'s options (its command line, parsed by clap).
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf idle",
-    about = "ferroccl-perf idle: CPU time an idle communicator uses",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = "exit status: 0 success; 1 a call failed or the final result was wrong; 2 bad arguments.",
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf idle: CPU time an idle communicator uses";
+
+/// What `--help` says after the options.
+pub(crate) const AFTER_HELP: &str = "exit status: 0 success; 1 a call failed or the final result was wrong; 2 bad arguments.";
+
+/// `ferroccl-perf idle`'s options (after `ferroccl-perf idle`; clap's [`crate::args::Sub`]).
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct IdleOptions {
     /// Idle time
     #[arg(long, value_name = "S", default_value = "5", allow_hyphen_values = true, value_parser = args::seconds)]
     pub seconds: f64,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
-}
-
-/// `--help`.
-pub fn help() -> String {
-    IdleOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `idle`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<IdleOptions>, ArgError> {
-    args::parse_with("ferroccl-perf idle", args)
 }
 
 /// One thread's counters.
@@ -214,6 +200,15 @@ pub fn run(o: &IdleOptions) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ferroccl-perf idle ARGS`; `Ok(None)` for `--help`.
+    fn parse(args: &[String]) -> Result<Option<IdleOptions>, args::ArgError> {
+        match args::parse_sub("idle", args)? {
+            Some(args::Sub::Idle(o)) => Ok(Some(o)),
+            None => Ok(None),
+            other => panic!("idle: {other:?}"),
+        }
+    }
 
     #[test]
     fn stat_fields_are_counted_after_the_name() {

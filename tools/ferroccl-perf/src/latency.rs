@@ -1,13 +1,12 @@
 //! `ferroccl-perf latency`: small-message collective latency (allreduce by default), a
-//! blocking call against a persistent plan, alternating in one run (see [`help`]).
+//! blocking call against a persistent plan, alternating in one run (see its `--help`).
 
 use std::time::Instant;
 
-use clap::CommandFactory;
 use ferroccl::{Communicator, Plan, ReduceOp, TransportKind};
 use ferroccl_kernels::bf16;
 
-use crate::args::{self, parse_size, ArgError, Expected};
+use crate::args::{self, parse_size, Expected};
 use crate::data::Val;
 use crate::sub::{self, Common};
 use crate::Failure;
@@ -17,7 +16,7 @@ pub const USAGE: &str = "usage: ferroccl-perf latency [--sizes 8,4K] [--dtype f3
                              [--batches B] [--raw] [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
 /// What `--help` says before the options.
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 A collective (--coll, default allreduce: sum, in place) of f32 or bf16 (--dtype), two ways
 in one run:
   blocking   comm.allreduce(&mut buf, ReduceOp::Sum) (comm.allgather, comm.broadcast,
@@ -33,24 +32,17 @@ batch (blocking first in even batches, plan first in odd ones; the machine's spe
 A batch is a barrier and ITERS timed calls; its time per call is the slowest rank's.";
 
 /// What `--help` says after the options.
-const AFTER_HELP: &str = "\
+pub(crate) const AFTER_HELP: &str = "\
 output (rank 0): per size and mode the median, min and max over the batches of the time
 per call in microseconds, and plan/blocking (median over median). Its peer for MPI is
 benches/peers/mpi_latency.c; benches/latency.sh runs both (Open MPI and MPICH), alternating.
 exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.";
 
-/// `ferroccl-perf latency`'s options (its command line, parsed by clap).
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf latency",
-    about = "ferroccl-perf latency: small-message collective latency, blocking call vs persistent plan",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = AFTER_HELP,
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf latency: small-message collective latency, blocking call vs persistent plan";
+
+/// `ferroccl-perf latency`'s options (after `ferroccl-perf latency`; clap's [`crate::args::Sub`]).
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct LatencyOptions {
     /// Comma-separated sizes in bytes (K, M suffixes), 4 or more each
     // The full path keeps clap from taking a `Vec` as a repeated option: the list is one
@@ -75,8 +67,9 @@ pub struct LatencyOptions {
     /// Also print every batch as "#batch SIZE MODE US" (benches/latency.sh collects these)
     #[arg(long)]
     pub raw: bool,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
 }
 
@@ -151,16 +144,6 @@ impl LatColl {
             LatColl::ReduceScatter => format!("reduce_scatter {t} sum, size = the per-rank block"),
         }
     }
-}
-
-/// `--help`.
-pub fn help() -> String {
-    LatencyOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `latency`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<LatencyOptions>, ArgError> {
-    args::parse_with("ferroccl-perf latency", args)
 }
 
 /// `--sizes`: a comma-separated list of sizes, each 4 bytes or more.
@@ -357,6 +340,23 @@ fn one_size<T: Val>(comm: &Communicator, o: &LatencyOptions, size: usize) -> Res
 mod tests {
     use super::*;
 
+    /// `ferroccl-perf latency --help`.
+    fn help() -> String {
+        match args::parse(&["latency", "--help"]) {
+            Ok(args::Cmd::Help(h)) => h,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `ferroccl-perf latency ARGS`; `Ok(None)` for `--help`.
+    fn parse(args: &[String]) -> Result<Option<LatencyOptions>, args::ArgError> {
+        match args::parse_sub("latency", args)? {
+            Some(args::Sub::Latency(o)) => Ok(Some(o)),
+            None => Ok(None),
+            other => panic!("latency: {other:?}"),
+        }
+    }
+
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
     }
@@ -380,10 +380,10 @@ mod tests {
         let d = parse(&s(&[])).unwrap().unwrap();
         assert_eq!((d.sizes, d.iters, d.warmup, d.batches, d.raw, d.common), (vec![8, 4096], 200, 50, 10, false, Common::default()));
         assert_eq!(parse(&s(&["-n", "1", "--help"])), Ok(None));
-        assert_eq!(parse(&s(&["-n"])), Err(ArgError::MissingValue("-n".into())));
-        assert_eq!(parse(&s(&["--raw=1"])), Err(ArgError::UnknownOption("--raw=1".into())));
+        assert_eq!(parse(&s(&["-n"])), Err(args::ArgError::MissingValue("-n".into())));
+        assert_eq!(parse(&s(&["--raw=1"])), Err(args::ArgError::UnknownOption("--raw=1".into())));
         assert!(parse(&s(&["--transport", "pigeon"])).is_err());
-        assert!(super::help().contains("allreduce_plan"));
+        assert!(help().contains("allreduce_plan"));
     }
 
     #[test]
@@ -400,8 +400,8 @@ mod tests {
         assert!(e.contains("--dtype \"f16\"") && e.contains("f32 or bf16"), "{e}");
         let e = parse(&s(&["--coll", "alltoall"])).unwrap_err().to_string();
         assert!(e.contains("--coll \"alltoall\"") && e.contains("reduce_scatter"), "{e}");
-        assert_eq!(parse(&s(&["--coll"])), Err(ArgError::MissingValue("--coll".into())));
-        let h = super::help();
+        assert_eq!(parse(&s(&["--coll"])), Err(args::ArgError::MissingValue("--coll".into())));
+        let h = help();
         for want in ["--dtype", "--coll", "reduce_scatter_plan", "per-rank block"] {
             assert!(h.contains(want), "{want}: {h}");
         }

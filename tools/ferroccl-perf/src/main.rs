@@ -3,8 +3,14 @@
 #![forbid(unsafe_code)]
 
 fn main() {
+    let os_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    // `--ranks N` starts the ranks through this binary (ferroccl-run's exec shim, which
+    // pins each to its CPU and then becomes the rank).
+    if let Some(code) = ferroccl_run::exec_shim(&os_args) {
+        std::process::exit(code);
+    }
     let mut args = Vec::new();
-    for a in std::env::args_os().skip(1) {
+    for a in os_args {
         match a.into_string() {
             Ok(s) => args.push(s),
             Err(a) => {

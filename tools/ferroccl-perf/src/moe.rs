@@ -1,15 +1,14 @@
 //! `ferroccl-perf moe`: MoE dispatch + combine per step (`Communicator::moe`, issue 16),
 //! throughput mode vs low-latency mode vs one allreduce of the same bytes, alternated in
-//! one run (see [`help`]); benches/moe.sh puts the MPI_Alltoallv baseline
+//! one run (see its `--help`); benches/moe.sh puts the MPI_Alltoallv baseline
 //! (benches/peers/mpi_moe.c) beside it.
 
 use std::time::Instant;
 
-use clap::CommandFactory;
 use ferroccl::moe::{MoeConfig, MoeMode};
 use ferroccl::{bf16, ReduceOp, TransportKind};
 
-use crate::args::{self, ArgError};
+use crate::args::{self};
 use crate::sub::{self, fail, Common};
 use crate::Failure;
 
@@ -17,7 +16,7 @@ use crate::Failure;
 pub const USAGE: &str = "usage: ferroccl-perf moe [--tokens T,T,...] [--hidden H] [--experts E] [--top-k K] [--steps S] [--rounds R] \
 [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 Every rank has T tokens of H bf16 each; token t of rank r at step s chooses K distinct
 experts of E (expert e lives on rank e / (E / ranks)) by the routing of
 benches/peers/mpi_moe.c: x = splitmix64((r << 40) ^ (s << 20) ^ t), e0 = x % E, then
@@ -37,18 +36,15 @@ time is the step's. Reported per T: median, p10 and p90 over the steps of rounds
 The first step of every round is checked: combine must give back each token (identity
 experts, weights summing to 1) within bf16 rounding.";
 
+/// What `--help` says first.
+pub(crate) const ABOUT: &str =
+    "ferroccl-perf moe: MoE dispatch + combine, throughput vs low-latency mode vs one allreduce of the same bytes";
+
+/// What `--help` says after the options.
+pub(crate) const AFTER_HELP: &str = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.";
+
 /// `ferroccl-perf moe`'s options.
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf moe",
-    about = "ferroccl-perf moe: MoE dispatch + combine, throughput vs low-latency mode vs one allreduce of the same bytes",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.",
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct MoeOptions {
     /// Tokens per rank, comma-separated
     #[arg(long, value_name = "T,...", default_value = "1,8,64,128", value_delimiter = ',', value_parser = args::whole::<1>)]
@@ -68,19 +64,10 @@ pub struct MoeOptions {
     /// Rounds (each runs A, B, C)
     #[arg(long, value_name = "R", default_value = "5", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub rounds: usize,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
-}
-
-/// `--help`.
-pub fn help() -> String {
-    MoeOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `moe`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<MoeOptions>, ArgError> {
-    args::parse_with("ferroccl-perf moe", args)
 }
 
 /// splitmix64 of `v` (the state advanced once from `v`), as benches/peers/mpi_moe.c.
@@ -267,6 +254,15 @@ fn report(o: &MoeOptions, ranks: usize, transport: &str, lines: &mut Lines) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ferroccl-perf moe ARGS`; `Ok(None)` for `--help`.
+    fn parse(args: &[String]) -> Result<Option<MoeOptions>, args::ArgError> {
+        match args::parse_sub("moe", args)? {
+            Some(args::Sub::Moe(o)) => Ok(Some(o)),
+            None => Ok(None),
+            other => panic!("moe: {other:?}"),
+        }
+    }
 
     #[test]
     fn routing_picks_distinct_experts_and_weights_summing_to_one() {

@@ -1,13 +1,12 @@
 //! `ferroccl-perf overlap`: a training-like step (compute, allreduce the gradients) run
-//! sequentially and with the allreduce overlapped with the compute (see [`help`]).
+//! sequentially and with the allreduce overlapped with the compute (see its `--help`).
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use clap::CommandFactory;
 use ferroccl::{Communicator, ReduceOp, TransportKind};
 
-use crate::args::{self, parse_size, ArgError, Expected};
+use crate::args::{self, parse_size, Expected};
 use crate::sub::{self, Common};
 use crate::Failure;
 
@@ -16,7 +15,7 @@ pub const USAGE: &str = "usage: ferroccl-perf overlap [--size 8M] [--compute-ms 
                              [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
 /// What `--help` says before the options.
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 One iteration computes (a fixed CPU workload on its own 64 KiB buffer, which stays in
 cache: arithmetic, not memory traffic) and allreduces a gradient buffer (f32, sum):
   sequential   compute(); comm.allreduce(&mut grads, Sum)
@@ -32,7 +31,7 @@ the same machine states. A batch is a barrier and ITERS iterations, its rate the
 rank's. Last, one checked iteration of each allreducing form (inputs rank + 1, sum n(n+1)/2).";
 
 /// What `--help` says after the options.
-const AFTER_HELP: &str = "\
+pub(crate) const AFTER_HELP: &str = "\
 output (rank 0): iterations/s of each form (median, min, max over the batches), the ratio
 overlapped / sequential (of the medians, and the median of the ratios of the batches run
 next to each other), and the ideal ratio with a free core for each thread:
@@ -41,18 +40,11 @@ they overlap (compute and progress), so on a machine with fewer cores than 2 x r
 gain is bounded, and may be negative.
 exit status: 0 success; 1 a call failed or a checked result was wrong; 2 bad arguments.";
 
-/// `ferroccl-perf overlap`'s options (its command line, parsed by clap).
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf overlap",
-    about = "ferroccl-perf overlap: compute + gradient allreduce, sequential vs overlapped",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = AFTER_HELP,
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf overlap: compute + gradient allreduce, sequential vs overlapped";
+
+/// `ferroccl-perf overlap`'s options (after `ferroccl-perf overlap`; clap's [`crate::args::Sub`]).
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct OverlapOptions {
     /// Gradient buffer in bytes (K, M suffixes)
     #[arg(long, value_name = "SIZE", default_value = "8M", allow_hyphen_values = true, value_parser = grad_size)]
@@ -66,19 +58,10 @@ pub struct OverlapOptions {
     /// Batches per form
     #[arg(long, value_name = "B", default_value = "6", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub batches: usize,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
-}
-
-/// `--help`.
-pub fn help() -> String {
-    OverlapOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `overlap`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<OverlapOptions>, ArgError> {
-    args::parse_with("ferroccl-perf overlap", args)
 }
 
 /// `--size`: 4 bytes or more.
@@ -243,6 +226,15 @@ pub fn run(o: &OverlapOptions) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ferroccl-perf overlap ARGS`; `Ok(None)` for `--help`.
+    fn parse(args: &[String]) -> Result<Option<OverlapOptions>, args::ArgError> {
+        match args::parse_sub("overlap", args)? {
+            Some(args::Sub::Overlap(o)) => Ok(Some(o)),
+            None => Ok(None),
+            other => panic!("overlap: {other:?}"),
+        }
+    }
 
     #[test]
     fn parses_and_names_bad_values() {

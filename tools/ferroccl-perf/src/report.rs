@@ -26,6 +26,9 @@ pub struct JobInfo {
     pub setup_ms: f64,
     /// The algorithm setting (`auto` or a name).
     pub algo: String,
+    /// The CPU each rank is pinned to (`FERROCCL_BOUND_CPU`, set by ferroccl-run and by
+    /// `--ranks` unless `--no-bind`), by rank; `None`: not pinned.
+    pub pinned: Vec<Option<usize>>,
 }
 
 impl JobInfo {
@@ -36,6 +39,18 @@ impl JobInfo {
             None => "self (one rank)".into(),
             Some((_, first)) if peers.iter().all(|(_, t)| t == first) => format!("{first} (every peer of rank 0)"),
             _ => peers.iter().map(|(p, t)| format!("0->{p} {t}")).collect::<Vec<_>>().join(", "),
+        }
+    }
+
+    /// "CPUs 0,1,2,3" (rank r on the r-th), "no (...)", or by rank with `-` for unpinned.
+    pub fn pinned_summary(&self) -> String {
+        let cpu = |c: &Option<usize>| c.map_or_else(|| "-".to_string(), |c| c.to_string());
+        if self.pinned.iter().all(Option::is_none) {
+            "no (the kernel places the ranks)".into()
+        } else if self.pinned.iter().all(Option::is_some) {
+            format!("CPUs {} (rank r on the r-th)", self.pinned.iter().map(cpu).collect::<Vec<_>>().join(","))
+        } else {
+            format!("by rank {}", self.pinned.iter().map(cpu).collect::<Vec<_>>().join(","))
         }
     }
 }
@@ -62,6 +77,7 @@ pub fn print_job_header(info: &JobInfo, o: &Options) {
     }
     println!("#  host {} (nproc {})", info.hostname, info.nproc);
     println!("#  transport: {}", info.transport_summary());
+    println!("#  pinned: {}", info.pinned_summary());
     println!("#  init: {:.1} ms (slowest rank; mesh setup {:.1} ms on rank 0)", info.init_ms, info.setup_ms);
     if info.algo == "auto" {
         println!("#  algorithm: auto (the library's cost model picks per call; the algo column shows its choice)");
@@ -217,6 +233,7 @@ pub fn to_json(info: &JobInfo, o: &Options, results: &[CollResult]) -> Value {
         "check": o.check,
         "algo": info.algo,
         "init_ms": info.init_ms,
+        "pinned_cpus": info.pinned,
         "machine": { "hostname": info.hostname, "nproc": info.nproc },
         "runs": runs,
     })
@@ -263,12 +280,17 @@ mod tests {
             init_ms: 3.0,
             setup_ms: 2.0,
             algo: "auto".into(),
+            pinned: vec![Some(0), Some(1)],
         };
         let res = CollResult { coll: Coll::AllReduce, rows: vec![row()] };
         let v = to_json(&info, &Options::default(), &[res]);
         assert_eq!(v["ranks"], 2);
         assert_eq!(v["transport"], "shm (every peer of rank 0)");
         assert_eq!(v["machine"]["nproc"], 8);
+        assert_eq!(v["pinned_cpus"], json!([0, 1]));
+        assert_eq!(info.pinned_summary(), "CPUs 0,1 (rank r on the r-th)");
+        let unpinned = JobInfo { pinned: vec![None, None], ..info.clone() };
+        assert!(unpinned.pinned_summary().starts_with("no"));
         assert_eq!(v["runs"][0]["collective"], "allreduce");
         assert_eq!(v["runs"][0]["rows"][0]["out_of_place"]["busbw"], 6.29);
         assert!(v["runs"][0]["rows"][0]["in_place"].is_null());

@@ -1,20 +1,19 @@
 //! `ferroccl-perf rma`: moving a "model" of scattered tensors from one rank to another
 //! every step with one-sided reads, the way the Monarch RDMA notebook compares it (see
-//! [`help`]).
+//! `--help`).
 
 use std::time::Instant;
 
-use clap::CommandFactory;
 use ferroccl::{Communicator, RemoteHandle, TransportKind, Window};
 
-use crate::args::{self, ArgError};
+use crate::args::{self};
 use crate::sub::{self, fail, Common};
 use crate::Failure;
 
 /// `ferroccl-perf rma`'s usage, printed with every command-line error.
 pub const USAGE: &str = "usage: ferroccl-perf rma [--case tiny|small|large|all] [--steps N] [--rounds R] [--ranks 2 | under ferroccl-run -n 2 --] [--transport T]";
 
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 Rank 1 holds a model of scattered f32 tensors; every step rank 0 reads all of it into one
 buffer of its own, one of five ways (the Monarch notebook's experiment, plus references):
   (a) register   rank 1 registers every tensor afresh and sends the handles, rank 0 reads
@@ -40,18 +39,14 @@ flips every round (the order above, then reversed, ...); the table gives, per wa
 time of a step on rank 0 (barriers between steps are not timed), its bandwidth, and
 ratios to memcpy and to (b). Every step's last element is checked.";
 
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf rma: one-sided reads of a scattered model, registered every step vs once vs a plan";
+
+/// What `--help` says after the options.
+pub(crate) const AFTER_HELP: &str = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.";
+
 /// `ferroccl-perf rma`'s options.
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf rma",
-    about = "ferroccl-perf rma: one-sided reads of a scattered model, registered every step vs once vs a plan",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.",
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct RmaOptions {
     /// tiny, small, 1mib, large or all
     #[arg(long, value_name = "CASE", default_value = "all", value_parser = ["tiny", "small", "1mib", "large", "all"])]
@@ -62,19 +57,10 @@ pub struct RmaOptions {
     /// Rounds
     #[arg(long, value_name = "R", default_value = "5", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub rounds: usize,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
-}
-
-/// `--help`.
-pub fn help() -> String {
-    RmaOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `rma`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<RmaOptions>, ArgError> {
-    args::parse_with("ferroccl-perf rma", args)
 }
 
 const WAYS: [&str; 10] = [

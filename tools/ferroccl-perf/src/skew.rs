@@ -1,12 +1,11 @@
 //! `ferroccl-perf skew`: a small collective right after CPU-bound work, against the same
-//! after a sleep (see [`help`]).
+//! after a sleep (see its `--help`).
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use clap::CommandFactory;
 use ferroccl::{Communicator, TransportKind};
 
-use crate::args::{self, parse_size, ArgError};
+use crate::args::{self, parse_size};
 use crate::sub::{self, Common};
 use crate::Failure;
 
@@ -15,7 +14,7 @@ pub const USAGE: &str =
     "usage: ferroccl-perf skew [--work-ms MS] [--size BYTES] [-n ITERS] [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
 /// What `--help` says before the options.
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 Each iteration every rank works MS milliseconds, then calls allgather of BYTES per rank
 (f32). Two modes, alternating iteration by iteration:
   compute   the work is CPU-bound (a loop calibrated to MS ms on an idle CPU): with more
@@ -34,18 +33,14 @@ by the ranks). Reported, as medians over the iterations:
             hold the CPUs that the others need to return (a scheduler's time slice, ~1-2
             ms); then_sleep is the collective's own tail.";
 
-/// `ferroccl-perf skew`'s options (its command line, parsed by clap).
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf skew",
-    about = "ferroccl-perf skew: a small collective after CPU-bound work vs after a sleep",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = "exit status: 0 success; 1 a call failed or a result was wrong; 2 bad arguments.",
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf skew: a small collective after CPU-bound work vs after a sleep";
+
+/// What `--help` says after the options.
+pub(crate) const AFTER_HELP: &str = "exit status: 0 success; 1 a call failed or a result was wrong; 2 bad arguments.";
+
+/// `ferroccl-perf skew`'s options (after `ferroccl-perf skew`; clap's [`crate::args::Sub`]).
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct SkewOptions {
     /// Work before each call (milliseconds)
     #[arg(long = "work-ms", value_name = "MS", default_value = "2", allow_hyphen_values = true, value_parser = args::seconds)]
@@ -60,19 +55,10 @@ pub struct SkewOptions {
     /// after the first arrival)
     #[arg(long)]
     pub raw: bool,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
-}
-
-/// `--help`.
-pub fn help() -> String {
-    SkewOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `skew`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<SkewOptions>, ArgError> {
-    args::parse_with("ferroccl-perf skew", args)
 }
 
 /// `--size`: a size in bytes, 4 or more.

@@ -1,20 +1,27 @@
-//! What the measurement subcommands (`latency`, `idle`, `overlap`) share: their command
-//! lines' common options, joining the job, and collecting one value per rank.
+//! What the measurement subcommands (`latency`, `idle`, `overlap`, ...) share: their
+//! command lines' common options, joining the job, and collecting one value per rank.
 
 use ferroccl::{Communicator, Params, ReduceOp, TransportChoice};
 
 use crate::args;
 use crate::Failure;
 
-/// The options every subcommand takes: `--ranks N` and `--transport T`.
+/// The options every subcommand (and the collective benchmark) takes: `--ranks N`,
+/// `--transport T`, `--no-bind`. Declared once, global to the command line
+/// ([`crate::args`] flattens it into the top level), so each subcommand's `--help` lists
+/// them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct Common {
-    /// Start N local ranks (no launcher needed)
-    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = args::ranks)]
+    /// Start N local ranks (no launcher needed); they are pinned to CPUs as ferroccl-run
+    /// pins them (FERROCCL_BIND, default auto: rank r on the r-th usable CPU when N <= CPUs)
+    #[arg(long, global = true, value_name = "N", allow_hyphen_values = true, value_parser = args::ranks)]
     pub ranks: Option<usize>,
     /// auto, shm, tcp, verbs (FERROCCL_TRANSPORT for this run)
-    #[arg(long, value_name = "T", allow_hyphen_values = true, value_parser = args::transport)]
+    #[arg(long, global = true, value_name = "T", allow_hyphen_values = true, value_parser = args::transport)]
     pub transport: Option<TransportChoice>,
+    /// With --ranks: do not pin the ranks to CPUs (leave them to the kernel)
+    #[arg(long, global = true)]
+    pub no_bind: bool,
 }
 
 impl Common {

@@ -1,14 +1,13 @@
 //! `ferroccl-perf weights`: M->N weight sync of a model of mixed placements
 //! (`Communicator::weight_sync`, issue 13) against the memcpy bound and the naive
-//! broadcast-every-tensor approach (see [`help`]).
+//! broadcast-every-tensor approach (see its `--help`).
 
 use std::time::Instant;
 
-use clap::CommandFactory;
 use ferroccl::reshard::{ModelLayout, Placement, RoutingTable, TensorLayout};
 use ferroccl::{Communicator, DType, TransportKind, WeightRole};
 
-use crate::args::{self, parse_size, ArgError, Expected};
+use crate::args::{self, parse_size, Expected};
 use crate::sub::{self, fail, Common};
 use crate::Failure;
 
@@ -16,7 +15,7 @@ use crate::Failure;
 pub const USAGE: &str = "usage: ferroccl-perf weights [--model-bytes BYTES] [--tensors T] [--sources M] [--rounds R] [--iters I] \
 [--ranks N | under ferroccl-run -n N --] [--transport T]";
 
-const ABOUT_MORE: &str = "\
+pub(crate) const ABOUT_MORE: &str = "\
 The first M ranks of the job (the sources, trainers) hold a model of BYTES in T bf16
 tensors; the other N ranks (the destinations, inference) need it sharded another way.
 Tensor k is replicated, row-sharded or column-sharded on the sources (k % 3) and
@@ -42,18 +41,14 @@ against rank 0's model; (b) compares its two buffers. The sources write a versio
 only before a checked iteration (untimed): the other iterations publish and pull the same
 bytes again, which costs the same.";
 
+/// What `--help` says first.
+pub(crate) const ABOUT: &str = "ferroccl-perf weights: M->N weight sync vs the memcpy bound vs broadcasting every tensor";
+
+/// What `--help` says after the options.
+pub(crate) const AFTER_HELP: &str = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.";
+
 /// `ferroccl-perf weights`' options.
-#[derive(Clone, Debug, PartialEq, clap::Parser)]
-#[command(
-    name = "ferroccl-perf weights",
-    about = "ferroccl-perf weights: M->N weight sync vs the memcpy bound vs broadcasting every tensor",
-    override_usage = &USAGE["usage: ".len()..],
-    before_help = ABOUT_MORE,
-    after_help = "exit status: 0 success; 1 a call failed or a check failed; 2 bad arguments.",
-    help_template = args::HELP_TEMPLATE,
-    args_override_self = true,
-    max_term_width = 100
-)]
+#[derive(Clone, Debug, PartialEq, clap::Args)]
 pub struct WeightsOptions {
     /// Bytes of the model (K, M, G suffixes)
     #[arg(long = "model-bytes", value_name = "BYTES", default_value = "256M", allow_hyphen_values = true, value_parser = size)]
@@ -70,23 +65,14 @@ pub struct WeightsOptions {
     /// Iterations of each way per round
     #[arg(long, value_name = "I", default_value = "10", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
-    /// `--ranks`, `--transport`.
-    #[command(flatten)]
+    /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
+    /// once ([`crate::args::Shared`]) and copied here.
+    #[arg(skip)]
     pub common: Common,
 }
 
 fn size(v: &str) -> Result<usize, Expected> {
     parse_size(v).filter(|&b| b >= 2).ok_or_else(|| Expected("must be a size in bytes of 2 or more, like 8M or 256M".into()))
-}
-
-/// `--help`.
-pub fn help() -> String {
-    WeightsOptions::command().render_help().to_string()
-}
-
-/// Parses the arguments after `weights`; `Ok(None)` for `--help`.
-pub fn parse(args: &[String]) -> Result<Option<WeightsOptions>, ArgError> {
-    args::parse_with("ferroccl-perf weights", args)
 }
 
 /// `extent` in `parts` near-equal shards (the first ones one larger).
@@ -406,6 +392,15 @@ fn report(o: &WeightsOptions, i: &Info, times: &mut [Vec<Vec<f64>>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ferroccl-perf weights ARGS`; `Ok(None)` for `--help`.
+    fn parse(args: &[String]) -> Result<Option<WeightsOptions>, args::ArgError> {
+        match args::parse_sub("weights", args)? {
+            Some(args::Sub::Weights(o)) => Ok(Some(o)),
+            None => Ok(None),
+            other => panic!("weights: {other:?}"),
+        }
+    }
 
     fn opts(args: &[&str]) -> WeightsOptions {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();

@@ -295,3 +295,37 @@ fn the_weights_subcommand_runs_and_checks() {
     let o = perf(&["weights", "--help"]);
     assert!(o.status.success() && text(&o).0.contains("memcpy bound"), "{:?}", text(&o));
 }
+
+#[test]
+fn ranks_started_by_ranks_are_pinned_unless_no_bind() {
+    // One rank: there is always a CPU for it, so auto binding pins it (as ferroccl-run does).
+    let base = ["allreduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0", "--ranks", "1"];
+    let json = tmp("pinned.json");
+    let mut args = base.to_vec();
+    args.extend(["--json", json.to_str().unwrap()]);
+    let o = Command::new(env!("CARGO_BIN_EXE_ferroccl-perf"))
+        .args(&args)
+        .env_remove("FERROCCL_RANK")
+        .env_remove("FERROCCL_BIND")
+        .env("FERROCCL_TIMEOUT", "30")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("#  pinned: CPUs "), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(v["pinned_cpus"][0].is_u64(), "{v}");
+
+    let mut args = base.to_vec();
+    args.push("--no-bind");
+    let o = perf(&args);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("#  pinned: no"), "{out}");
+
+    // The shared options are the subcommands' too, in any place after the subcommand.
+    let o = perf(&["idle", "--no-bind", "--seconds", "0.1", "--ranks", "1"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = perf(&["plot", "--ranks", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+}

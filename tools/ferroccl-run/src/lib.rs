@@ -185,6 +185,29 @@ where
     }
 }
 
+/// [`main_with_args`] for a program other than `ferroccl-run` that starts a job's ranks
+/// from inside itself (`ferroccl-perf --ranks N`) and whose `main` hands its arguments to
+/// [`exec_shim`] before anything else: the ranks are started through this program's own
+/// exec shim, so they are pinned to CPUs as `ferroccl-run` pins them (`--bind`,
+/// `--no-bind`, `FERROCCL_BIND`) and die with the launcher. Without that `main`, use
+/// [`main_with_args`] (the ranks are then started directly and never pinned).
+pub fn main_with_args_hosting_shim<I, S>(args: I) -> i32
+where
+    I: IntoIterator<Item = S>,
+    S: Into<OsString>,
+{
+    spawn::host_exec_shim();
+    main_with_args(args)
+}
+
+/// The per-rank exec shim of a program that calls [`main_with_args_hosting_shim`]: when
+/// `args` (after the program name) are the shim's, pins this process as told and replaces
+/// it with the rank, so it returns only when that failed: `Some(exit status)`. `None`: not
+/// the shim's arguments, carry on.
+pub fn exec_shim(args: &[OsString]) -> Option<i32> {
+    (args.first().is_some_and(|a| a == EXEC_SHIM_ARG)).then(|| exec_rank(&args[1..]))
+}
+
 /// Writes `args` and a newline to stderr with one `write_all` (see `say!`).
 fn say_line(args: std::fmt::Arguments<'_>) {
     let mut line = std::fmt::format(args);

@@ -10,6 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use nix::sys::signal::Signal;
@@ -151,15 +152,25 @@ fn allowed_cpus() -> Vec<usize> {
     Vec::new()
 }
 
-/// The exec shim is this very binary; only used when it is the `ferroccl-run` launcher
-/// (a test harness or another binary calling [`main_with_args`] spawns directly).
+/// Set by [`crate::main_with_args_hosting_shim`]: this binary, whatever its name, serves
+/// the exec shim (its `main` hands its arguments to [`crate::exec_shim`] first).
+static SHIM_HOST: AtomicBool = AtomicBool::new(false);
+
+/// Declares this binary an exec-shim host (see [`SHIM_HOST`]).
+pub(crate) fn host_exec_shim() {
+    SHIM_HOST.store(true, Ordering::Relaxed);
+}
+
+/// The exec shim is this very binary; only used when it is the `ferroccl-run` launcher, or
+/// a binary that declared it serves the shim (`ferroccl-perf --ranks`): a test harness or
+/// another binary calling [`main_with_args`](crate::main_with_args) spawns directly.
 ///
 /// The parent-death signal fires when the *thread* that spawned a rank exits; ranks are
 /// spawned by the thread that runs the job, which outlives them.
 fn shim_exe() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let name = exe.file_name()?.to_str()?;
-    (name == "ferroccl-run" && exe.is_file()).then_some(exe)
+    ((name == "ferroccl-run" || SHIM_HOST.load(Ordering::Relaxed)) && exe.is_file()).then_some(exe)
 }
 
 /// Spawns every rank and its two output pumps. On failure returns the exit status; the

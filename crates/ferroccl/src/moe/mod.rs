@@ -225,8 +225,51 @@ static OBJECTS: AtomicU64 = AtomicU64::new(1);
 
 /// Bytes each member contributes to the construction's allgather: a status (0 ok, 1 its
 /// own arguments rejected, 2 allocating failed), the fingerprint of its arguments, its
-/// lowest unclaimed signal slot, its dispatch and combine window handles (low latency).
-const SETUP_BYTES: usize = 1 + 8 + 8 + 2 * RemoteHandle::BYTES;
+/// lowest unclaimed signal slot, its dispatch and combine window handles (low latency),
+/// and its arguments themselves ([`CONFIG_BYTES`] at [`CONFIG_AT`]: so that a member that
+/// passed others is told which field differs, with both values).
+const SETUP_BYTES: usize = CONFIG_AT + CONFIG_BYTES;
+
+/// Where a member's arguments start in its setup bytes.
+const CONFIG_AT: usize = 17 + 2 * RemoteHandle::BYTES;
+
+/// A member's arguments on the wire: `num_experts`, `hidden`, `top_k`,
+/// `max_tokens_per_rank` (8 bytes each, little endian), the mode (1 byte), the element
+/// type's name (8 bytes, zero-padded).
+const CONFIG_BYTES: usize = 4 * 8 + 1 + 8;
+
+fn encode_config(cfg: &MoeConfig, mode: MoeMode, dtype: &str) -> [u8; CONFIG_BYTES] {
+    let mut b = [0u8; CONFIG_BYTES];
+    for (i, v) in [cfg.num_experts, cfg.hidden, cfg.top_k, cfg.max_tokens_per_rank].into_iter().enumerate() {
+        b[i * 8..i * 8 + 8].copy_from_slice(&(v as u64).to_le_bytes());
+    }
+    b[32] = mode as u8;
+    let name = dtype.as_bytes();
+    let n = name.len().min(8);
+    b[33..33 + n].copy_from_slice(&name[..n]);
+    b
+}
+
+/// The fields of two encoded configs (`a` of member `ma`, `b` of member `mb`) that differ:
+/// "member 2's hidden is 5, member 0's 3".
+fn config_differences(ma: usize, a: &[u8], mb: usize, b: &[u8]) -> Vec<String> {
+    let field = |c: &[u8], i: usize| -> String {
+        match i {
+            0..=3 => u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8])).to_string(),
+            4 => match c[32] {
+                0 => "Throughput".into(),
+                1 => "LowLatency".into(),
+                m => format!("mode {m}"),
+            },
+            _ => String::from_utf8_lossy(&c[33..41]).trim_end_matches('\0').to_string(),
+        }
+    };
+    let names = ["num_experts", "hidden", "top_k", "max_tokens_per_rank", "mode", "element type"];
+    (0..names.len())
+        .filter(|&i| field(a, i) != field(b, i))
+        .map(|i| format!("member {ma}'s {} is {}, member {mb}'s {}", names[i], field(a, i), field(b, i)))
+        .collect()
+}
 
 fn fingerprint<T: MoeFloat>(cfg: &MoeConfig, mode: MoeMode) -> u64 {
     let mut h = Fingerprint::new();
@@ -267,7 +310,10 @@ impl Communicator {
     /// that is wrong here (`num_experts` not a multiple of `size()`, a zero `hidden`,
     /// `top_k` or `num_experts`, `top_k > num_experts`) names the members that found it;
     /// members that passed another `cfg`, `mode` or `T` than most members are named (their
-    /// fingerprints differ; ties: the lowest member's is the reference); a member that could not allocate its windows is named. And
+    /// fingerprints differ; ties: the lowest member's is the reference), with each field
+    /// that differs and both values (`member 2's hidden is 5, member 0's 3`; every member's
+    /// arguments are in the allgather); a member that could not allocate its windows is
+    /// named. And
     /// as any collective.
     pub fn moe<T: MoeFloat>(&self, cfg: MoeConfig, mode: MoeMode) -> Result<Moe<'_, T>> {
         let (me, size) = (self.rank(), self.size());
@@ -284,13 +330,14 @@ impl Communicator {
         let mut mine = [0u8; SETUP_BYTES];
         mine[1..9].copy_from_slice(&fingerprint::<T>(&cfg, mode).to_le_bytes());
         mine[9..17].copy_from_slice(&signal::Signals::proposal(self).to_le_bytes());
+        mine[CONFIG_AT..].copy_from_slice(&encode_config(&cfg, mode, T::DTYPE.name()));
         let mut windows = None;
         let mut failure = None;
         if let (None, MoeMode::LowLatency, Some((d, (crows, c)))) = (&problem, mode, regions) {
             match (self.alloc_window::<u8>(d * size), self.alloc_window::<u8>(c)) {
                 (Ok(dw), Ok(cw)) => {
                     mine[17..17 + RemoteHandle::BYTES].copy_from_slice(&dw.handle().to_bytes());
-                    mine[17 + RemoteHandle::BYTES..].copy_from_slice(&cw.handle().to_bytes());
+                    mine[17 + RemoteHandle::BYTES..CONFIG_AT].copy_from_slice(&cw.handle().to_bytes());
                     windows = Some((dw, cw, d, crows));
                 }
                 (Err(e), _) | (_, Err(e)) => {
@@ -311,12 +358,16 @@ impl Communicator {
         if !odd.is_empty() {
             let names: Vec<String> = odd.iter().map(|m| m.to_string()).collect();
             let values: Vec<String> = odd.iter().map(|&m| format!("{:#018x}", prints[m])).collect();
+            let reference_cfg = &rows[reference][CONFIG_AT..];
+            let diffs: Vec<String> =
+                odd.iter().flat_map(|&m| config_differences(m, &rows[m][CONFIG_AT..], reference, reference_cfg)).collect();
             return Err(invalid(
                 me,
                 "setup",
                 format!(
-                    "members {} passed another config, mode or element type than member {reference} (fingerprints {}, member {reference}'s {:#018x})",
+                    "members {} passed another config, mode or element type than member {reference}: {} (fingerprints {}, member {reference}'s {:#018x})",
                     names.join(", "),
+                    if diffs.is_empty() { "no field differs in the exchange".to_string() } else { diffs.join("; ") },
                     values.join(", "),
                     prints[reference]
                 ),
@@ -341,7 +392,7 @@ impl Communicator {
                 let mut peers = Vec::with_capacity(size);
                 for r in &rows {
                     let d = RemoteHandle::from_bytes(&r[17..17 + RemoteHandle::BYTES])?;
-                    let c = RemoteHandle::from_bytes(&r[17 + RemoteHandle::BYTES..])?;
+                    let c = RemoteHandle::from_bytes(&r[17 + RemoteHandle::BYTES..CONFIG_AT])?;
                     peers.push((d, c));
                 }
                 signals.connect(self, &peers)?;

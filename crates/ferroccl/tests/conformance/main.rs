@@ -124,6 +124,7 @@ macro_rules! conformance_suite {
             weights::weight_sync_moves_random_layouts_exactly_up_to_four_by_four,
             weights::weight_sync_rejects_members_with_other_layouts,
             weights::weight_sync_ignores_the_public_signals,
+            weights::weight_sync_typed_views,
             moe::moe_dispatch_combine_equals_the_reference,
             moe::moe_two_micro_batches_interleave,
             moe::moe_bad_input_fails_on_every_rank,

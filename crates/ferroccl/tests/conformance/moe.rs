@@ -445,6 +445,10 @@ pub fn moe_bad_configs_and_misuse_are_errors(s: &Suite) {
                     Err(e) if !e.to_string().contains("members 2 passed") => {
                         return Err(format!("rank {me} {mode:?}: does not name member 2: {e}"))
                     }
+                    // Which field, and both values, on every member.
+                    Err(e) if !e.to_string().contains("member 2's hidden is 5, member 0's 3") || e.to_string().contains("top_k") => {
+                        return Err(format!("rank {me} {mode:?}: does not say that hidden differs (only): {e}"))
+                    }
                     Err(_) => {}
                 }
                 if s.clocks && t0.elapsed() > timeout / 4 {
@@ -453,8 +457,19 @@ pub fn moe_bad_configs_and_misuse_are_errors(s: &Suite) {
                 // Another element type is another config too.
                 let typed = if me == 0 { comm.moe::<bf16>(cfg, mode).map(|_| ()) } else { comm.moe::<f32>(cfg, mode).map(|_| ()) };
                 match typed {
-                    Err(e) if e.to_string().contains("members 0 passed") => {}
+                    Err(e)
+                        if e.to_string().contains("members 0 passed")
+                            && e.to_string().contains("member 0's element type is bf16, member 1's f32") => {}
                     other => return Err(format!("rank {me} {mode:?}: element types differ, got {other:?}")),
+                }
+                // Another mode and another top_k on member 1: both fields named.
+                let other_mode = if mode == MoeMode::Throughput { MoeMode::LowLatency } else { MoeMode::Throughput };
+                let (c1, m1) = if me == 1 { (MoeConfig { top_k: 1, ..cfg }, other_mode) } else { (cfg, mode) };
+                match comm.moe::<f32>(c1, m1) {
+                    Err(e)
+                        if e.to_string().contains("member 1's top_k is 1, member 0's 2")
+                            && e.to_string().contains(&format!("member 1's mode is {other_mode:?}, member 0's {mode:?}")) => {}
+                    other => return Err(format!("rank {me} {mode:?}: top_k and mode differ on member 1, got {:?}", other.map(|_| ()))),
                 }
                 match comm.moe::<f32>(MoeConfig { num_experts: 4, ..cfg }, mode) {
                     Err(e) if e.to_string().contains("not a multiple") => {}

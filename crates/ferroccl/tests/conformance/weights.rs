@@ -450,17 +450,42 @@ pub fn weight_sync_rejects_members_with_other_layouts(s: &Suite) {
                     comm.weight_sync(&src, &[0, 1], d, &[2, 3]),
                     "member 3 passed other layouts or groups than member 0",
                 )?;
+                // What differs, with both values, on every member: the tensor and its property.
+                let sharding = "member 3's destination tensor `w`'s sharding is rank 0 rows 0..8 cols 0..1, rank 1 rows 0..8 cols 1..4, \
+                                member 0's rank 0 rows 0..8 cols 0..2, rank 1 rows 0..8 cols 2..4";
+                expect("another layout, what differs", comm.weight_sync(&src, &[0, 1], d, &[2, 3]), sharding)?;
                 let g: &[usize] = if me == 1 { &[1, 0] } else { &[0, 1] };
                 expect("another group", comm.weight_sync(&src, g, &dst, &[2, 3]), "member 1 passed other layouts or groups than member 0")?;
+                let group = "member 1's source group (members) is [1, 0], member 0's [0, 1]";
+                expect("another group, what differs", comm.weight_sync(&src, g, &dst, &[2, 3]), group)?;
                 let d = if me == 3 { &other_dst } else { &dst };
                 expect("both", comm.weight_sync(&src, g, d, &[2, 3]), "members 1, 3 passed other layouts or groups than member 0")?;
+                expect("both, what differs (1)", comm.weight_sync(&src, g, d, &[2, 3]), group)?;
+                expect("both, what differs (3)", comm.weight_sync(&src, g, d, &[2, 3]), sharding)?;
+                // Another dtype on member 2.
+                let bf = ModelLayout::new(2, vec![TensorLayout::new("w", DType::Bf16, [8, 4], Placement::rows(&[4, 4]))]).unwrap();
+                let s2 = if me == 2 { &bf } else { &src };
+                // Member 2's own check fails too (its source and destination dtypes differ): it
+                // says so; the others say what differs.
+                let dtype = if me == 2 {
+                    "tensor `w`: dtype bf16 in the source layout"
+                } else {
+                    "member 2's source tensor `w`'s dtype is bf16, member 0's f32"
+                };
+                match comm.weight_sync(s2, &[0, 1], &dst, &[2, 3]) {
+                    Err(Error::InvalidArgument(m)) if m.contains(dtype) => {}
+                    other => return Err(format!("another dtype: {:?} (want `{dtype}`)", other.map(|_| ()))),
+                }
                 // A member whose own check fails (a destination group one short) still
                 // takes part in the setup: it reports its own error, the others name it at
                 // once (never waiting for it until the deadline).
                 let dg: &[usize] = if me == 2 { &[2] } else { &[2, 3] };
                 match comm.weight_sync(&src, &[0, 1], &dst, dg) {
                     Err(Error::InvalidArgument(m)) if me == 2 && m.contains("1 destination ranks given") => {}
-                    Err(Error::InvalidArgument(m)) if me != 2 && m.contains("member 2 passed other layouts or groups") => {}
+                    Err(Error::InvalidArgument(m))
+                        if me != 2
+                            && m.contains("member 2 passed other layouts or groups")
+                            && m.contains("member 2's destination group (members) is [2], member 0's [2, 3]") => {}
                     Err(e) => return Err(format!("a group one short on member 2: {e}")),
                     Ok(_) => return Err("a group one short on member 2: set up".into()),
                 }
@@ -482,6 +507,122 @@ pub fn weight_sync_rejects_members_with_other_layouts(s: &Suite) {
                 }
                 drop(ws);
                 comm.barrier().map_err(|e| format!("barrier: {e}"))
+            };
+            go().map_err(|e| format!("rank {me}: {e}"))?;
+            comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
+        },
+    );
+    all_ok(res).unwrap();
+}
+
+/// A type of the program's own, derived through the re-exported `bytemuck` (no second copy).
+#[derive(Clone, Copy, Debug, PartialEq, ferroccl::bytemuck::Pod, ferroccl::bytemuck::Zeroable)]
+#[bytemuck(crate = "ferroccl::bytemuck")]
+#[repr(C)]
+struct Pair {
+    a: u16,
+    b: u16,
+}
+
+/// Typed views: a source writes a bf16 and an f32 tensor as elements
+/// (`with_tensor_mut_as`), a destination reads them back as elements (`with_tensor_as`),
+/// exactly; another element type is an invalid argument naming the tensor and both
+/// dtypes, as is a whole-buffer view of a layout that mixes dtypes; the bytes stay
+/// readable through `ferroccl::bytemuck`.
+pub fn weight_sync_typed_views(s: &Suite) {
+    use ferroccl::bf16;
+    let layout = |ranks: usize| {
+        ModelLayout::new(
+            ranks,
+            vec![
+                TensorLayout::new("w.bf16", DType::Bf16, [4, 6], Placement::replicated(ranks)),
+                TensorLayout::new("b.f32", DType::F32, [6, 1], Placement::replicated(ranks)),
+            ],
+        )
+        .unwrap()
+    };
+    let all_f32 = ModelLayout::new(1, vec![TensorLayout::new("only", DType::F32, [3, 5], Placement::replicated(1))]).unwrap();
+    let res = run_world(
+        2,
+        |r| params(s, r),
+        |comm: Communicator| -> RankResult<()> {
+            let me = comm.rank();
+            let (src, dst) = (layout(1), layout(1));
+            let go = || -> Result<(), String> {
+                let mut ws = comm.weight_sync(&src, &[0], &dst, &[1]).map_err(|e| e.to_string())?;
+                match ws.role() {
+                    WeightRole::Source(_) => {
+                        expect_err(
+                            "f32 view of a bf16 tensor",
+                            ws.with_tensor_mut_as::<f32, _>("w.bf16", |_| ()),
+                            "tensor `w.bf16` is bf16, not f32",
+                        )?;
+                        expect_err(
+                            "bf16 view of an f32 tensor",
+                            ws.with_tensor_mut_as::<bf16, _>("b.f32", |_| ()),
+                            "tensor `b.f32` is f32, not bf16",
+                        )?;
+                        expect_err("a mixed buffer", ws.with_buffer_mut_as::<bf16, _>(|_| ()), "tensor `b.f32` is f32, not bf16")?;
+                        expect_err("unknown tensor", ws.with_tensor_mut_as::<f32, _>("nope", |_| ()), "no tensor `nope`")?;
+                        let n = ws.with_tensor_mut_as::<bf16, _>("w.bf16", |w| {
+                            w.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f32(i as f32 - 3.0));
+                            w.len()
+                        });
+                        if n.map_err(|e| e.to_string())? != 24 {
+                            return Err("w.bf16 is not 24 elements".into());
+                        }
+                        ws.with_tensor_mut_as::<f32, _>("b.f32", |b| b.iter_mut().enumerate().for_each(|(i, x)| *x = 0.5 * i as f32))
+                            .map_err(|e| e.to_string())?;
+                        ws.publish(1).map_err(|e| e.to_string())?;
+                        ws.wait_consumed(1).map_err(|e| e.to_string())?;
+                    }
+                    WeightRole::Destination(_) => {
+                        ws.pull(1).map_err(|e| e.to_string())?;
+                        let w: Vec<bf16> = ws.with_tensor_as::<bf16, _>("w.bf16", |_, w| w.to_vec()).map_err(|e| e.to_string())?;
+                        let want: Vec<bf16> = (0..24).map(|i| bf16::from_f32(i as f32 - 3.0)).collect();
+                        if w != want {
+                            return Err(format!("w.bf16: {w:?}"));
+                        }
+                        let b = ws.with_tensor_as::<f32, _>("b.f32", |v, b| (v, b.to_vec())).map_err(|e| e.to_string())?;
+                        if b != (1, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]) {
+                            return Err(format!("b.f32: {b:?}"));
+                        }
+                        expect_err(
+                            "f32 view of a bf16 tensor",
+                            ws.with_tensor_as::<f32, _>("w.bf16", |_, _| ()),
+                            "tensor `w.bf16` is bf16, not f32",
+                        )?;
+                        expect_err("a mixed buffer", ws.with_current_as::<f32, _>(|_, _| ()), "tensor `w.bf16` is bf16, not f32")?;
+                        // A program's own Pod type, through the re-exported bytemuck.
+                        let pairs: Vec<Pair> = ws
+                            .with_tensor("w.bf16", |_, b| b.chunks_exact(4).map(ferroccl::bytemuck::pod_read_unaligned::<Pair>).collect())
+                            .map_err(|e| e.to_string())?;
+                        if pairs.len() != 12 || pairs[3] != (Pair { a: want[6].to_bits(), b: want[7].to_bits() }) {
+                            return Err(format!("pairs: {pairs:?}"));
+                        }
+                    }
+                    WeightRole::None => return Err("no role".into()),
+                }
+                drop(ws);
+                // A whole buffer of one dtype is a typed view of it.
+                let mut ws = comm.weight_sync(&all_f32, &[0], &all_f32, &[1]).map_err(|e| e.to_string())?;
+                match ws.role() {
+                    WeightRole::Source(_) => {
+                        ws.with_buffer_mut_as::<f32, _>(|b| b.fill(7.0)).map_err(|e| e.to_string())?;
+                        ws.publish(1).map_err(|e| e.to_string())?;
+                        ws.wait_consumed(1).map_err(|e| e.to_string())?;
+                    }
+                    _ => {
+                        ws.pull(1).map_err(|e| e.to_string())?;
+                        let ok =
+                            ws.with_current_as::<f32, _>(|_, b| b.len() == 15 && b.iter().all(|&x| x == 7.0)).map_err(|e| e.to_string())?;
+                        if !ok {
+                            return Err("the f32 buffer is not 15 sevens".into());
+                        }
+                    }
+                }
+                drop(ws);
+                comm.barrier().map_err(|e| e.to_string())
             };
             go().map_err(|e| format!("rank {me}: {e}"))?;
             comm.finalize().map_err(|e| format!("rank {me}: finalize: {e}"))
