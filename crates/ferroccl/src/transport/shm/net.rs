@@ -1,3 +1,7 @@
+//! What shm keeps for all its peers ([`ShmNet`]): this rank's inbox segment
+//! ([`LocalShm`]: the rings drained every round, the pull slots, the last words) and the
+//! greeting that ends setup.
+
 use super::*;
 
 /// One connected shm peer, as [`ShmNet`] keeps it.

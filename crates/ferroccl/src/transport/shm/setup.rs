@@ -1,3 +1,7 @@
+//! shm's setup: the inbox segment opened before the descriptor exchange ([`ShmSetup`]),
+//! whether two descriptors are on one host ([`can_connect`]), and the peers' segments
+//! mapped, pidfds opened and cross-memory attach probed ([`ShmSetup::connect_peers`]).
+
 use super::*;
 
 /// Whether shm reaches `peer`: both on one host (equal host identities) and both with an

@@ -1,3 +1,5 @@
+//! shm's unit tests.
+
 use super::*;
 
 /// Rank 1's endpoint to rank 0, both segments in this process.

@@ -1,3 +1,6 @@
+//! The layout of an inbox segment (header, pull slots, last words, rings) and of its
+//! records (`MSG`, `WRITE`, `PULL`, `HELLO`, `BYE`, `PAD`).
+
 use super::*;
 
 /// Bytes before the first ring: doorbell, sleep flag, pull slots.

@@ -1,3 +1,6 @@
+//! What tcp keeps for all its peers ([`TcpNet`]): who reads the sockets ([`Drive`]: a
+//! driving thread or each socket's reader thread) and which have bytes ([`Ready`]).
+
 use super::*;
 
 /// What the mesh keeps of its tcp side: whoever drives the engine reads every socket

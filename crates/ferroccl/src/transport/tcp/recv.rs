@@ -1,3 +1,7 @@
+//! tcp's receiving side: each socket's stage and reader thread ([`Reading`]), landing
+//! messages in the inbox and one-sided writes (striped over lanes or not) straight into
+//! registered memory.
+
 use super::*;
 
 /// Bytes staged from a socket, at least: frames up to the stage's size (header included)

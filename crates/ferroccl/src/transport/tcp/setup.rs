@@ -1,3 +1,7 @@
+//! tcp's setup: the listener opened before the descriptor exchange ([`TcpSetup`], on the
+//! interface [`listen_ip`] picks), and the sockets connected (lower rank) or accepted
+//! (higher rank), each through the job's handshake ([`TcpSetup::connect_peers`]).
+
 use super::*;
 
 /// Whether tcp reaches `peer`: both listen (the lower rank of a pair connects to the

@@ -1,3 +1,5 @@
+//! tcp's unit tests.
+
 use super::*;
 use crate::inbox::{Bell, Inbox};
 use ferroccl_mem::InterfaceAddr;

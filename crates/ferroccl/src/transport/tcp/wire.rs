@@ -1,3 +1,6 @@
+//! tcp's frames: a 40-byte header (kind, immediate, length, registration key, address)
+//! followed by the payload.
+
 pub(super) const HDR: usize = 40;
 pub(super) const K_MSG: u8 = 1;
 pub(super) const K_WRITE: u8 = 2;

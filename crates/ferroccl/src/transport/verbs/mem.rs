@@ -1,3 +1,8 @@
+//! verbs' registered memory and one-sided access without the owner: receive targets,
+//! window and write-source registrations ([`register_user`], [`register_window`],
+//! [`register_source`]), peers' window regions ([`RemoteRegion`]) read with RDMA READ
+//! and written with RDMA WRITE, and the transport's [`RemoteMemory`] (revocation).
+
 use super::*;
 
 /// A peer's window as this rank reads it with RDMA READ: the address, rkey and length of

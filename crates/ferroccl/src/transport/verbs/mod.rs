@@ -21,7 +21,7 @@
 //! queue pairs' data must be in the descriptors: so [`VerbsSetup::open`] makes a queue pair
 //! and an eager receive ring for every other rank before the descriptor is published, and
 //! its `info` (QPN, PSN, LID, GID, ring address and rkey per peer, the port MTU) is verbs'
-//! part of it. [`VerbsSetup::connect`] connects the queue pairs of the peers mesh setup
+//! part of it. [`VerbsSetup::connect_peers`] connects the queue pairs of the peers mesh setup
 //! chose for verbs (RTR with the smaller of the two MTUs, then RTS; the others are dropped)
 //! and then waits in one store round, `verbs-ready`, until each of them has connected too:
 //! a queue pair not yet ready to receive silently drops what arrives, and the sender would

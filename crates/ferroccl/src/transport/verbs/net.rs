@@ -1,3 +1,7 @@
+//! What verbs keeps for all its peers ([`VerbsNet`]): the device, the completion queue
+//! polled every round, the peers' queue pairs and eager rings, the staging slots, and
+//! the completion thread (waking, keepalives).
+
 use super::*;
 
 /// The remote side of one peer's eager ring.

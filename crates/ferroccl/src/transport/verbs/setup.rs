@@ -1,3 +1,7 @@
+//! verbs' setup: the device opened with a queue pair and an eager ring per other rank
+//! before the descriptor exchange ([`VerbsSetup::open`]), the queue pairs of the peers
+//! chosen for verbs connected, and the `verbs-ready` round ([`VerbsSetup::connect_peers`]).
+
 use super::*;
 
 /// An opened, usable device.

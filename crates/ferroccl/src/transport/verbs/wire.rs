@@ -1,3 +1,7 @@
+//! What verbs puts on the wire: the immediates (a one-sided write's, or a control
+//! word: message, credits, goodbye, keepalive), the work-request ids, and the sizes of
+//! the slots, queue depths and naps.
+
 use super::*;
 
 const _: () = assert!(ConnectInfo::LEN == QP_CONNECT_LEN, "the descriptor's queue-pair entries hold a ConnectInfo");
