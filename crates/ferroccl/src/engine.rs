@@ -738,7 +738,7 @@ impl Engine {
         self.fabric.inbox.notify();
         if !will_wait {
             self.wake_background();
-        } else if !self.park.started.load(Ordering::Relaxed) && self.fabric.any_verbs() {
+        } else if !self.park.started.load(Ordering::Relaxed) && self.fabric.any_remote_memory() {
             // A read of a verbs peer's window may make this rank a holder of its region,
             // which must answer the owner's `REVOKE` outside calls too: the thread must
             // exist by then (`wait` wakes it when it leaves with regions held).

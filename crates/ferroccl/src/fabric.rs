@@ -27,7 +27,7 @@ use crate::mesh::{Mesh, PeerInfo};
 use crate::params::Params;
 use crate::poll::Poll;
 use crate::registry::{PeerRegions, PeerWindows, RegStats, Registry, SharedWindow, Windows};
-use crate::transport::{Endpoint, RemoteBuf, TransportKind, WriteGrant};
+use crate::transport::{DriveGuard, Endpoint, RemoteBuf, TransportKind, WriteGrant};
 
 /// The longest a waiter sleeps on the doorbell before it looks at the peers' health and
 /// its deadline again.
@@ -151,7 +151,7 @@ impl Fabric {
             rank,
             size,
             registry: Registry::new(inbox.clone(), params.reg_cache_entries),
-            windows: Windows::new(mesh.verbs_net(), params.timeout),
+            windows: Windows::new(mesh.remote_memory(), params.timeout),
             peer_windows: PeerWindows::default(),
             peer_regions: PeerRegions::default(),
             job: job_id(&token, &key_prefix),
@@ -242,7 +242,7 @@ impl Fabric {
     }
 
     /// The endpoint to world rank `peer`.
-    pub(crate) fn endpoint(&self, peer: usize) -> Result<&Endpoint> {
+    pub(crate) fn endpoint(&self, peer: usize) -> Result<&dyn Endpoint> {
         self.mesh.endpoint(peer)
     }
 
@@ -292,28 +292,29 @@ impl Fabric {
     /// writes moved (staged or zero copy).
     pub(crate) fn reg_stats(&self) -> RegStats {
         let w = self.windows.stats();
-        let (verbs_staged_bytes, verbs_zero_copy_bytes) = self.mesh.verbs_net().map_or((0, 0), |v| v.write_bytes());
+        let moved = self.mesh.remote_memory().map(|m| m.bytes()).unwrap_or_default();
         RegStats {
             windows: w.windows,
             window_bytes: w.window_bytes,
             windows_registered: w.windows_registered,
             peer_windows_mapped: self.peer_windows.mapped(),
             window_bytes_verbs: w.window_bytes_verbs,
-            verbs_staged_bytes,
-            verbs_zero_copy_bytes,
+            verbs_staged_bytes: moved.staged,
+            verbs_zero_copy_bytes: moved.zero_copy,
             gets_served: w.gets_served,
             puts_served: w.puts_served,
             signals_served: w.signals_served,
-            verbs_window_write_bytes: self.mesh.verbs_net().map_or(0, |v| v.window_write_bytes()),
-            verbs_read_bytes: self.mesh.verbs_net().map_or(0, |v| v.read_bytes()),
+            verbs_window_write_bytes: moved.window_writes,
+            verbs_read_bytes: moved.reads,
             peer_regions_held: self.peer_regions.held(),
             ..self.registry.stats()
         }
     }
 
-    /// Whether any peer is reached over verbs.
-    pub(crate) fn any_verbs(&self) -> bool {
-        self.mesh.verbs_net().is_some()
+    /// Whether any peer is reached over a transport with remote memory access (verbs):
+    /// this rank may then hold peers' window regions.
+    pub(crate) fn any_remote_memory(&self) -> bool {
+        self.mesh.remote_memory().is_some()
     }
 
     /// `n` fresh numbers for one-sided requests: the first of them.
@@ -345,7 +346,7 @@ impl Fabric {
 
     /// While the guard lives, this thread (the engine's driver) reads the tcp sockets itself
     /// in [`Fabric::progress`]; see [`Mesh::drive_sockets`].
-    pub(crate) fn drive_sockets(&self) -> Option<crate::transport::tcp::DriveGuard> {
+    pub(crate) fn drive_sockets(&self) -> Option<DriveGuard> {
         self.mesh.drive_sockets()
     }
 

@@ -6,7 +6,7 @@
 //! all their peers, and the processes to watch. See `crate::transport` for the setup
 //! contract.
 
-use std::net::{IpAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,14 +14,13 @@ use ferroccl_mem::process::ProcessWatch;
 
 use crate::bootstrap::auth;
 use crate::bootstrap::StoreClient;
-use crate::error::{Error, Fault, Result};
+use crate::error::{Error, Result};
 use crate::inbox::{Bell, Inbox};
-use crate::logging::flog;
 use crate::params::{Params, TransportChoice};
-use crate::transport::shm::{ShmNet, ShmSetup};
-use crate::transport::tcp::{DriveGuard, Paused, TcpNet, TcpSetup};
-use crate::transport::verbs::{VerbsNet, VerbsSetup};
-use crate::transport::{self, Connected, Descriptor, Endpoint, Handshake, SetupCx, SetupExchange, TransportKind, VerbsInfo};
+use crate::transport::{
+    Descriptor, DriveGuard, Endpoint, Handshake, Net, OpenCx, Opened, Paused, RemoteMemory, SetupCx, SetupExchange, TransportKind,
+    VerbsInfo, TRANSPORTS,
+};
 
 /// This host's identity: ranks with equal ids use shared memory. Same boot, same mount
 /// namespace (so the same /dev/shm) and same pid namespace (so pids mean the same process).
@@ -55,13 +54,10 @@ pub(crate) type Watch = (Option<usize>, ProcessWatch);
 #[derive(Debug)]
 pub(crate) struct Mesh {
     rank: usize,
-    endpoints: Vec<Option<Endpoint>>,
-    /// The shm side (drained in `progress`), when any peer uses shm.
-    shm: Option<ShmNet>,
-    /// The verbs mesh (polled in `progress`), when any peer uses verbs.
-    verbs: Option<Arc<VerbsNet>>,
-    /// The tcp side (read in `progress` by a driving thread), when any peer uses tcp.
-    tcp: Option<TcpNet>,
+    endpoints: Vec<Option<Arc<dyn Endpoint>>>,
+    /// What each transport that carries a peer keeps for all its peers (polled in
+    /// `progress`), in [`TRANSPORTS`] order.
+    nets: Vec<Box<dyn Net>>,
     pub(crate) peers: Vec<PeerInfo>,
 }
 
@@ -115,27 +111,6 @@ impl Handshake for TokenHandshake {
     }
 }
 
-/// The transports in mesh setup's order of preference: the first that `FERROCCL_TRANSPORT`
-/// allows and that can reach a peer carries its traffic.
-const PREFERENCE: [TransportKind; 3] = [TransportKind::Shm, TransportKind::Verbs, TransportKind::Tcp];
-
-/// Whether `choice` lets `kind` carry the traffic between two ranks (`same_host`: on one
-/// host). `auto` keeps verbs for ranks on other hosts: on one host it is shm, or tcp
-/// where a rank has no segment.
-fn allows(choice: TransportChoice, kind: TransportKind, same_host: bool) -> bool {
-    match choice {
-        TransportChoice::Auto => !(kind == TransportKind::Verbs && same_host),
-        TransportChoice::Shm => kind == TransportKind::Shm,
-        TransportChoice::Tcp => kind == TransportKind::Tcp,
-        TransportChoice::Verbs => kind == TransportKind::Verbs,
-    }
-}
-
-/// Whether `choice` may use `kind` with any peer: whether to open its local side.
-fn may_use(choice: TransportChoice, kind: TransportKind) -> bool {
-    allows(choice, kind, false) || allows(choice, kind, true)
-}
-
 impl Mesh {
     /// Builds the mesh: opens the local side of each transport `FERROCCL_TRANSPORT` allows,
     /// publishes this rank's descriptor, fetches everyone's in one round trip, picks a
@@ -155,50 +130,39 @@ impl Mesh {
         watch: &(dyn Fn() -> Result<()> + Sync),
     ) -> Result<(Mesh, Arc<Inbox>, Vec<Watch>)> {
         let choice = params.transport;
-        let open = |kind| size > 1 && may_use(choice, kind);
-
-        // This rank's inbox segment (unless shm is switched off or unavailable); the inbox
-        // rings the doorbell in it, so that peers on this host can wake us.
-        let shm = match open(TransportKind::Shm).then(|| ShmSetup::create(rank, size, params)) {
-            Some(Ok(s)) => Some(s),
-            Some(Err(e)) if choice == TransportChoice::Shm => return Err(e),
-            _ => None,
-        };
-        let inbox = Arc::new(Inbox::new(rank, shm.as_ref().map_or_else(Bell::heap, |s| Bell::Mapped(s.bell()))));
-        // A listener for tcp peers.
-        let tcp = if open(TransportKind::Tcp) {
-            let ip: IpAddr = crate::transport::tcp::listen_ip(params, store.local_addr().ip())?;
-            flog!(Info, Transport, "rank {rank}: tcp listens on {ip}");
-            Some(TcpSetup::listen(rank, ip, params)?)
-        } else {
-            None
-        };
-        // verbs: FERROCCL_TRANSPORT=verbs needs a usable device; auto uses one if there is.
-        // Without one, this rank still publishes its descriptor (saying why) before it
-        // fails, so that its peers fail at once too, with the reason, instead of waiting.
-        let (verbs, verbs_info, verbs_err) = match choice {
-            TransportChoice::Verbs if size > 1 => match VerbsSetup::open(rank, size, params).and_then(|v| Ok((v.info()?, v))) {
-                Ok((info, v)) => (Some(v), info, None),
-                Err(e) => (None, VerbsInfo::Failed(e.to_string()), Some(e)),
-            },
-            TransportChoice::Auto if open(TransportKind::Verbs) && ferroccl_verbs::ENABLED => {
-                match VerbsSetup::open(rank, size, params).and_then(|v| Ok((v.info()?, v))) {
-                    Ok((info, v)) => (Some(v), info, None),
-                    Err(_) => (None, VerbsInfo::Off, None),
-                }
-            }
-            _ => (None, VerbsInfo::Off, None),
-        };
-        let me = Descriptor {
+        // Open the local side of each transport `FERROCCL_TRANSPORT` allows (with any peer).
+        let mut me = Descriptor {
             rank: rank as u32,
             pid: std::process::id(),
             host_id: host_identity(params),
             hostname: hostname(),
             eager_max: params.eager_max as u64,
-            shm: shm.as_ref().map(ShmSetup::info),
-            tcp: tcp.as_ref().map(TcpSetup::info),
-            verbs: verbs_info,
+            shm: None,
+            tcp: None,
+            verbs: VerbsInfo::Off,
         };
+        let mut setups = Vec::with_capacity(TRANSPORTS.len());
+        let mut failed = None;
+        for t in TRANSPORTS {
+            if size < 2 || !(t.allowed(choice, false) || t.allowed(choice, true)) {
+                setups.push(None);
+                continue;
+            }
+            let cx = OpenCx { rank, size, params, store_ip: store.local_addr().ip(), required: choice.named() == Some(t.kind()) };
+            setups.push(match t.open(&cx, &mut me)? {
+                Opened::Yes(s) => Some(s),
+                Opened::No => None,
+                // Published first (the descriptor says why), so that the peers fail at once.
+                Opened::Failed(e) => {
+                    failed.get_or_insert(e);
+                    None
+                }
+            });
+        }
+        // The inbox rings the doorbell a transport gives (shm's, in its segment, so that
+        // peers on this host can wake us), else one on the heap.
+        let bell = setups.iter().flatten().find_map(|s| s.bell());
+        let inbox = Arc::new(Inbox::new(rank, bell.unwrap_or_else(Bell::heap)));
         store.set(&format!("{key_prefix}/ep/{rank}"), &me.encode())?;
         let keys: Vec<String> = (0..size).map(|r| format!("{key_prefix}/ep/{r}")).collect();
         let raw = multi_get_watched(store, &keys, deadline, watch)?;
@@ -216,12 +180,11 @@ impl Mesh {
             }
             descs.push(d);
         }
-        if let Some(e) = verbs_err {
+        if let Some(e) = failed {
             return Err(e);
         }
 
-        let kinds = choose_transports(rank, choice, &descs)?;
-        let chosen = |kind| (0..size).filter(|&p| kinds[p] == Some(kind)).collect::<Vec<usize>>();
+        let chosen = choose_transports(rank, choice, &descs)?;
         let handshake: Arc<dyn Handshake> = Arc::new(TokenHandshake { token: token.to_string() });
         let exchange = StoreExchange { store, key_prefix, rank, watch };
         let cx = SetupCx {
@@ -235,44 +198,29 @@ impl Mesh {
             exchange: &exchange,
             watch,
         };
-        let mut endpoints: Vec<Option<Endpoint>> = (0..size).map(|_| None).collect();
+        let mut endpoints: Vec<Option<Arc<dyn Endpoint>>> = (0..size).map(|_| None).collect();
         let mut watches: Vec<Watch> = Vec::new();
-        let mut take = |c: Connected| {
-            for (p, e) in c.endpoints {
-                endpoints[p] = Some(e);
+        let mut nets = Vec::new();
+        // In `TRANSPORTS` order, the same on every rank (shm, then verbs, whose ready round
+        // waits in the store for every verbs peer, then tcp, where the lower rank connects
+        // and the higher accepts).
+        for (i, (t, setup)) in TRANSPORTS.iter().zip(setups).enumerate() {
+            let peers: Vec<usize> = (0..size).filter(|&p| chosen[p] == Some(i)).collect();
+            match setup {
+                Some(s) if !peers.is_empty() => {
+                    let (net, c) = s.connect(&cx, &peers)?;
+                    for (p, e) in c.endpoints {
+                        endpoints[p] = Some(e);
+                    }
+                    watches.extend(c.watches.into_iter().map(|(p, w)| (Some(p), w)));
+                    nets.push(net);
+                }
+                // No peer for it: nobody opens what it opened (the inbox keeps shm's
+                // segment for its doorbell).
+                Some(s) => s.unused(),
+                None if !peers.is_empty() => return Err(Error::internal(format!("{} peers without a local side", t.kind()))),
+                None => {}
             }
-            watches.extend(c.watches.into_iter().map(|(p, w)| (Some(p), w)));
-        };
-        // shm, then verbs (its ready round waits in the store for every verbs peer), then
-        // tcp (the lower rank connects, the higher accepts): the same order on every rank.
-        let (shm_peers, verbs_peers, tcp_peers) = (chosen(TransportKind::Shm), chosen(TransportKind::Verbs), chosen(TransportKind::Tcp));
-        let shm = match shm {
-            Some(s) if !shm_peers.is_empty() => {
-                let (net, c) = s.connect(&cx, &shm_peers)?;
-                take(c);
-                Some(net)
-            }
-            // No shm peer: nobody opens the segment (the inbox keeps it for its doorbell).
-            Some(s) => {
-                s.withdraw();
-                None
-            }
-            None => None,
-        };
-        let verbs = match verbs {
-            Some(v) if !verbs_peers.is_empty() => {
-                let (net, c) = v.connect(&cx, &verbs_peers)?;
-                take(c);
-                Some(net)
-            }
-            _ => None,
-        };
-        let mut tcp_net = None;
-        if !tcp_peers.is_empty() {
-            let tcp = tcp.ok_or_else(|| Error::internal("tcp peer without a listener"))?;
-            let (net, c) = tcp.connect(&cx, &tcp_peers)?;
-            take(c);
-            tcp_net = Some(net);
         }
         if let Some(pid) = params.launcher_pid {
             if let Ok(w) = ProcessWatch::new(pid) {
@@ -281,78 +229,61 @@ impl Mesh {
         }
 
         let peers = descs.iter().map(|d| PeerInfo { hostname: d.hostname.clone(), pid: d.pid, host_id: d.host_id.clone() }).collect();
-        let mesh = Mesh { rank, endpoints, shm, verbs, tcp: tcp_net, peers };
+        let mesh = Mesh { rank, endpoints, nets, peers };
         Ok((mesh, inbox, watches))
     }
 
-    /// Says hello to every shm peer: once each has said hello back ([`Mesh::ungreeted`] is
-    /// empty), it has mapped our segment, whose descriptor can then go ([`Mesh::withdraw`]).
+    /// Says hello to every peer that must answer before setup ends (shm's: once each has
+    /// said hello back, [`Mesh::ungreeted`] is empty, it has mapped our segment, whose
+    /// descriptor can then go, [`Mesh::withdraw`]).
     pub(crate) fn greet(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        self.shm.as_ref().map_or(Ok(()), |s| s.greet(deadline, poll))
+        self.nets.iter().try_for_each(|n| n.greet(deadline, poll))
     }
 
-    /// The shm peers whose hello has not arrived yet.
+    /// The peers whose hello has not arrived yet.
     pub(crate) fn ungreeted(&self) -> Vec<usize> {
-        self.shm.as_ref().map_or_else(Vec::new, ShmNet::ungreeted)
+        self.nets.iter().flat_map(|n| n.ungreeted()).collect()
     }
 
-    /// The shm peers (those greeted at setup).
+    /// The peers on this host that share memory with this process (shm's, greeted at setup).
     pub(crate) fn shm_peers(&self) -> Vec<usize> {
-        self.shm.as_ref().map_or_else(Vec::new, ShmNet::peers)
+        self.nets.iter().flat_map(|n| n.local_peers()).collect()
     }
 
-    /// Closes the descriptor peers open our inbox segment through (the mapping stays).
+    /// Closes what peers opened our side through (shm's segment descriptor; the mapping
+    /// stays).
     pub(crate) fn withdraw(&self) {
-        if let Some(s) = &self.shm {
-            s.withdraw();
-        }
+        self.nets.iter().for_each(|n| n.withdraw());
     }
 
     /// The endpoint to world rank `peer`.
-    pub(crate) fn endpoint(&self, peer: usize) -> Result<&Endpoint> {
-        self.endpoints
-            .get(peer)
-            .and_then(|e| e.as_ref())
-            .ok_or_else(|| Error::invalid(format!("rank {}: no endpoint to rank {peer} (out of range, or itself)", self.rank)))
+    pub(crate) fn endpoint(&self, peer: usize) -> Result<&dyn Endpoint> {
+        self.get(peer).ok_or_else(|| Error::invalid(format!("rank {}: no endpoint to rank {peer} (out of range, or itself)", self.rank)))
     }
 
     /// The endpoint to world rank `peer`, if there is one.
-    pub(crate) fn get(&self, peer: usize) -> Option<&Endpoint> {
-        self.endpoints.get(peer).and_then(|e| e.as_ref())
+    pub(crate) fn get(&self, peer: usize) -> Option<&dyn Endpoint> {
+        self.endpoints.get(peer).and_then(|e| e.as_deref())
     }
 
-    /// The verbs mesh, when any peer is reached over verbs.
-    pub(crate) fn verbs_net(&self) -> Option<&Arc<VerbsNet>> {
-        self.verbs.as_ref()
+    /// Registration with the device of the transport whose peers reach this rank's memory
+    /// on their own (verbs), when any peer is reached over one.
+    pub(crate) fn remote_memory(&self) -> Option<Arc<dyn RemoteMemory>> {
+        self.nets.iter().find_map(|n| n.remote_memory())
     }
 
     /// The transport to world rank `peer` (`None`: itself, or out of range).
     pub(crate) fn kind(&self, peer: usize) -> Option<TransportKind> {
-        self.get(peer).map(Endpoint::kind)
+        self.get(peer).map(|e| e.kind())
     }
 
-    /// Drains the shm inbox and the verbs completions, handing what arrived to `inbox`. An
-    /// error here is fatal for the fabric (recorded in `inbox`).
+    /// Lands what arrived over every transport (shm's rings, verbs' completions, tcp's
+    /// sockets in a thread that drives), handing it to `inbox`. Called on every round of
+    /// every wait: no allocation here. An error here is fatal for the fabric (recorded in
+    /// `inbox`).
     pub(crate) fn progress(&self, inbox: &Inbox) -> Result<()> {
-        if let Some(v) = &self.verbs {
-            // Completions: lands messages and immediates; a failed one fails its peer.
-            v.poll()?;
-        }
-        if let Some(tcp) = &self.tcp {
-            // Lands frames itself only in a thread that drives (`Mesh::drive_sockets`).
-            tcp.progress();
-        }
-        if let Some(shm) = &self.shm {
-            // Called on every round of every wait: no allocation here.
-            match shm.drain(inbox) {
-                // Something arrived: another thread of this process may be waiting for it.
-                Ok(true) => inbox.notify(),
-                Ok(false) => {}
-                Err(e) => {
-                    inbox.lock().set_fault(Fault::from_error(&e, &|r| r));
-                    return Err(e);
-                }
-            }
+        for n in &self.nets {
+            n.progress(inbox)?;
         }
         Ok(())
     }
@@ -361,24 +292,24 @@ impl Mesh {
     /// [`Mesh::progress`] (no hand-off from a reader thread on the critical path); `None`
     /// without tcp peers. For the thread that drives the engine.
     pub(crate) fn drive_sockets(&self) -> Option<DriveGuard> {
-        self.tcp.as_ref().map(TcpNet::drive)
+        self.nets.iter().find_map(|n| n.drive())
     }
 
     /// While the guard lives, this thread (about to sleep) does not read the tcp sockets:
     /// their reader threads do.
     pub(crate) fn pause_sockets(&self) -> Option<Paused<'_>> {
-        self.tcp.as_ref().and_then(TcpNet::pause)
+        self.nets.iter().find_map(|n| n.pause())
     }
 
-    /// The first shm peer that `which` picks (by world rank) and that left last words
-    /// (the `ERR` it gave up with), and the words.
+    /// The first peer on this host that `which` picks (by world rank) and that left last
+    /// words (the `ERR` it gave up with), and the words.
     pub(crate) fn last_words(&self, which: impl Fn(usize) -> bool) -> Option<(usize, Vec<u8>)> {
-        self.shm.as_ref()?.last_words(which)
+        self.nets.iter().find_map(|n| n.last_words(&which))
     }
 
-    /// Whether records wait in our shm rings (looked at before sleeping on the doorbell).
+    /// Whether something waits to be landed (looked at before sleeping on the doorbell).
     pub(crate) fn has_pending(&self) -> bool {
-        self.shm.as_ref().is_some_and(ShmNet::has_pending)
+        self.nets.iter().any(|n| n.has_pending())
     }
 
     /// The number of ranks (this one included).
@@ -415,9 +346,7 @@ impl Mesh {
     pub(crate) fn tell_all_and_cut(&self, msg: &[u8]) {
         // First where no full ring can lose them: shm peers read them before they blame
         // this rank for going silent or away.
-        if let Some(shm) = &self.shm {
-            shm.leave_last_words(msg);
-        }
+        self.nets.iter().for_each(|n| n.leave_last_words(msg));
         let deadline = Instant::now() + Duration::from_millis(200);
         for e in self.endpoints.iter().flatten() {
             let _ = e.try_post_send_now(msg, deadline);
@@ -436,25 +365,25 @@ impl Mesh {
     }
 }
 
-/// Picks a transport per peer: the first in [`PREFERENCE`] that `choice` allows and that
-/// can reach the peer ([`transport::can_connect`]). Both sides decide from the same two
-/// descriptors. When none is left, the error is the last candidate's reason.
-fn choose_transports(rank: usize, choice: TransportChoice, descs: &[Descriptor]) -> Result<Vec<Option<TransportKind>>> {
+/// Picks a transport per peer: the first of [`TRANSPORTS`] that `choice` allows and that
+/// can reach the peer ([`Transport::can_connect`]); its index there. Both sides decide from
+/// the same two descriptors. When none is left, the error is the last candidate's reason.
+fn choose_transports(rank: usize, choice: TransportChoice, descs: &[Descriptor]) -> Result<Vec<Option<usize>>> {
     let me = &descs[rank];
-    let mut kinds = vec![None; descs.len()];
+    let mut chosen = vec![None; descs.len()];
     for (p, d) in descs.iter().enumerate().filter(|&(p, _)| p != rank) {
         let same_host = d.host_id == me.host_id;
         let mut why_not = None;
-        for kind in PREFERENCE.into_iter().filter(|&k| allows(choice, k, same_host)) {
-            match transport::can_connect(kind, me, d) {
+        for (i, t) in TRANSPORTS.iter().enumerate().filter(|(_, t)| t.allowed(choice, same_host)) {
+            match t.can_connect(me, d) {
                 Ok(()) => {
-                    kinds[p] = Some(kind);
+                    chosen[p] = Some(i);
                     break;
                 }
-                Err(why) => why_not = Some((kind, why)),
+                Err(why) => why_not = Some((t.kind(), why)),
             }
         }
-        if kinds[p].is_none() {
+        if chosen[p].is_none() {
             let (kind, why) = why_not.ok_or_else(|| Error::internal(format!("FERROCCL_TRANSPORT={choice:?} allows no transport")))?;
             let what = match choice {
                 TransportChoice::Auto => why,
@@ -463,7 +392,7 @@ fn choose_transports(rank: usize, choice: TransportChoice, descs: &[Descriptor])
             return Err(Error::Transport { rank, peer: Some(p), transport: kind, what });
         }
     }
-    Ok(kinds)
+    Ok(chosen)
 }
 
 #[cfg(test)]
@@ -487,6 +416,11 @@ mod tests {
         }
     }
 
+    /// The transports chosen, by kind.
+    fn kinds(chosen: Vec<Option<usize>>) -> Vec<Option<TransportKind>> {
+        chosen.into_iter().map(|c| c.map(|i| TRANSPORTS[i].kind())).collect()
+    }
+
     /// Verbs ready on `rank`, with a queue pair for each of `world` ranks but itself.
     fn ready(rank: u32, world: u32) -> VerbsInfo {
         let qps = (0..world)
@@ -499,13 +433,13 @@ mod tests {
     #[test]
     fn auto_prefers_shm_on_a_host_and_verbs_across_hosts() {
         let descs = [desc(0, "a", ready(0, 3)), desc(1, "a", ready(1, 3)), desc(2, "b", ready(2, 3))];
-        let kinds = choose_transports(0, TransportChoice::Auto, &descs).expect("auto always finds one");
+        let chosen = kinds(choose_transports(0, TransportChoice::Auto, &descs).expect("auto always finds one"));
         // Without the `verbs` feature, verbs reaches nobody and tcp carries the other host.
         let across = if cfg!(feature = "verbs") { TransportKind::Verbs } else { TransportKind::Tcp };
-        assert_eq!(kinds, [None, Some(TransportKind::Shm), Some(across)]);
+        assert_eq!(chosen, [None, Some(TransportKind::Shm), Some(across)]);
         // A rank on this host without a segment: tcp, not verbs (auto keeps verbs for other hosts).
         let descs = [desc(0, "a", ready(0, 2)), Descriptor { shm: None, ..desc(1, "a", ready(1, 2)) }];
-        assert_eq!(choose_transports(0, TransportChoice::Auto, &descs).unwrap(), [None, Some(TransportKind::Tcp)]);
+        assert_eq!(kinds(choose_transports(0, TransportChoice::Auto, &descs).unwrap()), [None, Some(TransportKind::Tcp)]);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use crate::algo::Algo;
 use crate::error::{Error, Result};
 pub use crate::logging::{DebugLevel, Subsys, SubsysSet};
+use crate::transport_kind::TransportKind;
 
 /// One declared knob.
 #[derive(Debug, Clone, Copy)]
@@ -100,6 +101,16 @@ pub enum TransportChoice {
 }
 
 impl TransportChoice {
+    /// The transport this choice names (`None`: `auto`, the transports' own preference).
+    pub(crate) fn named(self) -> Option<TransportKind> {
+        match self {
+            TransportChoice::Auto => None,
+            TransportChoice::Shm => Some(TransportKind::Shm),
+            TransportChoice::Tcp => Some(TransportKind::Tcp),
+            TransportChoice::Verbs => Some(TransportKind::Verbs),
+        }
+    }
+
     /// Parses `auto`, `shm`, `tcp` or `verbs`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {

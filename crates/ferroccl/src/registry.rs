@@ -15,11 +15,10 @@ use ferroccl_mem::region::RegionHandle;
 use ferroccl_mem::ShmSegment;
 
 use crate::error::Result;
-use crate::inbox::{Backoff, Inbox};
+use crate::inbox::Inbox;
 use crate::logging::flog;
 use crate::proto;
-use crate::transport::verbs::{self, RemoteRegion, UserMr, VerbsEndpoint, VerbsNet};
-use crate::transport::{Endpoint, RemoteBuf, WriteGrant};
+use crate::transport::{Endpoint, MemRegion, RemoteBuf, RemoteMemory, RemoteRegion, WriteGrant};
 
 /// Counters of the registration cache ([`crate::Communicator::registration_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -88,7 +87,7 @@ pub(crate) struct WindowEntry {
     /// The verbs memory region over the whole window (when verbs carries a peer): the
     /// source of zero-copy reads. Every work request posted from it holds a clone until
     /// its completion is polled.
-    pub(crate) mr: Option<Arc<UserMr>>,
+    pub(crate) mr: Option<Arc<MemRegion>>,
     /// The verbs peers given the memory region (`WINFO`), which must answer `REVOKE`
     /// before it is deregistered.
     pub(crate) holders: Arc<Mutex<Holders>>,
@@ -109,9 +108,10 @@ pub(crate) struct Windows {
     table: Mutex<HashMap<u32, WindowEntry>>,
     next: AtomicU32,
     registered: std::sync::atomic::AtomicU64,
-    /// The verbs mesh, when any peer is reached over verbs: windows are registered with
-    /// its device.
-    verbs: Option<Weak<VerbsNet>>,
+    /// Registration with the device of the transport whose peers reach this rank's memory
+    /// on their own (verbs), when any peer is reached over one: windows are registered
+    /// with it.
+    memory: Option<Weak<dyn RemoteMemory>>,
     /// How long a removal waits for the zero-copy reads in flight and for the holders'
     /// answers to `REVOKE` (`FERROCCL_TIMEOUT`).
     timeout: Duration,
@@ -124,9 +124,10 @@ pub(crate) struct Windows {
 }
 
 impl Windows {
-    /// The window table of a fabric whose verbs mesh is `verbs` (`None`: no peer over verbs).
-    pub(crate) fn new(verbs: Option<&Arc<VerbsNet>>, timeout: Duration) -> Windows {
-        Windows { verbs: verbs.map(Arc::downgrade), timeout, ..Windows::default() }
+    /// The window table of a fabric whose peers reach registered memory through `memory`
+    /// (`None`: no such peer).
+    pub(crate) fn new(memory: Option<Arc<dyn RemoteMemory>>, timeout: Duration) -> Windows {
+        Windows { memory: memory.as_ref().map(Arc::downgrade), timeout, ..Windows::default() }
     }
 
     /// A fresh window id and a random key, for [`Windows::insert`].
@@ -143,8 +144,8 @@ impl Windows {
     /// failed registration fails the window (see `docs/one-sided.md`: no silent fallback to
     /// the staging copy), naming the size and, when the memlock limit refused it, the limit.
     pub(crate) fn insert(&self, id: u32, key: u64, region: RegionHandle, writable: bool) -> Result<()> {
-        let mr = match self.verbs.as_ref().and_then(Weak::upgrade) {
-            Some(net) if !region.is_empty() => Some(Arc::new(verbs::register_window(&net, &region, writable)?)),
+        let mr = match self.memory.as_ref().and_then(Weak::upgrade) {
+            Some(net) if !region.is_empty() => Some(Arc::new(net.register_window(&region, writable)?)),
             _ => None,
         };
         let holders = Arc::default();
@@ -161,7 +162,7 @@ impl Windows {
     pub(crate) fn remove(&self, id: u32) -> bool {
         let entry = self.table.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         let Some(entry) = entry else { return false };
-        if let (Some(mr), Some(net)) = (&entry.mr, self.verbs.as_ref().and_then(Weak::upgrade)) {
+        if let (Some(mr), Some(net)) = (&entry.mr, self.memory.as_ref().and_then(Weak::upgrade)) {
             let deadline = Instant::now() + self.timeout;
             let holders = {
                 let mut h = entry.holders.lock().unwrap_or_else(|e| e.into_inner());
@@ -170,11 +171,18 @@ impl Windows {
             };
             // Past the deadline a holder that never answered may still read: its READ then
             // meets the NIC's refusal, which breaks its connection to this rank only.
-            revoke(&net, id, entry.key, &holders, deadline);
+            let key = entry.key;
+            net.clone().revoke(&proto::encode_revoke(id, key, false), &holders, &|ev, p| ev.revoked.remove(&(p, id, key)), deadline);
             // Past the deadline the region goes when its last completion is polled.
-            verbs::wait_unused(&net, mr, deadline);
+            net.wait_unused(mr, deadline);
         }
         true
+    }
+
+    /// Registration with the device of the transport whose peers read windows on their
+    /// own (see [`Windows::new`]), while the mesh lives.
+    pub(crate) fn memory(&self) -> Option<Arc<dyn RemoteMemory>> {
+        self.memory.as_ref().and_then(Weak::upgrade)
     }
 
     /// Counts a `GET` served by this rank as the window's owner.
@@ -213,47 +221,6 @@ impl Windows {
         }
     }
 }
-
-/// Sends `REVOKE` for window (`window`, `key`) to each of `holders` and waits, polling the
-/// completion queue, until each has answered `REVOKED` (it issues no more READs on the
-/// window's region and none of its READs is in flight), its connection is gone (its
-/// queue pair reads nothing any more), or `deadline` passes. Returns how many never
-/// answered.
-fn revoke(net: &Arc<VerbsNet>, window: u32, key: u64, holders: &[usize], deadline: Instant) -> usize {
-    if holders.is_empty() {
-        return 0;
-    }
-    let msg = proto::encode_revoke(window, key, false);
-    let mut waiting: Vec<usize> = Vec::with_capacity(holders.len());
-    for &p in holders {
-        // A holder that cannot be told is one whose connection is gone.
-        if VerbsEndpoint::to(net, p).post_send(&msg, deadline, &|| Ok(())).is_ok() {
-            waiting.push(p);
-        }
-    }
-    let inbox = net.inbox();
-    let mut backoff = Backoff::default();
-    loop {
-        let seen = inbox.bell_seen();
-        {
-            let mut ev = inbox.lock();
-            waiting.retain(|&p| !ev.revoked.remove(&(p, window, key)) && !ev.closed.contains(&p));
-        }
-        waiting.retain(|&p| !VerbsEndpoint::to(net, p).is_dead());
-        if waiting.is_empty() || Instant::now() >= deadline {
-            return waiting.len();
-        }
-        if matches!(net.poll(), Ok(true)) {
-            backoff.moved();
-            continue;
-        }
-        backoff.idle(REVOKE_NAP, Some(deadline), |until| inbox.sleep(seen, until, || false));
-    }
-}
-
-/// How long a removal waiting for `REVOKED` parks at a time (the completion thread rings
-/// the doorbell sooner when a message arrives).
-const REVOKE_NAP: Duration = Duration::from_micros(200);
 
 /// Verbs peers' windows this rank reads with RDMA READ and writes with RDMA WRITE (see
 /// `crate::rma`), by (owner, window id, key): the memory region the owner gave (`WINFO`),
@@ -554,11 +521,16 @@ impl Registry {
     /// the write lands (inside the call's scope): user memory is not cached in verbs
     /// registrations, because nothing tells the library when it is freed and remapped.
     /// Those registrations count as misses in the statistics.
-    pub(crate) fn register(&self, h: &RegionHandle, offset: usize, len: usize, peer: Option<&Endpoint>) -> Result<(RemoteBuf, WriteGrant)> {
-        if let (Some(Endpoint::Verbs(ep)), true) = (peer, len > 0) {
-            let (buf, mr) = verbs::register_user(ep.net(), h, offset, len)?;
+    pub(crate) fn register(
+        &self,
+        h: &RegionHandle,
+        offset: usize,
+        len: usize,
+        peer: Option<&dyn Endpoint>,
+    ) -> Result<(RemoteBuf, WriteGrant)> {
+        if let Some(registered) = peer.map(|ep| ep.register_for_write(h, offset, len)).transpose()?.flatten() {
             self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats.registrations += 1;
-            return Ok((buf, WriteGrant::verbs(mr)));
+            return Ok(registered);
         }
         let key = self.register_cached(h);
         Ok((RemoteBuf { addr: h.addr() + offset as u64, len: len as u64, key }, WriteGrant::default()))

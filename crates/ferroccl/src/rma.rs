@@ -52,8 +52,7 @@ use crate::inbox::{Events, RmaRequest, View};
 use crate::p2p::XferCtx;
 use crate::proto::{self, GetShape, RegionInfo, RmaStatus, RmaTarget};
 use crate::registry::{PeerWindow, RegionLookup, SharedWindow};
-use crate::transport::verbs::{self, RemoteRegion};
-use crate::transport::{row_imm, Endpoint, PendingWrite, ReadReq, WriteGrant, WriteReq, WriteTicket};
+use crate::transport::{row_imm, PendingWrite, ReadReq, RemoteRegion, WriteGrant, WriteReq};
 
 impl RmaStatus {
     /// The refusal a status means at the requester (`None`: the access succeeded).
@@ -125,10 +124,8 @@ fn region_answer(cx: &XferCtx<'_>, wpeer: usize, req: u64, remote: &Remote) -> R
     if let Some(r) = st.refusal() {
         return Ok(Some(Some(r)));
     }
-    let region = match (region, cx.fabric.endpoint(wpeer)?) {
-        (Some(i), Endpoint::Verbs(v)) => Some(v.remote_region(i.addr, i.rkey, i.len, i.writable)),
-        _ => None,
-    };
+    let ep = cx.fabric.endpoint(wpeer)?;
+    let region = region.and_then(|i| ep.remote_region(i.addr, i.rkey, i.len, i.writable));
     cx.fabric.peer_regions.insert(wpeer, remote.window, remote.key, region);
     Ok(Some(None))
 }
@@ -249,7 +246,7 @@ impl GetOp {
     fn start_remote(&mut self, cx: &XferCtx<'_>) -> Result<bool> {
         let ep = cx.fabric.endpoint(self.wpeer)?;
         let (mut registered, mut read_region) = (None, None);
-        if let Endpoint::Verbs(v) = ep {
+        if ep.remote_access() {
             match cx.fabric.peer_regions.get(self.wpeer, self.remote.window, self.remote.key) {
                 RegionLookup::Unknown => {
                     self.req = cx.fabric.next_reqs(1);
@@ -266,7 +263,7 @@ impl GetOp {
                         return Ok(self.refuse(refused(cx, self.wpeer, Refusal::OutOfRange)));
                     }
                     let (buf, grant) = cx.fabric.register(&self.dst, self.dst_offset, self.len, self.wpeer)?;
-                    if let Some(mr) = grant.verbs_mr() {
+                    if let Some(mr) = grant.mr() {
                         self.imm = cx.fabric.next_imms(self.block.rows);
                         let r = ReadReq {
                             rows: self.block.rows,
@@ -277,7 +274,7 @@ impl GetOp {
                             local_stride: self.block.local_stride as usize,
                             imm: self.imm,
                         };
-                        if v.post_read(&region, mr, &r, cx.deadline, &|| cx.pump())? {
+                        if ep.post_read(&region, mr, &r, cx.deadline, &|| cx.pump())? {
                             self.grant = grant;
                             self.state = State::Wait;
                             return Ok(true);
@@ -467,7 +464,7 @@ impl PutOp {
         let mut held = None;
         let local_span = self.block.span(self.block.local_stride).unwrap_or(u64::MAX);
         let rdma = self.block.row > 0 && self.block.rows > 0 && local_span > cx.fabric.params.eager_max as u64;
-        if let (Endpoint::Verbs(v), true) = (ep, rdma) {
+        if rdma && ep.remote_access() {
             match cx.fabric.peer_regions.get(self.wpeer, self.remote.window, self.remote.key) {
                 RegionLookup::Unknown => {
                     self.req = cx.fabric.next_reqs(1);
@@ -495,7 +492,7 @@ impl PutOp {
                     let local = local.ok_or_else(|| Error::invalid(format!("{}: write source span overflows", cx.op)))?;
                     // The source's memory region holds a read lease on it; each piece's
                     // work request holds a clone until its completion is polled.
-                    let mr = verbs::register_source(v.net(), &self.src, self.src_offset, local)?;
+                    let mr = ep.register_source(&self.src, self.src_offset, local)?;
                     let imm = cx.fabric.next_imms(self.block.rows);
                     let r = ReadReq {
                         rows: self.block.rows,
@@ -506,7 +503,7 @@ impl PutOp {
                         local_stride: self.block.local_stride as usize,
                         imm,
                     };
-                    if v.post_write_to(&region, &mr, &r, cx.deadline, &|| cx.pump())? {
+                    if ep.post_write_to(&region, &mr, &r, cx.deadline, &|| cx.pump())? {
                         (self.rdma, self.imm) = (true, imm);
                         self.state = State::Wait;
                         return Ok(true);
@@ -773,32 +770,21 @@ impl RmaServer {
                     let status = match check_get(fabric, &target, &shape) {
                         Err(st) => st,
                         Ok(e) => {
-                            // One write per row (a contiguous read is one row), each with its
-                            // own immediate, in order on this connection; over tcp every row
-                            // in one frame (a column shard of 1,024 rows of 2 KiB was 1,024
-                            // frames, each a few system calls on both sides).
-                            let row = |r: u32| WriteReq {
+                            // Each row with its own immediate, in order on this connection (a
+                            // contiguous read is one row; the transport may gather the rows).
+                            let first = WriteReq {
                                 src: &e.region,
                                 src_mr: e.mr.as_ref(),
-                                offset: (target.offset + u64::from(r) * shape.src_stride) as usize,
+                                offset: target.offset as usize,
                                 len: shape.row as usize,
                                 dst: buf,
-                                dst_offset: u64::from(r) * shape.dst_stride,
-                                imm: row_imm(imm, r),
+                                dst_offset: 0,
+                                imm: row_imm(imm, 0),
                             };
-                            let posted = match ep {
-                                Endpoint::Tcp(t) if shape.rows > 1 => {
-                                    t.post_write_rows(&row(0), shape.rows, shape.src_stride, shape.dst_stride, deadline).is_ok()
-                                }
-                                _ => (0..shape.rows).all(|r| match ep.post_write(&row(r), deadline, &pump) {
-                                    Ok(WriteTicket::Done) => true,
-                                    Ok(WriteTicket::Pending(p)) => {
-                                        self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                                        true
-                                    }
-                                    Err(_) => false,
-                                }),
-                            };
+                            let mut pending = |p| self.pulls.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                            let posted = ep
+                                .post_write_rows(&first, shape.rows, shape.src_stride, shape.dst_stride, deadline, &pump, &mut pending)
+                                .is_ok();
                             if posted {
                                 continue;
                             }
@@ -822,8 +808,8 @@ impl RmaServer {
                 RmaRequest::Info { target } => {
                     let (status, region) = match check(fabric, &RmaTarget { offset: 0, len: 0, ..target }, false) {
                         Err(st) => (st, None),
-                        Ok(e) => match (&e.mr, ep) {
-                            (Some(mr), Endpoint::Verbs(_)) => {
+                        Ok(e) => match (&e.mr, fabric.windows.memory()) {
+                            (Some(mr), Some(memory)) if ep.remote_access() => {
                                 let mut h = e.holders.lock().unwrap_or_else(|e| e.into_inner());
                                 if h.closed {
                                     (RmaStatus::NoWindow, None)
@@ -831,7 +817,7 @@ impl RmaServer {
                                     if !h.peers.contains(&peer) {
                                         h.peers.push(peer);
                                     }
-                                    let (addr, rkey, len) = verbs::region_info(mr);
+                                    let (addr, rkey, len) = memory.region_info(mr);
                                     let region = Some(RegionInfo { addr, rkey, len, writable: e.writable });
                                     // Sent under the lock: the `REVOKE` of a removal that
                                     // follows goes after it on this connection.

@@ -12,27 +12,21 @@
 //!   immediates, peer failures) land in the inbox (`crate::inbox`) below every transport,
 //!   which the waiting thread polls.
 //!
-//! Setup is part of the contract too (NCCL's `canConnect` / `connect`, gloo's device and
-//! pair). Each transport has the same three steps, which mesh setup (`crate::mesh`) drives:
+//! Setup is part of the contract too: see [`setup`] (open, can connect, connect), which mesh
+//! setup drives for every transport of [`setup::TRANSPORTS`] alike.
 //!
-//! 1. **Open** (`ShmSetup::create`, `TcpSetup::listen`, `VerbsSetup::open`): this rank's
-//!    side, made before anything is published: the inbox segment, the listener, the
-//!    device with a queue pair and eager ring per other rank. Its `info` is the
-//!    transport's part of this rank's [`Descriptor`]; all descriptors are exchanged in one
-//!    all-gather.
-//! 2. **Can connect** ([`can_connect`]): whether the transport reaches a peer, decided from
-//!    this rank's descriptor and the peer's alone, so both ends decide alike. Mesh setup
-//!    asks the transports in its order of preference (restricted by `FERROCCL_TRANSPORT`)
-//!    and takes the first that can; the reason a transport cannot is the error when none is
-//!    left.
-//! 3. **Connect** (`connect` of each setup, given the peers chosen for it and a
-//!    [`SetupCx`]): the endpoints to those peers ([`Connected`]), and whatever the
-//!    transport keeps for all of them (shm's `ShmNet`, verbs' `VerbsNet`).
+//! Memory registration and one-sided access without the owner (RDMA READ and WRITE) are
+//! endpoint methods too ([`Endpoint::register_for_write`], [`Endpoint::remote_access`],
+//! [`Endpoint::post_read`], [`Endpoint::post_write_to`]), whose defaults say "not
+//! supported: the owner serves it"; a transport whose peers reach registered memory on
+//! their own also gives its [`Net`] a [`RemoteMemory`] (window registration). So nothing
+//! above this module asks which transport carries a peer.
 //!
-//! What a transport needs from above while it connects comes through [`SetupCx`]: the
-//! descriptors, the inbox to deliver into, a [`Handshake`] for new connections (the job's
-//! token belongs to the bootstrap) and a [`SetupExchange`] for a round after the
-//! descriptors (verbs' ready mark); no transport touches the store or the token.
+//! Each transport is a folder with the same files for the same jobs: `mod.rs` (the
+//! endpoint), `setup.rs` (open, can connect, connect), `net.rs` (what it keeps for all its
+//! peers, polled by progress), `wire.rs` (what goes on its wire), `tests.rs`; and where the
+//! job exists, `mem.rs` (registration and remote reads and writes: verbs), `recv.rs` (tcp's
+//! readers) and `off.rs` (verbs without the `verbs` feature).
 //!
 //! A local completion means the local buffer may be reused; that the data has landed at the
 //! target is signalled only by the target's `WriteImm` (the weakest guarantee of the three
@@ -45,119 +39,46 @@
 //! with the `verbs` cargo feature, otherwise its types are uninhabited).
 
 pub(crate) mod descriptor;
+pub(crate) mod setup;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 #[cfg(not(feature = "verbs"))]
-#[path = "verbs_off.rs"]
+#[path = "verbs/off.rs"]
 pub(crate) mod verbs;
 
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferroccl_mem::process::ProcessWatch;
 use ferroccl_mem::region::RegionHandle;
 
-use crate::error::Result;
-use crate::inbox::Inbox;
+use crate::error::{Error, Result};
+use crate::inbox::{Events, Inbox};
 pub(crate) use crate::transport_kind::TransportKind;
 pub(crate) use crate::wire::RemoteBuf;
 pub(crate) use descriptor::{Descriptor, ShmInfo, TcpInfo, VerbsInfo};
+pub(crate) use setup::{Connected, Handshake, OpenCx, Opened, Setup, SetupCx, SetupExchange, Transport, TRANSPORTS};
+pub(crate) use tcp::{DriveGuard, Paused};
+/// A peer's window as its owner registered it with the device (address, key, length),
+/// which this rank reads and writes without the owner ([`Endpoint::post_read`]).
+pub(crate) use verbs::RemoteRegion;
+/// Memory registered with an RDMA device (a window's, a write source's, a receive
+/// target's): what the device reads from or writes into.
+pub(crate) use verbs::UserMr as MemRegion;
 
-/// Whether transport `kind` can reach `peer`, from this rank's descriptor (`me`) and the
-/// peer's alone: both ends of a pair get the same answer. `Err` says why not, in words
-/// that may follow "FERROCCL_TRANSPORT=... but" (mesh setup reports it when no other
-/// transport is allowed or able).
-pub(crate) fn can_connect(kind: TransportKind, me: &Descriptor, peer: &Descriptor) -> std::result::Result<(), String> {
-    match kind {
-        TransportKind::Shm => shm::can_connect(me, peer),
-        TransportKind::Tcp => tcp::can_connect(me, peer),
-        TransportKind::Verbs => verbs::can_connect(me, peer),
-    }
-}
-
-/// What mesh setup lends a transport while it connects.
-pub(crate) struct SetupCx<'a> {
-    pub(crate) rank: usize,
-    pub(crate) size: usize,
-    pub(crate) deadline: Instant,
-    /// Every rank's descriptor, ours included (`descs[rank]`).
-    pub(crate) descs: &'a [Descriptor],
-    /// Where the endpoints deliver.
-    pub(crate) inbox: &'a Arc<Inbox>,
-    /// Authenticates new connections (tcp).
-    pub(crate) handshake: &'a Arc<dyn Handshake>,
-    /// Names this mesh (unique per init in the job): a connecting rank sends it after the
-    /// handshake, so that a connection meant for another mesh is dropped.
-    pub(crate) mesh_id: &'a str,
-    /// Rounds among the peers after the descriptor exchange (verbs' ready mark).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) exchange: &'a dyn SetupExchange,
-    /// Looked at while waiting for a peer (tcp's connects and accepts): its error ends the
-    /// setup (a shrink's member died meanwhile; see `FabricConfig::watch`).
-    pub(crate) watch: &'a (dyn Fn() -> Result<()> + Sync),
-}
-
-/// What a transport's `connect` returns besides what it keeps for all its peers.
-#[derive(Debug, Default)]
-pub(crate) struct Connected {
-    /// One endpoint per peer it connected.
-    pub(crate) endpoints: Vec<(usize, Endpoint)>,
-    /// Peer processes to watch (world rank, watch): peers on this host, whose death the
-    /// fabric then sees at once instead of through the transport.
-    pub(crate) watches: Vec<(usize, ProcessWatch)>,
-}
-
-/// How a transport publishes a value to its peers after the descriptor exchange, and
-/// collects theirs (mesh setup implements it over the job's store). `topic` names the
-/// round; every rank publishes once per topic.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-pub(crate) trait SetupExchange {
-    /// Publishes this rank's value for `topic`.
-    fn publish(&self, topic: &str, value: &[u8]) -> Result<()>;
-    /// Waits (until `deadline`) for the values `peers` published for `topic`, in order.
-    fn gather(&self, topic: &str, peers: &[usize], deadline: Instant) -> Result<Vec<Vec<u8>>>;
-}
-
-/// The job's handshake on a new connection: each end proves it knows the job's token
-/// (mesh setup implements it over the bootstrap's authentication). Shared with the
-/// threads that vet incoming connections, hence `Send + Sync`.
-pub(crate) trait Handshake: Send + Sync {
-    /// On a connection this rank opened to `peer` (named in errors).
-    fn connecting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()>;
-    /// On a connection this rank accepted from `peer`.
-    fn accepting(&self, s: &mut TcpStream, peer: &str, deadline: Instant) -> Result<()>;
-}
-
-/// One peer's connection, whichever transport carries it.
-#[derive(Debug)]
-pub(crate) enum Endpoint {
-    Shm(Arc<shm::ShmEndpoint>),
-    Tcp(tcp::TcpEndpoint),
-    /// Never built without the `verbs` feature (no verbs endpoint can exist then).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    Verbs(verbs::VerbsEndpoint),
-}
-
-impl Endpoint {
+/// One peer's connection, whichever transport carries it: the verbs-shaped operations
+/// every layer above is written against. The methods with defaults are what a transport
+/// without the feature leaves as it is: no shared memory, no waking, nothing to cut, and
+/// no remote memory access (the window's owner serves every one-sided access then).
+pub(crate) trait Endpoint: std::fmt::Debug + Send + Sync {
     /// Which transport carries it.
-    pub(crate) fn kind(&self) -> TransportKind {
-        match self {
-            Endpoint::Shm(_) => TransportKind::Shm,
-            Endpoint::Tcp(_) => TransportKind::Tcp,
-            Endpoint::Verbs(_) => TransportKind::Verbs,
-        }
-    }
+    fn kind(&self) -> TransportKind;
 
-    /// The peer's process id, when it is on this host and reached over shm (so that it can
-    /// share memory with this process directly).
-    pub(crate) fn shm_pid(&self) -> Option<i32> {
-        match self {
-            Endpoint::Shm(e) => Some(e.peer_pid()),
-            _ => None,
-        }
+    /// The peer's process id, when it is on this host and shares memory with this process
+    /// (shm: so that it can map memory this process allocates).
+    fn shm_pid(&self) -> Option<i32> {
+        None
     }
 
     /// Wakes the peer if it sleeps on its doorbell (shm: a peer that published something
@@ -167,83 +88,245 @@ impl Endpoint {
     /// The caller has just made a sequentially consistent write (a swap) of what it
     /// published, which orders it before the look at the peer's sleep flag as the fence of
     /// the doorbell protocol would.
-    pub(crate) fn wake_if_sleeping_after_fence(&self) {
-        if let Endpoint::Shm(e) = self {
-            e.ring_peer_bell_if_sleeping();
-        }
-    }
+    fn wake_if_sleeping_after_fence(&self) {}
 
     /// Largest message [`Endpoint::post_send`] takes.
-    pub(crate) fn max_send(&self) -> usize {
-        match self {
-            Endpoint::Shm(e) => e.max_send(),
-            Endpoint::Tcp(e) => e.max_send(),
-            Endpoint::Verbs(e) => e.max_send(),
-        }
-    }
+    fn max_send(&self) -> usize;
 
     /// Sends a two-sided message. `poll` is called while waiting for room, so that two
     /// ranks sending to each other keep draining their own inboxes.
-    pub(crate) fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        match self {
-            Endpoint::Shm(e) => e.post_send(msg, deadline, poll),
-            Endpoint::Tcp(e) => e.post_send(msg, deadline),
-            Endpoint::Verbs(e) => e.post_send(msg, deadline, poll),
-        }
-    }
+    fn post_send(&self, msg: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()>;
 
     /// Sends a two-sided message made of `head` followed by `body` (no copy into an
     /// intermediate buffer: the eager path of every transfer).
-    pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
-        match self {
-            Endpoint::Shm(e) => e.post_send2(head, body, deadline, poll),
-            Endpoint::Tcp(e) => e.post_send2(head, body, deadline),
-            Endpoint::Verbs(e) => e.post_send2(head, body, deadline, poll),
-        }
-    }
+    fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()>;
 
-    /// Writes `len` bytes from `src[offset..]` into `dst` at the peer, with immediate `imm`.
-    /// Returns the work-request id whose `WriteDone` completion says `src` may be reused
-    /// (already completed for the synchronous cases).
-    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<WriteTicket> {
-        w.check()?;
-        match self {
-            Endpoint::Shm(e) => e.post_write(w, deadline, poll),
-            Endpoint::Tcp(e) => e.post_write(w, deadline).map(|()| WriteTicket::Done),
-            // The source is copied into staging slots while posting, or (a window with a
-            // memory region) held by the transport until the device has read it.
-            Endpoint::Verbs(e) => e.post_write(w, deadline, poll).map(|()| WriteTicket::Done),
-        }
+    /// [`post_write`](<dyn Endpoint>::post_write) once `w` is checked.
+    fn write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<WriteTicket>;
+
+    /// Writes `rows` rows: `first`, then each `src_stride` further in the source and
+    /// `dst_stride` further at the peer, row `r` with immediate `row_imm(first.imm, r)`, in
+    /// order; hands each write the target completes later to `pending`. By default one
+    /// write per row (tcp sends them all in one frame).
+    #[allow(clippy::too_many_arguments)]
+    fn post_write_rows(
+        &self,
+        first: &WriteReq<'_>,
+        rows: u32,
+        src_stride: u64,
+        dst_stride: u64,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+        pending: &mut dyn FnMut(PendingWrite),
+    ) -> Result<()> {
+        post_rows_each(self, first, rows, src_stride, dst_stride, deadline, poll, pending)
     }
 
     /// Sends a message only if that needs no waiting (a full ring, a full socket or one
     /// busy with another frame is skipped, `WouldBlock`, and the connection stays usable);
     /// used to tell peers why this rank gives up, and for probes.
-    pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
-        match self {
-            Endpoint::Shm(e) => e.post_send(msg, deadline, &|| Err(crate::error::Error::WouldBlock("ring full".into()))),
-            Endpoint::Tcp(e) => e.try_post_send_now(msg, deadline),
-            Endpoint::Verbs(e) => e.try_post_send_now(msg),
-        }
-    }
+    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()>;
 
     /// Breaks the connection off after a fatal error, so that nothing stays blocked on it.
-    pub(crate) fn cut(&self) {
-        match self {
-            Endpoint::Shm(_) => {}
-            Endpoint::Tcp(e) => e.cut(),
-            Endpoint::Verbs(e) => e.cut(),
-        }
-    }
+    fn cut(&self) {}
 
     /// Says goodbye: the peer will treat our exit as clean.
-    pub(crate) fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {
-        match self {
-            Endpoint::Shm(e) => e.close(deadline, poll),
-            Endpoint::Tcp(e) => e.close(deadline),
-            Endpoint::Verbs(e) => e.close(deadline, poll),
+    fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>);
+
+    /// Registers `[offset, offset + len)` of `h` for a one-sided write by this peer, when
+    /// the transport must (verbs: a memory region over exactly that range, held by the
+    /// returned grant). `None`: a key of the registration cache serves (this process lands
+    /// the peer's writes itself).
+    fn register_for_write(&self, h: &RegionHandle, offset: usize, len: usize) -> Result<Option<(RemoteBuf, WriteGrant)>> {
+        let _ = (h, offset, len);
+        Ok(None)
+    }
+
+    /// Whether this rank reads and writes the peer's windows without the peer (RDMA READ
+    /// and WRITE): then it asks the owner once per window for its region (`WINFO`).
+    fn remote_access(&self) -> bool {
+        false
+    }
+
+    /// The peer's window region its owner gave (address, rkey, length, writable), if this
+    /// transport can use it.
+    fn remote_region(&self, addr: u64, rkey: u32, len: u64, writable: bool) -> Option<Arc<RemoteRegion>> {
+        let _ = (addr, rkey, len, writable);
+        None
+    }
+
+    /// Reads `r`'s rows of the peer's window `region` into `dst` (memory this transport
+    /// registered, [`WriteGrant::mr`]) without the peer; the last piece of each row reports
+    /// the row's immediate to this rank's inbox. `Ok(false)`, having posted nothing: the
+    /// owner serves it (no remote access, or the region was revoked).
+    fn post_read(
+        &self,
+        region: &Arc<RemoteRegion>,
+        dst: &Arc<MemRegion>,
+        r: &ReadReq,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        let _ = (region, dst, r, deadline, poll);
+        Ok(false)
+    }
+
+    /// Registers `[offset, offset + len)` of `h` as the source of [`Endpoint::post_write_to`].
+    fn register_source(&self, h: &RegionHandle, offset: usize, len: usize) -> Result<Arc<MemRegion>> {
+        let _ = (h, offset, len);
+        Err(Error::internal(format!("the {} transport has no remote memory access", self.kind())))
+    }
+
+    /// Writes `r`'s rows from `src` into the peer's (writable) window `region` without the
+    /// peer, as [`Endpoint::post_read`] reads. `Ok(false)`, having posted nothing: the
+    /// owner serves it.
+    fn post_write_to(
+        &self,
+        region: &Arc<RemoteRegion>,
+        src: &Arc<MemRegion>,
+        r: &ReadReq,
+        deadline: Instant,
+        poll: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        let _ = (region, src, r, deadline, poll);
+        Ok(false)
+    }
+}
+
+/// [`Endpoint::post_write_rows`] as one write per row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn post_rows_each<E: Endpoint + ?Sized>(
+    ep: &E,
+    first: &WriteReq<'_>,
+    rows: u32,
+    src_stride: u64,
+    dst_stride: u64,
+    deadline: Instant,
+    poll: &dyn Fn() -> Result<()>,
+    pending: &mut dyn FnMut(PendingWrite),
+) -> Result<()> {
+    for r in 0..rows {
+        let w = WriteReq {
+            offset: (first.offset as u64 + u64::from(r) * src_stride) as usize,
+            dst_offset: first.dst_offset + u64::from(r) * dst_stride,
+            imm: row_imm(first.imm, r),
+            ..*first
+        };
+        w.check()?;
+        if let WriteTicket::Pending(p) = ep.write(&w, deadline, poll)? {
+            pending(p);
         }
     }
+    Ok(())
+}
+
+impl dyn Endpoint + '_ {
+    /// Writes `len` bytes from `src[offset..]` into `dst` at the peer, with immediate `imm`.
+    /// Returns the work-request id whose `WriteDone` completion says `src` may be reused
+    /// (already completed for the synchronous cases).
+    pub(crate) fn post_write(&self, w: &WriteReq<'_>, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<WriteTicket> {
+        w.check()?;
+        self.write(w, deadline, poll)
+    }
+}
+
+/// What a transport keeps for all its peers, made by its [`Setup::connect`]: what the
+/// fabric's progress polls every round, and the transport's part in setup, failure and
+/// shutdown. The defaults are a transport with nothing of the kind to do.
+pub(crate) trait Net: std::fmt::Debug + Send + Sync {
+    /// Lands what arrived (drains rings, polls completions, reads sockets in a thread that
+    /// drives), handing it to `inbox`. Called on every round of every wait: no allocation
+    /// unless something arrives. An error is fatal for the fabric (recorded in `inbox`).
+    fn progress(&self, inbox: &Inbox) -> Result<()>;
+
+    /// Says hello to the peers that must answer before setup ends ([`Net::ungreeted`]).
+    fn greet(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) -> Result<()> {
+        let _ = (deadline, poll);
+        Ok(())
+    }
+
+    /// The peers whose hello has not arrived yet.
+    fn ungreeted(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// The peers on this host that share memory with this process (those greeted at setup).
+    fn local_peers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// Every peer has answered the hello: closes what peers opened this rank's side
+    /// through (shm's segment descriptor; the mapping stays).
+    fn withdraw(&self) {}
+
+    /// Whether something waits to be landed (looked at before sleeping on the doorbell).
+    fn has_pending(&self) -> bool {
+        false
+    }
+
+    /// Leaves `msg` (an `ERR`) where the peers read it even if this process dies and its
+    /// rings are full (shm); looked at by [`Net::last_words`].
+    fn leave_last_words(&self, msg: &[u8]) {
+        let _ = msg;
+    }
+
+    /// The first peer that `which` picks and that left last words, and the words.
+    fn last_words(&self, which: &dyn Fn(usize) -> bool) -> Option<(usize, Vec<u8>)> {
+        let _ = which;
+        None
+    }
+
+    /// While the guard lives, this thread (the engine's driver) lands what arrives itself
+    /// in [`Net::progress`] (tcp: reads the sockets, no hand-off from a reader thread).
+    fn drive(&self) -> Option<DriveGuard> {
+        None
+    }
+
+    /// While the guard lives, this thread (about to sleep) lands nothing: the transport's
+    /// own threads do.
+    fn pause(&self) -> Option<Paused<'_>> {
+        None
+    }
+
+    /// Registration with the device, when the peers reach this rank's memory on their own.
+    fn remote_memory(&self) -> Option<Arc<dyn RemoteMemory>> {
+        None
+    }
+}
+
+/// A transport whose peers reach registered memory without its owner (RDMA): windows are
+/// registered with it once, when they are made, and revoked from the peers given them.
+pub(crate) trait RemoteMemory: std::fmt::Debug + Send + Sync {
+    /// Registers a window (all of `h`) for the peers' reads, and writes when `writable`.
+    fn register_window(&self, h: &RegionHandle, writable: bool) -> Result<MemRegion>;
+
+    /// Sends `msg` (a revocation) to each of `holders` and waits, polling completions, until
+    /// `answered` says each has answered, its connection is gone, or `deadline` passes.
+    /// Returns how many never answered.
+    fn revoke(self: Arc<Self>, msg: &[u8], holders: &[usize], answered: &dyn Fn(&mut Events, usize) -> bool, deadline: Instant) -> usize;
+
+    /// Waits (polling completions) until no work request posted from `mr` is in flight, or
+    /// `deadline`; whether none is.
+    fn wait_unused(&self, mr: &Arc<MemRegion>, deadline: Instant) -> bool;
+
+    /// Address, rkey and length of a window's region, as its owner gives them to a peer.
+    fn region_info(&self, mr: &MemRegion) -> (u64, u32, u64);
+
+    /// Bytes moved since `init`.
+    fn bytes(&self) -> RemoteBytes;
+}
+
+/// Bytes a [`RemoteMemory`] transport moved since `init` (see `RegStats`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RemoteBytes {
+    /// One-sided writes copied through staging slots.
+    pub(crate) staged: u64,
+    /// One-sided writes sent straight from windows' regions.
+    pub(crate) zero_copy: u64,
+    /// Written into peers' windows without their owners.
+    pub(crate) window_writes: u64,
+    /// Read from peers' windows without their owners.
+    pub(crate) reads: u64,
 }
 
 /// What a receiver holds while a peer may write into its advertised range: nothing for
@@ -253,22 +336,24 @@ impl Endpoint {
 /// inside `with_region`, and a leaked one makes the scope wait, never unsound).
 #[derive(Debug, Default)]
 pub(crate) struct WriteGrant {
-    mr: Option<Arc<verbs::UserMr>>,
+    mr: Option<Arc<MemRegion>>,
 }
 
 impl WriteGrant {
-    pub(crate) fn verbs(mr: verbs::UserMr) -> WriteGrant {
+    /// Holds `mr` (the registration of the advertised range).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn holding(mr: MemRegion) -> WriteGrant {
         WriteGrant { mr: Some(Arc::new(mr)) }
     }
 
-    /// The verbs memory region over the range, if verbs registered it (an RDMA READ's
+    /// The memory region over the range, if the transport registered one (an RDMA READ's
     /// target: a READ in flight keeps a clone until its completion).
-    pub(crate) fn verbs_mr(&self) -> Option<&Arc<verbs::UserMr>> {
+    pub(crate) fn mr(&self) -> Option<&Arc<MemRegion>> {
         self.mr.as_ref()
     }
 }
 
-/// An RDMA READ of a peer's window (see `VerbsEndpoint::post_read`): `rows` rows of
+/// An RDMA READ of a peer's window (see [`Endpoint::post_read`]): `rows` rows of
 /// `row` bytes, from `remote_offset` in the window (`remote_stride` apart) into the target
 /// memory region at `local_offset` (`local_stride` apart); row `r` reports the immediate
 /// `(imm + r) mod 2^31` (as the owner's writes of a `GET`'s rows do).
@@ -293,7 +378,7 @@ pub(crate) struct WriteReq<'a> {
     /// there is one: verbs then writes straight from it (zero copy) and keeps a clone of it
     /// until the write's completion; the other transports ignore it.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) src_mr: Option<&'a Arc<verbs::UserMr>>,
+    pub(crate) src_mr: Option<&'a Arc<MemRegion>>,
     pub(crate) offset: usize,
     pub(crate) len: usize,
     pub(crate) dst: RemoteBuf,
