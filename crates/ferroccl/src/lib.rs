@@ -109,17 +109,17 @@ pub mod window;
 pub(crate) mod wire;
 
 pub use algo::{Algo, Collective};
+/// The `bytemuck` FerroCCL is built with (its `Pod` bound is on every typed call), so that
+/// a program needs no second copy to pin: `#[derive(ferroccl::bytemuck::Pod,
+/// ferroccl::bytemuck::Zeroable)]` with `#[bytemuck(crate = "ferroccl::bytemuck")]` on its
+/// own `#[repr(C)]` element types, `ferroccl::bytemuck::cast_slice` on the typed views.
+pub use bytemuck;
 pub use comm::{Communicator, InitConfig};
 pub use error::{Departure, Error, FaultKind, Op, Process, Refusal, Result, RootCause};
 /// The `half` crate that FerroCCL's [`f16`](struct@f16) and [`bf16`] come from (the same
 /// version), for its other items (e.g. `half::slice::HalfFloatSliceExt`) without a second
 /// copy to pin.
 pub use ferroccl_kernels::half;
-/// The `bytemuck` FerroCCL is built with (its `Pod` bound is on every typed call), so that
-/// a program needs no second copy to pin: `#[derive(ferroccl::bytemuck::Pod,
-/// ferroccl::bytemuck::Zeroable)]` with `#[bytemuck(crate = "ferroccl::bytemuck")]` on its
-/// own `#[repr(C)]` element types, `ferroccl::bytemuck::cast_slice` on the typed views.
-pub use bytemuck;
 /// IEEE 754 half precision and bfloat16, re-exported from the `half` crate: the element
 /// types [`DType::F16`] and [`DType::Bf16`].
 pub use ferroccl_kernels::{bf16, f16};

@@ -118,8 +118,8 @@ struct Cli {
     /// Overlay the rows of an earlier --json file (or benches/peers' MPI program) on the plot
     #[arg(long, value_name = "FILE.json", allow_hyphen_values = true, value_parser = path)]
     baseline: Option<PathBuf>,
-    /// Time persistent plans: each size builds its plan once (comm.allreduce_plan,
-    /// allgather_plan, reduce_scatter_plan, broadcast_plan) and the timed calls are
+    /// Time persistent plans: each size builds its plan once (comm.plan of op::allreduce,
+    /// op::allgather_into, op::reduce_scatter_into, op::broadcast) and the timed calls are
     /// plan.run(); -c 1 refills the inputs through plan.input_mut()/output_mut() and checks
     /// plan.output(). Plans exist for allreduce and broadcast in place, allgather and
     /// reduce_scatter out of place: the other variant's cells are N/A; `all` runs those
@@ -828,7 +828,9 @@ mod tests {
         };
         assert_eq!((o.common.ranks, o.common.transport, o.common.no_bind), (Some(3), Some(TransportChoice::Tcp), true));
         assert_eq!(parse_sub("moe", &["--help"]), Ok(None));
-        assert!(matches!(parse(&["latency", "--help"]), Ok(Cmd::Help(h)) if h.contains("allreduce_plan") && h.contains("--no-bind")));
+        assert!(
+            matches!(parse(&["latency", "--help"]), Ok(Cmd::Help(h)) if h.contains("comm.plan(op::allreduce") && h.contains("--no-bind"))
+        );
         assert!(!run(&["allreduce", "--ranks", "2", "--no-bind"]).bind);
         assert!(run(&["allreduce", "--ranks", "2"]).bind);
         // A subcommand's bad value is named as given; a subcommand after an option is a collective.

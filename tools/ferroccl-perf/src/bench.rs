@@ -48,6 +48,13 @@ fn call_oop<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, 
             let displs: Vec<usize> = (0..n).map(|p| p * block).collect();
             comm.alltoallv(send, &counts, &displs, recv, &counts, &displs)
         }
+        Coll::AllGatherV => {
+            // Uniform counts: one block from every rank, in rank order.
+            let counts = vec![send.len(); n];
+            let displs: Vec<usize> = (0..n).map(|p| p * send.len()).collect();
+            comm.allgatherv(send, recv, &counts, &displs)
+        }
+        Coll::ReduceScatterV => comm.reduce_scatterv(send, recv, &vec![recv.len(); n], op),
         Coll::SendRecv => comm.sendrecv(send, (r + 1) % n, recv, (r + n - 1) % n),
         // No out-of-place form; never called (see Coll::has_out_of_place).
         Coll::Broadcast => comm.broadcast(recv, root),
@@ -63,7 +70,7 @@ fn call_ip<T: Val>(comm: &Communicator, coll: Coll, op: ReduceOp, root: usize, b
         Coll::Broadcast => comm.broadcast(buf, root),
         Coll::Reduce => comm.reduce(buf, op, root),
         // No in-place form; never called (see Coll::has_in_place).
-        Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv => Ok(()),
+        Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv | Coll::AllGatherV | Coll::ReduceScatterV => Ok(()),
     }
 }
 
@@ -105,8 +112,10 @@ impl<T: Val> Ctx<'_, T> {
         }
         let wrong = match coll {
             Coll::AllReduce | Coll::Reduce => count_wrong(&p.reduced, checked, 0),
-            Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
-            Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
+            Coll::AllGather | Coll::AllGatherV => {
+                (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum()
+            }
+            Coll::ReduceScatter | Coll::ReduceScatterV => count_wrong(&p.reduced, checked, r * l.block),
             Coll::AllToAll | Coll::AllToAllV => {
                 (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], r * l.block)).sum()
             }
@@ -133,7 +142,7 @@ impl<T: Val> Ctx<'_, T> {
             Coll::AllGather => (0..n).map(|q| count_wrong(&p.inputs[q], &checked[q * l.block..(q + 1) * l.block], 0)).sum(),
             Coll::ReduceScatter => count_wrong(&p.reduced, checked, r * l.block),
             Coll::Broadcast => count_wrong(&p.inputs[root], checked, 0),
-            Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv => 0,
+            Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv | Coll::AllGatherV | Coll::ReduceScatterV => 0,
         };
         wrong as u64
     }

@@ -14,6 +14,8 @@
 //! | reduce | `count * t` | send and recv (root): `count` | `1` |
 //! | alltoall | `n * block * t` (send buffer) | send and recv: `n * block` | `(n - 1) / n` |
 //! | alltoallv | as alltoall (uniform counts: `block` to and from every rank) | as alltoall | `(n - 1) / n` |
+//! | allgatherv | as allgather (uniform counts: `block` from every rank) | as allgather | `(n - 1) / n` |
+//! | reduce_scatterv | as reduce_scatter (uniform counts: `block` to every rank) | as reduce_scatter | `(n - 1) / n` |
 //! | sendrecv | `count * t` | send and recv: `count` | `1` |
 //!
 //! `t` is the element size. A requested size is rounded down to whole elements (and, for the
@@ -30,13 +32,13 @@ use ferroccl::DType;
 pub enum Coll {
     /// `allreduce_into` / `allreduce`.
     AllReduce,
-    /// `allgather` / `allgather_in_place`.
+    /// `allgather_into` / `allgather`.
     AllGather,
-    /// `reduce_scatter` / `reduce_scatter_in_place`.
+    /// `reduce_scatter_into` / `reduce_scatter`.
     ReduceScatter,
     /// `broadcast` (in place only).
     Broadcast,
-    /// `reduce` / `reduce_in_place`.
+    /// `reduce_into` / `reduce`.
     Reduce,
     /// `alltoall` (out of place only).
     AllToAll,
@@ -45,11 +47,17 @@ pub enum Coll {
     AllToAllV,
     /// `sendrecv` in a ring: send to rank + 1, receive from rank - 1 (out of place only).
     SendRecv,
+    /// `allgatherv` with uniform counts (`block` elements from every rank, in rank order;
+    /// out of place only).
+    AllGatherV,
+    /// `reduce_scatterv` with uniform counts (`block` elements to every rank; out of place
+    /// only).
+    ReduceScatterV,
 }
 
 impl Coll {
     /// Every collective, in the order `all` runs them.
-    pub const ALL: [Coll; 8] = [
+    pub const ALL: [Coll; 10] = [
         Coll::AllReduce,
         Coll::AllGather,
         Coll::ReduceScatter,
@@ -58,6 +66,8 @@ impl Coll {
         Coll::AllToAll,
         Coll::AllToAllV,
         Coll::SendRecv,
+        Coll::AllGatherV,
+        Coll::ReduceScatterV,
     ];
 
     /// The name on the command line and in the output.
@@ -71,6 +81,8 @@ impl Coll {
             Coll::AllToAll => "alltoall",
             Coll::AllToAllV => "alltoallv",
             Coll::SendRecv => "sendrecv",
+            Coll::AllGatherV => "allgatherv",
+            Coll::ReduceScatterV => "reduce_scatterv",
         }
     }
 
@@ -93,13 +105,15 @@ impl Coll {
             Coll::Reduce => C::Reduce { root },
             Coll::AllToAll => C::AllToAll,
             Coll::AllToAllV => C::AllToAllV,
+            Coll::AllGatherV => C::AllGatherV,
+            Coll::ReduceScatterV => C::ReduceScatterV,
             Coll::SendRecv => return None,
         })
     }
 
     /// Whether the collective reduces (uses `-o`).
     pub const fn reduces(self) -> bool {
-        matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce)
+        matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce | Coll::ReduceScatterV)
     }
 
     /// Whether the collective has a root (uses `--root`).
@@ -114,23 +128,24 @@ impl Coll {
 
     /// Whether FerroCCL has an in-place form (alltoall and sendrecv are out of place only).
     pub const fn has_in_place(self) -> bool {
-        !matches!(self, Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv)
+        !matches!(self, Coll::AllToAll | Coll::AllToAllV | Coll::SendRecv | Coll::AllGatherV | Coll::ReduceScatterV)
     }
 
-    /// Whether FerroCCL has an in-place persistent plan (`allreduce_plan`, `broadcast_plan`).
+    /// Whether the `plan` column runs an in-place persistent plan
+    /// (`comm.plan(op::allreduce(..))`, `op::broadcast`).
     pub const fn plan_in_place(self) -> bool {
         matches!(self, Coll::AllReduce | Coll::Broadcast)
     }
 
-    /// Whether FerroCCL has an out-of-place persistent plan (`allgather_plan`,
-    /// `reduce_scatter_plan`).
+    /// Whether the `plan` column runs an out-of-place persistent plan
+    /// (`comm.plan(op::allgather_into(..))`, `op::reduce_scatter_into`).
     pub const fn plan_out_of_place(self) -> bool {
         matches!(self, Coll::AllGather | Coll::ReduceScatter)
     }
 
     /// Whether the buffers are `n` equal blocks (the per-rank count is `size / n`).
     pub const fn blocked(self) -> bool {
-        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV)
+        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV | Coll::AllGatherV | Coll::ReduceScatterV)
     }
 
     /// nccl-tests' bus-bandwidth factor for `n` ranks: `busbw = algbw * factor`.
@@ -138,7 +153,9 @@ impl Coll {
         let n = n.max(1) as f64;
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV => (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV | Coll::AllGatherV | Coll::ReduceScatterV => {
+                (n - 1.0) / n
+            }
             Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
@@ -151,8 +168,8 @@ impl Coll {
             let block = (requested / (t * n)).max(1);
             let total = block * n;
             let (send, recv) = match self {
-                Coll::AllGather => (block, total),
-                Coll::ReduceScatter => (total, block),
+                Coll::AllGather | Coll::AllGatherV => (block, total),
+                Coll::ReduceScatter | Coll::ReduceScatterV => (total, block),
                 _ => (total, total),
             };
             Layout { count: total, bytes: total * t, block, send, recv }

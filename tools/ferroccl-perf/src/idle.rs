@@ -45,7 +45,7 @@ pub struct IdleOptions {
     #[arg(long, value_name = "S", default_value = "5", allow_hyphen_values = true, value_parser = args::seconds)]
     pub seconds: f64,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }

@@ -21,8 +21,8 @@ A collective (--coll, default allreduce: sum, in place) of f32 or bf16 (--dtype)
 in one run:
   blocking   comm.allreduce(&mut buf, ReduceOp::Sum) (comm.allgather, comm.broadcast,
              comm.reduce_scatter)
-  plan       comm.allreduce_plan(&mut buf, ReduceOp::Sum) (allgather_plan, broadcast_plan,
-             reduce_scatter_plan) built once per size, then plan.run() per call
+  plan       comm.plan(op::allreduce(&mut buf, ReduceOp::Sum)) (op::allgather,
+             op::broadcast, op::reduce_scatter) built once per size, then plan.run() per call
 Sizes are per-rank buffer sizes: for allgather and reduce_scatter the per-rank block (the
 gathered output / the input are n times larger); broadcast's root is rank 0.
 For each size: one checked call of each (every rank's input is rank + 1; allreduce and
@@ -68,7 +68,7 @@ pub struct LatencyOptions {
     #[arg(long)]
     pub raw: bool,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }
@@ -383,7 +383,7 @@ mod tests {
         assert_eq!(parse(&s(&["-n"])), Err(args::ArgError::MissingValue("-n".into())));
         assert_eq!(parse(&s(&["--raw=1"])), Err(args::ArgError::UnknownOption("--raw=1".into())));
         assert!(parse(&s(&["--transport", "pigeon"])).is_err());
-        assert!(help().contains("allreduce_plan"));
+        assert!(help().contains("comm.plan(op::allreduce"));
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub(crate) const ABOUT_MORE: &str = "\
 One iteration computes (a fixed CPU workload on its own 64 KiB buffer, which stays in
 cache: arithmetic, not memory traffic) and allreduces a gradient buffer (f32, sum):
   sequential   compute(); comm.allreduce(&mut grads, Sum)
-  overlapped   comm.scope(|s| { let r = s.allreduce(&mut grads, Sum)?; compute(); r.wait() })
+  overlapped   comm.scope(|s| { let r = s.start(op::allreduce(&mut grads, Sum))?; compute(); r.wait() })
 In the overlapped form the progress engine's background thread drives the allreduce while
 the caller computes, and the caller takes over in r.wait().
 
@@ -59,7 +59,7 @@ pub struct OverlapOptions {
     #[arg(long, value_name = "B", default_value = "6", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub batches: usize,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }

@@ -114,7 +114,7 @@ fn columns(f: [&str; 14]) -> String {
 fn factor_text(coll: Coll) -> &'static str {
     match coll {
         Coll::AllReduce => "2(n-1)/n",
-        Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV => "(n-1)/n",
+        Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::AllToAllV | Coll::AllGatherV | Coll::ReduceScatterV => "(n-1)/n",
         Coll::Broadcast | Coll::Reduce | Coll::SendRecv => "1",
     }
 }

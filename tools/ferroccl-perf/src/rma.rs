@@ -58,7 +58,7 @@ pub struct RmaOptions {
     #[arg(long, value_name = "R", default_value = "5", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub rounds: usize,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }

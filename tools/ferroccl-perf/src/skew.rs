@@ -56,7 +56,7 @@ pub struct SkewOptions {
     #[arg(long)]
     pub raw: bool,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }

@@ -66,7 +66,7 @@ pub struct WeightsOptions {
     #[arg(long, value_name = "I", default_value = "10", allow_hyphen_values = true, value_parser = args::whole::<1>)]
     pub iters: usize,
     /// `--ranks`, `--transport`, `--no-bind`: the options every subcommand shares, parsed
-    /// once ([`crate::args::Shared`]) and copied here.
+    /// once ([`crate::sub::Common`]) and copied here.
     #[arg(skip)]
     pub common: Common,
 }

@@ -253,7 +253,7 @@ fn the_measurement_subcommands_run_and_check() {
         assert!(err.contains(want) && err.contains("usage: ferroccl-perf"), "{args:?}: {err}");
     }
     let o = perf(&["latency", "--help"]);
-    assert!(o.status.success() && text(&o).0.contains("allreduce_plan"), "{:?}", text(&o));
+    assert!(o.status.success() && text(&o).0.contains("comm.plan(op::allreduce"), "{:?}", text(&o));
 }
 
 #[test]
