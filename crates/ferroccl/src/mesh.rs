@@ -326,7 +326,7 @@ impl Mesh {
             let Some(e) = self.get(p) else { continue };
             loop {
                 match e.try_post_send_now(msg, deadline) {
-                    Err(crate::error::Error::WouldBlock(_)) if Instant::now() < deadline => std::thread::yield_now(),
+                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
                     _ => break,
                 }
             }

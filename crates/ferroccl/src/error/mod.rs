@@ -35,11 +35,6 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
-    /// An attempt that must not wait found no room ("ring full", "socket busy"): nothing
-    /// was sent; trying again later may work.
-    #[error("would block: {0}")]
-    WouldBlock(String),
-
     /// Something FerroCCL itself got wrong (an internal invariant did not hold): a bug to
     /// report. Once an operation has started on the wire it is fatal for the communicator
     /// and the peers are told, like any other fault.
@@ -344,7 +339,6 @@ impl Error {
         match self {
             Error::Env { var, problem } => Error::Env { var: var.clone(), problem: problem.clone() },
             Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
-            Error::WouldBlock(s) => Error::WouldBlock(s.clone()),
             Error::Internal { rank, what } => Error::Internal { rank: *rank, what: what.clone() },
             Error::Io { what, source } => Error::Io { what: what.clone(), source: io::Error::new(source.kind(), source.to_string()) },
             Error::Auth { peer, reason } => Error::Auth { peer: peer.clone(), reason: reason.clone() },

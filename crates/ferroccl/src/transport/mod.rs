@@ -122,10 +122,11 @@ pub(crate) trait Endpoint: std::fmt::Debug + Send + Sync {
         post_rows_each(self, first, rows, src_stride, dst_stride, deadline, poll, pending)
     }
 
-    /// Sends a message only if that needs no waiting (a full ring, a full socket or one
-    /// busy with another frame is skipped, `WouldBlock`, and the connection stays usable);
-    /// used to tell peers why this rank gives up, and for probes.
-    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()>;
+    /// Sends a message only if that needs no waiting: `Ok(false)` when it would have to
+    /// wait (a full ring, a full socket or one busy with another frame; nothing was sent and
+    /// the connection stays usable); used to tell peers why this rank gives up, and for
+    /// probes.
+    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<bool>;
 
     /// Breaks the connection off after a fatal error, so that nothing stays blocked on it.
     fn cut(&self) {}

@@ -368,8 +368,18 @@ impl Endpoint for ShmEndpoint {
         ShmEndpoint::post_write(self, w, deadline, poll)
     }
 
-    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
-        ShmEndpoint::post_send(self, msg, deadline, &|| Err(Error::WouldBlock("ring full".into())))
+    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<bool> {
+        // The ring is full when the send would have to wait: then nothing was written.
+        let full = std::cell::Cell::new(false);
+        let stop = || {
+            full.set(true);
+            Err(Error::internal("shm ring full"))
+        };
+        match ShmEndpoint::post_send(self, msg, deadline, &stop) {
+            Ok(()) => Ok(true),
+            Err(_) if full.get() => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     fn close(&self, deadline: Instant, poll: &dyn Fn() -> Result<()>) {

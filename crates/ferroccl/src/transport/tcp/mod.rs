@@ -425,18 +425,18 @@ impl TcpEndpoint {
 
     /// Sends only if no other frame is being written right now and the socket takes the
     /// frame without waiting (a best-effort message: a probe, an `ERR`); never waits. A full
-    /// socket is `WouldBlock` and leaves the connection as it was (waiting for room with a
+    /// socket is `Ok(false)` and leaves the connection as it was (waiting for room with a
     /// short deadline would cut the frame short when the deadline passed, and a frame cut
     /// short breaks the connection for good: a probe sent while a large transfer filled the
     /// socket did that). When the socket takes only part of the frame, the rest waits in
     /// the endpoint and goes first with the next send, so the stream stays whole.
-    pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
+    pub(crate) fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<bool> {
         use rustix::net::SendFlags;
         let Ok(mut w) = self.lanes[0].writer.try_lock() else {
-            return Err(Error::WouldBlock("socket busy".into()));
+            return Ok(false);
         };
         if self.broken.load(Ordering::Acquire) {
-            return self.send_frame_locked(&mut w, &[], None, deadline, "send");
+            return self.send_frame_locked(&mut w, &[], None, deadline, "send").map(|()| true);
         }
         let nowait = |s: &TcpStream, b: &[u8]| match rustix::net::send(s, b, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
             Ok(n) => Ok(n),
@@ -462,8 +462,7 @@ impl TcpEndpoint {
             Ok(n > 0)
         })();
         match r {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(Error::WouldBlock("socket full".into())),
+            Ok(sent) => Ok(sent),
             Err(e) => {
                 self.broken.store(true, Ordering::Release);
                 self.shut_down();
@@ -694,7 +693,7 @@ impl Endpoint for TcpEndpoint {
         }
     }
 
-    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<()> {
+    fn try_post_send_now(&self, msg: &[u8], deadline: Instant) -> Result<bool> {
         TcpEndpoint::try_post_send_now(self, msg, deadline)
     }
 

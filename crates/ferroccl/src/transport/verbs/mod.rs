@@ -257,16 +257,14 @@ impl VerbsEndpoint {
     /// Sends only if a slot is free now (telling a peer why we give up).
     /// The message is the fabric's `ERR` before it cuts: [`cut`](Self::cut) waits for it to
     /// be acknowledged.
-    pub(crate) fn try_post_send_now(&self, msg: &[u8]) -> Result<()> {
+    pub(crate) fn try_post_send_now(&self, msg: &[u8]) -> Result<bool> {
         let pe = self.net.peer(self.peer)?;
-        match self.try_send(pe, msg, &[])? {
-            true => {
-                let mut st = lock(&pe.st);
-                st.flush_until = st.sent;
-                Ok(())
-            }
-            false => Err(Error::WouldBlock("no verbs slot free".into())),
+        let sent = self.try_send(pe, msg, &[])?;
+        if sent {
+            let mut st = lock(&pe.st);
+            st.flush_until = st.sent;
         }
+        Ok(sent)
     }
 
     /// Writes `w` into the peer's registered memory, each piece an RDMA WRITE, the last one
@@ -479,7 +477,7 @@ impl Endpoint for VerbsEndpoint {
         VerbsEndpoint::post_write(self, w, deadline, poll).map(|()| WriteTicket::Done)
     }
 
-    fn try_post_send_now(&self, msg: &[u8], _deadline: Instant) -> Result<()> {
+    fn try_post_send_now(&self, msg: &[u8], _deadline: Instant) -> Result<bool> {
         VerbsEndpoint::try_post_send_now(self, msg)
     }
 
