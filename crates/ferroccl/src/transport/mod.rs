@@ -391,7 +391,7 @@ impl WriteReq<'_> {
     /// Both ends in bounds, and the remote address arithmetic cannot overflow.
     fn check(&self) -> Result<()> {
         if self.offset.checked_add(self.len).is_none_or(|e| e > self.src.len()) {
-            return Err(crate::error::Error::invalid(format!(
+            return Err(crate::error::Error::internal(format!(
                 "write source [{}, +{}) overruns the local region of {} bytes",
                 self.offset,
                 self.len,
@@ -401,7 +401,7 @@ impl WriteReq<'_> {
         if self.dst_offset.checked_add(self.len as u64).is_none_or(|e| e > self.dst.len)
             || self.dst.addr.checked_add(self.dst.len).is_none()
         {
-            return Err(crate::error::Error::invalid(format!(
+            return Err(crate::error::Error::internal(format!(
                 "write of {} bytes at offset {} overruns the peer's region of {} bytes",
                 self.len, self.dst_offset, self.dst.len
             )));

@@ -495,7 +495,7 @@ impl TcpEndpoint {
     pub(crate) fn post_send2(&self, head: &[u8], body: &[u8], deadline: Instant) -> Result<()> {
         let len = head.len() + body.len();
         if len > MAX_MSG {
-            return Err(Error::invalid(format!("tcp message of {len} bytes exceeds {MAX_MSG}")));
+            return Err(Error::internal(format!("tcp message of {len} bytes exceeds {MAX_MSG}")));
         }
         self.send_frame(&[&header(K_MSG, 0, len as u64, 0, 0), head, body], None, deadline, "send")
     }
@@ -525,23 +525,23 @@ impl TcpEndpoint {
         let row = w.len;
         let span = |stride: u64| u64::from(rows.saturating_sub(1)).checked_mul(stride).and_then(|s| s.checked_add(row as u64));
         let (Some(src_span), Some(dst_span)) = (span(src_stride), span(dst_stride)) else {
-            return Err(Error::invalid(format!("a strided write of {rows} rows of {row} bytes overflows")));
+            return Err(Error::internal(format!("a strided write of {rows} rows of {row} bytes overflows")));
         };
         if rows == 0 || row == 0 {
             return Ok(());
         }
         if rows > 1 && (src_stride < row as u64 || dst_stride < row as u64) {
-            return Err(Error::invalid(format!("strided write: strides {src_stride}/{dst_stride} shorter than a row of {row} bytes")));
+            return Err(Error::internal(format!("strided write: strides {src_stride}/{dst_stride} shorter than a row of {row} bytes")));
         }
         if (w.offset as u64).checked_add(src_span).is_none_or(|e| e > w.src.len() as u64) {
-            return Err(Error::invalid(format!(
+            return Err(Error::internal(format!(
                 "strided write source [{}, +{src_span}) overruns the local region of {} bytes",
                 w.offset,
                 w.src.len()
             )));
         }
         if w.dst.addr.checked_add(w.dst.len).is_none() || w.dst_offset.checked_add(dst_span).is_none_or(|e| e > w.dst.len) {
-            return Err(Error::invalid(format!(
+            return Err(Error::internal(format!(
                 "strided write of {dst_span} bytes at offset {} overruns the peer's region of {} bytes",
                 w.dst_offset, w.dst.len
             )));

@@ -77,7 +77,7 @@ pub(crate) type UserMr = MemoryRegion;
 /// Registers `[offset, offset + len)` of `h` for a peer's RDMA WRITE, leasing the range
 /// (see the module docs) until the returned region drops.
 pub(crate) fn register_user(net: &VerbsNet, h: &RegionHandle, offset: usize, len: usize) -> Result<(RemoteBuf, UserMr)> {
-    let lease = h.lease_mut(offset, len).map_err(|e| Error::invalid(format!("rank {}: verbs receive buffer: {e}", net.rank)))?;
+    let lease = h.lease_mut(offset, len).map_err(|e| Error::internal(format!("rank {}: verbs receive buffer: {e}", net.rank)))?;
     let mr = net.pd.register_lease(lease, Access::REMOTE_WRITE).map_err(verr(net.rank, format!("register a {len}-byte receive buffer")))?;
     Ok((RemoteBuf { addr: mr.as_ptr() as u64, len: len as u64, key: u64::from(mr.rkey()) }, mr))
 }
@@ -108,7 +108,7 @@ pub(crate) fn register_window(net: &VerbsNet, h: &RegionHandle, writable: bool) 
 /// window (local read only), over a read lease held until the region drops (the last
 /// work request posted from it holds a clone until its completion is polled).
 pub(crate) fn register_source(net: &VerbsNet, h: &RegionHandle, offset: usize, len: usize) -> Result<Arc<UserMr>> {
-    let lease = h.lease(offset, len).map_err(|e| Error::invalid(format!("rank {}: verbs write source: {e}", net.rank)))?;
+    let lease = h.lease(offset, len).map_err(|e| Error::internal(format!("rank {}: verbs write source: {e}", net.rank)))?;
     net.pd
         .register_lease(lease, Access::empty())
         .map(Arc::new)

@@ -228,7 +228,7 @@ impl VerbsEndpoint {
     fn try_send(&self, pe: &Peer, head: &[u8], body: &[u8]) -> Result<bool> {
         let len = head.len() + body.len();
         if len > SLOT_BYTES {
-            return Err(Error::invalid(format!("verbs message of {len} bytes exceeds the {SLOT_BYTES}-byte slot")));
+            return Err(Error::internal(format!("verbs message of {len} bytes exceeds the {SLOT_BYTES}-byte slot")));
         }
         let mut st = lock(&pe.st);
         if st.dead {
@@ -278,7 +278,7 @@ impl VerbsEndpoint {
             return Err(Error::internal(format!("verbs write immediate {:#x} uses the control bit", w.imm)));
         }
         let rkey =
-            u32::try_from(w.dst.key).map_err(|_| Error::invalid(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
+            u32::try_from(w.dst.key).map_err(|_| Error::internal(format!("verbs write target key {:#x} is not an rkey", w.dst.key)))?;
         let pe = self.net.peer(self.peer)?;
         if let Some(mr) = w.src_mr {
             if mr.as_ptr() as u64 != w.src.addr() || mr.len() != w.src.len() {
