@@ -244,7 +244,7 @@ mod tests {
         let n = n as f64;
         match name {
             "allreduce" => 2.0 * (n - 1.0) / n,
-            "allgather" | "reduce_scatter" | "alltoall" | "alltoallv" => (n - 1.0) / n,
+            "allgather" | "reduce_scatter" | "alltoall" | "alltoallv" | "allgatherv" | "reduce_scatterv" => (n - 1.0) / n,
             "broadcast" | "reduce" | "sendrecv" => 1.0,
             _ => panic!("unknown {name}"),
         }

@@ -402,7 +402,7 @@ mod tests {
         assert!(e.contains("--coll \"alltoall\"") && e.contains("reduce_scatter"), "{e}");
         assert_eq!(parse(&s(&["--coll"])), Err(args::ArgError::MissingValue("--coll".into())));
         let h = help();
-        for want in ["--dtype", "--coll", "reduce_scatter_plan", "per-rank block"] {
+        for want in ["--dtype", "--coll", "op::reduce_scatter", "per-rank block"] {
             assert!(h.contains(want), "{want}: {h}");
         }
     }
