@@ -135,3 +135,8 @@ pub use transfer::{Strided, TransferPlan, TransferPlanBuilder};
 pub use transport_kind::TransportKind;
 pub use weights::{WeightRole, WeightSync};
 pub use window::{Access, RemoteHandle, Window};
+
+/// The README's examples, compiled with the doc tests (`no_run`: they need a launcher).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
