@@ -80,8 +80,8 @@ fn a_clean_run_shows_no_wrong_elements() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
     let rows = rows(&out);
-    // 8 collectives x sizes 8, 64, 512, 4096.
-    assert_eq!(rows.len(), 8 * 4, "{out}");
+    // 10 collectives x sizes 8, 64, 512, 4096.
+    assert_eq!(rows.len(), 10 * 4, "{out}");
     for r in &rows {
         assert_eq!(r.len(), 14, "{r:?}");
         for w in [&r[8], &r[12]] {
@@ -89,7 +89,7 @@ fn a_clean_run_shows_no_wrong_elements() {
         }
         assert!(r[8] == "0" || r[12] == "0", "every row checks at least one variant: {r:?}");
     }
-    assert_eq!(out.matches("wrong elements: 0 OK").count(), 8, "{out}");
+    assert_eq!(out.matches("wrong elements: 0 OK").count(), 10, "{out}");
     assert!(out.contains("Avg bus bandwidth"), "{out}");
     assert!(out.contains("ranks 3") && out.contains("transport:") && out.contains("init:"), "{out}");
     assert!(err.contains("(4/4)"), "progress on stderr: {err}");
