@@ -98,7 +98,7 @@ fn a_clean_run_shows_no_wrong_elements() {
     assert_eq!(v["ranks"], 3);
     assert_eq!(v["dtype"], "bf16");
     assert!(v["machine"]["nproc"].as_u64().unwrap() >= 1);
-    assert_eq!(v["runs"].as_array().unwrap().len(), 8);
+    assert_eq!(v["runs"].as_array().unwrap().len(), 10);
     assert_eq!(v["runs"][3]["collective"], "broadcast");
     assert!(v["runs"][3]["rows"][0]["out_of_place"].is_null());
     assert_eq!(v["runs"][3]["rows"][0]["root"], 2);
@@ -135,10 +135,10 @@ fn a_clean_run_shows_no_wrong_elements() {
     let o = perf(&["plot", svg3.to_str().unwrap(), json.to_str().unwrap()]);
     assert!(o.status.success(), "{:?}", text(&o));
     let drawn = std::fs::read_to_string(&svg3).unwrap();
-    // 8 collectives: 4 with both variants, alltoall, alltoallv and sendrecv out of place
-    // only, broadcast in place only: 2 + 2 + 2 + 1 + 2 + 1 + 1 + 1 = 12 series, each a line
-    // in both panels.
-    assert_eq!(drawn.matches("<polyline").count(), 24, "{drawn}");
+    // 10 collectives: 4 with both variants, alltoall, alltoallv, sendrecv, allgatherv and
+    // reduce_scatterv out of place only, broadcast in place only: 2 + 2 + 2 + 1 + 2 + 1 + 1
+    // + 1 + 1 + 1 = 14 series, each a line in both panels.
+    assert_eq!(drawn.matches("<polyline").count(), 28, "{drawn}");
     let o = perf(&["plot", svg3.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
 }
