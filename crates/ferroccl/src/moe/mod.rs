@@ -64,6 +64,12 @@ use crate::window::{RemoteHandle, Window};
 use signal::Which;
 
 pub use route::MoeFloat;
+
+/// A top-k slot's expert index that means "no expert": nothing is sent for the slot, and it
+/// adds nothing at combine (its weight is not read). A token whose slots are all masked is
+/// sent nowhere and combines to zeros. So one object of top-k serves calls that route fewer
+/// than k experts per token (say, every token to one expert with top-2).
+pub const MASKED: u32 = route::NO_EXPERT;
 use route::{Bad, Groups, Kind, Route, Shape, HEADER_BYTES};
 
 /// A layer's MoE shape; every member passes the same one (checked at construction).
@@ -196,6 +202,8 @@ pub struct Moe<'c, T: MoeFloat> {
     /// `n × top_k`), and what it received as an expert rank: what its combine needs.
     route: Route,
     weights: Vec<f32>,
+    /// Per (token, top-k slot) of the last dispatch: not masked ([`MASKED`]).
+    live: Vec<bool>,
     groups: Groups,
     /// Rows the last dispatch received from each source, and sent to each destination.
     last_recv: Vec<usize>,
@@ -415,6 +423,7 @@ impl Communicator {
             order: Vec::new(),
             route: Route::default(),
             weights: Vec::new(),
+            live: Vec::new(),
             groups: Groups::default(),
             recv_at: Vec::new(),
             last_recv: vec![0; size],
@@ -615,6 +624,8 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
         route::route_into(&self.shape, n, topk_idx, topk_weights, &mut self.route);
         self.weights.clear();
         self.weights.extend_from_slice(&topk_weights[..n * self.shape.top_k]);
+        self.live.clear();
+        self.live.extend(topk_idx[..n * self.shape.top_k].iter().map(|&e| e != MASKED));
     }
 
     /// The low-latency dispatch's sending half: every destination's region gets a message
@@ -896,7 +907,7 @@ impl<'c, T: MoeFloat> Moe<'c, T> {
                 let rows = bytes
                     .get(crows..crows + n * k * rb)
                     .ok_or_else(|| Error::internal(format!("rank {me}: moe combine: {n} tokens past the combine window")))?;
-                route::sum_slots::<T>(h, k, rows, &self.weights, out);
+                route::sum_slots::<T>(h, k, rows, (&self.weights, &self.live), out);
             }
             Ok(bad)
         })?

@@ -234,7 +234,9 @@ impl fmt::Display for Bad {
                 write!(f, "{name} has {len} entries, want n x top_k = {want}")
             }
             Bad::TooManyTokens { n, max } => write!(f, "{n} tokens, more than max_tokens_per_rank ({max})"),
-            Bad::Expert { token, slot, expert } => write!(f, "token {token} slot {slot}: expert index {expert} out of range"),
+            Bad::Expert { token, slot, expert } => {
+                write!(f, "token {token} slot {slot}: expert index {expert} out of range (moe::MASKED leaves a slot empty)")
+            }
             Bad::Duplicate { token, expert } => write!(f, "token {token} lists expert {expert} twice in its top-k"),
             Bad::Weight { token, slot } => write!(f, "token {token} slot {slot}: weight is not finite"),
             Bad::ExpertOutLen { len, want } => write!(f, "expert_out has {len} elements, want dispatched rows x hidden = {want}"),
@@ -264,6 +266,10 @@ pub(crate) fn check_dispatch(shape: &Shape, tokens_len: usize, topk_idx: &[u32],
     for t in 0..n {
         let idx = &topk_idx[t * k..(t + 1) * k];
         for (j, &e) in idx.iter().enumerate() {
+            if e == NO_EXPERT {
+                // A masked slot (`moe::MASKED`): nothing is sent for it, its weight unused.
+                continue;
+            }
             if e as usize >= shape.num_experts {
                 return Err(Bad::Expert { token: t as u64, slot: j as u64, expert: u64::from(e) });
             }
@@ -606,16 +612,19 @@ pub(crate) fn sum_rows<T: MoeFloat>(hidden: usize, tokens: &[Vec<u32>], rows: &[
 /// `f32` of `w[t × top_k + j] · y(t, j)` over the top-k slots `j` in order, rounded once to
 /// `T`, where `y(t, j)` is row `t × top_k + j` of `rows` (the bytes of at least
 /// `out.len() / hidden × top_k` rows of `T`, viewed in place, copied if not aligned).
-pub(crate) fn sum_slots<T: MoeFloat>(hidden: usize, top_k: usize, rows: &[u8], weights: &[f32], out: &mut [T]) {
+pub(crate) fn sum_slots<T: MoeFloat>(hidden: usize, top_k: usize, rows: &[u8], (weights, live): (&[f32], &[bool]), out: &mut [T]) {
     let mut copy: Vec<T> = Vec::new();
     let rows = elems(rows, &mut copy);
     let mut srcs: Vec<(&[T], f32)> = Vec::with_capacity(top_k);
     for (t, dst) in out.chunks_exact_mut(hidden).enumerate() {
         srcs.clear();
-        srcs.extend((0..top_k).map(|j| {
-            let r = t * top_k + j;
-            (&rows[r * hidden..(r + 1) * hidden], weights[r])
-        }));
+        // A masked slot's row was never written this step: left out.
+        srcs.extend(
+            (0..top_k)
+                .map(|j| t * top_k + j)
+                .filter(|&r| live.get(r).copied().unwrap_or(true))
+                .map(|r| (&rows[r * hidden..(r + 1) * hidden], weights[r])),
+        );
         ferroccl_kernels::weighted_sum(&srcs, dst);
     }
 }

@@ -51,6 +51,9 @@ enum Pattern {
     LocalOnly,
     /// n = 0 everywhere.
     Empty,
+    /// Random experts, about a third of the slots masked (`moe::MASKED`), some tokens'
+    /// every slot.
+    Masked,
 }
 
 /// One rank's input of one step.
@@ -83,6 +86,13 @@ fn input(cfg: &MoeConfig, ranks: usize, pattern: Pattern, seed: u64, rank: usize
             let e = (lo + rng.below(count as u64) as usize) as u32;
             if !chosen.contains(&e) {
                 chosen.push(e);
+            }
+        }
+        if matches!(pattern, Pattern::Masked) {
+            for e in &mut chosen {
+                if rng.below(3) == 0 {
+                    *e = ferroccl::moe::MASKED;
+                }
             }
         }
         idx.extend(&chosen);
@@ -170,6 +180,9 @@ fn check_out<T: MoeFloat>(cfg: &MoeConfig, inp: &Input, out: &[T], mode: MoeMode
         let x = T::from_f32(inp.x[i]);
         let (mut sum, mut mag) = (0f64, 0f64);
         for j in 0..k {
+            if inp.idx[t * k + j] == ferroccl::moe::MASKED {
+                continue;
+            }
             let wy = f64::from(inp.w[t * k + j]) * f64::from(expert(inp.idx[t * k + j] as usize, x).to_f32());
             sum += wy;
             mag += wy.abs();
@@ -207,10 +220,16 @@ fn run_steps<T: MoeFloat>(comm: &Communicator, mode: MoeMode, pattern: Pattern, 
     Ok(())
 }
 
-/// Random routings (all four patterns), 2 to 4 ranks, both modes, f32 exactly and bf16,
+/// Random routings (all five patterns, masked slots included), 2 to 4 ranks, both modes, f32 exactly and bf16,
 /// f16 within the bound, three steps per object (the persistent buffers reused).
 pub fn moe_dispatch_combine_equals_the_reference(s: &Suite) {
-    let patterns = prop_oneof![Just(Pattern::Random), Just(Pattern::AllToRankZero), Just(Pattern::LocalOnly), Just(Pattern::Empty)];
+    let patterns = prop_oneof![
+        Just(Pattern::Random),
+        Just(Pattern::AllToRankZero),
+        Just(Pattern::LocalOnly),
+        Just(Pattern::Empty),
+        Just(Pattern::Masked)
+    ];
     let config = ProptestConfig { cases: 2 * s.nonblocking_cases, ..ProptestConfig::default() };
     check_cases(config, (2usize..=4, any::<u64>(), patterns), |(n, seed, pattern)| {
         let res = run_world(
