@@ -7,12 +7,12 @@
 //!
 //! | runner | returns | |
 //! | --- | --- | --- |
-//! | [`Communicator::run`] | when done | blocking |
+//! | [`Communicator::run`](crate::Communicator::run) | when done | blocking |
 //! | [`Scope::start`](crate::Scope::start) | a [`Request`](crate::Request) | non-blocking |
 //! | [`Group::add`](crate::Group::add) | at once; the group runs its operations as one unit | grouped |
-//! | [`Communicator::plan`] | a [`Plan`](crate::Plan), run many times | persistent |
+//! | [`Communicator::plan`](crate::Communicator::plan) | a [`Plan`](crate::Plan), run many times | persistent |
 //!
-//! The short methods on [`Communicator`] (`comm.allreduce(&mut buf, op)`, ...) are
+//! The short methods on [`Communicator`](crate::Communicator) (`comm.allreduce(&mut buf, op)`, ...) are
 //! `comm.run(op::...)`, nothing more.
 //!
 //! ```
@@ -72,8 +72,6 @@ use ferroccl_kernels::{Element, ReduceOp};
 
 use crate::algo::Algo;
 use crate::pod::Wire;
-#[cfg(doc)]
-use crate::Communicator;
 
 /// One operation, its buffers borrowed, with its per-call options; see the
 /// [module documentation](self). Made by the functions of this module.
@@ -387,7 +385,7 @@ pub fn alltoall<'a, T: Pod>(send: impl Into<Src<'a, T>>, recv: &'a mut [T]) -> O
 }
 
 /// All-to-all with per-peer counts and displacements (MPI's `Alltoallv`); see
-/// [`Communicator::alltoallv`].
+/// [`Communicator::alltoallv`](crate::Communicator::alltoallv).
 pub fn alltoallv<'a, T: Pod>(
     send: impl Into<Src<'a, T>>,
     send_counts: &[usize],
@@ -418,7 +416,7 @@ pub fn scatter<'a, T: Pod>(send: impl Into<Src<'a, T>>, recv: &'a mut [T], root:
     Operation::new(Kind::Scatter { root }, wire::<T>(), send.into().input(), out(recv))
 }
 
-/// Gather with per-rank counts (MPI's `Gatherv`); see [`Communicator::gatherv`].
+/// Gather with per-rank counts (MPI's `Gatherv`); see [`Communicator::gatherv`](crate::Communicator::gatherv).
 pub fn gatherv<'a, T: Pod>(
     send: impl Into<Src<'a, T>>,
     recv: &'a mut [T],
@@ -430,7 +428,7 @@ pub fn gatherv<'a, T: Pod>(
     Operation::new(kind, wire::<T>(), send.into().input(), out(recv))
 }
 
-/// Scatter with per-rank counts (MPI's `Scatterv`); see [`Communicator::scatterv`].
+/// Scatter with per-rank counts (MPI's `Scatterv`); see [`Communicator::scatterv`](crate::Communicator::scatterv).
 pub fn scatterv<'a, T: Pod>(
     send: impl Into<Src<'a, T>>,
     send_counts: &[usize],
@@ -456,7 +454,7 @@ pub fn recv<T: Pod>(buf: &mut [T], peer: usize) -> Operation<'_, T> {
 
 /// Sends `data` to member `to` and receives `buf` from member `from` in one operation,
 /// which cannot deadlock whatever pattern the members form; see
-/// [`Communicator::sendrecv`].
+/// [`Communicator::sendrecv`](crate::Communicator::sendrecv).
 pub fn sendrecv<'a, T: Pod>(data: impl Into<Src<'a, T>>, to: usize, buf: &'a mut [T], from: usize) -> Operation<'a, T> {
     Operation::new(Kind::SendRecv { to, from }, wire::<T>(), data.into().input(), out(buf))
 }
