@@ -97,6 +97,7 @@ pub(crate) struct Options {
 }
 
 impl<'a, T: Pod> Operation<'a, T> {
+    #[inline]
     fn new(kind: Kind, wire: Option<Wire>, input: Input<'a>, output: Option<&'a mut [u8]>) -> Self {
         Operation { body: Body { kind, wire, ty: std::any::type_name::<T>(), input, output }, opts: Options::default(), _t: PhantomData }
     }
