@@ -96,7 +96,7 @@ impl Communicator {
     ///
     /// Inlined: an operation made at the call site (the short methods) folds to its own
     /// arm, so that an 8-byte allreduce pays for no other.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check<'a>(&self, body: Body<'a>, opts: &Options) -> Result<Work<'a>> {
         let Body { kind, wire, ty, input, output } = body;
         let name = kind.name();

@@ -341,7 +341,7 @@ impl Communicator {
 
     /// Runs `op` and waits for it: the blocking runner (see [`crate::op`]). The methods
     /// below (`allreduce`, `send`, ...) are this with the operation of their name.
-    #[inline]
+    #[inline(always)]
     pub fn run<T: Pod>(&self, op: Operation<'_, T>) -> Result<()> {
         let Operation { body, opts, .. } = op;
         match self.check(body, &opts)? {
