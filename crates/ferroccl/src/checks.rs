@@ -91,11 +91,37 @@ pub(crate) enum Work<'a> {
     Barrier,
 }
 
+/// The work of an in-place allreduce without options, the call whose latency matters most:
+/// nothing to check (its one buffer is its count), so no `Work` to build; any other
+/// operation is given back. Measured: going through [`Communicator::check`] cost an 8-byte
+/// blocking allreduce on 2 shm ranks about 0.1 us (1.25x).
+#[inline(always)]
+pub(crate) fn in_place_allreduce<'a>(body: Body<'a>, opts: &Options) -> std::result::Result<Call<'a>, Body<'a>> {
+    match body {
+        Body { kind: Kind::AllReduce { op }, wire: Some(w), input: Input::None, output: Some(out), .. }
+            if opts.timeout.is_none() && opts.algo.is_none() && w.pod.is_none() =>
+        {
+            let count = out.len() / w.size;
+            Ok(Call {
+                name: "allreduce",
+                coll: Collective::AllReduce,
+                dtype: w.dtype,
+                op,
+                count,
+                pod: None,
+                input: Input::None,
+                output: Some(out),
+            })
+        }
+        body => Err(body),
+    }
+}
+
 impl Communicator {
     /// Checks an operation's arguments and options; see the [module documentation](self).
     ///
     /// Inlined: an operation made at the call site (the short methods) folds to its own
-    /// arm, so that an 8-byte allreduce pays for no other.
+    /// arm.
     #[inline(always)]
     pub(crate) fn check<'a>(&self, body: Body<'a>, opts: &Options) -> Result<Work<'a>> {
         let Body { kind, wire, ty, input, output } = body;

@@ -344,6 +344,10 @@ impl Communicator {
     #[inline(always)]
     pub fn run<T: Pod>(&self, op: Operation<'_, T>) -> Result<()> {
         let Operation { body, opts, .. } = op;
+        let body = match crate::checks::in_place_allreduce(body, &opts) {
+            Ok(call) => return self.collective(call, &opts),
+            Err(body) => body,
+        };
         match self.check(body, &opts)? {
             Work::Coll(call) => self.collective(call, &opts),
             Work::V { prep, input, output } => self.run_v(prep, input.bytes().unwrap_or_default(), output, opts.timeout),
