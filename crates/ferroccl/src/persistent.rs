@@ -44,6 +44,7 @@ use bytemuck::Pod;
 use ferroccl_mem::region::{RegionHandle, RegionScope, Registration};
 
 use crate::algo::ll::LlSpec;
+use crate::algo::Collective;
 use crate::checks::{Call, Work};
 use crate::comm::Communicator;
 use crate::engine::Job;
@@ -196,8 +197,9 @@ impl Communicator {
     ///
     /// # Errors
     ///
-    /// The operation's argument errors, as when it is run; a plan of a point-to-point
-    /// operation or a barrier is refused (for repeated one-sided transfers, see
+    /// The operation's argument errors, as when it is run; a plan of an out-of-place reduce
+    /// (plan the in-place one), a point-to-point operation or a barrier is refused on every
+    /// rank (for repeated one-sided transfers, see
     /// [`TransferPlan`](crate::TransferPlan)).
     pub fn plan<'a, T: Pod>(&'a self, op: Operation<'a, T>) -> Result<Plan<'a, T>> {
         let Operation { body, opts, .. } = op;
@@ -205,13 +207,18 @@ impl Communicator {
         match self.check(body, &opts)? {
             Work::Coll(call) => {
                 let (spec, in_place) = (call.spec(), matches!(call.input, Input::None));
-                let Call { input, output, .. } = call;
-                let Some(output) = output else {
+                // Refused on every rank alike (off the root the call has no output of its
+                // own to hold), so that no root runs a plan its peers never built.
+                if matches!(spec.coll, Collective::Reduce { .. }) && !in_place {
                     return Err(Error::invalid(format!(
-                        "rank {}: plan of {name}: off the root a reduce_into has no output to hold; plan the in-place reduce \
-                         (op::reduce) or pass the output on every rank",
+                        "rank {}: plan of reduce_into: not available (off the root there is no output to hold); plan the \
+                         in-place reduce (op::reduce)",
                         self.rank()
                     )));
+                }
+                let Call { input, output, .. } = call;
+                let Some(output) = output else {
+                    return Err(Error::internal(format!("rank {}: plan of {name}: a collective without its output", self.rank())));
                 };
                 let prep = self.prepare_call(spec, in_place, &opts)?;
                 Plan::build(self, prep, input, output, opts.timeout)

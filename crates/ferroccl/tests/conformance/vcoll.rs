@@ -224,10 +224,13 @@ pub fn bad_operations_fail_on_every_rank(s: &Suite) {
         let chain = outcome(comm.run(op::allreduce(&mut b, ReduceOp::Sum).algo(Algo::Chain)));
         let mut g = [0u8; 4];
         let ring = outcome(comm.run(op::gather(&[1u8, 2], &mut g, 0).algo(Algo::Ring)));
+        let mut out = [0f32; 8];
+        let reduce_plan = outcome(comm.plan(op::reduce_into(&[1f32; 8], &mut out, ReduceOp::Sum, 0)).map(drop));
         comm.allreduce(&mut b, ReduceOp::Sum).map_err(|e| format!("rank {}: after the refusals: {e}", comm.rank()))?;
-        Ok((zero, chain, ring, b))
+        Ok((zero, chain, ring, reduce_plan, b))
     });
-    for (r, (zero, chain, ring, b)) in all_ok(res).unwrap().into_iter().enumerate() {
+    for (r, (zero, chain, ring, reduce_plan, b)) in all_ok(res).unwrap().into_iter().enumerate() {
+        assert!(reduce_plan.starts_with("invalid") && reduce_plan.contains("reduce_into"), "rank {r}: {reduce_plan}");
         assert!(zero.starts_with("invalid") && zero.contains("timeout of zero"), "rank {r}: {zero}");
         assert!(chain.starts_with("invalid") && chain.contains("chain"), "rank {r}: {chain}");
         assert!(ring.starts_with("invalid") && ring.contains("ring"), "rank {r}: {ring}");
